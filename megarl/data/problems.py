@@ -1,0 +1,23 @@
+"""The unit of work the trainer samples: one prompt with its ground-truth answer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One prompt and the answer a correct response must contain.
+
+    Attributes:
+        prompt: The user message text without any chat template; the trainer applies the
+            tokenizer's own template so the same data works for any model.
+        answer: Ground truth as a normalised number string (``"1234"``, ``"-3"``, ``"2.5"``),
+            compared numerically by the reward functions.
+        source: Where the problem came from (``"arithmetic#17"``, ``"train.jsonl:12"``), so a
+            surprising sample in a log or error message can be traced back to its origin.
+    """
+
+    prompt: str
+    answer: str
+    source: str
