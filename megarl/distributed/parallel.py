@@ -1,0 +1,72 @@
+"""Process-group set-up for Megatron ranks, on CPU (gloo) and GPU (NCCL).
+
+Every collective gets a timeout (``MEGARL_COLLECTIVE_TIMEOUT_S``, default 600 s): a dead or stuck
+peer turns into an error naming the rank instead of a silent hang.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT_S = 600
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """Where this process sits in the TP x PP x DP grid (Megatron's rank order: TP fastest)."""
+
+    world_size: int
+    rank: int
+    tp: int
+    pp: int
+
+    @property
+    def dp(self) -> int:
+        return self.world_size // (self.tp * self.pp)
+
+
+def collective_timeout() -> datetime.timedelta:
+    return datetime.timedelta(seconds=float(os.environ.get("MEGARL_COLLECTIVE_TIMEOUT_S",
+                                                           DEFAULT_TIMEOUT_S)))
+
+
+def init_process_group(device: str, rank: int, world_size: int, master_addr: str,
+                       master_port: int) -> None:
+    """Join the global group: gloo on CPU, NCCL on CUDA (with a gloo-free default)."""
+    backend = "nccl" if device == "cuda" else "gloo"
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
+    dist.init_process_group(
+        backend=backend,
+        init_method=f"tcp://{master_addr}:{master_port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=collective_timeout(),
+    )
+
+
+def init_model_parallel(tp: int, pp: int, vpp: int | None = None) -> ParallelLayout:
+    """Create Megatron's TP/PP/DP groups on top of the global group."""
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+        distributed_timeout_minutes=max(1, int(collective_timeout().total_seconds() // 60)),
+    )
+    return ParallelLayout(world_size=dist.get_world_size(), rank=dist.get_rank(), tp=tp, pp=pp)
+
+
+def destroy() -> None:
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,146 @@
+"""Everything megarl does to make Megatron-Core run on a CPU, in one place.
+
+Megatron-Core is written for CUDA. On CPU (gloo) it works once three things are handled
+(measured in ``shared/GUIDE.md`` section 1):
+
+1. ``DotProductAttention`` from the local spec takes scratch memory on the current CUDA device.
+   We replace the spec's ``core_attention`` with :class:`SDPACoreAttention`
+   (``torch.nn.functional.scaled_dot_product_attention``), which is also a sensible fast core on
+   GPU when transformer-engine is absent.
+2. Code calls ``torch.cuda.current_device()`` (rotary embedding, p2p) and
+   ``torch.cuda.synchronize()``: patched to ``0`` and a no-op while the shims are active.
+3. Pipeline schedules and DDP buffers create tensors with ``device="cuda"``, and tied
+   embeddings across pipeline stages call ``weight.data.cuda()``: :class:`CudaToCpuMode`, a
+   ``TorchFunctionMode``, rewrites such a ``device`` keyword to CPU and makes ``Tensor.cuda`` a
+   no-op.
+
+Nothing here is entered on a CUDA device. ``tests/integration/test_platform_shims.py`` fails loudly
+if a Megatron upgrade breaks an assumption, rather than letting training hang or crash obscurely.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_CUDA_DEVICE_NAMES = ("cuda",)
+
+
+def _is_cuda_device_arg(device: object) -> bool:
+    if isinstance(device, int) and not isinstance(device, bool):
+        return True
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.split(":")[0] in _CUDA_DEVICE_NAMES
+    return False
+
+
+class CudaToCpuMode(TorchFunctionMode):
+    """Send ``device="cuda"`` / ``"cuda:N"`` / int device keywords and ``.cuda()`` to the CPU."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if "device" in kwargs and _is_cuda_device_arg(kwargs["device"]):
+            kwargs = {**kwargs, "device": "cpu"}
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _patched_cuda_queries() -> Iterator[None]:
+    saved = (torch.cuda.current_device, torch.cuda.synchronize)
+    torch.cuda.current_device = lambda: 0  # type: ignore[assignment]
+    torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch.cuda.current_device, torch.cuda.synchronize = saved
+
+
+_active_depth = 0
+_exit_stack: contextlib.ExitStack | None = None
+
+
+def enter_cpu_shims() -> None:
+    """Activate the shims for the rest of the process (workers call this once at start-up).
+
+    Re-entrant; :func:`exit_cpu_shims` undoes one level.
+    """
+    global _active_depth, _exit_stack
+    if _active_depth == 0:
+        _exit_stack = contextlib.ExitStack()
+        _exit_stack.enter_context(_patched_cuda_queries())
+        _exit_stack.enter_context(CudaToCpuMode())
+    _active_depth += 1
+
+
+def exit_cpu_shims() -> None:
+    global _active_depth, _exit_stack
+    if _active_depth == 0:
+        return
+    _active_depth -= 1
+    if _active_depth == 0 and _exit_stack is not None:
+        _exit_stack.close()
+        _exit_stack = None
+
+
+@contextlib.contextmanager
+def cpu_shims(enabled: bool = True) -> Iterator[None]:
+    """Context manager form of :func:`enter_cpu_shims`; a no-op when ``enabled`` is False."""
+    if not enabled:
+        yield
+        return
+    enter_cpu_shims()
+    try:
+        yield
+    finally:
+        exit_cpu_shims()
+
+
+def shims_active() -> bool:
+    return _active_depth > 0
+
+
+class SDPACoreAttention(torch.nn.Module):
+    """Causal core attention via ``scaled_dot_product_attention``; drop-in for the local spec's.
+
+    Megatron passes ``query [s, b, heads/tp, d]``, ``key``/``value [s, b, groups/tp, d]`` and
+    expects ``[s, b, heads/tp * d]`` back. Key/value groups are expanded for GQA.
+    An explicit boolean ``attention_mask`` ([b, 1, s, s], True = masked, Megatron's convention) is
+    honoured, which is how packed micro-batches get block-diagonal attention.
+    """
+
+    def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
+                 attention_dropout: float | None = None, softmax_scale: float | None = None,
+                 cp_comm_type: str | None = None, pg_collection=None):
+        super().__init__()
+        self.config = config
+        self.softmax_scale = softmax_scale
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+
+    def forward(self, query, key, value, attention_mask=None, attn_mask_type=None,
+                attention_bias=None, packed_seq_params=None):
+        if packed_seq_params is not None:
+            raise NotImplementedError("SDPACoreAttention has no THD packed path; pass a mask")
+        num_heads, num_groups = query.shape[2], key.shape[2]
+        if num_heads != num_groups:
+            key = key.repeat_interleave(num_heads // num_groups, dim=2)
+            value = value.repeat_interleave(num_heads // num_groups, dim=2)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, h, s, d]
+        dropout = self.dropout_p if self.training else 0.0
+        if attention_mask is None:
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, is_causal=True, dropout_p=dropout, scale=self.softmax_scale
+            )
+        else:
+            allowed = ~attention_mask.to(torch.bool)
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, attn_mask=allowed, dropout_p=dropout, scale=self.softmax_scale
+            )
+        seq, batch = query.shape[0], query.shape[1]
+        return out.permute(2, 0, 1, 3).reshape(seq, batch, -1)

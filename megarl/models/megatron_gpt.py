@@ -1,0 +1,165 @@
+"""Build a Megatron-Core ``GPTModel`` from a :class:`TransformerSpec` and load HF weights into it.
+
+One code path for CPU and GPU: the device only picks the attention core (SDPA here; a
+transformer-engine spec on GPU when installed) and the parameter dtype. Weight layouts come from
+:mod:`megarl.models.mapping`, so loading and exporting share one table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import torch
+
+from megarl.distributed.platform import SDPACoreAttention
+from megarl.models import mapping
+from megarl.models.spec import TransformerSpec
+
+
+def transformer_config(spec: TransformerSpec, tp: int, pp: int, dtype: torch.dtype,
+                       use_cpu_initialization: bool, vpp: int | None = None,
+                       recompute: str | None = None):
+    """Megatron ``TransformerConfig`` for a Llama-style block; fusions off so CPU can run it."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        ffn_hidden_size=spec.ffn_hidden_size,
+        num_attention_heads=spec.num_heads,
+        num_query_groups=spec.num_kv_heads,
+        kv_channels=spec.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=spec.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        add_qkv_bias=spec.qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+        sequence_parallel=False,
+        use_cpu_initialization=use_cpu_initialization,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        variable_seq_lengths=True,
+        moe_token_dispatcher_type="alltoall",  # irrelevant (dense) but required with variable lengths
+        init_method_std=0.02,
+        recompute_granularity=recompute,
+        recompute_method="uniform" if recompute == "full" else None,
+        recompute_num_layers=1 if recompute == "full" else None,
+    )
+
+
+def layer_spec(use_transformer_engine: bool = False):
+    """Local Megatron layer spec with SDPA core attention, or the transformer-engine spec."""
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+
+    if use_transformer_engine:
+        return get_gpt_layer_with_transformer_engine_spec()
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    return spec
+
+
+def build_gpt_model(spec: TransformerSpec, tp: int, pp: int, dtype: torch.dtype = torch.float32,
+                    device: str = "cpu", vp_stage: int | None = None, vpp: int | None = None,
+                    use_transformer_engine: bool = False, recompute: str | None = None):
+    """A ``GPTModel`` holding this rank's TP shard of this rank's PP stage.
+
+    Must be called after :func:`megarl.distributed.parallel.init_model_parallel`.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+
+    config = transformer_config(spec, tp, pp, dtype, use_cpu_initialization=device == "cpu",
+                                vpp=vpp, recompute=recompute)
+    pre = parallel_state.is_pipeline_first_stage(ignore_virtual=vpp is None, vp_stage=vp_stage)
+    post = parallel_state.is_pipeline_last_stage(ignore_virtual=vpp is None, vp_stage=vp_stage)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(use_transformer_engine),
+        vocab_size=spec.padded_vocab_size(tp),
+        max_sequence_length=spec.max_position_embeddings,
+        pre_process=pre,
+        post_process=post,
+        parallel_output=True,
+        share_embeddings_and_output_weights=spec.tie_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(spec.rope_theta),
+        vp_stage=vp_stage,
+    )
+    if device == "cuda":
+        model = model.cuda()
+    return model
+
+
+def layer_offset(model) -> int:
+    """Global number of this stage's first transformer layer."""
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    return get_transformer_layer_offset(model.config, vp_stage=getattr(model, "vp_stage", None))
+
+
+def iter_local_params(model, spec: TransformerSpec):
+    """Yield ``(rule, global_layer, param)`` for every parameter this rank holds.
+
+    With tied embeddings and PP > 1 the last stage's ``output_layer.weight`` is a copy of the
+    embedding; it maps to the HF embedding tensor.
+    """
+    rules = mapping.rule_index(spec)
+    offset = layer_offset(model)
+    for name, param in unwrap(model).named_parameters():
+        template, local_layer = mapping.split_layer_name(name)
+        rule = rules.get(template)
+        if rule is None:
+            raise KeyError(f"Megatron parameter {name} has no mapping for family {spec.family}")
+        if rule.mcore == "output_layer.weight" and spec.tie_embeddings:
+            rule = rules["embedding.word_embeddings.weight"]
+        layer = None if local_layer is None else local_layer + offset
+        yield rule, layer, param
+
+
+def unwrap(model):
+    """The bare ``GPTModel`` under DDP / Float16Module wrappers."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+@torch.no_grad()
+def load_hf_weights(model, spec: TransformerSpec, get_hf: Callable[[str], torch.Tensor] |
+                    Mapping[str, torch.Tensor]) -> int:
+    """Copy HF tensors into this rank's Megatron shards; returns the number of params loaded.
+
+    ``get_hf`` maps a HF name to its full tensor (a dict, or a lazy loader for large checkpoints).
+    """
+    from megatron.core import parallel_state
+
+    fetch = get_hf.__getitem__ if isinstance(get_hf, Mapping) else get_hf
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    count = 0
+    for rule, layer, param in iter_local_params(model, spec):
+        hf_tensors = [fetch(name) for name in rule.hf_names(layer)]
+        shard = mapping.to_mcore_shard(rule, hf_tensors, spec, tp_rank, tp)
+        if shard.shape != param.shape:
+            raise ValueError(
+                f"shape mismatch loading {rule.hf_names(layer)} into a Megatron shard: "
+                f"{tuple(shard.shape)} vs {tuple(param.shape)}"
+            )
+        param.copy_(shard.to(param.dtype))
+        count += 1
+    return count

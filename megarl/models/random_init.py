@@ -1,0 +1,43 @@
+"""Random-initialised HF models from an inline config (``model=tiny_llama``), saved as a HF folder.
+
+Materialising the random model as an ordinary HF folder means the actor, the reference, the
+rollout engine and the converters all load it exactly like a pretrained checkpoint, and every
+rank sees bitwise-identical initial weights.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def build_random_hf_model(hf_config: Mapping[str, Any], seed: int):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(**dict(hf_config))
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.eval()
+    return model
+
+
+def save_random_hf_model(hf_config: Mapping[str, Any], seed: int, out_dir: Path,
+                         tokenizer_from: str | None = None) -> Path:
+    """Write ``out_dir`` (config + safetensors + tokenizer) once; reuse it if already complete."""
+    out_dir = Path(out_dir)
+    marker = out_dir / "megarl_init.json"
+    wanted = {"hf_config": dict(hf_config), "seed": seed}
+    if marker.is_file() and json.loads(marker.read_text()) == wanted:
+        return out_dir
+    from megarl.models.hf_io import load_hf_tokenizer
+
+    model = build_random_hf_model(hf_config, seed)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    load_hf_tokenizer(tokenizer_from).save_pretrained(out_dir)
+    marker.write_text(json.dumps(wanted))
+    return out_dir

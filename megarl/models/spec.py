@@ -1,0 +1,133 @@
+"""The architecture of a Llama-style decoder, read from a Hugging Face config.
+
+Pure code (no megatron, no torch.distributed): the Megatron builder, the weight mapping, the
+exporter and the config validation all read one :class:`TransformerSpec`, so a model family is
+described once. Supported families share the Llama block (RMSNorm, RoPE, SwiGLU, GQA) and differ
+in small flags (Qwen2: bias on q/k/v).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+SUPPORTED_FAMILIES = ("llama", "qwen2", "mistral")
+VOCAB_DIVISIBLE_BY = 128
+
+
+class ModelSpecError(ValueError):
+    """An unsupported or inconsistent model config, or a parallel layout it cannot take."""
+
+
+@dataclass(frozen=True)
+class TransformerSpec:
+    """Shape and numerics of a Llama-style causal LM."""
+
+    family: str
+    """HF ``model_type``: one of ``SUPPORTED_FAMILIES``; selects the weight-mapping table."""
+    vocab_size: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    """Query groups (GQA); equals ``num_heads`` for multi-head attention."""
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    tie_embeddings: bool
+    qkv_bias: bool
+    max_position_embeddings: int
+
+    def __post_init__(self) -> None:
+        if self.family not in SUPPORTED_FAMILIES:
+            raise ModelSpecError(
+                f"model family {self.family!r} is not supported (supported: "
+                f"{', '.join(SUPPORTED_FAMILIES)})"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ModelSpecError(
+                f"num_attention_heads={self.num_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_kv_heads}"
+            )
+
+    @property
+    def heads_per_group(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    def padded_vocab_size(self, tp: int, divisible_by: int = VOCAB_DIVISIBLE_BY) -> int:
+        """Megatron pads the vocabulary so every TP rank holds an equal, aligned slice."""
+        multiple = divisible_by * tp
+        return -(-self.vocab_size // multiple) * multiple
+
+    def num_parameters(self) -> int:
+        h, f, d = self.hidden_size, self.ffn_hidden_size, self.head_dim
+        attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)
+        attn += d * 2 * self.num_kv_heads + d * self.num_heads if self.qkv_bias else 0
+        per_layer = attn + 3 * h * f + 2 * h
+        embed = self.vocab_size * h * (1 if self.tie_embeddings else 2)
+        return self.num_layers * per_layer + embed + h
+
+    def check_parallelism(self, tp: int, pp: int, vpp: int = 1) -> None:
+        """Raise :class:`ModelSpecError` naming ``actor.tp``/``actor.pp`` when the layout cannot fit."""
+        if tp < 1 or pp < 1:
+            raise ModelSpecError(f"actor.tp={tp} and actor.pp={pp} must be >= 1")
+        if self.num_heads % tp:
+            raise ModelSpecError(
+                f"actor.tp={tp} does not divide the model's {self.num_heads} attention heads"
+            )
+        if self.num_kv_heads % tp:
+            raise ModelSpecError(
+                f"actor.tp={tp} does not divide the model's {self.num_kv_heads} key/value heads"
+            )
+        if self.num_layers % (pp * vpp):
+            raise ModelSpecError(
+                f"actor.pp={pp}" + (f" x actor.vpp={vpp}" if vpp > 1 else "")
+                + f" does not divide the model's {self.num_layers} layers"
+            )
+
+
+def _rope_theta(config: Mapping[str, Any]) -> float:
+    """``rope_theta`` moved into ``rope_parameters`` in transformers 5; accept both."""
+    params = config.get("rope_parameters") or {}
+    if isinstance(params, Mapping) and "rope_theta" in params:
+        rope_type = params.get("rope_type", "default")
+        if rope_type not in ("default", None):
+            raise ModelSpecError(f"rope_type={rope_type!r} is not supported (only default RoPE)")
+        return float(params["rope_theta"])
+    scaling = config.get("rope_scaling")
+    if scaling:
+        raise ModelSpecError(f"rope_scaling={scaling!r} is not supported (only default RoPE)")
+    return float(config.get("rope_theta", 10000.0))
+
+
+def spec_from_hf_config(config: Mapping[str, Any] | Any) -> TransformerSpec:
+    """Build a :class:`TransformerSpec` from a HF config (a ``PretrainedConfig`` or its dict)."""
+    if not isinstance(config, Mapping):
+        config = config.to_dict()
+    family = config.get("model_type", "")
+    if family not in SUPPORTED_FAMILIES:
+        raise ModelSpecError(
+            f"model_type={family!r} is not supported (supported: {', '.join(SUPPORTED_FAMILIES)})"
+        )
+    if config.get("hidden_act", "silu") != "silu":
+        raise ModelSpecError(f"hidden_act={config['hidden_act']!r}: only SwiGLU (silu) is supported")
+    num_heads = int(config["num_attention_heads"])
+    hidden = int(config["hidden_size"])
+    head_dim = config.get("head_dim") or hidden // num_heads
+    return TransformerSpec(
+        family=family,
+        vocab_size=int(config["vocab_size"]),
+        hidden_size=hidden,
+        ffn_hidden_size=int(config["intermediate_size"]),
+        num_layers=int(config["num_hidden_layers"]),
+        num_heads=num_heads,
+        num_kv_heads=int(config.get("num_key_value_heads") or num_heads),
+        head_dim=int(head_dim),
+        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        rope_theta=_rope_theta(config),
+        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+        qkv_bias=family == "qwen2" or bool(config.get("attention_bias", False)),
+        max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
+    )

@@ -1,0 +1,268 @@
+"""The Megatron-Core actor (and reference) on one rank: build, load, forward logprobs, train a plan.
+
+This is the thin, device-facing layer. It decides nothing: which sequences go in which
+micro-batch, what each optimizer step normalises by, and which passes run all come from pure
+code (the batch planner and the gates); this class executes them with Megatron's pipeline
+schedules and DDP.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+from megarl.algo.losses import aggregate, kl_penalty, policy_loss
+from megarl.config.schema import ActorConfig
+from megarl.models import megatron_gpt
+from megarl.models.spec import TransformerSpec
+from megarl.models.vocab_parallel import VocabShard, token_logprobs_and_entropy
+from megarl.trainer.batch import (
+    MicroBatchTensors,
+    RolloutBatch,
+    collate,
+    per_token_to_response,
+    response_values_to_BL,
+)
+
+
+@dataclass(frozen=True)
+class MicroBatchWork:
+    """Sequences of one micro-batch and their loss weights (0 for fillers)."""
+
+    seq_indices: tuple[int, ...]
+    loss_weights: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class OptimizerStepWork:
+    """What this rank does for one optimizer step."""
+
+    micro_batches: tuple[MicroBatchWork, ...]
+    normaliser: float
+    is_ghost: bool = False
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    temperature: float
+    clip_low: float
+    clip_high: float
+    agg: str
+    kl_coef: float
+    kl_estimator: str
+    entropy_coef: float
+
+
+def pack_by_tokens(seq_indices: Sequence[int], lengths: Sequence[int], budget: int
+                   ) -> list[list[int]]:
+    """Greedy in-order packing of sequences into micro-batches of at most ``budget`` padded tokens."""
+    groups: list[list[int]] = []
+    current: list[int] = []
+    longest = 0
+    for i in seq_indices:
+        new_longest = max(longest, lengths[i])
+        if current and new_longest * (len(current) + 1) > budget:
+            groups.append(current)
+            current, new_longest = [], lengths[i]
+        current.append(i)
+        longest = new_longest
+    if current:
+        groups.append(current)
+    return groups
+
+
+class MegatronActor:
+    """A Megatron ``GPTModel`` shard with optional DDP + optimizer (``trainable``)."""
+
+    def __init__(self, spec: TransformerSpec, cfg: ActorConfig, device: str, dtype: torch.dtype,
+                 hf_weights: Callable[[str], torch.Tensor] | Mapping[str, torch.Tensor],
+                 pad_id: int, trainable: bool = True, init_seed: int = 0):
+        from megatron.core import parallel_state as ps
+
+        self.spec, self.cfg, self.device, self.pad_id = spec, cfg, device, pad_id
+        self.trainable = trainable
+        torch.manual_seed(init_seed)
+        model = megatron_gpt.build_gpt_model(spec, cfg.tp, cfg.pp, dtype=dtype, device=device)
+        if hf_weights is not None:
+            megatron_gpt.load_hf_weights(model, spec, hf_weights)
+        self.is_last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
+        self.is_first_stage = ps.is_pipeline_first_stage(ignore_virtual=True)
+        tp_rank = ps.get_tensor_model_parallel_rank()
+        vocab_per_rank = spec.padded_vocab_size(cfg.tp) // cfg.tp
+        self.vocab_shard = VocabShard(
+            start=tp_rank * vocab_per_rank,
+            real_vocab_size=spec.vocab_size,
+            group=ps.get_tensor_model_parallel_group() if cfg.tp > 1 else None,
+        )
+        if trainable:
+            self.model = self._wrap_ddp(model)
+            self.optimizer = self._build_optimizer()
+        else:
+            model.eval()
+            for p in model.parameters():
+                p.requires_grad_(False)
+            self.model = model
+            self.optimizer = None
+
+    # --- construction ----------------------------------------------------------------------
+
+    def _wrap_ddp(self, model):
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+        model.config.calculate_per_token_loss = True  # we normalise explicitly; DDP must sum
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
+                                                   overlap_grad_reduce=False,
+                                                   use_distributed_optimizer=False)
+        return DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
+
+    def _build_optimizer(self):
+        from megarl.workers.optim import build_optimizer
+
+        return build_optimizer(self.model, self.cfg, self.device)
+
+    # --- forward-only logprobs ---------------------------------------------------------------
+
+    def compute_logprobs(self, batch: RolloutBatch, seq_indices: Sequence[int],
+                         temperature: float) -> dict[int, torch.Tensor]:
+        """Per-token logprobs of the response tokens of ``seq_indices``; empty off the last stage."""
+        if not seq_indices:
+            return {}
+        groups = pack_by_tokens(seq_indices, batch.seq_lens, self.cfg.logprob_micro_batch_tokens)
+        mbs = [collate(batch, g, self.pad_id) for g in groups]
+        collect = partial(self._collect_logprobs_loss, batch=batch, temperature=temperature)
+        with torch.no_grad():
+            outputs = self._run_schedule(mbs, collect, forward_only=True)
+        result: dict[int, torch.Tensor] = {}
+        for out in outputs:
+            result.update(out["logprobs"])
+        return result
+
+    def _collect_logprobs_loss(self, mb: MicroBatchTensors, logits, *, batch, temperature):
+        logp_BL, _ = token_logprobs_and_entropy(logits, mb.labels_BL, self.vocab_shard,
+                                                temperature, with_entropy=False)
+        zero = logits.new_zeros(())
+        return zero, torch.tensor(1), {"logprobs": per_token_to_response(logp_BL, mb, batch)}
+
+    # --- training ----------------------------------------------------------------------------
+
+    def train_step(self, batch: RolloutBatch, work: OptimizerStepWork,
+                   old_logprobs: Mapping[int, torch.Tensor] | None,
+                   ref_logprobs: Mapping[int, torch.Tensor] | None,
+                   loss: LossSettings) -> dict[str, float]:
+        """One optimizer step over this rank's micro-batches; returns summed loss statistics.
+
+        ``old_logprobs`` missing a sequence means "on-policy": the training forward's own
+        detached logprobs serve as old logprobs (the gate decided the separate pass was waste).
+        """
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        stats: list[dict[str, torch.Tensor]] = []
+        if not work.is_ghost and work.micro_batches:
+            mbs = [collate(batch, m.seq_indices, self.pad_id, m.loss_weights)
+                   for m in work.micro_batches]
+            loss_fn = partial(self._training_loss, batch=batch, old=old_logprobs or {},
+                              ref=ref_logprobs, loss=loss, denom=work.normaliser)
+            stats = self._run_schedule(mbs, loss_fn, forward_only=False)
+        self._finalize_grads()
+        grad_norm = self.optimizer.step()
+        totals = _sum_stats(stats)
+        totals["grad_norm"] = grad_norm
+        return totals
+
+    def _training_loss(self, mb: MicroBatchTensors, logits, *, batch, old, ref, loss: LossSettings,
+                       denom: float):
+        need_entropy = True
+        logp_BL, entropy_BL = token_logprobs_and_entropy(
+            logits, mb.labels_BL, self.vocab_shard, loss.temperature, with_entropy=need_entropy)
+        old_BL = self._old_logprobs_BL(logp_BL, mb, batch, old)
+        mask_BL = mb.loss_mask_BL
+        pg = policy_loss(logp_BL, old_BL, mb.advantages_B, mask_BL, loss.clip_low, loss.clip_high,
+                         loss.agg, denom=denom)
+        total = pg.loss
+        kl_value = logp_BL.new_zeros(())
+        if ref is not None and loss.kl_coef > 0:
+            ref_BL = response_values_to_BL(ref, mb, batch)
+            kl_value = aggregate(kl_penalty(logp_BL, ref_BL, loss.kl_estimator), mask_BL,
+                                 loss.agg, denom=denom)
+            total = total + loss.kl_coef * kl_value
+        entropy_value = aggregate(entropy_BL, mask_BL, loss.agg, denom=denom)
+        if loss.entropy_coef > 0:
+            total = total - loss.entropy_coef * entropy_value
+        num_tokens = mask_BL.gt(0).sum()
+        stats = {
+            "pg_loss": pg.loss.detach(),
+            "kl_loss": kl_value.detach(),
+            "entropy_sum": (entropy_BL.detach() * mb.response_mask_BL).sum(),
+            "clipfrac_sum": pg.clipfrac * num_tokens,
+            "ppo_kl_sum": pg.ppo_kl * num_tokens,
+            "num_tokens": num_tokens.float(),
+            "response_tokens": mb.response_mask_BL.sum(),
+        }
+        return total, num_tokens, stats
+
+    def _old_logprobs_BL(self, logp_BL, mb, batch, old) -> torch.Tensor:
+        if all(i in old for i in mb.seq_indices):
+            return response_values_to_BL(old, mb, batch)
+        detached = logp_BL.detach()
+        if not any(i in old for i in mb.seq_indices):
+            return detached
+        provided = response_values_to_BL({i: old[i] for i in mb.seq_indices if i in old}, mb, batch)
+        has_old = torch.tensor([i in old for i in mb.seq_indices]).unsqueeze(1)
+        return torch.where(has_old, provided, detached)
+
+    def _finalize_grads(self) -> None:
+        from megatron.core.distributed import finalize_model_grads
+
+        finalize_model_grads([self.model])
+
+    # --- schedule ----------------------------------------------------------------------------
+
+    def _run_schedule(self, mbs: list[MicroBatchTensors], loss_fn, forward_only: bool) -> list:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        def forward_step(data_iterator, model):
+            mb = next(data_iterator)
+            output = model(mb.tokens_BL, mb.position_ids_BL, None)
+            return output, partial(loss_fn, mb)
+
+        max_len = max(mb.tokens_BL.shape[1] for mb in mbs)
+        max_b = max(mb.tokens_BL.shape[0] for mb in mbs)
+        return get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iter(mbs),
+            model=[self.model],
+            num_microbatches=len(mbs),
+            seq_length=max_len,
+            micro_batch_size=max_b,
+            forward_only=forward_only,
+        ) or []
+
+    # --- weights -----------------------------------------------------------------------------
+
+    def local_params(self) -> Iterable:
+        """``(rule, global_layer, param)`` for this rank's shards (the exporter reads these)."""
+        return megatron_gpt.iter_local_params(self.model, self.spec)
+
+
+def _sum_stats(stats: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+    totals: dict[str, float] = {}
+    for entry in stats:
+        for key, value in entry.items():
+            totals[key] = totals.get(key, 0.0) + float(value)
+    return totals
+
+
+def reduce_stats_to_all(values: dict[str, float], keys: Sequence[str], tp: int) -> dict[str, float]:
+    """Sum per-rank statistics over the whole world; last-stage TP replicas counted once."""
+    tensor = torch.tensor([values.get(k, 0.0) for k in keys], dtype=torch.float64)
+    dist.all_reduce(tensor)
+    return {k: float(v) / tp for k, v in zip(keys, tensor.tolist(), strict=True)}
+
+
+def safe_div(a: float, b: float) -> float:
+    return a / b if b else math.nan

@@ -1,0 +1,107 @@
+"""Optimizers for the Megatron actor: one interface, chosen by device.
+
+Megatron's own optimizers assert CUDA tensor types, so on CPU we run ``torch.optim.AdamW`` over
+the DDP-wrapped parameters, whose gradients Megatron keeps in ``param.main_grad``. Grad-norm
+clipping is done over the whole model-parallel group, counting each parameter once (TP
+duplicates such as norms and the tied output-layer copy are skipped), so the norm equals the
+unsharded model's.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from megarl.config.schema import ActorConfig
+
+
+class CpuAdamW:
+    """AdamW over ``main_grad`` with model-parallel-aware global-norm clipping."""
+
+    def __init__(self, model, cfg: ActorConfig):
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.cfg = cfg
+        self.inner = torch.optim.AdamW(self.params, lr=cfg.lr, betas=tuple(cfg.optim.betas),
+                                       eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay)
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def step(self) -> float:
+        """Apply one update (also for a ghost step with all-zero gradients); returns the grad norm."""
+        for p in self.params:
+            p.grad = p.main_grad.to(p.dtype)
+        norm = global_grad_norm(self.params)
+        clip = self.cfg.optim.grad_clip
+        if clip > 0 and norm > clip:
+            scale = clip / (norm + 1e-6)
+            for p in self.params:
+                p.grad.mul_(scale)
+        self.inner.step()
+        return norm
+
+    def state_dict(self):
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state) -> None:
+        self.inner.load_state_dict(state)
+
+
+def _counts_for_norm(param) -> bool:
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+    if getattr(param, "shared_embedding", False) and not ps.is_pipeline_first_stage(
+            ignore_virtual=True):
+        return False  # the tied output layer on the last stage copies the first stage's embedding
+    return param_is_not_tensor_parallel_duplicate(param)
+
+
+def global_grad_norm(params) -> float:
+    """L2 norm of all gradients across TP and PP ranks (DP replicas hold equal grads)."""
+    from megatron.core import parallel_state as ps
+
+    sq = torch.zeros((), dtype=torch.float64)
+    for p in params:
+        if p.grad is not None and _counts_for_norm(p):
+            sq += p.grad.detach().double().pow(2).sum()
+    if ps.get_model_parallel_group() is not None and dist.is_initialized():
+        dist.all_reduce(sq, group=ps.get_model_parallel_group())
+    return math.sqrt(float(sq))
+
+
+class MegatronOptimizer:
+    """Megatron's (distributed) optimizer on CUDA."""
+
+    def __init__(self, model, cfg: ActorConfig, distributed: bool = False):
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        config = OptimizerConfig(
+            optimizer="adam", lr=cfg.lr, weight_decay=cfg.optim.weight_decay,
+            adam_beta1=cfg.optim.betas[0], adam_beta2=cfg.optim.betas[1], adam_eps=cfg.optim.eps,
+            clip_grad=cfg.optim.grad_clip, bf16=model.config.bf16,
+            use_distributed_optimizer=distributed,
+        )
+        self.inner = get_megatron_optimizer(config, [model])
+
+    def zero_grad(self) -> None:
+        self.inner.zero_grad()
+
+    def step(self) -> float:
+        _, grad_norm, _ = self.inner.step()
+        return float(grad_norm or 0.0)
+
+    def state_dict(self):
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state) -> None:
+        self.inner.load_state_dict(state)
+
+
+def build_optimizer(model, cfg: ActorConfig, device: str):
+    if device == "cuda":
+        return MegatronOptimizer(model, cfg)
+    return CpuAdamW(model, cfg)
