@@ -1,0 +1,224 @@
+"""The rollout-engine interface: what the trainer needs from whatever samples responses.
+
+The trainer talks to a rollout engine through five verbs only: generate token ids (with the
+per-token log-probabilities it sampled them with), receive new weights as a stream of
+HF-named tensors, load a LoRA adapter, and release / re-acquire memory so that training and
+rollout can share one accelerator. Everything engine specific (KV caches, vLLM's allocator,
+PEFT layers) stays behind this line.
+
+Two definitions here are contracts the trainer relies on:
+
+* ``Generation.response_logprobs`` is ``log_softmax(logits / temperature)[token]`` of the
+  *untruncated* distribution (top-p changes which tokens may be drawn, not the reported
+  value). The trainer recomputes exactly this from its own forward pass and logs the mean
+  absolute difference as ``rollout/logprob_abs_diff``; a mismatch in definition would show up
+  there as a bug, so engines must not "helpfully" report a different quantity. Greedy
+  decoding (``temperature == 0``) reports ``log_softmax(logits)``, i.e. temperature 1.
+* ``EngineMemoryState.base_weights_resident`` is False exactly when the engine no longer
+  holds valid base weights (after a sleep that discarded them) and the trainer must resend
+  them with ``update_weights`` before the next ``generate``.
+
+This module imports no engine library; ``build_engine`` imports an engine's module only when
+that engine is asked for, so a CPU install never touches vLLM.
+"""
+
+from __future__ import annotations
+
+import abc
+import importlib.util
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+_MAX_SEED = 2**63 - 1
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one batch of responses."""
+
+    temperature: float = 1.0
+    """Softmax temperature; 0 means greedy (argmax) decoding."""
+    top_p: float = 1.0
+    """Nucleus mass in (0, 1]: sample only from the smallest set of tokens whose probability
+    reaches top_p. Affects which token is drawn, never the reported logprob."""
+    max_new_tokens: int = 32
+    """Upper bound on response length, EOS included."""
+    seed: int = 0
+    """Seeds this call's sampling stream only, so a rollout is reproducible from (weights,
+    prompts, seed) whatever else the process did with torch's global RNG (e.g. training)."""
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not 0 <= self.seed <= _MAX_SEED:
+            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+
+    @property
+    def greedy(self) -> bool:
+        """Whether this call decodes by argmax (temperature 0)."""
+        return self.temperature == 0
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One sampled response and what the trainer needs to score it."""
+
+    prompt_ids: tuple[int, ...]
+    response_ids: tuple[int, ...]
+    """Sampled tokens; ends with the EOS token when the response stopped on EOS."""
+    response_logprobs: tuple[float, ...]
+    """``log_softmax(logits / temperature)[token]`` per response token, before any top-p
+    truncation (temperature 1 when greedy)."""
+    finished: bool
+    """True when the response stopped on EOS, False when it hit ``max_new_tokens``."""
+
+    def __post_init__(self) -> None:
+        if len(self.response_ids) != len(self.response_logprobs):
+            raise ValueError(
+                f"{len(self.response_ids)} response tokens but "
+                f"{len(self.response_logprobs)} logprobs"
+            )
+
+
+@dataclass(frozen=True)
+class EngineMemoryState:
+    """What survived the last sleep, so the trainer knows what it must resend."""
+
+    base_weights_resident: bool
+    """False after a sleep that freed the weights, until all base weights were resent."""
+    adapter_resident: bool
+    """True when a LoRA adapter is loaded and will be applied by ``generate``."""
+
+
+class RolloutEngine(abc.ABC):
+    """A sampler the trainer can feed weights to and put to sleep between rollouts."""
+
+    @property
+    @abc.abstractmethod
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Token ids that end a response (all of them stop generation)."""
+
+    @abc.abstractmethod
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams
+    ) -> list[Generation]:
+        """Sample one response per prompt, in prompt order.
+
+        A GRPO group is expressed by repeating a prompt; each copy gets its own sample.
+        Raises RuntimeError when the engine is asleep or its base weights were freed.
+        """
+
+    @abc.abstractmethod
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Copy base weights in by HF parameter name; return how many tensors were applied.
+
+        Names are those of the HF model's ``state_dict()`` (e.g.
+        ``model.layers.0.self_attn.q_proj.weight``); ``lm_head.weight`` is accepted for tied
+        embeddings. An unknown name or a shape mismatch raises ValueError naming it. The
+        stream is applied as it is read, so tensors before a bad one stay applied.
+        """
+
+    @abc.abstractmethod
+    def load_lora_adapter(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        rank: int,
+        alpha: float,
+        target_modules: Sequence[str],
+    ) -> None:
+        """Replace the current LoRA adapter (if any) with this one.
+
+        Tensor names are PEFT's (``get_peft_model_state_dict``), e.g.
+        ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``; scaling is
+        ``alpha / rank``.
+        """
+
+    @abc.abstractmethod
+    def sleep(self, level: int) -> None:
+        """Release memory for training.
+
+        Level 1 frees what can be rebuilt (KV cache) and keeps the weights (possibly moved
+        off the accelerator); level 2 also discards the weights and the adapter.
+        """
+
+    @abc.abstractmethod
+    def wake_up(self) -> EngineMemoryState:
+        """Re-acquire memory after ``sleep`` and report what must be resent."""
+
+    @abc.abstractmethod
+    def memory_state(self) -> EngineMemoryState:
+        """What is resident now."""
+
+
+def merge_token_ids(*sources: int | Sequence[int] | None) -> tuple[int, ...]:
+    """Union of token ids from several sources (an id, a list of ids, or None), in order.
+
+    EOS ids come from the tokenizer and the generation config, which may disagree (chat
+    models end a turn with ``<|im_end|>`` rather than the pretraining EOS); stopping on any
+    of them is what ``transformers`` and vLLM do.
+    """
+    ids: list[int] = []
+    for source in sources:
+        if source is None:
+            continue
+        ids.extend([source] if isinstance(source, int) else (int(i) for i in source))
+    return tuple(dict.fromkeys(ids))
+
+
+def validate_sleep_level(level: int) -> None:
+    """Reject sleep levels other than 1 and 2 (shared by all engines)."""
+    if level not in (1, 2):
+        raise ValueError(f"sleep level must be 1 or 2, got {level}")
+
+
+# --- registry --------------------------------------------------------------------------------
+
+EngineFactory = Callable[..., RolloutEngine]
+
+VLLM_MISSING_MESSAGE = (
+    "rollout.engine=vllm needs the 'vllm' package (GPU extra: pip install 'megarl[gpu]')"
+)
+
+
+def _build_hf(**kwargs: object) -> RolloutEngine:
+    from megarl.engines.hf import HFEngine
+
+    return HFEngine(**kwargs)  # type: ignore[arg-type]
+
+
+def _build_vllm(**kwargs: object) -> RolloutEngine:
+    # Checked here as well as in VLLMEngine so the message is the same whichever way in.
+    if importlib.util.find_spec("vllm") is None:
+        raise RuntimeError(VLLM_MISSING_MESSAGE)
+    from megarl.engines.vllm import VLLMEngine
+
+    return VLLMEngine(**kwargs)  # type: ignore[arg-type]
+
+
+ENGINES: dict[str, EngineFactory] = {"hf": _build_hf, "vllm": _build_vllm}
+"""Engine name (``rollout.engine`` in the config) -> factory. Factories import lazily."""
+
+
+def register_engine(name: str, factory: EngineFactory) -> None:
+    """Add an engine (e.g. a fake in tests) under ``name``; refuses to shadow one."""
+    if name in ENGINES:
+        raise ValueError(f"rollout engine {name!r} is already registered")
+    ENGINES[name] = factory
+
+
+def build_engine(name: str, **kwargs: object) -> RolloutEngine:
+    """Build the engine registered as ``name`` with the engine's own constructor kwargs."""
+    try:
+        factory = ENGINES[name]
+    except KeyError:
+        known = ", ".join(sorted(ENGINES))
+        raise ValueError(f"unknown rollout engine {name!r}; known: {known}") from None
+    return factory(**kwargs)

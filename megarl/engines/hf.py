@@ -1,0 +1,479 @@
+"""The embedded rollout engine: a hand-written sampling loop over a ``transformers`` model.
+
+Why not ``model.generate``: the trainer compares the engine's per-token logprobs with its own
+(``rollout/logprob_abs_diff``), so the engine must report exactly
+``log_softmax(logits / temperature)[token]`` of the untruncated distribution, and a rollout
+must be reproducible from (weights, prompts, seed) alone. Owning the loop makes both
+explicit: logits are read before any processor touches them, and every random draw comes from
+a ``torch.Generator`` seeded from ``SamplingParams.seed``, never from torch's global RNG.
+
+Batching: prompts are left-padded so that every row's next token sits in the last column.
+Pad positions are masked out of attention and given dummy position ids; real tokens get
+positions ``0..len-1`` as in an unpadded forward, so a row's logits do not depend on what it
+was batched with (the unit tests check this against a one-sequence full forward). The prompt
+is run once to fill a ``DynamicCache``; each step then feeds one token per row. Rows that hit
+EOS keep being fed a pad token (their outputs are ignored) until all rows finish or
+``max_new_tokens`` is reached.
+
+Memory: ``sleep(2)`` swaps every base parameter's storage for an empty tensor (the Parameter
+objects, and so tied embeddings, survive), ``wake_up`` re-allocates uninitialised storage and
+the engine reports ``base_weights_resident=False`` until every base parameter has been resent
+through ``update_weights``. ``sleep(1)`` keeps the weights, moving them to host memory when
+the engine runs on an accelerator.
+
+The engine takes ownership of the model it is given: it moves it to ``device``, puts it in
+eval mode, turns off gradients, and may free or wrap its layers.
+"""
+
+from __future__ import annotations
+
+import gc
+import warnings
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from megarl.engines.base import (
+    EngineMemoryState,
+    Generation,
+    RolloutEngine,
+    SamplingParams,
+    merge_token_ids,
+    validate_sleep_level,
+)
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+PEFT_PREFIX = "base_model.model."
+"""Prefix PEFT puts in front of the wrapped model's module names."""
+ADAPTER_NAME = "default"
+"""The one adapter slot this engine uses inside PEFT layers."""
+
+
+# --- token-id plumbing -----------------------------------------------------------------------
+
+
+def resolve_eos_token_ids(
+    explicit: Sequence[int] | None,
+    tokenizer: PreTrainedTokenizerBase | None,
+    model: PreTrainedModel,
+) -> tuple[int, ...]:
+    """EOS ids to stop on: the explicit ones, else the tokenizer's plus the generation config's."""
+    if explicit is not None:
+        ids = merge_token_ids(explicit)
+    else:
+        generation_config = getattr(model, "generation_config", None)
+        ids = merge_token_ids(
+            getattr(tokenizer, "eos_token_id", None),
+            getattr(generation_config, "eos_token_id", None),
+        )
+    if not ids:
+        raise ValueError("no EOS token id known: pass eos_token_ids or a tokenizer that has one")
+    return ids
+
+
+def resolve_pad_token_id(
+    explicit: int | None, tokenizer: PreTrainedTokenizerBase | None, eos_token_ids: Sequence[int]
+) -> int:
+    """Id used for left padding and for feeding finished rows; its value never matters."""
+    if explicit is not None:
+        return explicit
+    tokenizer_pad = getattr(tokenizer, "pad_token_id", None)
+    return tokenizer_pad if tokenizer_pad is not None else eos_token_ids[0]
+
+
+@dataclass(frozen=True)
+class PaddedBatch:
+    """Left-padded prompts with what the model needs to ignore the padding."""
+
+    input_ids_BT: torch.Tensor
+    attention_mask_BT: torch.Tensor
+    position_ids_BT: torch.Tensor
+
+
+def left_pad(
+    prompts: Sequence[Sequence[int]], pad_token_id: int, device: torch.device
+) -> PaddedBatch:
+    """Left-pad so every row's last prompt token is in the last column.
+
+    Real tokens get positions 0..len-1 (as if unpadded); pad positions get 1, a harmless
+    placeholder since they are masked out (the same convention as ``transformers``).
+    """
+    max_len = max(len(p) for p in prompts)
+    input_ids_BT = torch.full((len(prompts), max_len), pad_token_id, dtype=torch.long)
+    attention_mask_BT = torch.zeros((len(prompts), max_len), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        input_ids_BT[row, max_len - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+        attention_mask_BT[row, max_len - len(prompt) :] = 1
+    position_ids_BT = (attention_mask_BT.cumsum(dim=1) - 1).masked_fill(attention_mask_BT == 0, 1)
+    return PaddedBatch(
+        input_ids_BT.to(device), attention_mask_BT.to(device), position_ids_BT.to(device)
+    )
+
+
+# --- sampling --------------------------------------------------------------------------------
+
+
+def top_p_filter(probs_BV: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Zero the tail outside the nucleus; the most likely token always survives.
+
+    A token is kept when the mass of strictly more likely tokens is still below ``top_p``.
+    The result is unnormalised, which ``torch.multinomial`` accepts.
+    """
+    if top_p >= 1.0:
+        return probs_BV
+    sorted_probs_BV, sorted_ids_BV = probs_BV.sort(dim=-1, descending=True, stable=True)
+    mass_before_BV = sorted_probs_BV.cumsum(dim=-1) - sorted_probs_BV
+    sorted_probs_BV = sorted_probs_BV.masked_fill(mass_before_BV >= top_p, 0.0)
+    return torch.zeros_like(probs_BV).scatter(-1, sorted_ids_BV, sorted_probs_BV)
+
+
+def sample_next_tokens(
+    logits_BV: torch.Tensor, params: SamplingParams, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw one token per row; return (token_B, logprob_B) with the interface's logprob."""
+    logits_BV = logits_BV.float()
+    if params.greedy:
+        logprobs_BV = torch.log_softmax(logits_BV, dim=-1)
+        token_B = logits_BV.argmax(dim=-1)
+    else:
+        logprobs_BV = torch.log_softmax(logits_BV / params.temperature, dim=-1)
+        probs_BV = top_p_filter(logprobs_BV.exp(), params.top_p)
+        token_B = torch.multinomial(probs_BV, 1, generator=generator).squeeze(-1)
+    logprob_B = logprobs_BV.gather(-1, token_B.unsqueeze(-1)).squeeze(-1)
+    return token_B, logprob_B
+
+
+def trim_at_eos(
+    tokens_S: Sequence[int], logprobs_S: Sequence[float], eos_token_ids: Sequence[int]
+) -> tuple[tuple[int, ...], tuple[float, ...], bool]:
+    """Cut a row's samples after its first EOS (kept); report whether it stopped on EOS."""
+    for index, token in enumerate(tokens_S):
+        if token in eos_token_ids:
+            return tuple(tokens_S[: index + 1]), tuple(logprobs_S[: index + 1]), True
+    return tuple(tokens_S), tuple(logprobs_S), False
+
+
+# --- LoRA (PEFT) -----------------------------------------------------------------------------
+
+
+def parse_peft_lora_name(name: str) -> tuple[str, str]:
+    """Split a PEFT adapter tensor name into (module path in the HF model, "lora_A"|"lora_B").
+
+    Accepts ``get_peft_model_state_dict`` names
+    (``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``), the same without the
+    ``base_model.model.`` prefix, and names that still carry the adapter name
+    (``...lora_A.default.weight``).
+    """
+    stripped = name.removeprefix(PEFT_PREFIX)
+    for which in ("lora_A", "lora_B"):
+        for suffix in (f".{which}.weight", f".{which}.{ADAPTER_NAME}.weight"):
+            if stripped.endswith(suffix):
+                return stripped[: -len(suffix)], which
+    raise ValueError(f"LoRA tensor {name!r} is not a PEFT lora_A/lora_B weight name")
+
+
+def _lora_layers(model: torch.nn.Module) -> dict[str, Any]:
+    """Module path -> PEFT LoRA layer, for every layer currently injected."""
+    from peft.tuners.lora import LoraLayer
+
+    return {path: module for path, module in model.named_modules() if isinstance(module, LoraLayer)}
+
+
+def remove_lora_layers(model: torch.nn.Module) -> None:
+    """Put every PEFT-wrapped module's original layer back, dropping the adapter weights."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    for path, module in list(model.named_modules()):
+        if isinstance(module, BaseTunerLayer):
+            parent_path, _, child_name = path.rpartition(".")
+            setattr(model.get_submodule(parent_path), child_name, module.get_base_layer())
+    if hasattr(model, "peft_config"):
+        del model.peft_config
+
+
+def _copy_lora_tensors(
+    model: torch.nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]]
+) -> None:
+    """Copy adapter tensors into the injected LoRA layers; every layer must get A and B."""
+    layers = _lora_layers(model)
+    missing = {(path, which) for path in layers for which in ("lora_A", "lora_B")}
+    for name, tensor in named_tensors:
+        path, which = parse_peft_lora_name(name)
+        if path not in layers:
+            raise ValueError(f"LoRA tensor {name!r} targets {path!r}, which has no LoRA layer")
+        weight = getattr(layers[path], which)[ADAPTER_NAME].weight
+        if tuple(tensor.shape) != tuple(weight.shape):
+            raise ValueError(
+                f"LoRA tensor {name!r} has shape {tuple(tensor.shape)}, "
+                f"expected {tuple(weight.shape)}"
+            )
+        weight.copy_(tensor)
+        missing.discard((path, which))
+    if missing:
+        shown = sorted(f"{path}.{which}" for path, which in missing)[:4]
+        raise ValueError(f"adapter is missing {len(missing)} LoRA tensors, e.g. {shown}")
+
+
+# --- the engine ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _FreedParam:
+    """What a parameter looked like before ``sleep(2)`` emptied it."""
+
+    param: torch.nn.Parameter
+    shape: torch.Size
+    dtype: torch.dtype
+
+
+class HFEngine(RolloutEngine):
+    """Rollouts from a ``transformers`` causal LM, on CPU or one accelerator."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+        device: str | torch.device = "cpu",
+        eos_token_ids: Sequence[int] | None = None,
+        pad_token_id: int | None = None,
+    ) -> None:
+        self._device = torch.device(device)
+        self._model = model.to(self._device).eval().requires_grad_(False)
+        self._eos_token_ids = resolve_eos_token_ids(eos_token_ids, tokenizer, model)
+        self._pad_token_id = resolve_pad_token_id(pad_token_id, tokenizer, self._eos_token_ids)
+        # Captured before any LoRA wrapping renames modules; tied names map to one Parameter.
+        self._params_by_name: dict[str, torch.nn.Parameter] = dict(
+            model.named_parameters(remove_duplicate=False)
+        )
+        self._sleep_level = 0
+        self._freed: list[_FreedParam] = []
+        self._pending_param_ids: set[int] = set()
+        self._adapter_loaded = False
+
+    # -- properties --
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self._eos_token_ids
+
+    @property
+    def model(self) -> PreTrainedModel:
+        """The wrapped model (with any LoRA layers injected), for inspection and tests."""
+        return self._model
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    # -- generate --
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams
+    ) -> list[Generation]:
+        self._require_ready_to_generate()
+        if not prompts:
+            return []
+        self._validate_prompts(prompts)
+        tokens_BS, logprobs_BS = self._sample(prompts, params)
+        generations = []
+        for prompt, tokens_S, logprobs_S in zip(prompts, tokens_BS, logprobs_BS, strict=True):
+            response, logprobs, finished = trim_at_eos(tokens_S, logprobs_S, self._eos_token_ids)
+            generations.append(Generation(tuple(prompt), response, logprobs, finished))
+        return generations
+
+    @torch.inference_mode()
+    def _sample(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams
+    ) -> tuple[list[list[int]], list[list[float]]]:
+        """The decode loop; returns untrimmed tokens and logprobs per row (lists, on host)."""
+        from transformers import DynamicCache
+
+        batch = left_pad(prompts, self._pad_token_id, self._device)
+        generator = torch.Generator(device=self._device).manual_seed(params.seed)
+        eos_ids = torch.tensor(self._eos_token_ids, device=self._device)
+        cache = DynamicCache(config=self._model.config)
+        logits_BV = self._forward_last(
+            batch.input_ids_BT, batch.attention_mask_BT, batch.position_ids_BT, cache
+        )
+        attention_mask_BT = batch.attention_mask_BT
+        next_position_B = batch.position_ids_BT[:, -1] + 1
+        finished_B = torch.zeros(len(prompts), dtype=torch.bool, device=self._device)
+        tokens, logprobs = [], []
+        for step in range(params.max_new_tokens):
+            token_B, logprob_B = sample_next_tokens(logits_BV, params, generator)
+            token_B = token_B.masked_fill(finished_B, self._pad_token_id)
+            tokens.append(token_B)
+            logprobs.append(logprob_B)
+            finished_B = finished_B | torch.isin(token_B, eos_ids)
+            if step + 1 == params.max_new_tokens or bool(finished_B.all()):
+                break
+            attention_mask_BT = torch.cat(
+                [attention_mask_BT, attention_mask_BT.new_ones((len(prompts), 1))], dim=1
+            )
+            logits_BV = self._forward_last(
+                token_B.unsqueeze(1), attention_mask_BT, next_position_B.unsqueeze(1), cache
+            )
+            next_position_B = next_position_B + 1
+        return torch.stack(tokens, 1).tolist(), torch.stack(logprobs, 1).tolist()
+
+    def _forward_last(
+        self,
+        input_ids_BT: torch.Tensor,
+        attention_mask_BT: torch.Tensor,
+        position_ids_BT: torch.Tensor,
+        cache: Any,
+    ) -> torch.Tensor:
+        """Run new tokens through the model, extending ``cache``; logits of the last column."""
+        output = self._model(
+            input_ids=input_ids_BT,
+            attention_mask=attention_mask_BT,
+            position_ids=position_ids_BT,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return output.logits[:, -1, :]
+
+    def _validate_prompts(self, prompts: Sequence[Sequence[int]]) -> None:
+        vocab_size = self._model.get_input_embeddings().num_embeddings
+        for index, prompt in enumerate(prompts):
+            if len(prompt) == 0:
+                raise ValueError(f"prompt {index} is empty")
+            if min(prompt) < 0 or max(prompt) >= vocab_size:
+                raise ValueError(f"prompt {index} has token ids outside [0, {vocab_size})")
+
+    # -- weights --
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        self._require_awake("update_weights")
+        num_applied = 0
+        with torch.no_grad():
+            for name, tensor in named_tensors:
+                param = self._param_for(name, tensor)
+                param.copy_(tensor)
+                self._pending_param_ids.discard(id(param))
+                num_applied += 1
+        return num_applied
+
+    def _param_for(self, name: str, tensor: torch.Tensor) -> torch.nn.Parameter:
+        """The base parameter ``name`` refers to, checked against ``tensor``'s shape."""
+        param = self._params_by_name.get(name)
+        if param is None:
+            raise ValueError(f"unknown parameter name {name!r} for {type(self._model).__name__}")
+        if tuple(tensor.shape) != tuple(param.shape):
+            raise ValueError(
+                f"parameter {name!r} has shape {tuple(param.shape)}, got {tuple(tensor.shape)}"
+            )
+        return param
+
+    def load_lora_adapter(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        rank: int,
+        alpha: float,
+        target_modules: Sequence[str],
+    ) -> None:
+        from peft import LoraConfig, inject_adapter_in_model
+
+        self._require_awake("load_lora_adapter")
+        self.unload_lora_adapter()
+        config = LoraConfig(
+            r=rank, lora_alpha=alpha, target_modules=list(target_modules), lora_dropout=0.0
+        )
+        with warnings.catch_warnings():  # peft asks a deprecated transformers property
+            warnings.filterwarnings("ignore", ".*is_gradient_checkpointing", FutureWarning)
+            inject_adapter_in_model(config, self._model, adapter_name=ADAPTER_NAME)
+        self._model.eval().requires_grad_(False)
+        try:
+            with torch.no_grad():
+                _copy_lora_tensors(self._model, named_tensors)
+        except BaseException:
+            remove_lora_layers(self._model)
+            raise
+        self._adapter_loaded = True
+
+    def unload_lora_adapter(self) -> None:
+        """Drop the current adapter, if any, so ``generate`` uses the base weights alone."""
+        if self._adapter_loaded:
+            remove_lora_layers(self._model)
+            self._adapter_loaded = False
+
+    # -- memory --
+
+    def sleep(self, level: int) -> None:
+        validate_sleep_level(level)
+        if self._sleep_level:
+            raise RuntimeError(f"engine is already asleep (level {self._sleep_level})")
+        if level == 1:
+            self._move_params(torch.device("cpu"))
+        else:
+            self.unload_lora_adapter()
+            self._free_base_params()
+        self._sleep_level = level
+        self._release_cached_memory()
+
+    def wake_up(self) -> EngineMemoryState:
+        if self._sleep_level == 1:
+            self._move_params(self._device)
+        elif self._sleep_level == 2:
+            self._reallocate_base_params()
+        self._sleep_level = 0
+        return self.memory_state()
+
+    def memory_state(self) -> EngineMemoryState:
+        base_resident = self._sleep_level != 2 and not self._pending_param_ids
+        return EngineMemoryState(
+            base_weights_resident=base_resident, adapter_resident=self._adapter_loaded
+        )
+
+    def _unique_base_params(self) -> list[torch.nn.Parameter]:
+        return list({id(p): p for p in self._params_by_name.values()}.values())
+
+    def _move_params(self, device: torch.device) -> None:
+        """Move all parameters (adapter included) without touching their identity."""
+        if self._device.type == "cpu":
+            return  # host memory is where the weights would go anyway
+        with torch.no_grad():
+            for param in self._model.parameters():
+                param.data = param.data.to(device)
+
+    def _free_base_params(self) -> None:
+        """Swap each base parameter's storage for an empty tensor, remembering its layout."""
+        self._freed = []
+        for param in self._unique_base_params():
+            self._freed.append(_FreedParam(param, param.shape, param.dtype))
+            param.data = torch.empty(0, dtype=param.dtype, device=self._device)
+        self._pending_param_ids = {id(freed.param) for freed in self._freed}
+
+    def _reallocate_base_params(self) -> None:
+        """Give freed parameters uninitialised storage of their old shape, to be resent."""
+        for freed in self._freed:
+            freed.param.data = torch.empty(freed.shape, dtype=freed.dtype, device=self._device)
+        self._freed = []
+
+    def _release_cached_memory(self) -> None:
+        gc.collect()
+        if self._device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    # -- guards --
+
+    def _require_awake(self, action: str) -> None:
+        if self._sleep_level:
+            raise RuntimeError(
+                f"cannot {action}: engine is asleep (level {self._sleep_level}); "
+                "call wake_up() first"
+            )
+
+    def _require_ready_to_generate(self) -> None:
+        self._require_awake("generate")
+        if self._pending_param_ids:
+            raise RuntimeError(
+                "cannot generate: base weights were freed by sleep(2) and "
+                f"{len(self._pending_param_ids)} parameters have not been resent; "
+                "call update_weights() with the full model first"
+            )

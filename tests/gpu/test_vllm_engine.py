@@ -1,0 +1,175 @@
+"""VLLMEngine against a real vLLM on CUDA (skipped where vLLM or CUDA is missing).
+
+One engine serves the whole module (vLLM's sleep-mode allocator allows one per process), so
+every test leaves it awake with the original base weights. The model is a tiny random Llama
+saved to a temporary folder, served in bfloat16; references come from ``transformers`` in
+fp32 on the same weights, so logprob comparisons use a bfloat16-sized tolerance.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="vLLM needs CUDA"),
+]
+
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from megarl.engines.base import SamplingParams, build_engine  # noqa: E402
+from megarl.engines.vllm import VLLMEngine  # noqa: E402
+
+VOCAB = 512
+EOS = 2
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [20, 21, 22, 23], [40]]
+BF16_LOGPROB_TOLERANCE = 2e-2  # mean |vLLM bf16 - HF fp32| per token
+LORA_TARGETS = ["q_proj", "v_proj"]
+
+
+def random_llama(seed: int) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        eos_token_id=EOS,
+        bos_token_id=1,
+    )
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # sharper distributions than the default init, so argmax is stable
+        model.lm_head.weight.mul_(20.0)
+    return model.to(torch.bfloat16).float()  # exactly representable in the served bf16
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> tuple[str, LlamaForCausalLM]:
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    model = random_llama(seed=0)
+    model.to(torch.bfloat16).save_pretrained(folder)
+    return str(folder), model.float().cuda()
+
+
+@pytest.fixture(scope="module")
+def engine(reference) -> VLLMEngine:
+    path, _ = reference
+    built = build_engine(
+        "vllm",
+        model=path,
+        gpu_memory_utilization=0.3,
+        max_num_seqs=16,
+        dtype="bfloat16",
+        enable_sleep_mode=True,
+        enable_lora=True,
+        max_lora_rank=8,
+        eos_token_ids=[EOS],
+        max_model_len=256,
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+    )
+    yield built
+    built.close()
+
+
+@torch.no_grad()
+def mean_abs_logprob_diff(model: torch.nn.Module, generations, temperature: float) -> float:
+    diffs = []
+    for generation in generations:
+        ids_T = torch.tensor(generation.prompt_ids + generation.response_ids, device="cuda")
+        logits_TV = model(ids_T.unsqueeze(0)).logits[0].float() / (temperature or 1.0)
+        logprobs_TV = torch.log_softmax(logits_TV, dim=-1)
+        num_prompt = len(generation.prompt_ids)
+        expected = logprobs_TV[num_prompt - 1 : -1].gather(-1, ids_T[num_prompt:, None])
+        got = torch.tensor(generation.response_logprobs, device="cuda")
+        diffs.append((expected.squeeze(-1) - got).abs())
+    return torch.cat(diffs).mean().item()
+
+
+def greedy(max_new_tokens: int = 8) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
+
+
+def test_generate_returns_the_interface_logprobs(engine, reference):
+    _, model = reference
+    params = SamplingParams(temperature=0.8, max_new_tokens=8, seed=0)
+    generations = engine.generate(PROMPTS, params)
+    assert [g.prompt_ids for g in generations] == [tuple(p) for p in PROMPTS]
+    for generation in generations:
+        assert 1 <= len(generation.response_ids) <= 8
+        assert all(math.isfinite(lp) and lp <= 0 for lp in generation.response_logprobs)
+        assert generation.finished == (generation.response_ids[-1] == EOS)
+    assert mean_abs_logprob_diff(model, generations, 0.8) < BF16_LOGPROB_TOLERANCE
+
+
+def test_seeds_are_reproducible_and_groups_differ(engine):
+    group = [[7, 8, 9]] * 8
+    first = engine.generate(group, SamplingParams(max_new_tokens=8, seed=3))
+    assert engine.generate(group, SamplingParams(max_new_tokens=8, seed=3)) == first
+    assert len({g.response_ids for g in first}) > 1
+
+
+def test_top_p_below_one_is_refused(engine):
+    with pytest.raises(ValueError, match="top_p"):
+        engine.generate(PROMPTS, SamplingParams(top_p=0.9))
+
+
+def test_update_weights_changes_output_and_validates_names(engine, reference):
+    _, model = reference
+    before = engine.generate(PROMPTS, greedy())
+    new_model = random_llama(seed=1).cuda()
+    state = new_model.state_dict()
+    assert engine.update_weights(state.items()) == len(state)
+    after = engine.generate(PROMPTS, greedy())
+    assert [g.response_ids for g in after] != [g.response_ids for g in before]
+    assert mean_abs_logprob_diff(new_model, after, 0.0) < BF16_LOGPROB_TOLERANCE
+
+    with pytest.raises(ValueError, match="model.layers.7.mlp.up_proj.weight"):
+        engine.update_weights([("model.layers.7.mlp.up_proj.weight", torch.zeros(512, 256))])
+    engine.update_weights(model.state_dict().items())
+    assert engine.generate(PROMPTS, greedy()) == before
+
+
+def test_lora_adapter_matches_merged_reference(engine, reference):
+    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+
+    _, model = reference
+    torch.manual_seed(5)
+    config = LoraConfig(r=8, lora_alpha=16, target_modules=LORA_TARGETS, init_lora_weights=False)
+    peft_model = get_peft_model(copy.deepcopy(model), config)
+    adapter = get_peft_model_state_dict(peft_model)
+    merged = peft_model.merge_and_unload().eval()
+
+    engine.load_lora_adapter(adapter.items(), rank=8, alpha=16, target_modules=LORA_TARGETS)
+    assert engine.memory_state().adapter_resident
+    generations = engine.generate(PROMPTS, SamplingParams(temperature=1.0, seed=1))
+    assert mean_abs_logprob_diff(merged, generations, 1.0) < BF16_LOGPROB_TOLERANCE
+
+
+def test_sleep_and_wake_report_what_survived(engine, reference):
+    _, model = reference
+    engine.sleep(1)
+    assert engine.memory_state().base_weights_resident
+    with pytest.raises(RuntimeError, match="asleep"):
+        engine.generate(PROMPTS, greedy())
+    assert engine.wake_up().base_weights_resident
+    assert engine.generate(PROMPTS, greedy())  # weights came back from host memory
+
+    engine.sleep(2)
+    state = engine.wake_up()
+    assert not state.base_weights_resident and not state.adapter_resident
+    with pytest.raises(RuntimeError, match="resent"):
+        engine.generate(PROMPTS, greedy())
+    engine.update_weights(model.state_dict().items())
+    assert engine.memory_state().base_weights_resident
+    base_only = engine.generate(PROMPTS, greedy())
+    assert mean_abs_logprob_diff(model, base_only, 0.0) < BF16_LOGPROB_TOLERANCE

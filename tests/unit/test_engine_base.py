@@ -1,0 +1,101 @@
+"""The engine interface: parameter validation, the registry, lazy imports."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+
+import pytest
+
+from megarl.engines import base
+from megarl.engines.base import (
+    VLLM_MISSING_MESSAGE,
+    Generation,
+    SamplingParams,
+    build_engine,
+    merge_token_ids,
+    register_engine,
+)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"temperature": -0.1}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"max_new_tokens": 0}, "max_new_tokens"),
+        ({"seed": -1}, "seed"),
+    ],
+)
+def test_sampling_params_are_validated(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_greedy_means_temperature_zero():
+    assert SamplingParams(temperature=0.0).greedy
+    assert not SamplingParams().greedy
+
+
+def test_generation_needs_one_logprob_per_token():
+    with pytest.raises(ValueError, match="logprobs"):
+        Generation((1,), (2, 3), (-0.1,), finished=False)
+
+
+def test_merge_token_ids_keeps_order_and_drops_duplicates():
+    assert merge_token_ids(2, [0, 2], None, (5,)) == (2, 0, 5)
+    assert merge_token_ids(None) == ()
+
+
+def test_build_engine_rejects_unknown_names():
+    with pytest.raises(ValueError, match="unknown rollout engine 'sglang'.*hf, vllm"):
+        build_engine("sglang")
+
+
+def test_registered_factories_receive_kwargs(monkeypatch):
+    monkeypatch.setattr(base, "ENGINES", dict(base.ENGINES))
+    register_engine("fake", lambda **kwargs: kwargs)
+    assert build_engine("fake", a=1) == {"a": 1}
+    with pytest.raises(ValueError, match="already registered"):
+        register_engine("fake", lambda **kwargs: kwargs)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm is installed")
+def test_vllm_engine_without_vllm_says_how_to_install():
+    with pytest.raises(RuntimeError) as error:
+        build_engine("vllm", model="unused")
+    assert str(error.value) == VLLM_MISSING_MESSAGE
+    from megarl.engines.vllm import VLLMEngine
+
+    with pytest.raises(RuntimeError, match="megarl\\[gpu\\]"):
+        VLLMEngine(model="unused")
+
+
+def test_engine_modules_import_no_engine_library():
+    code = (
+        "import sys, megarl.engines, megarl.engines.hf, megarl.engines.vllm;"
+        "print(sorted({'vllm', 'transformers', 'peft'} & set(sys.modules)))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
+
+
+def test_build_engine_hf():
+    transformers = pytest.importorskip("transformers")
+    from megarl.engines.hf import HFEngine
+
+    config = transformers.LlamaConfig(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
+    engine = build_engine("hf", model=transformers.LlamaForCausalLM(config), eos_token_ids=[3])
+    assert isinstance(engine, HFEngine)
+    assert engine.eos_token_ids == (3,)
+    assert engine.memory_state() == base.EngineMemoryState(True, False)

@@ -1,0 +1,439 @@
+"""HFEngine on a tiny random Llama: sampling, logprob definition, weights, memory, LoRA.
+
+The central check is ``test_logprobs_match_unpadded_full_forward``: the engine's logprobs
+(left-padded batch + KV cache) must equal a plain one-sequence forward of prompt+response.
+That is what the trainer recomputes, so it proves padding, positions and cache are right.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from megarl.engines.base import Generation, SamplingParams  # noqa: E402
+from megarl.engines.hf import HFEngine, parse_peft_lora_name, top_p_filter  # noqa: E402
+
+VOCAB = 128
+EOS = 2
+PAD = 0
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [20, 21, 22, 23], [40]]
+# peft reads a transformers property that is deprecated in transformers 5
+pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")
+
+
+def tiny_llama(tie: bool = False, seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=tie,
+        eos_token_id=EOS,
+        bos_token_id=1,
+        pad_token_id=PAD,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def make_engine(model: LlamaForCausalLM, device: str = "cpu") -> HFEngine:
+    return HFEngine(model, device=device, eos_token_ids=[EOS], pad_token_id=PAD)
+
+
+def bias_eos(model: LlamaForCausalLM, bias: float) -> None:
+    """Add ``bias`` to the EOS logit (a forward hook on lm_head)."""
+    bias_V = torch.zeros(VOCAB)
+    bias_V[EOS] = bias
+    model.lm_head.register_forward_hook(lambda _m, _i, out: out + bias_V.to(out.device))
+
+
+@torch.no_grad()
+def reference_logprobs(model: torch.nn.Module, generation: Generation, temperature: float):
+    """log_softmax(logits / T)[token] from one unpadded, uncached forward of prompt+response."""
+    device = next(model.parameters()).device
+    ids_T = torch.tensor(generation.prompt_ids + generation.response_ids, device=device)
+    logits_TV = model(ids_T.unsqueeze(0)).logits[0].float()
+    logprobs_TV = torch.log_softmax(logits_TV / (temperature or 1.0), dim=-1)
+    num_prompt = len(generation.prompt_ids)
+    response_T = ids_T[num_prompt:].unsqueeze(-1)
+    return logprobs_TV[num_prompt - 1 : -1].gather(-1, response_T).squeeze(-1).cpu()
+
+
+def greedy(max_new_tokens: int = 8) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
+
+
+def assert_same_samples(got: list[Generation], expected: list[Generation]) -> None:
+    """Same tokens, logprobs equal up to GEMM rounding.
+
+    Exact equality holds for repeated calls on the same weights; weights in new storage (a
+    reload, another model object) may take a different CPU GEMM path and differ in the last
+    bits, so comparisons across storage use this instead.
+    """
+    assert [g.response_ids for g in got] == [g.response_ids for g in expected]
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(
+            torch.tensor(a.response_logprobs), torch.tensor(b.response_logprobs), atol=1e-5, rtol=0
+        )
+
+
+# --- shapes and stopping ----------------------------------------------------------------------
+
+
+def test_generate_returns_one_generation_per_prompt_in_order():
+    engine = make_engine(tiny_llama())
+    generations = engine.generate(PROMPTS, SamplingParams(max_new_tokens=6, seed=1))
+    assert [g.prompt_ids for g in generations] == [tuple(p) for p in PROMPTS]
+    for generation in generations:
+        assert 1 <= len(generation.response_ids) <= 6
+        assert len(generation.response_logprobs) == len(generation.response_ids)
+        assert all(math.isfinite(lp) and lp <= 0 for lp in generation.response_logprobs)
+        assert all(0 <= t < VOCAB for t in generation.response_ids)
+    assert engine.generate([], SamplingParams()) == []
+
+
+def test_always_eos_stops_every_row_after_one_token():
+    model = tiny_llama()
+    bias_eos(model, 1e4)
+    generations = make_engine(model).generate(PROMPTS, SamplingParams(max_new_tokens=8))
+    assert all(g.response_ids == (EOS,) and g.finished for g in generations)
+
+
+def test_rows_stop_independently_at_eos():
+    model = tiny_llama()
+    bias_eos(model, 5.0)  # EOS likely but not certain: rows finish at different steps
+    prompts = [[7, 8, 9]] * 16
+    generations = make_engine(model).generate(prompts, SamplingParams(max_new_tokens=10, seed=3))
+    for g in generations:
+        assert EOS not in g.response_ids[:-1]
+        if g.finished:
+            assert g.response_ids[-1] == EOS
+        else:
+            assert len(g.response_ids) == 10
+    assert len({len(g.response_ids) for g in generations}) > 1
+    assert any(g.finished for g in generations)
+
+
+def test_max_new_tokens_caps_unfinished_rows():
+    model = tiny_llama()
+    bias_eos(model, -1e4)
+    generations = make_engine(model).generate(PROMPTS, SamplingParams(max_new_tokens=5))
+    assert all(len(g.response_ids) == 5 and not g.finished for g in generations)
+
+
+def test_bad_prompts_are_rejected():
+    engine = make_engine(tiny_llama())
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        engine.generate([[1, 2], []], SamplingParams())
+    with pytest.raises(ValueError, match="outside"):
+        engine.generate([[1, VOCAB]], SamplingParams())
+
+
+# --- the logprob definition -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tie", [False, True])
+@pytest.mark.parametrize(("temperature", "top_p"), [(1.0, 1.0), (0.7, 1.0), (1.3, 0.8), (0.0, 1.0)])
+def test_logprobs_match_unpadded_full_forward(tie, temperature, top_p):
+    model = tiny_llama(tie=tie)
+    bias_eos(model, 2.0)  # some rows finish early and keep being fed pad tokens
+    engine = make_engine(model)
+    params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=12, seed=5)
+    for generation in engine.generate(PROMPTS, params):
+        expected = reference_logprobs(model, generation, temperature)
+        got = torch.tensor(generation.response_logprobs)
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+
+
+def test_batched_greedy_equals_one_prompt_at_a_time():
+    engine = make_engine(tiny_llama())
+    batched = engine.generate(PROMPTS, greedy(10))
+    alone = [engine.generate([p], greedy(10))[0] for p in PROMPTS]
+    assert [g.response_ids for g in batched] == [g.response_ids for g in alone]
+
+
+def test_tiny_top_p_is_greedy():
+    engine = make_engine(tiny_llama())
+    nucleus = engine.generate(PROMPTS, SamplingParams(top_p=1e-6, max_new_tokens=10, seed=9))
+    argmax = engine.generate(PROMPTS, greedy(10))
+    assert [g.response_ids for g in nucleus] == [g.response_ids for g in argmax]
+    for a, b in zip(nucleus, argmax, strict=True):
+        torch.testing.assert_close(
+            torch.tensor(a.response_logprobs), torch.tensor(b.response_logprobs), atol=1e-6, rtol=0
+        )
+
+
+def test_top_p_filter_keeps_smallest_nucleus():
+    probs_BV = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    assert (top_p_filter(probs_BV, 0.5) > 0).tolist() == [[True, False, False, False]]
+    assert (top_p_filter(probs_BV, 0.75) > 0).tolist() == [[True, True, False, False]]
+    assert (top_p_filter(probs_BV, 0.9) > 0).tolist() == [[True, True, True, False]]
+    assert top_p_filter(probs_BV, 1.0) is probs_BV
+
+
+# --- RNG --------------------------------------------------------------------------------------
+
+
+def test_same_seed_same_generations_regardless_of_global_rng():
+    engine = make_engine(tiny_llama())
+    params = SamplingParams(max_new_tokens=12, seed=42)
+    first = engine.generate(PROMPTS, params)
+    torch.manual_seed(1234)
+    torch.rand(1000)
+    engine.generate(PROMPTS, SamplingParams(max_new_tokens=12, seed=7))
+    assert engine.generate(PROMPTS, params) == first
+
+
+def test_generate_does_not_touch_the_global_rng():
+    engine = make_engine(tiny_llama())
+    state = torch.get_rng_state()
+    engine.generate(PROMPTS, SamplingParams(max_new_tokens=12, seed=1))
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_different_seeds_and_repeated_prompts_give_different_samples():
+    engine = make_engine(tiny_llama())
+    group = [[7, 8, 9]] * 8
+    responses = [g.response_ids for g in engine.generate(group, SamplingParams(seed=1))]
+    assert len(set(responses)) > 1
+    other = [g.response_ids for g in engine.generate(group, SamplingParams(seed=2))]
+    assert other != responses
+
+
+# --- weights ----------------------------------------------------------------------------------
+
+
+def test_update_weights_makes_engine_match_the_new_model():
+    engine = make_engine(tiny_llama(seed=0))
+    new_model = tiny_llama(seed=1)
+    before = engine.generate(PROMPTS, greedy(10))
+    num_applied = engine.update_weights(new_model.state_dict().items())
+    assert num_applied == len(new_model.state_dict())
+    after = engine.generate(PROMPTS, greedy(10))
+    expected = make_engine(tiny_llama(seed=1)).generate(PROMPTS, greedy(10))
+    assert_same_samples(after, expected)
+    assert [g.response_ids for g in after] != [g.response_ids for g in before]
+
+
+def test_update_weights_rejects_unknown_names_and_bad_shapes():
+    engine = make_engine(tiny_llama())
+    with pytest.raises(ValueError, match="model.layers.9.mlp.up_proj.weight"):
+        engine.update_weights([("model.layers.9.mlp.up_proj.weight", torch.zeros(128, 64))])
+    with pytest.raises(ValueError, match="model.norm.weight"):
+        engine.update_weights([("model.norm.weight", torch.zeros(65))])
+
+
+@pytest.mark.parametrize("name", ["lm_head.weight", "model.embed_tokens.weight"])
+def test_tied_embedding_update_under_either_name(name):
+    engine = make_engine(tiny_llama(tie=True))
+    new_embedding = torch.randn(VOCAB, 64)
+    assert engine.update_weights([(name, new_embedding)]) == 1
+    model = engine.model
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    torch.testing.assert_close(model.lm_head.weight, new_embedding)
+    reference = tiny_llama(tie=True)
+    reference.model.embed_tokens.weight.data.copy_(new_embedding)
+    for generation in engine.generate(PROMPTS, greedy(6)):
+        torch.testing.assert_close(
+            torch.tensor(generation.response_logprobs),
+            reference_logprobs(reference, generation, 0.0),
+            atol=1e-5,
+            rtol=0,
+        )
+
+
+# --- sleep / wake -----------------------------------------------------------------------------
+
+
+def test_sleep_level_1_keeps_weights():
+    engine = make_engine(tiny_llama())
+    before = engine.generate(PROMPTS, greedy())
+    engine.sleep(1)
+    assert engine.memory_state().base_weights_resident
+    with pytest.raises(RuntimeError, match="asleep"):
+        engine.generate(PROMPTS, greedy())
+    state = engine.wake_up()
+    assert state.base_weights_resident and not state.adapter_resident
+    assert_same_samples(engine.generate(PROMPTS, greedy()), before)
+
+
+def test_sleep_level_2_frees_weights_until_all_are_resent():
+    model = tiny_llama(tie=True)
+    full_state = {name: t.clone() for name, t in model.state_dict().items()}
+    engine = make_engine(model)
+    before = engine.generate(PROMPTS, greedy())
+
+    engine.sleep(2)
+    assert not engine.memory_state().base_weights_resident
+    assert all(p.untyped_storage().nbytes() == 0 for p in engine.model.parameters())
+    with pytest.raises(RuntimeError, match="asleep"):
+        engine.update_weights(full_state.items())
+
+    assert not engine.wake_up().base_weights_resident
+    with pytest.raises(RuntimeError, match="freed"):
+        engine.generate(PROMPTS, greedy())
+    engine.update_weights([("model.norm.weight", full_state["model.norm.weight"])])
+    assert not engine.memory_state().base_weights_resident
+
+    without_lm_head = [(n, t) for n, t in full_state.items() if n != "lm_head.weight"]
+    engine.update_weights(without_lm_head)  # tied: the embedding covers lm_head
+    assert engine.memory_state().base_weights_resident
+    assert engine.model.lm_head.weight is engine.model.model.embed_tokens.weight
+    assert_same_samples(engine.generate(PROMPTS, greedy()), before)
+
+
+def test_sleep_levels_are_validated():
+    engine = make_engine(tiny_llama())
+    with pytest.raises(ValueError, match="sleep level"):
+        engine.sleep(3)
+    engine.sleep(1)
+    with pytest.raises(RuntimeError, match="already asleep"):
+        engine.sleep(2)
+    engine.wake_up()
+    assert engine.wake_up().base_weights_resident  # waking an awake engine is a no-op
+
+
+# --- LoRA -------------------------------------------------------------------------------------
+
+
+def peft_adapter(base: LlamaForCausalLM, seed: int, targets: list[str]):
+    """A random PEFT LoRA on a copy of ``base``: (PEFT state dict, merged HF model)."""
+    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+
+    torch.manual_seed(seed)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)
+    peft_model = get_peft_model(copy.deepcopy(base), config)
+    with torch.no_grad():  # make the adapter's effect large enough to see
+        for name, param in peft_model.named_parameters():
+            if "lora_" in name:
+                param.mul_(3.0)
+    state = {n: t.clone() for n, t in get_peft_model_state_dict(peft_model).items()}
+    return state, peft_model.merge_and_unload().eval()
+
+
+def assert_engine_matches(engine: HFEngine, reference: torch.nn.Module) -> None:
+    ids_BT = torch.tensor([PROMPTS[0]])
+    with torch.no_grad():
+        torch.testing.assert_close(
+            engine.model(ids_BT).logits, reference(ids_BT).logits, atol=1e-5, rtol=1e-5
+        )
+    params = SamplingParams(temperature=0.9, max_new_tokens=8, seed=4)
+    for generation in engine.generate(PROMPTS, params):
+        torch.testing.assert_close(
+            torch.tensor(generation.response_logprobs),
+            reference_logprobs(reference, generation, 0.9),
+            atol=1e-5,
+            rtol=0,
+        )
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_lora_adapter_equals_merged_weights_and_replaces_previous(tie):
+    base = tiny_llama(tie=tie)
+    first, merged_first = peft_adapter(base, seed=1, targets=["q_proj", "v_proj"])
+    second, merged_second = peft_adapter(base, seed=2, targets=["o_proj", "down_proj"])
+    assert next(iter(first)).startswith("base_model.model.model.layers.0.")
+    engine = make_engine(copy.deepcopy(base))
+
+    engine.load_lora_adapter(first.items(), rank=4, alpha=8, target_modules=["q_proj", "v_proj"])
+    assert engine.memory_state().adapter_resident
+    assert_engine_matches(engine, merged_first)
+
+    engine.load_lora_adapter(
+        second.items(), rank=4, alpha=8, target_modules=["o_proj", "down_proj"]
+    )
+    assert_engine_matches(engine, merged_second)
+    assert not any("q_proj.lora" in name for name, _ in engine.model.named_parameters())
+
+    engine.unload_lora_adapter()
+    assert_engine_matches(engine, base)
+
+
+def test_bad_adapter_is_rejected_and_leaves_base_model():
+    base = tiny_llama()
+    adapter, _ = peft_adapter(base, seed=1, targets=["q_proj"])
+    engine = make_engine(copy.deepcopy(base))
+    incomplete = [(n, t) for n, t in adapter.items() if "layers.1." not in n]
+    with pytest.raises(ValueError, match="missing"):
+        engine.load_lora_adapter(incomplete, rank=4, alpha=8, target_modules=["q_proj"])
+    with pytest.raises(ValueError, match="k_proj"):
+        wrong_target = [(n.replace("q_proj", "k_proj"), t) for n, t in adapter.items()]
+        engine.load_lora_adapter(wrong_target, rank=4, alpha=8, target_modules=["q_proj"])
+    assert not engine.memory_state().adapter_resident
+    assert_engine_matches(engine, base)
+
+
+def test_weight_update_keeps_adapter_and_sleep_2_drops_it():
+    base = tiny_llama()
+    adapter, _ = peft_adapter(base, seed=1, targets=["q_proj", "v_proj"])
+    new_base = tiny_llama(seed=3)
+    _, merged_on_new_base = peft_adapter(new_base, seed=1, targets=["q_proj", "v_proj"])
+    engine = make_engine(copy.deepcopy(base))
+    engine.load_lora_adapter(adapter.items(), rank=4, alpha=8, target_modules=["q_proj", "v_proj"])
+
+    engine.update_weights(new_base.state_dict().items())  # HF names, though layers are wrapped
+    assert_engine_matches(engine, merged_on_new_base)
+
+    engine.sleep(2)
+    state = engine.wake_up()
+    assert not state.adapter_resident and not state.base_weights_resident
+
+
+def test_parse_peft_lora_name():
+    expected = ("model.layers.0.self_attn.q_proj", "lora_A")
+    assert (
+        parse_peft_lora_name("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight")
+        == expected
+    )
+    assert parse_peft_lora_name("model.layers.0.self_attn.q_proj.lora_A.default.weight") == expected
+    with pytest.raises(ValueError, match="lora_A/lora_B"):
+        parse_peft_lora_name("model.layers.0.self_attn.q_proj.weight")
+
+
+# --- accelerator and real model ---------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_logprobs_match_and_sleep_offloads():
+    model = tiny_llama()
+    engine = make_engine(model, device="cuda")
+    params = SamplingParams(temperature=0.8, max_new_tokens=12, seed=2)
+    generations = engine.generate(PROMPTS, params)
+    for generation in generations:
+        torch.testing.assert_close(
+            torch.tensor(generation.response_logprobs),
+            reference_logprobs(model, generation, 0.8),
+            atol=1e-4,
+            rtol=0,
+        )
+    engine.sleep(1)
+    assert all(p.device.type == "cpu" for p in engine.model.parameters())
+    engine.wake_up()
+    assert all(p.device.type == "cuda" for p in engine.model.parameters())
+    assert_same_samples(engine.generate(PROMPTS, params), generations)
+
+
+@pytest.mark.slow
+def test_smollm2_answers_arithmetic_in_chat_format():
+    hf_io = pytest.importorskip("megarl.models.hf_io")
+    model, tokenizer = hf_io.load_hf_model(None)
+    engine = HFEngine(model, tokenizer)
+    messages = [{"role": "user", "content": "What is 12 + 7? Answer with just the number."}]
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if isinstance(prompt, dict) or hasattr(prompt, "input_ids"):
+        prompt = prompt["input_ids"]
+    generations = engine.generate([list(prompt)] * 4, SamplingParams(max_new_tokens=16, seed=0))
+    for generation in generations:
+        text = tokenizer.decode(generation.response_ids, skip_special_tokens=True)
+        assert text.strip()
+        assert all(math.isfinite(lp) for lp in generation.response_logprobs)
