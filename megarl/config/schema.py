@@ -137,7 +137,8 @@ class DataConfig:
     max_operand: int = 20
     ops: tuple[str, ...] = ("+",)
     reward: str = "auto"
-    """auto (exact_last_number for arithmetic, gsm8k for jsonl) | exact_last_number | gsm8k."""
+    """auto (exact_last_number for arithmetic, gsm8k for jsonl) | exact_last_number | gsm8k |
+    package.module:function (your own ``(response, answer) -> float``)."""
     instruction: str = ""
     """Appended to every jsonl question."""
     system_prompt: str | None = None
@@ -147,7 +148,8 @@ class DataConfig:
         _choice("data.task", self.task, ("arithmetic", "jsonl"))
         _require(self.task != "jsonl" or bool(self.path), "data.path must be set for data.task=jsonl")
         _positive("data.prompts_per_step", self.prompts_per_step)
-        _choice("data.reward", self.reward, ("auto", "exact_last_number", "gsm8k"))
+        if ":" not in self.reward:
+            _choice("data.reward", self.reward, ("auto", "exact_last_number", "gsm8k"))
 
     @property
     def reward_fn_name(self) -> str:

@@ -88,12 +88,34 @@ REWARD_FNS: dict[str, RewardFn] = {
 
 
 def get_reward_fn(name: str) -> RewardFn:
-    """Look up a reward function by its config name (``reward.fn`` style)."""
+    """Look up a reward function by its config name, or import ``package.module:function``.
+
+    The import form lets users plug in their own ``(response, answer) -> float`` without
+    touching megarl.
+    """
+    if ":" in name:
+        return _import_reward_fn(name)
     try:
         return REWARD_FNS[name]
     except KeyError:
         valid = ", ".join(sorted(REWARD_FNS))
-        raise ValueError(f"unknown reward function {name!r}; valid names: {valid}") from None
+        raise ValueError(
+            f"data.reward={name!r}: unknown reward function; valid names: {valid}, "
+            "or package.module:function"
+        ) from None
+
+
+def _import_reward_fn(path: str) -> RewardFn:
+    import importlib
+
+    module_name, _, attr = path.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"data.reward={path!r}: cannot import it ({exc})") from None
+    if not callable(fn):
+        raise ValueError(f"data.reward={path!r} is not callable")
+    return fn
 
 
 def _score(predicted: str | None, answer: str) -> float:

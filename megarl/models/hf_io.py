@@ -106,7 +106,7 @@ def _load_gguf(gguf_path: Path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder, name = str(gguf_path.parent), gguf_path.name
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     _drop_quantization_config(model)
     return model, tokenizer
@@ -142,7 +142,7 @@ def load_hf_model(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder = resolve_model_path(path)
-    model = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=dtype).to(device)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device)
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(folder)
     return model, tokenizer

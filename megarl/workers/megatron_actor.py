@@ -153,11 +153,13 @@ class MegatronActor:
     def train_step(self, batch: RolloutBatch, work: OptimizerStepWork,
                    old_logprobs: Mapping[int, torch.Tensor] | None,
                    ref_logprobs: Mapping[int, torch.Tensor] | None,
-                   loss: LossSettings) -> dict[str, float]:
+                   loss: LossSettings, capture_logprobs: bool = False) -> dict:
         """One optimizer step over this rank's micro-batches; returns summed loss statistics.
 
         ``old_logprobs`` missing a sequence means "on-policy": the training forward's own
         detached logprobs serve as old logprobs (the gate decided the separate pass was waste).
+        With ``capture_logprobs`` the detached training-forward logprobs of the trained
+        sequences come back under ``train_logprobs`` (the run checks them against the engine's).
         """
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -166,7 +168,8 @@ class MegatronActor:
             mbs = [collate(batch, m.seq_indices, self.pad_id, m.loss_weights)
                    for m in work.micro_batches]
             loss_fn = partial(self._training_loss, batch=batch, old=old_logprobs or {},
-                              ref=ref_logprobs, loss=loss, denom=work.normaliser)
+                              ref=ref_logprobs, loss=loss, denom=work.normaliser,
+                              capture=capture_logprobs)
             stats = self._run_schedule(mbs, loss_fn, forward_only=False)
         self._finalize_grads()
         grad_norm = self.optimizer.step()
@@ -175,7 +178,7 @@ class MegatronActor:
         return totals
 
     def _training_loss(self, mb: MicroBatchTensors, logits, *, batch, old, ref, loss: LossSettings,
-                       denom: float):
+                       denom: float, capture: bool):
         need_entropy = True
         logp_BL, entropy_BL = token_logprobs_and_entropy(
             logits, mb.labels_BL, self.vocab_shard, loss.temperature, with_entropy=need_entropy)
@@ -203,6 +206,11 @@ class MegatronActor:
             "num_tokens": num_tokens.float(),
             "response_tokens": mb.response_mask_BL.sum(),
         }
+        if capture:
+            trained = [i for i, w in zip(mb.seq_indices, mb.loss_mask_BL.amax(dim=1).tolist(),
+                                         strict=True) if w > 0]
+            captured = per_token_to_response(logp_BL, mb, batch)
+            stats["train_logprobs"] = {i: captured[i] for i in trained}
         return total, num_tokens, stats
 
     def _old_logprobs_BL(self, logp_BL, mb, batch, old) -> torch.Tensor:
@@ -249,11 +257,15 @@ class MegatronActor:
         return megatron_gpt.iter_local_params(self.model, self.spec)
 
 
-def _sum_stats(stats: list[dict[str, torch.Tensor]]) -> dict[str, float]:
-    totals: dict[str, float] = {}
+def _sum_stats(stats: list[dict]) -> dict:
+    """Sum scalar statistics over micro-batches; merge per-sequence dicts."""
+    totals: dict = {}
     for entry in stats:
         for key, value in entry.items():
-            totals[key] = totals.get(key, 0.0) + float(value)
+            if isinstance(value, dict):
+                totals.setdefault(key, {}).update(value)
+            else:
+                totals[key] = totals.get(key, 0.0) + float(value)
     return totals
 
 

@@ -1,0 +1,133 @@
+"""``megarl-train``: compose the Hydra config, validate it, resolve the model, launch the ranks.
+
+Every start-up error (unknown key, bad value, TP/PP that cannot split the model, a missing model
+or dataset) is one line on stderr naming the key or file, and exit code 2, before any worker
+process starts or anything is written.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+EXIT_BAD_INPUT = 2
+
+
+class StartupError(Exception):
+    """A user error found before training starts; printed as one line."""
+
+
+def compose_config(overrides: list[str], config_dir: Path | None = None):
+    """Compose ``configs/config.yaml`` with Hydra command-line overrides into a RunConfig."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from megarl.config.schema import ConfigError, build_run_config
+
+    folder = config_dir or Path(os.environ.get("MEGARL_CONFIG_DIR", CONFIG_DIR))
+    try:
+        with initialize_config_dir(config_dir=str(folder), version_base=None):
+            cfg = compose(config_name="config", overrides=overrides)
+        tree = OmegaConf.to_container(cfg, resolve=True)
+    except (HydraException, OmegaConfBaseException) as exc:
+        raise StartupError(_one_line(exc)) from None
+    try:
+        return build_run_config(tree)
+    except ConfigError as exc:
+        raise StartupError(str(exc)) from None
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    first = text[0] if text else type(exc).__name__
+    return first.replace("Could not override", "unknown config key or bad override:")
+
+
+def resolve_device(requested: str) -> str:
+    import torch
+
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise StartupError("trainer.device=cuda but no CUDA device is available")
+    return requested
+
+
+def resolve_model_dir(cfg) -> str:
+    """A HF folder for the run: the packaged SmolLM2, ``model.path``, or a random init."""
+    from megarl.models.hf_io import ModelPathError, resolve_model_path
+
+    try:
+        if cfg.model.hf_config is not None:
+            from megarl.models.random_init import save_random_hf_model
+
+            out = Path(cfg.trainer.run_dir) / "init_model"
+            return str(save_random_hf_model(cfg.model.hf_config, cfg.model.init_seed, out))
+        return str(resolve_model_path(cfg.model.path))
+    except ModelPathError as exc:
+        raise StartupError(str(exc)) from None
+
+
+def validate_against_model(cfg, model_dir: str) -> None:
+    """Checks that need the model's shape or the data: parallel layout, gates, planner, dataset."""
+    from megarl.data.errors import DatasetError
+    from megarl.data.loader import build_prompt_source
+    from megarl.data.rewards import get_reward_fn
+    from megarl.models.hf_io import load_hf_config
+    from megarl.models.spec import ModelSpecError, spec_from_hf_config
+    from megarl.planner.batch_planner import PlannerError, check_pruning_config
+    from megarl.planner.gates import GateConfigError, validate_gate_config
+    from megarl.trainer.worker import _run_facts
+
+    try:
+        spec = spec_from_hf_config(load_hf_config(model_dir))
+        spec.check_parallelism(cfg.actor.tp, cfg.actor.pp)
+        validate_gate_config(_run_facts(cfg))
+        check_pruning_config(cfg.planner.prune_zero_adv, cfg.actor.kl_coef,
+                             cfg.actor.entropy_coef, cfg.planner.allow_approx)
+        build_prompt_source(cfg.data.task, cfg.data.path, cfg.trainer.seed, cfg.data.max_operand,
+                            cfg.data.instruction, ops=cfg.data.ops)
+        get_reward_fn(cfg.data.reward_fn_name)
+    except (ModelSpecError, GateConfigError, PlannerError, DatasetError, ValueError) as exc:
+        raise StartupError(str(exc).splitlines()[0]) from None
+
+
+def run(overrides: list[str], return_final_state: bool = False):
+    """Compose, validate, and train; returns rank 0's :class:`RunResult`."""
+    from megarl.distributed.launcher import launch
+    from megarl.trainer.worker import RunInputs, run_worker
+
+    cfg = compose_config(overrides)
+    device = resolve_device(cfg.trainer.device)
+    if cfg.trainer.launcher == "ray":
+        raise StartupError("trainer.launcher=ray is not available yet; use trainer.launcher=local")
+    model_dir = resolve_model_dir(cfg)
+    validate_against_model(cfg, model_dir)
+    Path(cfg.trainer.run_dir).mkdir(parents=True, exist_ok=True)
+    inputs = RunInputs(cfg=cfg, model_dir=model_dir, device=device,
+                       return_final_state=return_final_state)
+    return launch(run_worker, cfg.trainer.world_size, args=(inputs,))[0]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if any(a in ("-h", "--help") for a in args):
+        print(__doc__.strip() + "\n\nusage: megarl-train [key=value ...]   (see configs/config.yaml)")
+        return 0
+    try:
+        run(args)
+    except StartupError as exc:
+        print(f"megarl-train: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print("megarl-train: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,120 @@
+"""Where step metrics go: ``metrics.jsonl`` (flushed every step), TensorBoard, and the console.
+
+Metric names follow verl's where one exists (``timing_s/update_actor``, ``critic/rewards/mean``,
+``actor/pg_loss``) so runs can be compared across frameworks.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+PHASES = ("gen", "old_log_prob", "ref", "adv", "update_actor", "update_weights")
+
+
+class MetricsWriter:
+    """Append one JSON object per step to ``<run_dir>/metrics.jsonl``; mirror scalars to TensorBoard."""
+
+    def __init__(self, run_dir: Path, tensorboard: bool = True):
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._jsonl = open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8")  # noqa: SIM115
+        self._tb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
+            except ImportError:  # tensorboard is optional at run time
+                self._tb = None
+
+    def write(self, metrics: Mapping[str, Any]) -> None:
+        record = {k: _jsonable(v) for k, v in metrics.items()}
+        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.flush()
+        if self._tb is not None:
+            step = int(metrics["step"])
+            for key, value in metrics.items():
+                if isinstance(value, int | float) and not isinstance(value, bool) and key != "step":
+                    self._tb.add_scalar(key, value, step)
+            self._tb.flush()
+
+    def close(self) -> None:
+        self._jsonl.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, float) and (math.isnan(value) or math.isinf(value)):
+        return None
+    return value
+
+
+def step_line(m: Mapping[str, Any]) -> str:
+    """One readable console line per step."""
+    parts = [
+        f"step {m['step']:>3}",
+        f"reward {m['critic/rewards/mean']:.3f}",
+        f"zero-adv {m['critic/advantages/zero_adv_ratio']:.0%}",
+        f"pg_loss {m['actor/pg_loss']:+.4f}",
+        f"entropy {m['actor/entropy']:.3f}",
+        f"len {m['response_length/mean']:.1f}",
+        f"lp_diff {m['rollout/logprob_abs_diff']:.1e}",
+        f"{m['timing_s/step']:.1f}s",
+    ]
+    line = " | ".join(parts)
+    if m.get("planner/summary"):
+        line += f"\n         plan: {m['planner/summary']}"
+    if m.get("gates/summary"):
+        line += f"\n         gates: {m['gates/summary']}"
+    return line
+
+
+def run_summary(history: list[Mapping[str, Any]], window: int = 3) -> str:
+    """Reward of the first vs last steps and where the time went."""
+    if not history:
+        return "no steps ran"
+    first = history[:window]
+    last = history[-window:]
+    mean = lambda rows, key: sum(r[key] for r in rows) / len(rows)  # noqa: E731
+    total = sum(r["timing_s/step"] for r in history)
+    lines = [
+        f"{len(history)} steps in {total:.1f}s "
+        f"({sum(r['perf/throughput'] for r in history) / len(history):.0f} tokens/s)",
+        f"reward: first {len(first)} steps {mean(first, 'critic/rewards/mean'):.3f} -> "
+        f"last {len(last)} steps {mean(last, 'critic/rewards/mean'):.3f}",
+    ]
+    split = []
+    for phase in PHASES:
+        spent = sum(r.get(f"timing_s/{phase}", 0.0) for r in history)
+        split.append(f"{phase} {spent:.1f}s ({spent / total:.0%})" if total else phase)
+    lines.append("time: " + ", ".join(split))
+    return "\n".join(lines)
+
+
+class PhaseTimer:
+    """Collects ``timing_s/<phase>`` durations for one step."""
+
+    def __init__(self) -> None:
+        self.times: dict[str, float] = {f"timing_s/{p}": 0.0 for p in PHASES}
+        self._start = time.perf_counter()
+
+    def phase(self, name: str):
+        timer = self
+
+        class _Phase:
+            def __enter__(self_inner):
+                self_inner.t0 = time.perf_counter()
+
+            def __exit__(self_inner, *exc):
+                timer.times[f"timing_s/{name}"] += time.perf_counter() - self_inner.t0
+
+        return _Phase()
+
+    def total(self) -> float:
+        return time.perf_counter() - self._start

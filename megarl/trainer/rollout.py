@@ -1,0 +1,107 @@
+"""Turn a step's prompts into a scored :class:`RolloutBatch`: generate, reward, advantages.
+
+A plain class (no process groups): the local launcher runs it on rank 0, a Ray rollout worker
+would wrap it. Sampling draws from its own seeded stream per step (:func:`sampling_seed`), so
+two runs with the same seed and equal weights generate the same rollouts, whatever the planner
+or training did in between.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from megarl.algo.advantages import get_advantage_estimator
+from megarl.data.loader import PromptStream
+from megarl.data.problems import Problem
+from megarl.engines.base import RolloutEngine, SamplingParams
+from megarl.trainer.batch import RolloutBatch
+
+
+def sampling_seed(run_seed: int, step: int) -> int:
+    """A per-step seed for the rollout stream, independent of every other RNG in the run."""
+    return (run_seed * 1_000_003 + step * 7919 + 17) % (2**62)
+
+
+@dataclass(frozen=True)
+class RolloutSettings:
+    group_size: int
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    adv_estimator: str
+    system_prompt: str | None = None
+
+
+class RolloutProducer:
+    """Prompts -> engine samples -> rewards -> group-relative advantages."""
+
+    def __init__(self, engine: RolloutEngine, tokenizer, stream: PromptStream,
+                 reward_fn: Callable[[str, str], float], settings: RolloutSettings, run_seed: int):
+        self.engine, self.tokenizer, self.stream = engine, tokenizer, stream
+        self.reward_fn, self.settings, self.run_seed = reward_fn, settings, run_seed
+        self.advantage_fn = get_advantage_estimator(settings.adv_estimator)
+        self.last_samples: list[tuple[str, str, float]] = []
+
+    def encode_prompt(self, problem: Problem) -> list[int]:
+        messages = [{"role": "user", "content": problem.prompt}]
+        if self.settings.system_prompt is not None:
+            messages.insert(0, {"role": "system", "content": self.settings.system_prompt})
+        if getattr(self.tokenizer, "chat_template", None):
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                      add_generation_prompt=True)
+        else:
+            text = problem.prompt
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def produce(self, step: int) -> tuple[RolloutBatch, dict[str, float]]:
+        problems = self.stream.next_batch()
+        n = self.settings.group_size
+        prompt_ids = [self.encode_prompt(p) for p in problems]
+        params = SamplingParams(temperature=self.settings.temperature, top_p=self.settings.top_p,
+                                max_new_tokens=self.settings.max_new_tokens,
+                                seed=sampling_seed(self.run_seed, step))
+        gens = self.engine.generate([ids for ids in prompt_ids for _ in range(n)], params)
+        texts = [self.tokenizer.decode(g.response_ids, skip_special_tokens=True) for g in gens]
+        answers = [p.answer for p in problems for _ in range(n)]
+        rewards = torch.tensor([self.reward_fn(t, a) for t, a in zip(texts, answers, strict=True)],
+                               dtype=torch.float32)
+        group_ids = torch.arange(len(problems)).repeat_interleave(n)
+        advantages = self.advantage_fn(rewards, group_ids)
+        batch = RolloutBatch(
+            tokens=tuple(torch.tensor(list(g.prompt_ids) + list(g.response_ids), dtype=torch.long)
+                         for g in gens),
+            prompt_lens=tuple(len(g.prompt_ids) for g in gens),
+            group_ids=group_ids,
+            rewards=rewards,
+            advantages=advantages,
+            engine_logprobs=tuple(torch.tensor(g.response_logprobs, dtype=torch.float32)
+                                  for g in gens),
+        )
+        self.last_samples = [(problems[i // n].prompt, texts[i], float(rewards[i]))
+                             for i in range(0, len(gens), n)]
+        return batch, rollout_metrics(batch, [g.finished for g in gens],
+                                      self.settings.max_new_tokens)
+
+
+def rollout_metrics(batch: RolloutBatch, finished: Sequence[bool], max_new_tokens: int
+                    ) -> dict[str, float]:
+    adv, rewards = batch.advantages, batch.rewards
+    lengths = torch.tensor(batch.response_lens, dtype=torch.float32)
+    return {
+        "critic/rewards/mean": float(rewards.mean()),
+        "critic/rewards/max": float(rewards.max()),
+        "critic/rewards/min": float(rewards.min()),
+        "critic/advantages/mean": float(adv.mean()),
+        "critic/advantages/max": float(adv.max()),
+        "critic/advantages/min": float(adv.min()),
+        "critic/advantages/zero_adv_ratio": float((adv == 0).float().mean()),
+        "response_length/mean": float(lengths.mean()),
+        "response_length/max": float(lengths.max()),
+        "response_length/clip_ratio": float(
+            sum(1 for f, n in zip(finished, batch.response_lens, strict=True)
+                if not f and n >= max_new_tokens) / max(1, batch.num_seqs)),
+        "prompt_length/mean": float(sum(batch.prompt_lens) / batch.num_seqs),
+    }

@@ -1,0 +1,310 @@
+"""One Megatron rank of a GRPO run (``trainer.launcher=local``): the step loop, as named steps.
+
+Rank 0 also hosts the rollout engine and the data (the embedded, colocated layout). Every step:
+
+1. rank 0 generates and scores a :class:`RolloutBatch`; it is broadcast to all ranks;
+2. every rank computes the same :class:`StepPlan` (batch planner) and :class:`StepGates`
+   (pass gates) from it -- pure functions of broadcast data, so no rank can disagree;
+3. old/reference logprob forwards run only where the gates say so;
+4. each optimizer step of the plan runs this rank's micro-batches;
+5. new weights are gathered to rank 0 and loaded into the engine;
+6. statistics are reduced and rank 0 writes the step's metrics.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megarl.config.schema import RunConfig
+from megarl.distributed.launcher import WorkerContext
+from megarl.planner.batch_planner import PlannerInputs, StepPlan, plan_step
+from megarl.planner.gates import (
+    GateConfig,
+    Schedule,
+    StepFacts,
+    StepGates,
+    decide_gates,
+    needs_reference_model,
+)
+from megarl.trainer.batch import RolloutBatch
+from megarl.trainer.metrics import PhaseTimer
+from megarl.workers.megatron_actor import (
+    LossSettings,
+    MegatronActor,
+    MicroBatchWork,
+    OptimizerStepWork,
+    reduce_stats_to_all,
+)
+
+STAT_KEYS = ("pg_loss", "kl_loss", "entropy_sum", "clipfrac_sum", "ppo_kl_sum", "num_tokens",
+             "response_tokens", "lp_diff_sum", "lp_diff_count")
+
+
+@dataclass(frozen=True)
+class RunInputs:
+    """What the driver resolved before spawning workers."""
+
+    cfg: RunConfig
+    model_dir: str
+    device: str
+    return_final_state: bool = False
+    """Gather the trained weights (HF names) into the result: for tests and tools."""
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """What rank 0 hands back to the launcher."""
+
+    history: list[dict]
+    final_state: dict[str, torch.Tensor] | None = None
+
+
+def run_worker(ctx: WorkerContext, inputs: RunInputs) -> RunResult | None:
+    """Entry point of every rank; returns the run's result on rank 0 (None elsewhere)."""
+    from megarl.distributed import parallel
+    from megarl.distributed.platform import exit_cpu_shims
+
+    _quiet_third_party_warnings()
+    runtime = _setup(ctx, inputs)
+    try:
+        _train(runtime)
+        final_state = None
+        if inputs.return_final_state:
+            from megarl.export.gather import gather_hf_state_dict
+
+            final_state = gather_hf_state_dict(runtime.actor.local_params(), runtime.spec)
+        if runtime.driver is None:
+            return None
+        return RunResult(history=runtime.driver.history, final_state=final_state)
+    finally:
+        if runtime.driver is not None:
+            runtime.driver.close()
+        parallel.destroy()
+        if inputs.device == "cpu":
+            exit_cpu_shims()
+
+
+def _quiet_third_party_warnings() -> None:
+    warnings.filterwarnings("ignore", module=r"megatron\..*")
+    warnings.filterwarnings("ignore", message=r".*Apex is not installed.*")
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@dataclass
+class _Runtime:
+    cfg: RunConfig
+    rank: int
+    dp_rank: int
+    actor: MegatronActor
+    reference: MegatronActor | None
+    driver: object | None  # megarl.trainer.driver.Driver on rank 0
+    spec: object
+    pad_id: int
+
+
+def _setup(ctx: WorkerContext, inputs: RunInputs) -> _Runtime:
+    from megatron.core import parallel_state as ps
+
+    from megarl.distributed import parallel
+    from megarl.distributed.platform import enter_cpu_shims
+    from megarl.models.hf_io import load_hf_config, load_hf_state_dict, load_hf_tokenizer
+    from megarl.models.spec import spec_from_hf_config
+
+    cfg = inputs.cfg
+    if inputs.device == "cpu":
+        enter_cpu_shims()
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // ctx.world_size))
+    parallel.init_process_group(inputs.device, ctx.rank, ctx.world_size, ctx.master_addr,
+                                ctx.master_port)
+    parallel.init_model_parallel(cfg.actor.tp, cfg.actor.pp)
+    spec = spec_from_hf_config(load_hf_config(inputs.model_dir))
+    tokenizer = load_hf_tokenizer(inputs.model_dir)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    hf_state = load_hf_state_dict(inputs.model_dir)
+    dtype = _dtype(cfg, inputs.device)
+    actor = MegatronActor(spec, cfg.actor, inputs.device, dtype, hf_state, pad_id, trainable=True,
+                          init_seed=cfg.trainer.seed)
+    reference = None
+    if needs_reference_model(_run_facts(cfg)).run:
+        reference = MegatronActor(spec, cfg.actor, inputs.device, dtype, hf_state, pad_id,
+                                  trainable=False)
+    del hf_state
+    driver = None
+    if ctx.rank == 0:
+        from megarl.trainer.driver import Driver
+
+        driver = Driver(cfg, inputs.model_dir, inputs.device, tokenizer)
+    return _Runtime(cfg=cfg, rank=ctx.rank, dp_rank=ps.get_data_parallel_rank(), actor=actor,
+                    reference=reference, driver=driver, spec=spec, pad_id=pad_id)
+
+
+def _dtype(cfg: RunConfig, device: str) -> torch.dtype:
+    if cfg.model.dtype == "auto":
+        return torch.bfloat16 if device == "cuda" else torch.float32
+    return getattr(torch, cfg.model.dtype)
+
+
+def _run_facts(cfg: RunConfig):
+    from megarl.planner.gates import RunFacts
+
+    return RunFacts(modes=_gate_config(cfg), schedule=_schedule(cfg),
+                    num_steps=cfg.trainer.total_steps, kl_coef=cfg.actor.kl_coef)
+
+
+def _gate_config(cfg: RunConfig) -> GateConfig:
+    return GateConfig(old_log_prob=cfg.planner.old_log_prob, ref_log_prob=cfg.planner.ref_log_prob)
+
+
+def _schedule(cfg: RunConfig) -> Schedule:
+    return Schedule.from_ppo(cfg.actor.ppo_mini_batches, cfg.actor.ppo_epochs)
+
+
+def _train(rt: _Runtime) -> None:
+    for step in range(1, rt.cfg.trainer.total_steps + 1):
+        timer = PhaseTimer()
+        batch, rollout_metrics = _broadcast_rollout(rt, step, timer)
+        plan = _plan(rt.cfg, batch)
+        gates = _gates(rt, step, batch, plan)
+        old, recomputed, ref = _logprob_passes(rt, batch, plan, gates, timer)
+        stats = _update_actor(rt, batch, plan, old, recomputed, ref, timer)
+        _sync_weights(rt, timer)
+        if rt.driver is not None:
+            rt.driver.record_step(step, timer, rollout_metrics, plan, gates, stats, batch)
+
+
+def _broadcast_rollout(rt: _Runtime, step: int, timer: PhaseTimer):
+    payload = [None]
+    if rt.driver is not None:
+        with timer.phase("gen"):
+            payload = [rt.driver.rollout(step)]
+    t0 = time.perf_counter()
+    dist.broadcast_object_list(payload, src=0)
+    batch, metrics = payload[0]
+    if rt.driver is None:
+        timer.times["timing_s/gen"] += time.perf_counter() - t0
+    with timer.phase("adv"):
+        pass  # advantages are computed with the rewards on rank 0 (see RolloutProducer)
+    return batch, metrics
+
+
+def _plan(cfg: RunConfig, batch: RolloutBatch) -> StepPlan:
+    return plan_step(PlannerInputs(
+        seq_tokens=batch.seq_lens,
+        response_tokens=batch.response_lens,
+        advantages=batch.advantages.tolist(),
+        group_ids=batch.group_ids.tolist(),
+        loss_agg=cfg.actor.loss_agg,
+        kl_coef=cfg.actor.kl_coef,
+        entropy_coef=cfg.actor.entropy_coef,
+        dp_size=cfg.dp,
+        ppo_mini_batches=cfg.actor.ppo_mini_batches,
+        ppo_epochs=cfg.actor.ppo_epochs,
+        micro_batch_tokens=cfg.actor.micro_batch_tokens,
+        mode=cfg.planner.prune_zero_adv,
+        allow_approx=cfg.planner.allow_approx,
+    ))
+
+
+def _gates(rt: _Runtime, step: int, batch: RolloutBatch, plan: StepPlan) -> StepGates:
+    cfg = rt.cfg
+    m = cfg.actor.ppo_mini_batches
+    size = batch.num_seqs // m
+    slices = tuple(tuple(range(i * size, (i + 1) * size)) for i in range(m))
+    return decide_gates(StepFacts(
+        step=step, schedule=_schedule(cfg), slices=slices, modes=_gate_config(cfg),
+        kl_coef=cfg.actor.kl_coef, lora_enabled=False, engine_base_weights_resident=None,
+    ))
+
+
+def _my_sequences(plan: StepPlan, dp_rank: int) -> list[int]:
+    """Sequences this DP rank trains (weight 1) anywhere in the plan, in first-use order."""
+    seen: dict[int, None] = {}
+    for opt_step in plan.optimizer_steps:
+        for mb in opt_step.ranks[dp_rank].micro_batches:
+            for i, w in zip(mb.seq_indices, mb.loss_weights, strict=True):
+                if w > 0:
+                    seen.setdefault(i, None)
+    return list(seen)
+
+
+def _logprob_passes(rt: _Runtime, batch: RolloutBatch, plan: StepPlan, gates: StepGates,
+                    timer: PhaseTimer):
+    mine = _my_sequences(plan, rt.dp_rank)
+    temperature = rt.cfg.rollout.temperature
+    recomputed: dict[int, torch.Tensor] = {}
+    if gates.old_log_prob.source == "rollout":
+        old = {i: batch.engine_logprobs[i] for i in mine}
+    else:
+        if gates.old_log_prob.run:
+            wanted = set(gates.old_log_prob.seq_indices)
+            with timer.phase("old_log_prob"):
+                recomputed = rt.actor.compute_logprobs(
+                    batch, [i for i in mine if i in wanted], temperature)
+        old = recomputed
+    ref = None
+    if gates.ref_log_prob.run and rt.reference is not None:
+        with timer.phase("ref"):
+            ref = rt.reference.compute_logprobs(batch, mine, temperature)
+    return old, recomputed, ref
+
+
+def _loss_settings(cfg: RunConfig) -> LossSettings:
+    a = cfg.actor
+    return LossSettings(temperature=cfg.rollout.temperature, clip_low=a.clip_ratio_low,
+                        clip_high=a.clip_ratio_high, agg=a.loss_agg, kl_coef=a.kl_coef,
+                        kl_estimator=a.kl_estimator, entropy_coef=a.entropy_coef)
+
+
+def _update_actor(rt: _Runtime, batch: RolloutBatch, plan: StepPlan, old, recomputed, ref,
+                  timer: PhaseTimer) -> dict[str, float]:
+    loss = _loss_settings(rt.cfg)
+    totals: dict[str, float] = {}
+    grad_norms: list[float] = []
+    with timer.phase("update_actor"):
+        for index, opt_step in enumerate(plan.optimizer_steps):
+            work = OptimizerStepWork(
+                micro_batches=tuple(MicroBatchWork(mb.seq_indices, mb.loss_weights)
+                                    for mb in opt_step.ranks[rt.dp_rank].micro_batches),
+                normaliser=opt_step.normaliser, is_ghost=opt_step.is_ghost)
+            stats = rt.actor.train_step(batch, work, old, ref, loss,
+                                        capture_logprobs=index == 0)
+            grad_norms.append(stats.pop("grad_norm"))
+            captured = stats.pop("train_logprobs", {})
+            _add_logprob_diff(stats, batch, {**captured, **recomputed} if index == 0 else {})
+            for key, value in stats.items():
+                totals[key] = totals.get(key, 0.0) + value
+    if not rt.actor.is_last_stage:
+        totals = {}
+    reduced = reduce_stats_to_all(totals, STAT_KEYS, rt.cfg.actor.tp)
+    reduced["grad_norm"] = sum(grad_norms) / max(1, len(grad_norms))
+    reduced["num_optimizer_steps"] = len(plan.optimizer_steps)
+    return reduced
+
+
+def _add_logprob_diff(stats: dict, batch: RolloutBatch, trainer_logprobs: dict) -> None:
+    """Engine vs trainer logprobs of the same tokens under the same (generating) weights."""
+    diff_sum, count = 0.0, 0
+    for i, logp in trainer_logprobs.items():
+        diff_sum += float((logp.float() - batch.engine_logprobs[i]).abs().sum())
+        count += logp.numel()
+    stats["lp_diff_sum"] = stats.get("lp_diff_sum", 0.0) + diff_sum
+    stats["lp_diff_count"] = stats.get("lp_diff_count", 0.0) + count
+
+
+def _sync_weights(rt: _Runtime, timer: PhaseTimer) -> None:
+    from megarl.export.gather import gather_hf_state_dict
+
+    with timer.phase("update_weights"):
+        state = gather_hf_state_dict(rt.actor.local_params(), rt.spec)
+        if rt.driver is not None:
+            rt.driver.update_engine_weights(state)
+
+

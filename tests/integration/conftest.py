@@ -1,0 +1,36 @@
+"""Shared fixtures for integration tests (real Megatron ranks on CPU/gloo)."""
+
+from __future__ import annotations
+
+import pytest
+
+REQUIRED_METRICS = (
+    "step", "timing_s/gen", "timing_s/old_log_prob", "timing_s/ref", "timing_s/adv",
+    "timing_s/update_actor", "timing_s/update_weights", "timing_s/step", "critic/rewards/mean",
+    "critic/advantages/zero_adv_ratio", "actor/pg_loss", "actor/kl_loss", "actor/entropy",
+    "actor/grad_norm", "actor/pg_clipfrac", "actor/ppo_kl", "response_length/mean",
+    "rollout/logprob_abs_diff", "perf/throughput",
+)
+
+
+def tiny_overrides(run_dir, steps: int = 2, **extra: object) -> list[str]:
+    """A fast tiny-model run: 2 prompts x 4 samples, short responses, synthetic mixed rewards."""
+    base = {
+        "model": "tiny_llama", "trainer.total_steps": steps, "trainer.run_dir": str(run_dir),
+        "trainer.log_console": "false", "trainer.tensorboard": "false", "rollout.n": 4,
+        "data.prompts_per_step": 2, "rollout.max_new_tokens": 6,
+        "data.reward": "synthetic_rewards:char_parity", "actor.lr": 1e-3,
+    }
+    base.update(extra)
+    return [f"{k}={v}" for k, v in base.items()]
+
+
+@pytest.fixture
+def tiny_run(tmp_path):
+    from megarl.train import run
+
+    def _run(steps: int = 2, return_final_state: bool = False, **extra):
+        return run(tiny_overrides(tmp_path / "run", steps, **extra),
+                   return_final_state=return_final_state)
+
+    return _run

@@ -1,0 +1,48 @@
+"""End-to-end GRPO runs through `megarl.train.run` on real Megatron ranks (CPU/gloo)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import REQUIRED_METRICS, tiny_overrides
+
+from megarl.train import run
+
+pytestmark = pytest.mark.slow
+
+
+def _read_metrics(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_single_process_run_writes_every_metric(tmp_path):
+    result = run(tiny_overrides(tmp_path / "run", steps=2, **{"trainer.tensorboard": "true"}))
+    rows = _read_metrics(tmp_path / "run")
+    assert [r["step"] for r in rows] == [1, 2]
+    for row in rows:
+        missing = [k for k in REQUIRED_METRICS if k not in row]
+        assert not missing, missing
+        assert row["rollout/logprob_abs_diff"] <= 1e-3
+        assert 0.0 <= row["critic/advantages/zero_adv_ratio"] <= 1.0
+    assert len(result.history) == 2
+    assert any((tmp_path / "run" / "tensorboard").iterdir())
+
+
+def test_tp2_pp2_four_processes_engine_agrees_with_trainer(tmp_path):
+    """The 4-process TP=2 x PP=2 run: after every weight sync the engine matches the trainer."""
+    result = run(tiny_overrides(tmp_path / "run", steps=2, **{
+        "actor.tp": 2, "actor.pp": 2, "trainer.n_gpus_per_node": 4}))
+    for row in result.history:
+        assert row["rollout/logprob_abs_diff"] <= 1e-3, row
+    # the second step's rollout used weights synced after step 1's update
+    assert result.history[1]["actor/grad_norm"] > 0
+
+
+def test_weights_reach_the_engine(tmp_path):
+    """A trained step changes the engine's weights: step-2 logprobs still match the trainer
+    while the policy moved (a sync that silently failed would show a large diff)."""
+    result = run(tiny_overrides(tmp_path / "run", steps=2, **{"actor.lr": 5e-2}),
+                 return_final_state=True)
+    assert result.history[0]["actor/grad_norm"] > 0
+    assert result.history[1]["rollout/logprob_abs_diff"] <= 1e-3

@@ -1,0 +1,57 @@
+"""Config validation is pure and names the offending key."""
+
+from __future__ import annotations
+
+import pytest
+
+from megarl.config.schema import ConfigError, RunConfig, build_run_config
+
+
+def test_defaults_build():
+    cfg = build_run_config({})
+    assert isinstance(cfg, RunConfig)
+    assert cfg.dp == 1 and cfg.num_seqs_per_step == cfg.data.prompts_per_step * cfg.rollout.n
+
+
+@pytest.mark.parametrize(
+    ("tree", "needle"),
+    [
+        ({"actor": {"tpp": 2}}, "unknown config key actor.tpp"),
+        ({"bogus": {}}, "unknown config key bogus"),
+        ({"actor": {"tp": 0}}, "actor.tp=0"),
+        ({"actor": {"tp": "two"}}, "actor.tp='two': expected an integer"),
+        ({"actor": {"lr": -1.0}}, "actor.lr=-1.0"),
+        ({"rollout": {"n": 1}}, "rollout.n=1"),
+        ({"rollout": {"top_p": 1.5}}, "rollout.top_p=1.5"),
+        ({"trainer": {"device": "tpu"}}, "trainer.device='tpu'"),
+        ({"data": {"task": "jsonl"}}, "data.path must be set"),
+        ({"actor": {"loss_agg": "mean"}}, "actor.loss_agg='mean'"),
+        ({"actor": {"ppo_mini_batches": 3}}, "actor.ppo_mini_batches=3"),
+        ({"actor": {"tp": 2}, "trainer": {"n_gpus_per_node": 3}}, "does not divide"),
+        ({"trainer": {"nnodes": 2}}, "trainer.launcher=ray"),
+        ({"planner": {"prune_zero_adv": "yes"}}, "planner.prune_zero_adv='yes'"),
+        ({"trainer": {"log_console": "yes"}}, "trainer.log_console='yes': expected true or false"),
+    ],
+)
+def test_bad_values_name_the_key(tree, needle):
+    with pytest.raises(ConfigError) as info:
+        build_run_config(tree)
+    assert needle in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_dp_from_world_and_model_parallel():
+    cfg = build_run_config({"actor": {"tp": 2, "pp": 2}, "trainer": {"n_gpus_per_node": 8}})
+    assert cfg.dp == 2
+
+
+def test_nested_optim_section_and_tuple_coercion():
+    cfg = build_run_config({"actor": {"optim": {"betas": [0.8, 0.9], "grad_clip": 0.5}},
+                            "data": {"ops": ["+", "-"]}})
+    assert cfg.actor.optim.betas == (0.8, 0.9)
+    assert cfg.data.ops == ("+", "-")
+
+
+def test_reward_accepts_import_path():
+    cfg = build_run_config({"data": {"reward": "my_pkg.rewards:score"}})
+    assert cfg.data.reward_fn_name == "my_pkg.rewards:score"
