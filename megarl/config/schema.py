@@ -188,7 +188,7 @@ class PlannerConfig:
     prune_zero_adv: str = "off"
     """off | match_loss_curve (exact) | fast (merged steps; exact with one mini-batch)."""
     allow_approx: bool = False
-    old_log_prob: str = "always"
+    old_log_prob: str = "auto"
     """auto | always | rollout | never."""
     ref_log_prob: str = "auto"
     """auto | always | never."""

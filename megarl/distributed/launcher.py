@@ -8,6 +8,7 @@ Otherwise N processes are spawned; if any dies, the others are terminated and
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import time
 import traceback
@@ -51,7 +52,9 @@ def _worker_entry(rank: int, fn: Callable, world_size: int, port: int, args: tup
                         master_port=port)
     try:
         result = fn(ctx, *args)
-        error_queue.put((rank, "ok", result))
+        # Plain pickle bytes: torch's queue reductions would pass tensors as shared-memory
+        # handles, which vanish when this process exits before the parent reads them.
+        error_queue.put((rank, "ok", pickle.dumps(result)))
     except SystemExit as exc:  # a clean, already-reported error (e.g. bad config)
         error_queue.put((rank, "exit", int(exc.code or 0)))
         raise
@@ -111,7 +114,7 @@ def launch(fn: Callable[..., Any], world_size: int, args: tuple = (),
             raise WorkerFailed(rank, procs[rank].exitcode, payload)
         for proc in procs:
             proc.join(timeout=30)
-        return [results[r] for r in range(world_size)]
+        return [pickle.loads(results[r]) for r in range(world_size)]
     finally:
         for proc in procs:
             if proc.is_alive():

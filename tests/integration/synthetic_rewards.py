@@ -8,3 +8,14 @@ this folder on ``sys.path`` and spawned processes inherit it.
 def char_parity(response: str, answer: str) -> float:
     """1.0 for an even number of characters: mixed, deterministic rewards within a group."""
     return float(len(response) % 2 == 0)
+
+
+def mixed_groups(response: str, answer: str) -> float:
+    """All-equal (zero-advantage) groups for even answers, mixed rewards for odd ones.
+
+    Every member of a GRPO group shares the answer, so even-answer groups are pruned by the
+    planner and, when a mini-batch is one such group, become ghost steps.
+    """
+    if int(answer) % 2 == 0:
+        return 1.0
+    return float(len(response) % 2 == 0)

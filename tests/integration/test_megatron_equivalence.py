@@ -113,3 +113,20 @@ def test_loader_rejects_wrong_weights():
     state["model.layers.1.mlp.up_proj.weight"] = state["model.layers.1.mlp.up_proj.weight"] * 1.01
     [result] = launch(_worker, 1, args=(1, 1, cfg, ids, ref_logits, state))
     assert result["logits_diff"] > 1e-4
+
+
+def test_smollm2_tp1_matches_hf():
+    """The real pretrained model: SmolLM2-135M-Instruct (tied embeddings, GQA 9/3) at TP=1."""
+    from megarl.models.hf_io import load_hf_model
+
+    model, _ = load_hf_model(None)
+    cfg = model.config.to_dict()
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, cfg["vocab_size"], (2, 16), generator=gen)
+    with torch.no_grad():
+        ref_logits = model(ids).logits
+    state = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    [result] = launch(_worker, 1, args=(1, 1, cfg, ids, ref_logits, state))
+    assert result["logits_diff"] <= 1e-4
+    assert result["logp_diff"] <= 1e-4
+    assert result["export_equal"] is True
