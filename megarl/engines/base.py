@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import abc
 import importlib.util
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -177,6 +177,56 @@ def validate_sleep_level(level: int) -> None:
     """Reject sleep levels other than 1 and 2 (shared by all engines)."""
     if level not in (1, 2):
         raise ValueError(f"sleep level must be 1 or 2, got {level}")
+
+
+class SleepState:
+    """Sleep/wake bookkeeping every engine shares.
+
+    It records the level an engine sleeps at and which base parameters a level-2 sleep freed
+    and have not been resent since. ``base_weights_resident`` is what an engine reports to the
+    base-weight gate, so it must come from this record of what actually happened, never from
+    config.
+    """
+
+    def __init__(self) -> None:
+        self.level = 0
+        self.awaiting_reload: set[Hashable] = set()
+
+    def fall_asleep(self, level: int, freed: Iterable[Hashable] = ()) -> None:
+        """Record a sleep; at level 2, ``freed`` names the base parameters that will be lost."""
+        validate_sleep_level(level)
+        if self.level:
+            raise RuntimeError(f"engine is already asleep (level {self.level})")
+        self.level = level
+        if level == 2:
+            self.awaiting_reload = set(freed)
+
+    def wake(self) -> int:
+        """Record waking up; returns the level the engine was asleep at (0: it was awake)."""
+        previous, self.level = self.level, 0
+        return previous
+
+    def mark_reloaded(self, keys: Iterable[Hashable]) -> None:
+        self.awaiting_reload.difference_update(keys)
+
+    @property
+    def base_weights_resident(self) -> bool:
+        return self.level != 2 and not self.awaiting_reload
+
+    def require_awake(self, action: str) -> None:
+        if self.level:
+            raise RuntimeError(
+                f"cannot {action}: engine is asleep (level {self.level}); call wake_up() first"
+            )
+
+    def require_ready_to_generate(self) -> None:
+        self.require_awake("generate")
+        if self.awaiting_reload:
+            raise RuntimeError(
+                "cannot generate: base weights were freed by sleep(2) and "
+                f"{len(self.awaiting_reload)} parameters have not been resent; "
+                "call update_weights() with the full model first"
+            )
 
 
 # --- registry --------------------------------------------------------------------------------

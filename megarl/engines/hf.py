@@ -40,8 +40,8 @@ from megarl.engines.base import (
     Generation,
     RolloutEngine,
     SamplingParams,
+    SleepState,
     merge_token_ids,
-    validate_sleep_level,
 )
 
 if TYPE_CHECKING:
@@ -249,9 +249,8 @@ class HFEngine(RolloutEngine):
         self._params_by_name: dict[str, torch.nn.Parameter] = dict(
             model.named_parameters(remove_duplicate=False)
         )
-        self._sleep_level = 0
+        self._sleep = SleepState()
         self._freed: list[_FreedParam] = []
-        self._pending_param_ids: set[int] = set()
         self._adapter_loaded = False
 
     # -- properties --
@@ -274,7 +273,7 @@ class HFEngine(RolloutEngine):
     def generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams
     ) -> list[Generation]:
-        self._require_ready_to_generate()
+        self._sleep.require_ready_to_generate()
         if not prompts:
             return []
         self._validate_prompts(prompts)
@@ -349,13 +348,13 @@ class HFEngine(RolloutEngine):
     # -- weights --
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-        self._require_awake("update_weights")
+        self._sleep.require_awake("update_weights")
         num_applied = 0
         with torch.no_grad():
             for name, tensor in named_tensors:
                 param = self._param_for(name, tensor)
                 param.copy_(tensor)
-                self._pending_param_ids.discard(id(param))
+                self._sleep.mark_reloaded([id(param)])
                 num_applied += 1
         return num_applied
 
@@ -379,7 +378,7 @@ class HFEngine(RolloutEngine):
     ) -> None:
         from peft import LoraConfig, inject_adapter_in_model
 
-        self._require_awake("load_lora_adapter")
+        self._sleep.require_awake("load_lora_adapter")
         self.unload_lora_adapter()
         config = LoraConfig(
             r=rank, lora_alpha=alpha, target_modules=list(target_modules), lora_dropout=0.0
@@ -405,29 +404,27 @@ class HFEngine(RolloutEngine):
     # -- memory --
 
     def sleep(self, level: int) -> None:
-        validate_sleep_level(level)
-        if self._sleep_level:
-            raise RuntimeError(f"engine is already asleep (level {self._sleep_level})")
+        base_params = self._unique_base_params()
+        self._sleep.fall_asleep(level, freed=[id(p) for p in base_params])
         if level == 1:
             self._move_params(torch.device("cpu"))
         else:
             self.unload_lora_adapter()
-            self._free_base_params()
-        self._sleep_level = level
+            self._free_base_params(base_params)
         self._release_cached_memory()
 
     def wake_up(self) -> EngineMemoryState:
-        if self._sleep_level == 1:
+        previous_level = self._sleep.wake()
+        if previous_level == 1:
             self._move_params(self._device)
-        elif self._sleep_level == 2:
+        elif previous_level == 2:
             self._reallocate_base_params()
-        self._sleep_level = 0
         return self.memory_state()
 
     def memory_state(self) -> EngineMemoryState:
-        base_resident = self._sleep_level != 2 and not self._pending_param_ids
         return EngineMemoryState(
-            base_weights_resident=base_resident, adapter_resident=self._adapter_loaded
+            base_weights_resident=self._sleep.base_weights_resident,
+            adapter_resident=self._adapter_loaded,
         )
 
     def _unique_base_params(self) -> list[torch.nn.Parameter]:
@@ -441,13 +438,12 @@ class HFEngine(RolloutEngine):
             for param in self._model.parameters():
                 param.data = param.data.to(device)
 
-    def _free_base_params(self) -> None:
+    def _free_base_params(self, params: list[torch.nn.Parameter]) -> None:
         """Swap each base parameter's storage for an empty tensor, remembering its layout."""
         self._freed = []
-        for param in self._unique_base_params():
+        for param in params:
             self._freed.append(_FreedParam(param, param.shape, param.dtype))
             param.data = torch.empty(0, dtype=param.dtype, device=self._device)
-        self._pending_param_ids = {id(freed.param) for freed in self._freed}
 
     def _reallocate_base_params(self) -> None:
         """Give freed parameters uninitialised storage of their old shape, to be resent."""
@@ -460,20 +456,3 @@ class HFEngine(RolloutEngine):
         if self._device.type == "cuda":
             torch.cuda.empty_cache()
 
-    # -- guards --
-
-    def _require_awake(self, action: str) -> None:
-        if self._sleep_level:
-            raise RuntimeError(
-                f"cannot {action}: engine is asleep (level {self._sleep_level}); "
-                "call wake_up() first"
-            )
-
-    def _require_ready_to_generate(self) -> None:
-        self._require_awake("generate")
-        if self._pending_param_ids:
-            raise RuntimeError(
-                "cannot generate: base weights were freed by sleep(2) and "
-                f"{len(self._pending_param_ids)} parameters have not been resent; "
-                "call update_weights() with the full model first"
-            )

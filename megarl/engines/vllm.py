@@ -62,8 +62,8 @@ from megarl.engines.base import (
     Generation,
     RolloutEngine,
     SamplingParams,
+    SleepState,
     merge_token_ids,
-    validate_sleep_level,
 )
 
 if TYPE_CHECKING:
@@ -286,8 +286,7 @@ class VLLMEngine(RolloutEngine):
         self._tied_embeddings = bool(getattr(text_config, "tie_word_embeddings", False))
         self._expected_shapes = read_checkpoint_shapes(model)
         self._all_param_names = set().union(*self._llm.collective_rpc(_worker_param_names))
-        self._pending_param_names: set[str] = set()
-        self._sleep_level = 0
+        self._sleep = SleepState()
         self._lora_root = Path(tempfile.mkdtemp(prefix="megarl-vllm-lora-"))
         self._lora_request: Any = None
         self._next_lora_id = 1
@@ -317,7 +316,7 @@ class VLLMEngine(RolloutEngine):
     def generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams
     ) -> list[Generation]:
-        self._require_ready_to_generate()
+        self._sleep.require_ready_to_generate()
         if params.top_p < 1.0:
             raise ValueError(
                 "VLLMEngine needs top_p == 1: with top-p truncation vLLM can only report the "
@@ -365,11 +364,11 @@ class VLLMEngine(RolloutEngine):
     # -- weights --
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-        self._require_awake("update_weights")
+        self._sleep.require_awake("update_weights")
         num_applied = 0
         for bucket in bucket_by_bytes(self._checked(named_tensors), self._bucket_bytes):
             loaded_per_worker = self._llm.collective_rpc(_worker_load_weights, args=(bucket,))
-            self._pending_param_names -= set().union(*loaded_per_worker)
+            self._sleep.mark_reloaded(set().union(*loaded_per_worker))
             num_applied += len(bucket)
         self._llm.reset_prefix_cache()
         return num_applied
@@ -390,7 +389,7 @@ class VLLMEngine(RolloutEngine):
     ) -> None:
         from vllm.lora.request import LoRARequest
 
-        self._require_awake("load_lora_adapter")
+        self._sleep.require_awake("load_lora_adapter")
         if not self._enable_lora:
             raise RuntimeError("VLLMEngine was built with enable_lora=False")
         lora_id = self._next_lora_id
@@ -415,50 +414,27 @@ class VLLMEngine(RolloutEngine):
     # -- memory --
 
     def sleep(self, level: int) -> None:
-        validate_sleep_level(level)
         if not self._enable_sleep_mode:
             raise RuntimeError("VLLMEngine was built with enable_sleep_mode=False")
-        if self._sleep_level:
-            raise RuntimeError(f"engine is already asleep (level {self._sleep_level})")
+        self._sleep.fall_asleep(level, freed=self._all_param_names)
         self._llm.sleep(level=level)
-        self._sleep_level = level
 
     def wake_up(self) -> EngineMemoryState:
-        if not self._sleep_level:
+        if not self._sleep.level:
             return self.memory_state()
         self._llm.wake_up()
-        if self._sleep_level == 2:
-            self._pending_param_names = set(self._all_param_names)
+        if self._sleep.wake() == 2:
             self._forget_lora()
-        self._sleep_level = 0
         self._llm.reset_prefix_cache()
         return self.memory_state()
 
     def memory_state(self) -> EngineMemoryState:
-        level_2_asleep = self._sleep_level == 2
         return EngineMemoryState(
-            base_weights_resident=not level_2_asleep and not self._pending_param_names,
-            adapter_resident=not level_2_asleep and self._lora_request is not None,
+            base_weights_resident=self._sleep.base_weights_resident,
+            adapter_resident=self._sleep.level != 2 and self._lora_request is not None,
         )
 
     def close(self) -> None:
         """Delete the temporary adapter folders (the vLLM engine itself is left to GC)."""
         shutil.rmtree(self._lora_root, ignore_errors=True)
 
-    # -- guards --
-
-    def _require_awake(self, action: str) -> None:
-        if self._sleep_level:
-            raise RuntimeError(
-                f"cannot {action}: engine is asleep (level {self._sleep_level}); "
-                "call wake_up() first"
-            )
-
-    def _require_ready_to_generate(self) -> None:
-        self._require_awake("generate")
-        if self._pending_param_names:
-            raise RuntimeError(
-                "cannot generate: base weights were discarded by sleep(2) and "
-                f"{len(self._pending_param_names)} parameters have not been resent; "
-                "call update_weights() with the full model first"
-            )
