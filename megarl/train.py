@@ -80,13 +80,13 @@ def validate_against_model(cfg, model_dir: str) -> None:
     from megarl.models.hf_io import load_hf_config
     from megarl.models.spec import ModelSpecError, spec_from_hf_config
     from megarl.planner.batch_planner import PlannerError, check_pruning_config
+    from megarl.planner.from_config import run_facts
     from megarl.planner.gates import GateConfigError, validate_gate_config
-    from megarl.trainer.worker import _run_facts
 
     try:
         spec = spec_from_hf_config(load_hf_config(model_dir))
         spec.check_parallelism(cfg.actor.tp, cfg.actor.pp)
-        validate_gate_config(_run_facts(cfg))
+        validate_gate_config(run_facts(cfg))
         check_pruning_config(cfg.planner.prune_zero_adv, cfg.actor.kl_coef,
                              cfg.actor.entropy_coef, cfg.planner.allow_approx)
         build_prompt_source(cfg.data.task, cfg.data.path, cfg.trainer.seed, cfg.data.max_operand,

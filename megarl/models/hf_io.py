@@ -14,6 +14,7 @@ import importlib.util
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -146,6 +147,31 @@ def load_hf_model(
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(folder)
     return model, tokenizer
+
+
+def open_hf_tensors(path: str | os.PathLike | None) -> Callable[[str], torch.Tensor]:
+    """A reader of single HF tensors by name, on demand.
+
+    Megatron ranks load only the tensors their own shards are cut from, instead of every rank
+    materialising the whole checkpoint.
+    """
+    from safetensors import safe_open
+
+    folder = resolve_model_path(path)
+    file_of: dict[str, Path] = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            file_of.update(dict.fromkeys(handle.keys(), file))
+    if not file_of:
+        raise ModelPathError(f"model.path={folder}: no tensors in *.safetensors")
+
+    def read(name: str) -> torch.Tensor:
+        if name not in file_of:
+            raise ModelPathError(f"model.path={folder}: checkpoint has no tensor {name}")
+        with safe_open(str(file_of[name]), framework="pt") as handle:
+            return handle.get_tensor(name)
+
+    return read
 
 
 def load_hf_state_dict(path: str | os.PathLike | None) -> dict[str, torch.Tensor]:

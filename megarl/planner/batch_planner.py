@@ -424,6 +424,19 @@ class StepPlan:
             "planner/filler_seqs": float(self.num_filler_seqs),
         }
 
+    def trained_sequences(self, dp_rank: int) -> tuple[int, ...]:
+        """Sequences ``dp_rank`` trains (loss weight 1) anywhere in the plan, in first-use order.
+
+        These are the sequences whose old/reference logprobs that rank needs.
+        """
+        seen: dict[int, None] = {}
+        for step in self.optimizer_steps:
+            for mb in step.ranks[dp_rank].micro_batches:
+                for index, weight in zip(mb.seq_indices, mb.loss_weights, strict=True):
+                    if weight > 0:
+                        seen.setdefault(index, None)
+        return tuple(seen)
+
     def summary(self) -> str:
         """One line, e.g. ``keep 4/16 seq (27% tok) | 2 steps (1 ghost) | 1 mb/rank | imb 1.01``."""
         per_rank = _span(
@@ -514,6 +527,22 @@ def _repeat_for_epochs(
 
 
 # ----------------------------------------------------------------------------- optimizer steps
+
+
+def mini_batch_slices(num_sequences: int, ppo_mini_batches: int) -> tuple[tuple[int, ...], ...]:
+    """The baseline mini-batches: contiguous index blocks, so GRPO groups stay together.
+
+    The planner's ``off`` steps cover exactly these; the pass gates read the same slices.
+    """
+    size = num_sequences // ppo_mini_batches
+    return tuple(tuple(range(m * size, (m + 1) * size)) for m in range(ppo_mini_batches))
+
+
+def plan_forward_micro_batches(seq_indices: Sequence[int], seq_tokens: Sequence[int],
+                               budget: int) -> tuple[tuple[int, ...], ...]:
+    """Micro-batches of a forward-only (logprob) pass: first-fit-decreasing under ``budget``."""
+    bins = first_fit_decreasing([seq_tokens[i] for i in seq_indices], budget)
+    return tuple(tuple(seq_indices[p] for p in b) for b in bins)
 
 
 def _optimizer_runs(inputs: PlannerInputs, batch: _BatchArrays) -> list[tuple[int, ...]]:

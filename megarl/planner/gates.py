@@ -47,8 +47,8 @@ Worked example, ``S=2, I=1, G=3`` over micro-steps 0..11: rollouts are generated
 6, 8, 10; optimizer steps follow micro-steps 2, 5, 8, 11. Rollout 1 (generated at 2) is read at
 2 and 3 with a step after 2, so micro-step 3 is stale; likewise micro-step 9 (rollout 4). Only
 2 of every 6 rollouts need any recomputation, and only their second slice; the static rule
-recomputes all 6. :func:`simulate_schedule` is a brute-force event simulation that the tests
-use to check the rule.
+recomputes all 6. ``tests/unit/test_gates.py`` checks the rule against a brute-force event
+simulation of the schedule.
 """
 
 from __future__ import annotations
@@ -284,35 +284,6 @@ def recompute_slices(schedule: Schedule, rollout: int) -> tuple[int, ...]:
     return tuple(
         k for k in range(schedule.slices_per_rollout) if slice_needs_recompute(schedule, rollout, k)
     )
-
-
-def simulate_schedule(schedule: Schedule, num_micro_steps: int) -> tuple[SliceUse, ...]:
-    """Brute-force event simulation of the schedule: a reference for the tests only.
-
-    Walks micro-steps with a buffer of pending (slice, epoch) uses, generates a rollout when
-    the buffer is empty, and increments a weight version at every ``grad_accum``-th backward.
-    Shares no arithmetic with :func:`slice_use`.
-    """
-    uses: list[SliceUse] = []
-    version, accumulated, rollout, generated_at_version = 0, 0, -1, 0
-    pending: list[tuple[int, int]] = []
-    for micro_step in range(num_micro_steps):
-        if not pending:
-            rollout += 1
-            generated_at_version = version
-            pending = [
-                (k, epoch)
-                for epoch in range(schedule.num_iterations)
-                for k in range(schedule.slices_per_rollout)
-            ]
-        slice_index, epoch = pending.pop(0)
-        uses.append(
-            SliceUse(micro_step, rollout, slice_index, epoch, generated_at_version, version)
-        )
-        accumulated += 1
-        if accumulated == schedule.grad_accum:
-            version, accumulated = version + 1, 0
-    return tuple(uses)
 
 
 # --------------------------------------------------------------------------------------------

@@ -15,18 +15,14 @@ from megarl.config.schema import RunConfig
 from megarl.data.loader import PromptStream, build_prompt_source
 from megarl.data.rewards import get_reward_fn
 from megarl.engines.hf import HFEngine
-from megarl.trainer.metrics import MetricsWriter, PhaseTimer, run_summary, step_line
+from megarl.trainer.metrics import MetricsWriter, PhaseTimer, run_summary, safe_div, step_line
 from megarl.trainer.rollout import RolloutProducer, RolloutSettings
-from megarl.workers.megatron_actor import safe_div
 
 
 class Driver:
     def __init__(self, cfg: RunConfig, model_dir: str, device: str, tokenizer):
-        from megarl.models.hf_io import load_hf_model
-
         self.cfg = cfg
-        model, _ = load_hf_model(model_dir, device=device)
-        self.engine = _build_engine(cfg, model, tokenizer, device, model_dir)
+        self.engine = _build_engine(cfg, tokenizer, device, model_dir)
         source = build_prompt_source(cfg.data.task, cfg.data.path, cfg.trainer.seed,
                                      cfg.data.max_operand, cfg.data.instruction, ops=cfg.data.ops)
         self.stream = PromptStream(source, cfg.data.prompts_per_step, cfg.trainer.seed)
@@ -70,11 +66,14 @@ class Driver:
         self.writer.close()
 
 
-def _build_engine(cfg: RunConfig, model, tokenizer, device: str, model_dir: str):
+def _build_engine(cfg: RunConfig, tokenizer, device: str, model_dir: str):
     if cfg.rollout.engine == "vllm":
         from megarl.engines.base import build_engine
 
-        return build_engine("vllm", model_path=model_dir)
+        return build_engine("vllm", model=model_dir, seed=cfg.trainer.seed)
+    from megarl.models.hf_io import load_hf_model
+
+    model, _ = load_hf_model(model_dir, device=device)
     return HFEngine(model, tokenizer, device=device)
 
 

@@ -49,6 +49,11 @@ class MetricsWriter:
             self._tb.close()
 
 
+def safe_div(a: float, b: float) -> float:
+    """A ratio for metrics; NaN (written as null) when nothing was counted."""
+    return a / b if b else math.nan
+
+
 def _jsonable(value: Any) -> Any:
     if isinstance(value, float) and (math.isnan(value) or math.isinf(value)):
         return None
@@ -115,6 +120,11 @@ class PhaseTimer:
                 timer.times[f"timing_s/{name}"] += time.perf_counter() - self_inner.t0
 
         return _Phase()
+
+    def add(self, phase_seconds: dict[str, float]) -> None:
+        """Add durations measured elsewhere (e.g. by the rollout producer on rank 0)."""
+        for name, seconds in phase_seconds.items():
+            self.times[f"timing_s/{name}"] += seconds
 
     def total(self) -> float:
         return time.perf_counter() - self._start

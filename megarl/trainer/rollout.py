@@ -8,6 +8,7 @@ or training did in between.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -56,7 +57,13 @@ class RolloutProducer:
             text = problem.prompt
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    def produce(self, step: int) -> tuple[RolloutBatch, dict[str, float]]:
+    def produce(self, step: int) -> tuple[RolloutBatch, dict[str, float], dict[str, float]]:
+        """The step's scored batch, its rollout metrics, and seconds spent per phase.
+
+        ``gen`` covers prompt encoding and sampling; ``adv`` covers decoding, rewards and
+        advantages.
+        """
+        t_start = time.perf_counter()
         problems = self.stream.next_batch()
         n = self.settings.group_size
         prompt_ids = [self.encode_prompt(p) for p in problems]
@@ -64,6 +71,7 @@ class RolloutProducer:
                                 max_new_tokens=self.settings.max_new_tokens,
                                 seed=sampling_seed(self.run_seed, step))
         gens = self.engine.generate([ids for ids in prompt_ids for _ in range(n)], params)
+        t_generated = time.perf_counter()
         texts = [self.tokenizer.decode(g.response_ids, skip_special_tokens=True) for g in gens]
         answers = [p.answer for p in problems for _ in range(n)]
         rewards = torch.tensor([self.reward_fn(t, a) for t, a in zip(texts, answers, strict=True)],
@@ -82,8 +90,9 @@ class RolloutProducer:
         )
         self.last_samples = [(problems[i // n].prompt, texts[i], float(rewards[i]))
                              for i in range(0, len(gens), n)]
-        return batch, rollout_metrics(batch, [g.finished for g in gens],
-                                      self.settings.max_new_tokens)
+        metrics = rollout_metrics(batch, [g.finished for g in gens], self.settings.max_new_tokens)
+        phase_seconds = {"gen": t_generated - t_start, "adv": time.perf_counter() - t_generated}
+        return batch, metrics, phase_seconds
 
 
 def rollout_metrics(batch: RolloutBatch, finished: Sequence[bool], max_new_tokens: int

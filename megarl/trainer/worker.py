@@ -14,7 +14,6 @@ Rank 0 also hosts the rollout engine and the data (the embedded, colocated layou
 from __future__ import annotations
 
 import os
-import time
 import warnings
 from dataclasses import dataclass
 
@@ -23,15 +22,9 @@ import torch.distributed as dist
 
 from megarl.config.schema import RunConfig
 from megarl.distributed.launcher import WorkerContext
-from megarl.planner.batch_planner import PlannerInputs, StepPlan, plan_step
-from megarl.planner.gates import (
-    GateConfig,
-    Schedule,
-    StepFacts,
-    StepGates,
-    decide_gates,
-    needs_reference_model,
-)
+from megarl.planner import from_config
+from megarl.planner.batch_planner import StepPlan, plan_forward_micro_batches, plan_step
+from megarl.planner.gates import StepGates, decide_gates, needs_reference_model
 from megarl.trainer.batch import RolloutBatch
 from megarl.trainer.metrics import PhaseTimer
 from megarl.workers.megatron_actor import (
@@ -101,13 +94,11 @@ def _quiet_third_party_warnings() -> None:
 @dataclass
 class _Runtime:
     cfg: RunConfig
-    rank: int
     dp_rank: int
     actor: MegatronActor
     reference: MegatronActor | None
     driver: object | None  # megarl.trainer.driver.Driver on rank 0
     spec: object
-    pad_id: int
 
 
 def _setup(ctx: WorkerContext, inputs: RunInputs) -> _Runtime:
@@ -115,7 +106,7 @@ def _setup(ctx: WorkerContext, inputs: RunInputs) -> _Runtime:
 
     from megarl.distributed import parallel
     from megarl.distributed.platform import enter_cpu_shims
-    from megarl.models.hf_io import load_hf_config, load_hf_state_dict, load_hf_tokenizer
+    from megarl.models.hf_io import load_hf_config, load_hf_tokenizer, open_hf_tensors
     from megarl.models.spec import spec_from_hf_config
 
     cfg = inputs.cfg
@@ -128,22 +119,21 @@ def _setup(ctx: WorkerContext, inputs: RunInputs) -> _Runtime:
     spec = spec_from_hf_config(load_hf_config(inputs.model_dir))
     tokenizer = load_hf_tokenizer(inputs.model_dir)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    hf_state = load_hf_state_dict(inputs.model_dir)
+    hf_tensors = open_hf_tensors(inputs.model_dir)
     dtype = _dtype(cfg, inputs.device)
-    actor = MegatronActor(spec, cfg.actor, inputs.device, dtype, hf_state, pad_id, trainable=True,
-                          init_seed=cfg.trainer.seed)
+    actor = MegatronActor(spec, cfg.actor, inputs.device, dtype, hf_tensors, pad_id,
+                          trainable=True, init_seed=cfg.trainer.seed)
     reference = None
-    if needs_reference_model(_run_facts(cfg)).run:
-        reference = MegatronActor(spec, cfg.actor, inputs.device, dtype, hf_state, pad_id,
+    if needs_reference_model(from_config.run_facts(cfg)).run:
+        reference = MegatronActor(spec, cfg.actor, inputs.device, dtype, hf_tensors, pad_id,
                                   trainable=False)
-    del hf_state
     driver = None
     if ctx.rank == 0:
         from megarl.trainer.driver import Driver
 
         driver = Driver(cfg, inputs.model_dir, inputs.device, tokenizer)
-    return _Runtime(cfg=cfg, rank=ctx.rank, dp_rank=ps.get_data_parallel_rank(), actor=actor,
-                    reference=reference, driver=driver, spec=spec, pad_id=pad_id)
+    return _Runtime(cfg=cfg, dp_rank=ps.get_data_parallel_rank(), actor=actor,
+                    reference=reference, driver=driver, spec=spec)
 
 
 def _dtype(cfg: RunConfig, device: str) -> torch.dtype:
@@ -152,27 +142,14 @@ def _dtype(cfg: RunConfig, device: str) -> torch.dtype:
     return getattr(torch, cfg.model.dtype)
 
 
-def _run_facts(cfg: RunConfig):
-    from megarl.planner.gates import RunFacts
-
-    return RunFacts(modes=_gate_config(cfg), schedule=_schedule(cfg),
-                    num_steps=cfg.trainer.total_steps, kl_coef=cfg.actor.kl_coef)
-
-
-def _gate_config(cfg: RunConfig) -> GateConfig:
-    return GateConfig(old_log_prob=cfg.planner.old_log_prob, ref_log_prob=cfg.planner.ref_log_prob)
-
-
-def _schedule(cfg: RunConfig) -> Schedule:
-    return Schedule.from_ppo(cfg.actor.ppo_mini_batches, cfg.actor.ppo_epochs)
-
-
 def _train(rt: _Runtime) -> None:
     for step in range(1, rt.cfg.trainer.total_steps + 1):
         timer = PhaseTimer()
         batch, rollout_metrics = _broadcast_rollout(rt, step, timer)
-        plan = _plan(rt.cfg, batch)
-        gates = _gates(rt, step, batch, plan)
+        plan = plan_step(from_config.planner_inputs(
+            rt.cfg, batch.seq_lens, batch.response_lens, batch.advantages.tolist(),
+            batch.group_ids.tolist()))
+        gates = decide_gates(from_config.step_facts(rt.cfg, step, batch.num_seqs))
         old, recomputed, ref = _logprob_passes(rt, batch, plan, gates, timer)
         stats = _update_actor(rt, batch, plan, old, recomputed, ref, timer)
         _sync_weights(rt, timer)
@@ -181,78 +158,36 @@ def _train(rt: _Runtime) -> None:
 
 
 def _broadcast_rollout(rt: _Runtime, step: int, timer: PhaseTimer):
-    payload = [None]
-    if rt.driver is not None:
-        with timer.phase("gen"):
-            payload = [rt.driver.rollout(step)]
-    t0 = time.perf_counter()
+    """Rank 0 produces the scored batch (timing its phases); every rank receives it."""
+    payload = [rt.driver.rollout(step) if rt.driver is not None else None]
     dist.broadcast_object_list(payload, src=0)
-    batch, metrics = payload[0]
-    if rt.driver is None:
-        timer.times["timing_s/gen"] += time.perf_counter() - t0
-    with timer.phase("adv"):
-        pass  # advantages are computed with the rewards on rank 0 (see RolloutProducer)
+    batch, metrics, phase_seconds = payload[0]
+    timer.add(phase_seconds)
     return batch, metrics
-
-
-def _plan(cfg: RunConfig, batch: RolloutBatch) -> StepPlan:
-    return plan_step(PlannerInputs(
-        seq_tokens=batch.seq_lens,
-        response_tokens=batch.response_lens,
-        advantages=batch.advantages.tolist(),
-        group_ids=batch.group_ids.tolist(),
-        loss_agg=cfg.actor.loss_agg,
-        kl_coef=cfg.actor.kl_coef,
-        entropy_coef=cfg.actor.entropy_coef,
-        dp_size=cfg.dp,
-        ppo_mini_batches=cfg.actor.ppo_mini_batches,
-        ppo_epochs=cfg.actor.ppo_epochs,
-        micro_batch_tokens=cfg.actor.micro_batch_tokens,
-        mode=cfg.planner.prune_zero_adv,
-        allow_approx=cfg.planner.allow_approx,
-    ))
-
-
-def _gates(rt: _Runtime, step: int, batch: RolloutBatch, plan: StepPlan) -> StepGates:
-    cfg = rt.cfg
-    m = cfg.actor.ppo_mini_batches
-    size = batch.num_seqs // m
-    slices = tuple(tuple(range(i * size, (i + 1) * size)) for i in range(m))
-    return decide_gates(StepFacts(
-        step=step, schedule=_schedule(cfg), slices=slices, modes=_gate_config(cfg),
-        kl_coef=cfg.actor.kl_coef, lora_enabled=False, engine_base_weights_resident=None,
-    ))
-
-
-def _my_sequences(plan: StepPlan, dp_rank: int) -> list[int]:
-    """Sequences this DP rank trains (weight 1) anywhere in the plan, in first-use order."""
-    seen: dict[int, None] = {}
-    for opt_step in plan.optimizer_steps:
-        for mb in opt_step.ranks[dp_rank].micro_batches:
-            for i, w in zip(mb.seq_indices, mb.loss_weights, strict=True):
-                if w > 0:
-                    seen.setdefault(i, None)
-    return list(seen)
 
 
 def _logprob_passes(rt: _Runtime, batch: RolloutBatch, plan: StepPlan, gates: StepGates,
                     timer: PhaseTimer):
-    mine = _my_sequences(plan, rt.dp_rank)
+    """Run the forwards the gates asked for, over the sequences this DP rank trains."""
+    mine = plan.trained_sequences(rt.dp_rank)
     temperature = rt.cfg.rollout.temperature
+    budget = rt.cfg.actor.logprob_micro_batch_tokens
     recomputed: dict[int, torch.Tensor] = {}
     if gates.old_log_prob.source == "rollout":
         old = {i: batch.engine_logprobs[i] for i in mine}
     else:
         if gates.old_log_prob.run:
             wanted = set(gates.old_log_prob.seq_indices)
+            groups = plan_forward_micro_batches([i for i in mine if i in wanted],
+                                                batch.seq_lens, budget)
             with timer.phase("old_log_prob"):
-                recomputed = rt.actor.compute_logprobs(
-                    batch, [i for i in mine if i in wanted], temperature)
+                recomputed = rt.actor.compute_logprobs(batch, groups, temperature)
         old = recomputed
     ref = None
     if gates.ref_log_prob.run and rt.reference is not None:
+        groups = plan_forward_micro_batches(list(mine), batch.seq_lens, budget)
         with timer.phase("ref"):
-            ref = rt.reference.compute_logprobs(batch, mine, temperature)
+            ref = rt.reference.compute_logprobs(batch, groups, temperature)
     return old, recomputed, ref
 
 

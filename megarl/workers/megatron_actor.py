@@ -8,7 +8,6 @@ schedules and DDP.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -58,24 +57,6 @@ class LossSettings:
     entropy_coef: float
 
 
-def pack_by_tokens(seq_indices: Sequence[int], lengths: Sequence[int], budget: int
-                   ) -> list[list[int]]:
-    """Greedy in-order packing of sequences into micro-batches of at most ``budget`` padded tokens."""
-    groups: list[list[int]] = []
-    current: list[int] = []
-    longest = 0
-    for i in seq_indices:
-        new_longest = max(longest, lengths[i])
-        if current and new_longest * (len(current) + 1) > budget:
-            groups.append(current)
-            current, new_longest = [], lengths[i]
-        current.append(i)
-        longest = new_longest
-    if current:
-        groups.append(current)
-    return groups
-
-
 class MegatronActor:
     """A Megatron ``GPTModel`` shard with optional DDP + optimizer (``trainable``)."""
 
@@ -85,13 +66,11 @@ class MegatronActor:
         from megatron.core import parallel_state as ps
 
         self.spec, self.cfg, self.device, self.pad_id = spec, cfg, device, pad_id
-        self.trainable = trainable
         torch.manual_seed(init_seed)
         model = megatron_gpt.build_gpt_model(spec, cfg.tp, cfg.pp, dtype=dtype, device=device)
         if hf_weights is not None:
             megatron_gpt.load_hf_weights(model, spec, hf_weights)
         self.is_last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
-        self.is_first_stage = ps.is_pipeline_first_stage(ignore_virtual=True)
         tp_rank = ps.get_tensor_model_parallel_rank()
         vocab_per_rank = spec.padded_vocab_size(cfg.tp) // cfg.tp
         self.vocab_shard = VocabShard(
@@ -127,13 +106,12 @@ class MegatronActor:
 
     # --- forward-only logprobs ---------------------------------------------------------------
 
-    def compute_logprobs(self, batch: RolloutBatch, seq_indices: Sequence[int],
+    def compute_logprobs(self, batch: RolloutBatch, micro_batches: Sequence[Sequence[int]],
                          temperature: float) -> dict[int, torch.Tensor]:
-        """Per-token logprobs of the response tokens of ``seq_indices``; empty off the last stage."""
-        if not seq_indices:
+        """Per-token response logprobs of the planned micro-batches; empty off the last stage."""
+        if not micro_batches:
             return {}
-        groups = pack_by_tokens(seq_indices, batch.seq_lens, self.cfg.logprob_micro_batch_tokens)
-        mbs = [collate(batch, g, self.pad_id) for g in groups]
+        mbs = [collate(batch, group, self.pad_id) for group in micro_batches]
         collect = partial(self._collect_logprobs_loss, batch=batch, temperature=temperature)
         with torch.no_grad():
             outputs = self._run_schedule(mbs, collect, forward_only=True)
@@ -179,9 +157,8 @@ class MegatronActor:
 
     def _training_loss(self, mb: MicroBatchTensors, logits, *, batch, old, ref, loss: LossSettings,
                        denom: float, capture: bool):
-        need_entropy = True
         logp_BL, entropy_BL = token_logprobs_and_entropy(
-            logits, mb.labels_BL, self.vocab_shard, loss.temperature, with_entropy=need_entropy)
+            logits, mb.labels_BL, self.vocab_shard, loss.temperature, with_entropy=True)
         old_BL = self._old_logprobs_BL(logp_BL, mb, batch, old)
         mask_BL = mb.loss_mask_BL
         pg = policy_loss(logp_BL, old_BL, mb.advantages_B, mask_BL, loss.clip_low, loss.clip_high,
@@ -213,15 +190,14 @@ class MegatronActor:
             stats["train_logprobs"] = {i: captured[i] for i in trained}
         return total, num_tokens, stats
 
-    def _old_logprobs_BL(self, logp_BL, mb, batch, old) -> torch.Tensor:
-        if all(i in old for i in mb.seq_indices):
-            return response_values_to_BL(old, mb, batch)
-        detached = logp_BL.detach()
-        if not any(i in old for i in mb.seq_indices):
-            return detached
+    @staticmethod
+    def _old_logprobs_BL(logp_BL, mb, batch, old) -> torch.Tensor:
+        """Provided old logprobs where the gates recomputed them, else the detached forward's."""
+        has_old_B = torch.tensor([i in old for i in mb.seq_indices])
+        if not has_old_B.any():
+            return logp_BL.detach()
         provided = response_values_to_BL({i: old[i] for i in mb.seq_indices if i in old}, mb, batch)
-        has_old = torch.tensor([i in old for i in mb.seq_indices]).unsqueeze(1)
-        return torch.where(has_old, provided, detached)
+        return torch.where(has_old_B.unsqueeze(1), provided, logp_BL.detach())
 
     def _finalize_grads(self) -> None:
         from megatron.core.distributed import finalize_model_grads
@@ -275,6 +251,3 @@ def reduce_stats_to_all(values: dict[str, float], keys: Sequence[str], tp: int) 
     dist.all_reduce(tensor)
     return {k: float(v) / tp for k, v in zip(keys, tensor.tolist(), strict=True)}
 
-
-def safe_div(a: float, b: float) -> float:
-    return a / b if b else math.nan

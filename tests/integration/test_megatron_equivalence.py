@@ -73,7 +73,7 @@ def _worker(ctx, tp: int, pp: int, hf_config: dict, ids, ref_logits, state):
     if actor.is_last_stage:
         got = torch.cat([o["logits"] for o in outs])[..., : hf_config["vocab_size"]]
         logits_diff = (got - ref_logits).abs().max().item()
-    logp = actor.compute_logprobs(batch, list(range(num)), temperature=0.7)
+    logp = actor.compute_logprobs(batch, [list(range(num))], temperature=0.7)
     logp_diff = None
     if actor.is_last_stage:
         ref_logp = torch.log_softmax(ref_logits.double() / 0.7, -1).gather(

@@ -23,10 +23,39 @@ from megarl.planner.gates import (
     decide_gates,
     needs_reference_model,
     recompute_slices,
-    simulate_schedule,
     stale_slices,
     validate_gate_config,
 )
+
+
+def simulate_schedule(schedule: Schedule, num_micro_steps: int) -> tuple[SliceUse, ...]:
+    """Brute-force event simulation of the schedule: the oracle the rule is checked against.
+
+    Walks micro-steps with a buffer of pending (slice, epoch) uses, generates a rollout when
+    the buffer is empty, and increments a weight version at every ``grad_accum``-th backward.
+    Shares no arithmetic with :func:`slice_use`.
+    """
+    uses: list[SliceUse] = []
+    version, accumulated, rollout, generated_at_version = 0, 0, -1, 0
+    pending: list[tuple[int, int]] = []
+    for micro_step in range(num_micro_steps):
+        if not pending:
+            rollout += 1
+            generated_at_version = version
+            pending = [
+                (k, epoch)
+                for epoch in range(schedule.num_iterations)
+                for k in range(schedule.slices_per_rollout)
+            ]
+        slice_index, epoch = pending.pop(0)
+        uses.append(
+            SliceUse(micro_step, rollout, slice_index, epoch, generated_at_version, version)
+        )
+        accumulated += 1
+        if accumulated == schedule.grad_accum:
+            version, accumulated = version + 1, 0
+    return tuple(uses)
+
 
 GRID = [
     Schedule(steps_per_generation=k * i, num_iterations=i, grad_accum=g)
