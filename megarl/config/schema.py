@@ -48,9 +48,19 @@ class TrainerConfig:
     log_console: bool = True
     """Progress bar and one line per step."""
     tensorboard: bool = True
+    save_interval: int = 0
+    """Save a training checkpoint every this many steps (and at the last step); 0 = never."""
+    keep_last: int = 2
+    """Complete checkpoints kept in run_dir/checkpoints (older ones are deleted after a save)."""
+    resume: str = "auto"
+    """auto (latest complete checkpoint in run_dir, if any) | never | a checkpoint path."""
 
     def __post_init__(self) -> None:
         _positive("trainer.total_steps", self.total_steps)
+        _require(self.save_interval >= 0,
+                 f"trainer.save_interval={self.save_interval}: must be >= 0 (0 = never)")
+        _positive("trainer.keep_last", self.keep_last)
+        _require(bool(self.resume), "trainer.resume: must be auto, never or a checkpoint path")
         _choice("trainer.device", self.device, ("auto", "cpu", "cuda"))
         _choice("trainer.launcher", self.launcher, ("local", "ray"))
         _positive("trainer.nnodes", self.nnodes)
@@ -71,12 +81,44 @@ class OptimConfig:
     eps: float = 1e-8
     grad_clip: float = 1.0
     """Clip the global grad norm to this (0 disables)."""
+    distributed: bool = False
+    """CUDA only: Megatron's distributed optimizer (optimizer state sharded over DP)."""
+    overlap_grad_reduce: bool = False
+    """CUDA only: overlap DP gradient reduce-scatter with the backward pass."""
+    overlap_param_gather: bool = False
+    """CUDA only, with distributed: overlap the parameter all-gather with the next forward."""
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    rank: int = 0
+    """LoRA rank; 0 = full fine-tuning (no adapters)."""
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+    """Megatron linear layers that get adapters (exported under PEFT's HF module names)."""
+
+    def __post_init__(self) -> None:
+        _require(self.rank >= 0, f"actor.lora.rank={self.rank}: must be >= 0 (0 = no LoRA)")
+        _positive("actor.lora.alpha", self.alpha)
+        _require(0 <= self.dropout < 1, f"actor.lora.dropout={self.dropout}: must be in [0, 1)")
+        known = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+        for name in self.target_modules:
+            _choice("actor.lora.target_modules", name, known)
+        _require(self.rank == 0 or bool(self.target_modules),
+                 "actor.lora.target_modules: empty; name at least one layer")
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
 
 
 @dataclass(frozen=True)
 class ActorConfig:
     tp: int = 1
     pp: int = 1
+    vpp: int = 1
+    """Virtual pipeline stages (model chunks) per pipeline rank; > 1 needs pp > 1."""
     lr: float = 1e-6
     kl_coef: float = 0.0
     """Weight of the KL(actor || reference) loss; 0 = no reference model is built."""
@@ -94,7 +136,12 @@ class ActorConfig:
     """Token budget of one training micro-batch (sequences are packed up to it)."""
     logprob_micro_batch_tokens: int = 8192
     """Token budget of one forward-only (logprob) micro-batch."""
+    logprob_chunk_tokens: int = 4096
+    """Tokens per chunk when turning vocab-parallel logits into logprobs and entropy."""
+    recompute: str = "none"
+    """none | selective (attention core) | full (whole layers): activation recomputation."""
     optim: OptimConfig = field(default_factory=OptimConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     def __post_init__(self) -> None:
         _positive("actor.tp", self.tp)
@@ -108,6 +155,11 @@ class ActorConfig:
         _positive("actor.ppo_epochs", self.ppo_epochs)
         _positive("actor.micro_batch_tokens", self.micro_batch_tokens)
         _positive("actor.logprob_micro_batch_tokens", self.logprob_micro_batch_tokens)
+        _positive("actor.logprob_chunk_tokens", self.logprob_chunk_tokens)
+        _positive("actor.vpp", self.vpp)
+        _require(self.vpp == 1 or self.pp > 1,
+                 f"actor.vpp={self.vpp}: virtual pipeline stages need actor.pp > 1")
+        _choice("actor.recompute", self.recompute, ("none", "selective", "full"))
 
 
 @dataclass(frozen=True)
@@ -119,9 +171,28 @@ class RolloutConfig:
     max_new_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
+    tp: int = 1
+    """Tensor parallelism of the rollout engine (vLLM); the exporter sends each engine rank its
+    own shard."""
+    sleep_level: int = 0
+    """Between rollouts: 0 = engine stays resident | 1 = free KV cache, keep weights |
+    2 = free weights too (they are resent on wake)."""
+    gpu_memory_utilization: float = 0.5
+    """vLLM: fraction of GPU memory for weights + KV cache (colocated with the trainer)."""
+    max_num_seqs: int = 256
+    """vLLM: sequences decoded concurrently."""
+    max_num_batched_tokens: int = 8192
+    """vLLM: tokens per engine step (prefill chunking)."""
 
     def __post_init__(self) -> None:
         _choice("rollout.engine", self.engine, ("hf", "vllm"))
+        _positive("rollout.tp", self.tp)
+        _require(self.sleep_level in (0, 1, 2),
+                 f"rollout.sleep_level={self.sleep_level}: must be 0, 1 or 2")
+        _require(0 < self.gpu_memory_utilization <= 1,
+                 f"rollout.gpu_memory_utilization={self.gpu_memory_utilization}: must be in (0, 1]")
+        _positive("rollout.max_num_seqs", self.max_num_seqs)
+        _positive("rollout.max_num_batched_tokens", self.max_num_batched_tokens)
         _require(self.n >= 2, f"rollout.n={self.n}: GRPO needs at least 2 samples per prompt")
         _positive("rollout.max_new_tokens", self.max_new_tokens)
         _positive("rollout.temperature", self.temperature)
@@ -200,6 +271,19 @@ class PlannerConfig:
 
 
 @dataclass(frozen=True)
+class ExportConfig:
+    bucket_mb: int = 256
+    """Byte budget of one bucket of HF-named tensors streamed to the rollout engine."""
+    checksum_interval: int = 0
+    """Every this many steps, compare a checksum of the exported tensors on both sides; 0 = off."""
+
+    def __post_init__(self) -> None:
+        _positive("export.bucket_mb", self.bucket_mb)
+        _require(self.checksum_interval >= 0,
+                 f"export.checksum_interval={self.checksum_interval}: must be >= 0 (0 = off)")
+
+
+@dataclass(frozen=True)
 class RunConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
@@ -208,6 +292,7 @@ class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     planner: PlannerConfig = field(default_factory=PlannerConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
 
     def __post_init__(self) -> None:
         model_parallel = self.actor.tp * self.actor.pp
