@@ -82,3 +82,32 @@ def test_dp4_with_few_kept_sequences_completes(tiny_run):
     assert len(result.history) == 2
     assert all(r["planner/num_micro_batches"] >= 4 or r["planner/ghost_steps"] >= 1
                for r in result.history)
+
+
+def _first_step_answers(num_prompts: int, seed: int = 1234) -> list[int]:
+    from megarl.data.loader import PromptStream, build_prompt_source
+
+    source = build_prompt_source("arithmetic", None, seed, 20, "", ops=("+",))
+    return [int(p.answer) for p in PromptStream(source, num_prompts, seed).next_batch()]
+
+
+def test_match_loss_curve_equals_off_with_mixed_mini_batches(tiny_run, tmp_path):
+    """Kept and pruned groups share a mini-batch, which is split into several micro-batches.
+
+    4 prompts x 4 samples in 2 mini-batches of 2 groups each; ``mixed_groups`` prunes the
+    even-answer groups. At step 1 a mini-batch holds one odd- and one even-answer group, so it
+    trains one group and prunes the other: its loss is normalised by the unpruned mini-batch's
+    token count while its micro-batches are packed differently from the baseline's. (The tiny
+    model collapses to one response after that step; later steps are ghost steps.)
+    """
+    batching = {"actor.ppo_mini_batches": 2, "data.prompts_per_step": 4,
+                "actor.micro_batch_tokens": 160}
+    kept_groups = [answer % 2 == 1 for answer in _first_step_answers(4)]
+    mini_batches = [kept_groups[:2], kept_groups[2:]]
+    assert any(any(mb) and not all(mb) for mb in mini_batches), "no mixed mini-batch to test"
+    base, base_hist = _train(tiny_run, **batching, **{"planner.prune_zero_adv": "off"})
+    pruned, hist = _train(tiny_run, **batching, **{"planner.prune_zero_adv": "match_loss_curve"})
+    _assert_moved(base_hist, base, tmp_path)
+    assert hist[0]["planner/kept_seq_frac"] == sum(kept_groups) / len(kept_groups)
+    assert base_hist[0]["planner/num_micro_batches"] > 2, "one micro-batch per mini-batch"
+    assert _max_diff(base, pruned) <= 1e-6
