@@ -176,6 +176,26 @@ def _mark_tp(param: torch.nn.Parameter, parallel: str, tp: int) -> None:
                                          dim=1 if parallel == "row" else 0, stride=1)
 
 
+def _lora_sharded_state_dict(module, parallel: str):
+    """The linear's ``sharded_state_dict`` with the TP-split adapter factor sharded too.
+
+    Megatron's parallel linears shard only ``weight``/``bias`` and would save every other key
+    (our adapter) as a TP replica, which is wrong for ``lora_B`` (column) / ``lora_A`` (row).
+    """
+    from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+    axis_map = ({"weight": 0, "bias": 0, f"{ADAPTER_ATTR}.lora_B": 0} if parallel == "column"
+                else {"weight": 1, f"{ADAPTER_ATTR}.lora_A": 1})
+
+    def sharded_state_dict(prefix="", sharded_offsets=(), metadata=None):
+        return make_sharded_tensors_for_checkpoint(
+            module.state_dict(prefix="", keep_vars=True), prefix, axis_map, sharded_offsets,
+            tp_group=getattr(module, "tp_group", None),
+            dp_cp_group=(metadata or {}).get("dp_cp_group"))
+
+    return sharded_state_dict
+
+
 def _add_lora_delta(module, args, output):
     """Forward hook on a Megatron parallel linear: ``(W x, bias) -> (W x + s B A x, bias)``."""
     out, bias = output
@@ -204,15 +224,29 @@ def apply_lora(model, spec: TransformerSpec, settings: LoraSettings) -> int:
         target = name.rsplit(".", 1)[-1]
         if target not in settings.target_modules:
             continue
+        parallel = TARGET_PARALLELISM[target]
+        _require_local_linear(name, module, parallel)
         _, local_layer = mapping.split_layer_name(name)
-        adapter = LoraAdapter(TARGET_PARALLELISM[target], module.weight, local_layer + offset,
-                              target, settings, tp_rank, tp)
+        adapter = LoraAdapter(parallel, module.weight, local_layer + offset, target, settings,
+                              tp_rank, tp)
         module.add_module(ADAPTER_ATTR, adapter)
         module.register_forward_hook(_add_lora_delta)
+        module.sharded_state_dict = _lora_sharded_state_dict(module, parallel)
         count += 1
     for name, param in bare.named_parameters():
         param.requires_grad_(is_adapter_param_name(name))
     return count
+
+
+def _require_local_linear(name: str, module, parallel: str) -> None:
+    """Only Megatron's plain parallel linears: a transformer-engine ``linear_qkv`` fuses the
+    input layernorm, so a hook would see the un-normalised input."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    expected = ColumnParallelLinear if parallel == "column" else RowParallelLinear
+    if type(module) is not expected:
+        raise TypeError(f"LoRA supports Megatron's local {expected.__name__} for {name}, "
+                        f"got {type(module).__name__} (transformer-engine spec?)")
 
 
 @dataclass(frozen=True)

@@ -2,12 +2,14 @@
 
 Rank 0 also hosts the rollout engine and the data (the embedded, colocated layout). Every step:
 
-1. rank 0 generates and scores a :class:`RolloutBatch`; it is broadcast to all ranks;
+1. rank 0 generates and scores a :class:`RolloutBatch`, puts the engine to sleep at
+   ``rollout.sleep_level`` and takes the engine's own memory report; both are broadcast;
 2. every rank computes the same :class:`StepPlan` (batch planner) and :class:`StepGates`
    (pass gates) from it -- pure functions of broadcast data, so no rank can disagree;
 3. old/reference logprob forwards run only where the gates say so;
 4. each optimizer step of the plan runs this rank's micro-batches;
-5. new weights are gathered to rank 0 and loaded into the engine;
+5. rank 0 wakes the engine; base (or full) weights are gathered and sent only when the
+   base-weight gate says so, and with LoRA the adapter every step;
 6. statistics are reduced and rank 0 writes the step's metrics.
 """
 

@@ -91,12 +91,14 @@ def _worker(ctx, tp: int, pp: int, ids, state):
 
     base_after = {n: p.detach() for n, p in unwrap(actor.model).named_parameters()
                   if not p.requires_grad}
+    sharded = unwrap(actor.model).sharded_state_dict(metadata={})
+    lora_shapes = {k: tuple(v.global_shape) for k, v in sharded.items() if ".lora." in k}
     base_unchanged = all(torch.equal(base_before[n], base_after[n]) for n in base_before)
     optim_params = {id(p) for p in actor.optimizer.params}
     optim_is_adapters = optim_params == {id(p) for p in adapter_parameters(actor.model)}
     result = {
         "rank": ctx.rank, "base_unchanged": base_unchanged, "trainable": trainable,
-        "optim_is_adapters": optim_is_adapters,
+        "optim_is_adapters": optim_is_adapters, "lora_shapes": lora_shapes,
         "initial_logits": initial_logits, "logits": _full_logits(actor, batch, tp),
         "initial_adapter": initial_adapter, "adapter": actor.gather_lora_adapter(),
     }
@@ -123,6 +125,13 @@ def test_lora_tp2_pp2_trains_adapters_and_exports_what_peft_loads(tmp_path):
         assert r["base_unchanged"], f"rank {r['rank']}: a base weight changed"
         assert r["trainable"] and all(is_adapter_param_name(n) for n in r["trainable"])
         assert r["optim_is_adapters"]
+    # checkpoints see the full adapter factors (TP-split ones sharded, not saved as replicas)
+    shapes = {k: v for r in results for k, v in r["lora_shapes"].items()}
+    qkv_out = (TINY["num_attention_heads"] + 2 * TINY["num_key_value_heads"]) * 16
+    qkv_b = [v for k, v in shapes.items() if k.endswith("linear_qkv.lora.lora_B")]
+    fc2_a = [v for k, v in shapes.items() if k.endswith("linear_fc2.lora.lora_A")]
+    assert qkv_b and all(v[-2:] == (qkv_out, RANK) for v in qkv_b), qkv_b
+    assert fc2_a and all(v[-2:] == (RANK, 96) for v in fc2_a), fc2_a
     last = [r for r in results if r["logits"] is not None]
     assert last
     for r in last:  # B = 0: the initial LoRA model is the base model
