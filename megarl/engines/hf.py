@@ -252,6 +252,7 @@ class HFEngine(RolloutEngine):
         self._sleep = SleepState()
         self._freed: list[_FreedParam] = []
         self._adapter_loaded = False
+        self._adapter_layout: tuple | None = None
 
     # -- properties --
 
@@ -379,6 +380,11 @@ class HFEngine(RolloutEngine):
         from peft import LoraConfig, inject_adapter_in_model
 
         self._sleep.require_awake("load_lora_adapter")
+        layout = (rank, float(alpha), tuple(target_modules))
+        if self._adapter_loaded and self._adapter_layout == layout:
+            with torch.no_grad():  # adapter-only update: same layers, new values
+                _copy_lora_tensors(self._model, named_tensors)
+            return
         self.unload_lora_adapter()
         config = LoraConfig(
             r=rank, lora_alpha=alpha, target_modules=list(target_modules), lora_dropout=0.0
@@ -394,6 +400,7 @@ class HFEngine(RolloutEngine):
             remove_lora_layers(self._model)
             raise
         self._adapter_loaded = True
+        self._adapter_layout = layout
 
     def unload_lora_adapter(self) -> None:
         """Drop the current adapter, if any, so ``generate`` uses the base weights alone."""

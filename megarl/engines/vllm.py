@@ -79,6 +79,19 @@ DEFAULT_BUCKET_BYTES = 512 * 1024**2
 # --- pure helpers (tested on CPU) ------------------------------------------------------------
 
 
+VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""Values vLLM's ``LoRAConfig.max_lora_rank`` accepts (its ``MaxLoRARanks`` literal)."""
+
+
+def vllm_max_lora_rank(rank: int) -> int:
+    """The smallest ``max_lora_rank`` vLLM accepts that holds an adapter of ``rank``."""
+    for allowed in VLLM_MAX_LORA_RANKS:
+        if allowed >= rank:
+            return allowed
+    raise ValueError(f"LoRA rank {rank} exceeds vLLM's largest max_lora_rank "
+                     f"{VLLM_MAX_LORA_RANKS[-1]}")
+
+
 def request_seed(seed: int, index: int) -> int:
     """A distinct, reproducible 63-bit seed for request ``index`` of a call seeded ``seed``."""
     digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()

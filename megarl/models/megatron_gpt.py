@@ -13,6 +13,7 @@ import torch
 
 from megarl.distributed.platform import SDPACoreAttention
 from megarl.models import mapping
+from megarl.models.lora import is_adapter_param_name
 from megarl.models.spec import TransformerSpec
 
 
@@ -114,7 +115,7 @@ def layer_offset(model) -> int:
 
 
 def iter_local_params(model, spec: TransformerSpec):
-    """Yield ``(rule, global_layer, param)`` for every parameter this rank holds.
+    """Yield ``(rule, global_layer, param)`` for every base parameter this rank holds.
 
     With tied embeddings and PP > 1 the last stage's ``output_layer.weight`` is a copy of the
     embedding; it maps to the HF embedding tensor.
@@ -122,6 +123,8 @@ def iter_local_params(model, spec: TransformerSpec):
     rules = mapping.rule_index(spec)
     offset = layer_offset(model)
     for name, param in unwrap(model).named_parameters():
+        if is_adapter_param_name(name):
+            continue  # LoRA adapters are exported by megarl.export.lora, not as base weights
         template, local_layer = mapping.split_layer_name(name)
         rule = rules.get(template)
         if rule is None:

@@ -33,7 +33,7 @@ def step_facts(cfg: RunConfig, step: int, num_sequences: int,
     return StepFacts(
         step=step, schedule=schedule(cfg),
         slices=mini_batch_slices(num_sequences, cfg.actor.ppo_mini_batches),
-        modes=gate_config(cfg), kl_coef=cfg.actor.kl_coef, lora_enabled=False,
+        modes=gate_config(cfg), kl_coef=cfg.actor.kl_coef, lora_enabled=cfg.actor.lora.enabled,
         engine_base_weights_resident=engine_base_weights_resident,
     )
 

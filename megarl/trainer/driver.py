@@ -14,14 +14,16 @@ import torch
 from megarl.config.schema import RunConfig
 from megarl.data.loader import PromptStream, build_prompt_source
 from megarl.data.rewards import get_reward_fn
+from megarl.engines.base import EngineMemoryState
 from megarl.engines.hf import HFEngine
 from megarl.trainer.metrics import MetricsWriter, PhaseTimer, run_summary, safe_div, step_line
 from megarl.trainer.rollout import RolloutProducer, RolloutSettings
 
 
 class Driver:
-    def __init__(self, cfg: RunConfig, model_dir: str, device: str, tokenizer):
+    def __init__(self, cfg: RunConfig, model_dir: str, device: str, tokenizer, spec=None):
         self.cfg = cfg
+        self.spec = spec
         self.engine = _build_engine(cfg, tokenizer, device, model_dir)
         source = build_prompt_source(cfg.data.task, cfg.data.path, cfg.trainer.seed,
                                      cfg.data.max_operand, cfg.data.instruction, ops=cfg.data.ops)
@@ -43,6 +45,33 @@ class Driver:
     def update_engine_weights(self, state: dict[str, torch.Tensor] | None) -> None:
         if state is not None:
             self.engine.update_weights(state.items())
+
+    # --- engine memory and LoRA (base-weight gate; see megarl.planner.gates) ---
+
+    def release_engine_for_training(self) -> EngineMemoryState:
+        """Sleep the engine at ``rollout.sleep_level`` (0: stays resident); its own report.
+
+        The report (did it keep its base weights?) is what the base-weight gate decides from.
+        """
+        if self.cfg.rollout.sleep_level > 0:
+            self.engine.sleep(self.cfg.rollout.sleep_level)
+        return self.engine.memory_state()
+
+    def wake_engine(self) -> EngineMemoryState:
+        """Re-acquire the engine's memory after training; what it reports it must be sent."""
+        return self.engine.wake_up()
+
+    def update_engine_adapter(self, adapter: dict[str, torch.Tensor] | None) -> None:
+        """Adapter-only update: the engine applies the peft-named LoRA tensors."""
+        if adapter is None:
+            return
+        from megarl.models.lora import hf_target_modules
+
+        lora = self.cfg.actor.lora
+        self.engine.load_lora_adapter(adapter.items(), rank=lora.rank, alpha=lora.alpha,
+                                      target_modules=hf_target_modules(self.spec,
+                                                                       lora.target_modules))
+    # --- end engine memory and LoRA ---
 
     def record_step(self, step, timer: PhaseTimer, rollout_metrics, plan, gates, stats, batch):
         metrics: dict = {"step": step}
@@ -69,8 +98,13 @@ class Driver:
 def _build_engine(cfg: RunConfig, tokenizer, device: str, model_dir: str):
     if cfg.rollout.engine == "vllm":
         from megarl.engines.base import build_engine
+        from megarl.engines.vllm import vllm_max_lora_rank
 
-        return build_engine("vllm", model=model_dir, seed=cfg.trainer.seed)
+        lora = cfg.actor.lora
+        lora_kwargs = ({"enable_lora": True, "max_lora_rank": vllm_max_lora_rank(lora.rank)}
+                       if lora.enabled else {})
+        return build_engine("vllm", model=model_dir, seed=cfg.trainer.seed,
+                            enable_sleep_mode=cfg.rollout.sleep_level > 0, **lora_kwargs)
     from megarl.models.hf_io import load_hf_model
 
     model, _ = load_hf_model(model_dir, device=device)

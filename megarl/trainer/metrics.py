@@ -99,7 +99,18 @@ def run_summary(history: list[Mapping[str, Any]], window: int = 3) -> str:
         spent = sum(r.get(f"timing_s/{phase}", 0.0) for r in history)
         split.append(f"{phase} {spent:.1f}s ({spent / total:.0%})" if total else phase)
     lines.append("time: " + ", ".join(split))
+    lines.append(_weight_sync_summary(history))
     return "\n".join(lines)
+
+
+def _weight_sync_summary(history: list[Mapping[str, Any]]) -> str:
+    """How often the base-weight gate sent base/full weights, and what syncing cost."""
+    base = sum(1 for r in history if r.get("gates/base_weight_sync", 1.0) > 0)
+    seconds = sum(r.get("timing_s/update_weights", 0.0) for r in history)
+    skipped = len(history) - base
+    detail = f", adapter only on {skipped}" if skipped else ""
+    return (f"weight sync: base/full weights on {base} of {len(history)} steps{detail} "
+            f"({seconds:.2f}s)")
 
 
 class PhaseTimer:
@@ -117,14 +128,16 @@ class PhaseTimer:
                 self_inner.t0 = time.perf_counter()
 
             def __exit__(self_inner, *exc):
-                timer.times[f"timing_s/{name}"] += time.perf_counter() - self_inner.t0
+                key = f"timing_s/{name}"
+                timer.times[key] = timer.times.get(key, 0.0) + time.perf_counter() - self_inner.t0
 
         return _Phase()
 
     def add(self, phase_seconds: dict[str, float]) -> None:
         """Add durations measured elsewhere (e.g. by the rollout producer on rank 0)."""
         for name, seconds in phase_seconds.items():
-            self.times[f"timing_s/{name}"] += seconds
+            key = f"timing_s/{name}"
+            self.times[key] = self.times.get(key, 0.0) + seconds
 
     def total(self) -> float:
         return time.perf_counter() - self._start

@@ -2,12 +2,14 @@
 
 Rank 0 also hosts the rollout engine and the data (the embedded, colocated layout). Every step:
 
-1. rank 0 generates and scores a :class:`RolloutBatch`; it is broadcast to all ranks;
+1. rank 0 generates and scores a :class:`RolloutBatch`, puts the engine to sleep at
+   ``rollout.sleep_level`` and takes the engine's own memory report; both are broadcast;
 2. every rank computes the same :class:`StepPlan` (batch planner) and :class:`StepGates`
    (pass gates) from it -- pure functions of broadcast data, so no rank can disagree;
 3. old/reference logprob forwards run only where the gates say so;
 4. each optimizer step of the plan runs this rank's micro-batches;
-5. new weights are gathered to rank 0 and loaded into the engine;
+5. rank 0 wakes the engine; base (or full) weights are gathered and sent only when the
+   base-weight gate says so, and with LoRA the adapter every step;
 6. statistics are reduced and rank 0 writes the step's metrics.
 """
 
@@ -47,7 +49,8 @@ class RunInputs:
     model_dir: str
     device: str
     return_final_state: bool = False
-    """Gather the trained weights (HF names) into the result: for tests and tools."""
+    """Gather the trained weights (HF names; with LoRA also the peft-named adapter) into the
+    result: for tests and tools."""
 
 
 @dataclass(frozen=True)
@@ -72,6 +75,10 @@ def run_worker(ctx: WorkerContext, inputs: RunInputs) -> RunResult | None:
             from megarl.export.gather import gather_hf_state_dict
 
             final_state = gather_hf_state_dict(runtime.actor.local_params(), runtime.spec)
+            if runtime.actor.lora is not None:  # LoRA: base weights + peft-named adapter
+                adapter = runtime.actor.gather_lora_adapter()
+                if final_state is not None:
+                    final_state.update(adapter)
         if runtime.driver is None:
             return None
         return RunResult(history=runtime.driver.history, final_state=final_state)
@@ -131,7 +138,7 @@ def _setup(ctx: WorkerContext, inputs: RunInputs) -> _Runtime:
     if ctx.rank == 0:
         from megarl.trainer.driver import Driver
 
-        driver = Driver(cfg, inputs.model_dir, inputs.device, tokenizer)
+        driver = Driver(cfg, inputs.model_dir, inputs.device, tokenizer, spec=spec)
     return _Runtime(cfg=cfg, dp_rank=ps.get_data_parallel_rank(), actor=actor,
                     reference=reference, driver=driver, spec=spec)
 
@@ -145,25 +152,40 @@ def _dtype(cfg: RunConfig, device: str) -> torch.dtype:
 def _train(rt: _Runtime) -> None:
     for step in range(1, rt.cfg.trainer.total_steps + 1):
         timer = PhaseTimer()
-        batch, rollout_metrics = _broadcast_rollout(rt, step, timer)
+        batch, rollout_metrics, engine_state = _broadcast_rollout(rt, step, timer)
         plan = plan_step(from_config.planner_inputs(
             rt.cfg, batch.seq_lens, batch.response_lens, batch.advantages.tolist(),
             batch.group_ids.tolist()))
-        gates = decide_gates(from_config.step_facts(rt.cfg, step, batch.num_seqs))
+        gates = decide_gates(from_config.step_facts(
+            rt.cfg, step, batch.num_seqs,
+            engine_base_weights_resident=engine_state.base_weights_resident))
         old, recomputed, ref = _logprob_passes(rt, batch, plan, gates, timer)
         stats = _update_actor(rt, batch, plan, old, recomputed, ref, timer)
-        _sync_weights(rt, timer)
+        _sync_weights(rt, gates, timer)
         if rt.driver is not None:
             rt.driver.record_step(step, timer, rollout_metrics, plan, gates, stats, batch)
 
 
 def _broadcast_rollout(rt: _Runtime, step: int, timer: PhaseTimer):
-    """Rank 0 produces the scored batch (timing its phases); every rank receives it."""
-    payload = [rt.driver.rollout(step) if rt.driver is not None else None]
+    """Rank 0 produces the scored batch (timing its phases) and puts the engine to sleep for
+    training; every rank receives the batch and the engine's own memory report."""
+    payload = [None]
+    if rt.driver is not None:
+        batch, metrics, phase_seconds = rt.driver.rollout(step)
+        with timer.phase("engine_sleep"):
+            engine_state = rt.driver.release_engine_for_training()
+        metrics = {**metrics, **_engine_metrics(rt.cfg, engine_state)}
+        payload = [(batch, metrics, phase_seconds, engine_state)]
     dist.broadcast_object_list(payload, src=0)
-    batch, metrics, phase_seconds = payload[0]
+    batch, metrics, phase_seconds, engine_state = payload[0]
     timer.add(phase_seconds)
-    return batch, metrics
+    return batch, metrics, engine_state
+
+
+def _engine_metrics(cfg: RunConfig, state) -> dict[str, float]:
+    """What the engine reported after its sleep (the base-weight gate's input)."""
+    return {"engine/sleep_level": float(cfg.rollout.sleep_level),
+            "engine/base_weights_resident": float(state.base_weights_resident)}
 
 
 def _logprob_passes(rt: _Runtime, batch: RolloutBatch, plan: StepPlan, gates: StepGates,
@@ -234,12 +256,30 @@ def _add_logprob_diff(stats: dict, batch: RolloutBatch, trainer_logprobs: dict) 
     stats["lp_diff_count"] = stats.get("lp_diff_count", 0.0) + count
 
 
-def _sync_weights(rt: _Runtime, timer: PhaseTimer) -> None:
+def _sync_weights(rt: _Runtime, gates: StepGates, timer: PhaseTimer) -> None:
+    """Wake the engine and send what the gates say: base (or full) weights, the adapter."""
     from megarl.export.gather import gather_hf_state_dict
 
+    if rt.driver is not None:
+        with timer.phase("engine_wake"):
+            _check_wake_report(rt.driver.wake_engine(), gates)
     with timer.phase("update_weights"):
-        state = gather_hf_state_dict(rt.actor.local_params(), rt.spec)
-        if rt.driver is not None:
-            rt.driver.update_engine_weights(state)
+        if gates.base_weight_sync.run:
+            state = gather_hf_state_dict(rt.actor.local_params(), rt.spec)
+            if rt.driver is not None:
+                rt.driver.update_engine_weights(state)
+        if gates.adapter_sync.run:
+            adapter = rt.actor.gather_lora_adapter()
+            if rt.driver is not None:
+                rt.driver.update_engine_adapter(adapter)
+
+
+def _check_wake_report(state, gates: StepGates) -> None:
+    """The engine's wake-up report must not contradict the report the gates decided from."""
+    if not state.base_weights_resident and not gates.base_weight_sync.run:
+        raise RuntimeError(
+            "rollout engine reports freed base weights after wake-up, but the base-weight gate "
+            f"skipped the base sync ({gates.base_weight_sync.reason}): the engine's sleep "
+            "report was wrong")
 
 

@@ -70,6 +70,14 @@ class MegatronActor:
         model = megatron_gpt.build_gpt_model(spec, cfg.tp, cfg.pp, dtype=dtype, device=device)
         if hf_weights is not None:
             megatron_gpt.load_hf_weights(model, spec, hf_weights)
+        # --- LoRA (megarl.models.lora): adapters on frozen base weights, before DDP ---
+        self.lora = None
+        if trainable and cfg.lora.enabled:
+            from megarl.models.lora import LoraSettings, apply_lora
+
+            self.lora = LoraSettings.from_config(cfg.lora, seed=init_seed)
+            apply_lora(model, spec, self.lora)
+        # --- end LoRA ---
         self.is_last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
         tp_rank = ps.get_tensor_model_parallel_rank()
         vocab_per_rank = spec.padded_vocab_size(cfg.tp) // cfg.tp
@@ -231,6 +239,12 @@ class MegatronActor:
     def local_params(self) -> Iterable:
         """``(rule, global_layer, param)`` for this rank's shards (the exporter reads these)."""
         return megatron_gpt.iter_local_params(self.model, self.spec)
+
+    def gather_lora_adapter(self) -> dict[str, torch.Tensor] | None:
+        """The LoRA adapter under peft's HF names on global rank 0 (a collective)."""
+        from megarl.export.lora import gather_peft_adapter
+
+        return gather_peft_adapter(self.model, self.spec)
 
 
 def _sum_stats(stats: list[dict]) -> dict:
