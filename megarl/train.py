@@ -67,9 +67,23 @@ def resolve_model_dir(cfg) -> str:
 
             out = Path(cfg.trainer.run_dir) / "init_model"
             return str(save_random_hf_model(cfg.model.hf_config, cfg.model.init_seed, out))
+        if cfg.model.path is not None and _is_megarl_checkpoint(cfg.model.path):
+            from megarl.checkpoint.convert import ConvertError, hf_folder_for_training
+
+            try:  # a converted or training checkpoint: train from its weights
+                out = Path(cfg.trainer.run_dir) / "init_model"
+                return str(hf_folder_for_training(cfg.model.path, out))
+            except ConvertError as exc:
+                raise StartupError(f"model.path={cfg.model.path}: {exc}") from None
         return str(resolve_model_path(cfg.model.path))
     except ModelPathError as exc:
         raise StartupError(str(exc)) from None
+
+
+def _is_megarl_checkpoint(path: str) -> bool:
+    from megarl.checkpoint.layout import MARKER
+
+    return (Path(path).expanduser() / MARKER).is_file()
 
 
 def validate_against_model(cfg, model_dir: str) -> None:
@@ -96,6 +110,40 @@ def validate_against_model(cfg, model_dir: str) -> None:
         raise StartupError(str(exc).splitlines()[0]) from None
 
 
+def resolve_resume(cfg, model_dir: str, device: str) -> str | None:
+    """The checkpoint this run continues from (``trainer.resume``), checked against the config.
+
+    A mismatch that matters (see :mod:`megarl.checkpoint.resume`) is a StartupError naming the
+    fields; allowed changes are printed. ``metrics.jsonl`` is cut back to the checkpoint's step
+    so the resumed run's history has one line per step.
+    """
+    import dataclasses
+
+    from megarl.checkpoint.layout import CheckpointError, truncate_metrics
+    from megarl.checkpoint.resume import check_compatible, config_tree, find_resume_checkpoint
+    from megarl.models.hf_io import load_hf_config
+    from megarl.models.spec import spec_from_hf_config
+
+    if device == "cuda" and cfg.trainer.save_interval > 0:
+        raise StartupError("trainer.save_interval > 0: training checkpoints of Megatron's CUDA "
+                           "optimizer are not implemented yet (CPU only)")
+    try:
+        info = find_resume_checkpoint(cfg.trainer.resume, cfg.trainer.run_dir)
+        if info is None:
+            return None
+        spec = spec_from_hf_config(load_hf_config(model_dir))
+        changes = check_compatible(info, config_tree(cfg), dataclasses.asdict(spec))
+    except CheckpointError as exc:
+        raise StartupError(str(exc)) from None
+    if device == "cuda":
+        raise StartupError("trainer.resume: resuming on CUDA is not implemented yet; "
+                           "use trainer.resume=never")
+    truncate_metrics(Path(cfg.trainer.run_dir) / "metrics.jsonl", info.step)
+    note = f"; changed settings: {'; '.join(changes)}" if changes else ""
+    print(f"megarl-train: resuming from {info.path} (step {info.step}){note}", flush=True)
+    return str(info.path)
+
+
 def run(overrides: list[str], return_final_state: bool = False):
     """Compose, validate, and train; returns rank 0's :class:`RunResult`."""
     from megarl.distributed.launcher import launch
@@ -107,9 +155,10 @@ def run(overrides: list[str], return_final_state: bool = False):
         raise StartupError("trainer.launcher=ray is not available yet; use trainer.launcher=local")
     model_dir = resolve_model_dir(cfg)
     validate_against_model(cfg, model_dir)
+    resume_from = resolve_resume(cfg, model_dir, device)
     Path(cfg.trainer.run_dir).mkdir(parents=True, exist_ok=True)
     inputs = RunInputs(cfg=cfg, model_dir=model_dir, device=device,
-                       return_final_state=return_final_state)
+                       return_final_state=return_final_state, resume_from=resume_from)
     return launch(run_worker, cfg.trainer.world_size, args=(inputs,))[0]
 
 

@@ -8,7 +8,11 @@ Rank 0 also hosts the rollout engine and the data (the embedded, colocated layou
 3. old/reference logprob forwards run only where the gates say so;
 4. each optimizer step of the plan runs this rank's micro-batches;
 5. new weights are gathered to rank 0 and loaded into the engine;
-6. statistics are reduced and rank 0 writes the step's metrics.
+6. statistics are reduced and rank 0 writes the step's metrics;
+7. every ``trainer.save_interval`` steps all ranks write a checkpoint (:mod:`megarl.checkpoint`).
+
+A resumed run first restores the checkpoint (weights, optimizer, RNG, data position) and hands
+the restored weights to the engine, then continues at the step after the checkpoint's.
 """
 
 from __future__ import annotations
@@ -48,6 +52,8 @@ class RunInputs:
     device: str
     return_final_state: bool = False
     """Gather the trained weights (HF names) into the result: for tests and tools."""
+    resume_from: str | None = None
+    """A complete training checkpoint to continue from (checked against the config already)."""
 
 
 @dataclass(frozen=True)
@@ -99,6 +105,8 @@ class _Runtime:
     reference: MegatronActor | None
     driver: object | None  # megarl.trainer.driver.Driver on rank 0
     spec: object
+    model_dir: str = ""
+    resume_from: str | None = None
 
 
 def _setup(ctx: WorkerContext, inputs: RunInputs) -> _Runtime:
@@ -133,7 +141,8 @@ def _setup(ctx: WorkerContext, inputs: RunInputs) -> _Runtime:
 
         driver = Driver(cfg, inputs.model_dir, inputs.device, tokenizer)
     return _Runtime(cfg=cfg, dp_rank=ps.get_data_parallel_rank(), actor=actor,
-                    reference=reference, driver=driver, spec=spec)
+                    reference=reference, driver=driver, spec=spec,
+                    model_dir=inputs.model_dir, resume_from=inputs.resume_from)
 
 
 def _dtype(cfg: RunConfig, device: str) -> torch.dtype:
@@ -143,7 +152,8 @@ def _dtype(cfg: RunConfig, device: str) -> torch.dtype:
 
 
 def _train(rt: _Runtime) -> None:
-    for step in range(1, rt.cfg.trainer.total_steps + 1):
+    last_done = _maybe_restore(rt)
+    for step in range(last_done + 1, rt.cfg.trainer.total_steps + 1):
         timer = PhaseTimer()
         batch, rollout_metrics = _broadcast_rollout(rt, step, timer)
         plan = plan_step(from_config.planner_inputs(
@@ -155,6 +165,31 @@ def _train(rt: _Runtime) -> None:
         _sync_weights(rt, timer)
         if rt.driver is not None:
             rt.driver.record_step(step, timer, rollout_metrics, plan, gates, stats, batch)
+        _maybe_save(rt, step)
+
+
+# --- checkpoints (megarl.checkpoint) ----------------------------------------------------------
+
+
+def _maybe_restore(rt: _Runtime) -> int:
+    """Load ``rt.resume_from`` (if any) and push its weights to the engine; the step it ended."""
+    if rt.resume_from is None:
+        return 0
+    from megarl.checkpoint.trainer_state import restore_training_checkpoint
+
+    step = restore_training_checkpoint(rt.resume_from, rt.actor, rt.spec, rt.driver)
+    _sync_weights(rt, PhaseTimer())
+    return step
+
+
+def _maybe_save(rt: _Runtime, step: int) -> None:
+    """Every ``trainer.save_interval`` steps, and after the last step."""
+    interval, total = rt.cfg.trainer.save_interval, rt.cfg.trainer.total_steps
+    if interval <= 0 or (step % interval and step != total):
+        return
+    from megarl.checkpoint.trainer_state import save_training_checkpoint
+
+    save_training_checkpoint(rt.cfg, step, rt.actor, rt.spec, rt.driver, rt.model_dir)
 
 
 def _broadcast_rollout(rt: _Runtime, step: int, timer: PhaseTimer):
