@@ -178,9 +178,9 @@ def prune(run_dir: str | os.PathLike, keep_last: int) -> list[Path]:
     for info in complete[: max(0, len(complete) - keep_last)]:
         _remove_safely(info.path)
         removed.append(info.path)
-    if root.is_dir():
+    if root.is_dir():  # called after a publish, when no save is in progress: leftovers only
         for child in root.iterdir():
-            if child.name.startswith(DELETE_PREFIX):
+            if child.name.startswith((DELETE_PREFIX, TMP_PREFIX)):
                 shutil.rmtree(child, ignore_errors=True)
     return removed
 

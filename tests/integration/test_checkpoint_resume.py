@@ -7,6 +7,12 @@ metrics between a straight run and a run that stopped, was restarted and resumed
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +22,7 @@ from megarl.checkpoint.layout import complete_checkpoints, read_checkpoint
 from megarl.train import StartupError, run
 
 pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[2]
 
 # lr 1e-4: weights move far more than 1e-6 per step, TP rounding stays far below it.
 COMMON = {"actor.lr": 1e-4}
@@ -93,3 +100,58 @@ def test_keep_last_prunes_old_checkpoints(tmp_path):
                                       "rollout.n": 2, "data.prompts_per_step": 1}))
     names = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     assert names == ["step_000003", "step_000004"]
+
+
+def _tmp_saves(run_dir) -> list:
+    root = run_dir / "checkpoints"
+    return [p for p in root.iterdir() if p.name.startswith(".tmp-")] if root.is_dir() else []
+
+
+def _start_training(run_dir, steps: int, log) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(Path(__file__).parent)])}
+    args = tiny_overrides(run_dir, steps, **{"trainer.save_interval": 1, "trainer.keep_last": 2,
+                                             "rollout.n": 2, "data.prompts_per_step": 1})
+    return subprocess.Popen([sys.executable, "-m", "megarl.train", *args], cwd=REPO, env=env,
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _kill_during_save(proc: subprocess.Popen, run_dir, step: int, delay_s: float) -> bool:
+    """SIGKILL the run ``delay_s`` after its save of ``step`` starts; True if it was mid-save."""
+    wanted = f".tmp-step_{step:06d}"
+    deadline = time.monotonic() + 600
+    while not any(p.name == wanted for p in _tmp_saves(run_dir)):
+        assert proc.poll() is None, "the run ended before the save to interrupt"
+        assert time.monotonic() < deadline, "no save started"
+        time.sleep(0.002)
+    time.sleep(delay_s)
+    mid_save = any(p.name == wanted for p in _tmp_saves(run_dir))
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=60)
+    return mid_save
+
+
+def test_sigkill_during_saves_resumes_from_last_complete_checkpoint(tmp_path):
+    """Each process saves one checkpoint, then is killed inside its next save (at 0 / 50 /
+    150 ms); every time, the checkpoints left are complete and the next start resumes from the
+    newest of them. Finally the run completes with one metrics line per step."""
+    run_dir, total = tmp_path / "run", 5
+    log_path = tmp_path / "log.txt"
+    mid_save = []
+    for attempt, delay_s in enumerate((0.0, 0.05, 0.15)):
+        with open(log_path, "w") as log:
+            proc = _start_training(run_dir, total, log)
+            mid_save.append(_kill_during_save(proc, run_dir, attempt + 2, delay_s))
+        assert [c.step for c in complete_checkpoints(run_dir)][-1] == attempt + 1
+        for child in (run_dir / "checkpoints").iterdir():
+            if child.name.startswith("step_"):
+                read_checkpoint(child)  # raises if incomplete
+        if attempt:
+            assert f"step_{attempt:06d} (step {attempt})" in log_path.read_text()
+    assert mid_save[0], "the first kill did not land inside a save"
+    with open(log_path, "w") as log:
+        proc = _start_training(run_dir, total, log)
+        assert proc.wait(timeout=600) == 0, log_path.read_text()[-2000:]
+    assert "step_000003 (step 3)" in log_path.read_text()
+    assert [r["step"] for r in _metrics(run_dir)] == [1, 2, 3, 4, 5]
+    assert [c.step for c in complete_checkpoints(run_dir)] == [4, 5]
+    assert _tmp_saves(run_dir) == []
