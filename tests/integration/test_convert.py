@@ -114,3 +114,18 @@ def test_tools_script_runs_the_same_main(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip().startswith("megarl-convert: error: checkpoint")
+
+
+def test_training_starts_from_a_converted_checkpoint(tiny_hf, tmp_path):
+    from conftest import tiny_overrides
+
+    from megarl.train import run
+
+    mcore = tmp_path / "mcore"
+    assert main(["hf-to-mcore", "--hf", str(tiny_hf), "--out", str(mcore), "--tp", "2",
+                 "--no-progress"]) == 0
+    run_dir = tmp_path / "run"
+    result = run(tiny_overrides(run_dir, 1, **{"model.hf_config": "null",
+                                               "model.path": str(mcore)}))
+    assert len(result.history) == 1
+    _assert_bitwise(tiny_hf, run_dir / "init_model")
