@@ -12,6 +12,7 @@ import json
 import os
 import re
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -183,6 +184,32 @@ def prune(run_dir: str | os.PathLike, keep_last: int) -> list[Path]:
             if child.name.startswith((DELETE_PREFIX, TMP_PREFIX)):
                 shutil.rmtree(child, ignore_errors=True)
     return removed
+
+
+def set_aside_later(run_dir: str | os.PathLike, step: int) -> list[Path]:
+    """Rename complete checkpoints newer than ``step`` to ``abandoned-<time>-step_N``.
+
+    Resuming from step k (or starting fresh, k = 0) abandons the run's later future; left in
+    place, its checkpoints would be picked by the next ``resume=auto`` or keep ``keep_last`` from
+    pruning the new ones. Renamed, not deleted: nothing written is lost.
+    """
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    moved = []
+    for info in complete_checkpoints(run_dir):
+        if info.step > step:
+            target = info.path.with_name(f"abandoned-{stamp}-{info.path.name}")
+            os.replace(info.path, target)
+            moved.append(target)
+    return moved
+
+
+def rotate_metrics(metrics_path: Path) -> Path | None:
+    """A fresh start keeps an earlier run's metrics under ``metrics.<time>.jsonl``."""
+    if not metrics_path.is_file() or metrics_path.stat().st_size == 0:
+        return None
+    target = metrics_path.with_name(f"metrics.{time.strftime('%Y%m%d-%H%M%S')}.jsonl")
+    os.replace(metrics_path, target)
+    return target
 
 
 def truncate_metrics(metrics_path: Path, last_step: int) -> int:

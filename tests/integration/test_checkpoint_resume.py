@@ -95,26 +95,23 @@ def test_resume_at_another_tp_layout(straight, tmp_path):
     assert _max_diff(straight_state, result.final_state) <= 1e-6
 
 
-def test_mismatched_checkpoint_is_one_line_error(tmp_path):
-    run_dir = tmp_path / "run"
-    run(tiny_overrides(run_dir, 1, **{"trainer.save_interval": 1}))
-    with pytest.raises(StartupError) as err:
-        run(tiny_overrides(run_dir, 2, **{"trainer.save_interval": 1, "trainer.seed": 7,
-                                          "model.hf_config.hidden_size": 64}))
-    message = str(err.value)
-    assert "\n" not in message
-    assert "trainer.seed: 1234 -> 7" in message
-    assert "hidden_size" in message
-    with pytest.raises(StartupError, match="no megarl_checkpoint.json"):
-        run(tiny_overrides(run_dir, 2, **{"trainer.resume": str(tmp_path)}))
-
-
-def test_keep_last_prunes_old_checkpoints(tmp_path):
+def test_keep_last_and_mismatched_resume(tmp_path):
+    """keep_last prunes older checkpoints; a resume that changes what matters is one line."""
     run_dir = tmp_path / "run"
     run(tiny_overrides(run_dir, 4, **{"trainer.save_interval": 1, "trainer.keep_last": 2,
                                       "rollout.n": 2, "data.prompts_per_step": 1}))
     names = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     assert names == ["step_000003", "step_000004"]
+    with pytest.raises(StartupError) as err:
+        run(tiny_overrides(run_dir, 6, **{"trainer.save_interval": 1, "trainer.seed": 7,
+                                          "model.hf_config.num_hidden_layers": 2}))
+    message = str(err.value)
+    assert "\n" not in message
+    assert "trainer.seed: 1234 -> 7" in message
+    assert "model num_layers: 4 -> 2" in message
+    with pytest.raises(StartupError, match="no megarl_checkpoint.json"):
+        run(tiny_overrides(run_dir, 6, **{"trainer.resume": str(tmp_path)}))
+    assert len(_metrics(run_dir)) == 4, "a refused resume must not touch the run's metrics"
 
 
 def _tmp_saves(run_dir) -> list:

@@ -82,3 +82,17 @@ def test_resume_modes(tmp_path):
     _save(other, 1, kind="converted")
     with pytest.raises(CheckpointError, match="converted checkpoint"):
         find_resume_checkpoint(str(layout.checkpoints_dir(other) / "step_000001"), str(tmp_path))
+
+
+def test_later_checkpoints_and_old_metrics_are_set_aside_not_deleted(tmp_path):
+    for step in (1, 2, 3):
+        _save(tmp_path, step)
+    moved = layout.set_aside_later(tmp_path, 1)
+    assert sorted(p.name.split("-")[-1] for p in moved) == ["step_000002", "step_000003"]
+    assert all(p.name.startswith("abandoned-") and p.is_dir() for p in moved)
+    assert [c.step for c in layout.complete_checkpoints(tmp_path)] == [1]
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text('{"step": 1}\n')
+    rotated = layout.rotate_metrics(metrics)
+    assert not metrics.exists() and rotated.read_text() == '{"step": 1}\n'
+    assert layout.rotate_metrics(metrics) is None
