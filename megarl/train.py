@@ -111,57 +111,22 @@ def validate_against_model(cfg, model_dir: str) -> None:
 
 
 def resolve_resume(cfg, model_dir: str, device: str) -> str | None:
-    """The checkpoint this run continues from (``trainer.resume``), checked against the config.
-
-    A mismatch that matters (see :mod:`megarl.checkpoint.resume`) is a StartupError naming the
-    fields; allowed changes are printed. ``metrics.jsonl`` is cut back to the checkpoint's step
-    so the resumed run's history has one line per step; checkpoints of later steps in this
-    run_dir are renamed aside. A fresh start sets all earlier checkpoints and metrics aside.
-    """
+    """The checkpoint this run continues from (``trainer.resume``), checked against the config;
+    see :func:`megarl.checkpoint.resume.prepare_resume`."""
     import dataclasses
 
-    from megarl.checkpoint.layout import (
-        CheckpointError,
-        set_aside_later,
-        truncate_metrics,
-    )
-    from megarl.checkpoint.resume import check_compatible, config_tree, find_resume_checkpoint
+    from megarl.checkpoint.layout import CheckpointError
+    from megarl.checkpoint.resume import prepare_resume
     from megarl.models.hf_io import load_hf_config
     from megarl.models.spec import spec_from_hf_config
 
-    if device == "cuda" and cfg.trainer.save_interval > 0:
-        raise StartupError("trainer.save_interval > 0: training checkpoints of Megatron's CUDA "
-                           "optimizer are not implemented yet (CPU only)")
+    def model_spec() -> dict:
+        return dataclasses.asdict(spec_from_hf_config(load_hf_config(model_dir)))
+
     try:
-        info = find_resume_checkpoint(cfg.trainer.resume, cfg.trainer.run_dir)
-        if info is None:
-            _start_fresh(cfg.trainer.run_dir)
-            return None
-        spec = spec_from_hf_config(load_hf_config(model_dir))
-        changes = check_compatible(info, config_tree(cfg), dataclasses.asdict(spec))
+        return prepare_resume(cfg, device, model_spec)
     except CheckpointError as exc:
         raise StartupError(str(exc)) from None
-    if device == "cuda":
-        raise StartupError("trainer.resume: resuming on CUDA is not implemented yet; "
-                           "use trainer.resume=never")
-    truncate_metrics(Path(cfg.trainer.run_dir) / "metrics.jsonl", info.step)
-    moved = set_aside_later(cfg.trainer.run_dir, info.step)
-    note = f"; changed settings: {'; '.join(changes)}" if changes else ""
-    note += f"; later checkpoints set aside: {', '.join(p.name for p in moved)}" if moved else ""
-    print(f"megarl-train: resuming from {info.path} (step {info.step}){note}", flush=True)
-    return str(info.path)
-
-
-def _start_fresh(run_dir: str) -> None:
-    """A new run in a used run_dir: earlier checkpoints and metrics renamed aside, not mixed in."""
-    from megarl.checkpoint.layout import rotate_metrics, set_aside_later
-
-    moved = [p.name for p in set_aside_later(run_dir, 0)]
-    rotated = rotate_metrics(Path(run_dir) / "metrics.jsonl")
-    moved += [rotated.name] if rotated else []
-    if moved:
-        print(f"megarl-train: starting fresh in {run_dir}; set aside: {', '.join(moved)}",
-              flush=True)
 
 
 def run(overrides: list[str], return_final_state: bool = False):

@@ -131,7 +131,8 @@ def write_hf_folder(info: layout.CheckpointInfo, out: Path, progress: bool = Tru
     from megarl.models import mapping
 
     spec = _spec_of(info.path)
-    num_rules = sum(spec.num_layers if r.per_layer else 1 for r in mapping.rules_for(spec))
+    num_rules = sum(spec.num_layers if r.per_layer else 1 for r in mapping.rules_for(spec)
+                    if not (r.mcore == "output_layer.weight" and spec.tie_embeddings))
     try:
         reader = ShardReader(info, spec)
         with _progress_bar(progress, "mcore-to-hf", num_rules) as advance:

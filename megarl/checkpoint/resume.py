@@ -1,4 +1,4 @@
-"""Which checkpoint a run resumes from, and whether its config is compatible (pure, no torch).
+"""Which checkpoint a run resumes from, and whether its config is compatible (no torch).
 
 ``trainer.resume``: ``auto`` = the latest complete checkpoint under ``run_dir/checkpoints`` (none
 -> a fresh start), ``never`` = always start fresh, anything else = that checkpoint's path (which
@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from megarl.checkpoint.layout import (
@@ -34,6 +35,9 @@ from megarl.checkpoint.layout import (
     CheckpointInfo,
     latest_checkpoint,
     read_checkpoint,
+    rotate_metrics,
+    set_aside_later,
+    truncate_metrics,
 )
 
 MUST_MATCH = (
@@ -112,3 +116,40 @@ def check_compatible(info: CheckpointInfo, current_config: Mapping[str, Any],
         raise CheckpointError(f"checkpoint {info.path} does not match this run: "
                               + "; ".join(diff.errors))
     return diff.changes
+
+
+def prepare_resume(cfg, device: str, model_spec: Callable[[], Mapping[str, Any]]) -> str | None:
+    """Pick and check the checkpoint to resume (None = fresh start) and tidy ``run_dir`` for it.
+
+    Resuming from step k: ``metrics.jsonl`` is cut back to step k (one line per step after the
+    resume) and checkpoints of later steps in this run_dir are renamed aside. A fresh start sets
+    all earlier checkpoints and the old ``metrics.jsonl`` aside. Nothing is deleted; what was
+    done is printed. Raises :class:`CheckpointError` (one line) for a bad or mismatched checkpoint.
+    """
+    run_dir = cfg.trainer.run_dir
+    if device == "cuda" and cfg.trainer.save_interval > 0:
+        raise CheckpointError("trainer.save_interval > 0: training checkpoints of Megatron's CUDA "
+                              "optimizer are not implemented yet (CPU only)")
+    info = find_resume_checkpoint(cfg.trainer.resume, run_dir)
+    if info is None:
+        _start_fresh(run_dir)
+        return None
+    if device == "cuda":
+        raise CheckpointError("trainer.resume: resuming on CUDA is not implemented yet; "
+                              "use trainer.resume=never")
+    changes = check_compatible(info, config_tree(cfg), model_spec())
+    truncate_metrics(Path(run_dir) / "metrics.jsonl", info.step)
+    moved = set_aside_later(run_dir, info.step)
+    note = f"; changed settings: {'; '.join(changes)}" if changes else ""
+    note += f"; later checkpoints set aside: {', '.join(p.name for p in moved)}" if moved else ""
+    print(f"megarl-train: resuming from {info.path} (step {info.step}){note}", flush=True)
+    return str(info.path)
+
+
+def _start_fresh(run_dir: str) -> None:
+    moved = [p.name for p in set_aside_later(run_dir, 0)]
+    rotated = rotate_metrics(Path(run_dir) / "metrics.jsonl")
+    moved += [rotated.name] if rotated else []
+    if moved:
+        print(f"megarl-train: starting fresh in {run_dir}; set aside: {', '.join(moved)}",
+              flush=True)

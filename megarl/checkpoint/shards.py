@@ -62,6 +62,7 @@ class ShardReader:
         self.info, self.spec = info, spec
         self.saved_tp = info.tp
         self._file_of: list[dict[str, Path]] = [{} for _ in range(self.saved_tp)]
+        self._handles: dict[Path, object] = {}
         files = [model_file] + ([optim_file] if optimizer else [])
         for t in range(self.saved_tp):
             for p in range(info.pp):
@@ -87,8 +88,9 @@ class ShardReader:
         if path is None:
             raise CheckpointError(f"checkpoint {self.info.path}: no tensor {key} for TP rank "
                                   f"{tp_rank}")
-        with safe_open(str(path), framework="pt") as handle:
-            return handle.get_tensor(key)
+        if path not in self._handles:  # memory-mapped; only the tensors read are paged in
+            self._handles[path] = safe_open(str(path), framework="pt")
+        return self._handles[path].get_tensor(key)
 
     def saved_shards(self, rule: mapping.ParamRule, layer: int | None,
                      prefix: str = "") -> list[torch.Tensor]:

@@ -78,15 +78,15 @@ def test_resume_is_bitwise_exact(straight, tmp_path, capsys):
         assert torch.equal(tensor, result.final_state[name]), name
 
 
-def test_resume_at_another_tp_layout(straight, tmp_path):
-    """Saved at TP=2, resumed at TP=1. The resharded load itself is bitwise (the TP=2 shards
-    reassemble to exactly the TP=2 run's weights); steps 4-6 then differ from the straight TP=1
-    run only by TP=2-vs-1 rounding of steps 1-3."""
+def test_resume_at_another_layout(straight, tmp_path):
+    """Saved at TP=2 x PP=2 (4 ranks), resumed at TP=1 x PP=1. The resharded load itself is
+    bitwise (the saved shards reassemble to exactly the stopped run's weights); steps 4-6 then
+    differ from the straight TP=1 run only by TP=2-vs-1 rounding of steps 1-3."""
     straight_state, straight_rows = straight
-    tp2 = {"actor.tp": 2, "trainer.n_gpus_per_node": 2}
-    stopped_state, result, rows = _stop_and_resume(tmp_path, tp2, {})
+    tp2_pp2 = {"actor.tp": 2, "actor.pp": 2, "trainer.n_gpus_per_node": 4}
+    stopped_state, result, rows = _stop_and_resume(tmp_path, tp2_pp2, {})
     saved = read_checkpoint(tmp_path / "resumed" / "checkpoints" / "step_000003")
-    assert (saved.tp, saved.pp) == (2, 1)
+    assert (saved.tp, saved.pp) == (2, 2)
     write_hf_folder(saved, tmp_path, progress=False)
     resharded = load_hf_state_dict(tmp_path)
     assert all(torch.equal(stopped_state[k], resharded[k]) for k in stopped_state)
