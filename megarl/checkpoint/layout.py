@@ -193,21 +193,30 @@ def set_aside_later(run_dir: str | os.PathLike, step: int) -> list[Path]:
     place, its checkpoints would be picked by the next ``resume=auto`` or keep ``keep_last`` from
     pruning the new ones. Renamed, not deleted: nothing written is lost.
     """
-    stamp = time.strftime("%Y%m%d-%H%M%S")
     moved = []
     for info in complete_checkpoints(run_dir):
         if info.step > step:
-            target = info.path.with_name(f"abandoned-{stamp}-{info.path.name}")
+            target = _unused(info.path.parent, "abandoned-", f"-{info.path.name}")
             os.replace(info.path, target)
             moved.append(target)
     return moved
+
+
+def _unused(folder: Path, prefix: str, suffix: str) -> Path:
+    """``folder/<prefix><time><suffix>``, with ``-2``, ``-3``... after the time if taken."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    candidate, n = folder / f"{prefix}{stamp}{suffix}", 1
+    while candidate.exists():
+        n += 1
+        candidate = folder / f"{prefix}{stamp}-{n}{suffix}"
+    return candidate
 
 
 def rotate_metrics(metrics_path: Path) -> Path | None:
     """A fresh start keeps an earlier run's metrics under ``metrics.<time>.jsonl``."""
     if not metrics_path.is_file() or metrics_path.stat().st_size == 0:
         return None
-    target = metrics_path.with_name(f"metrics.{time.strftime('%Y%m%d-%H%M%S')}.jsonl")
+    target = _unused(metrics_path.parent, "metrics.", ".jsonl")
     os.replace(metrics_path, target)
     return target
 

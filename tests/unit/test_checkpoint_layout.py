@@ -96,3 +96,6 @@ def test_later_checkpoints_and_old_metrics_are_set_aside_not_deleted(tmp_path):
     rotated = layout.rotate_metrics(metrics)
     assert not metrics.exists() and rotated.read_text() == '{"step": 1}\n'
     assert layout.rotate_metrics(metrics) is None
+    metrics.write_text('{"step": 2}\n')
+    again = layout.rotate_metrics(metrics)  # within the same second: a new name, no overwrite
+    assert again != rotated and rotated.read_text() == '{"step": 1}\n'
