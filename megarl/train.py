@@ -67,9 +67,23 @@ def resolve_model_dir(cfg) -> str:
 
             out = Path(cfg.trainer.run_dir) / "init_model"
             return str(save_random_hf_model(cfg.model.hf_config, cfg.model.init_seed, out))
+        if cfg.model.path is not None and _is_megarl_checkpoint(cfg.model.path):
+            from megarl.checkpoint.convert import ConvertError, hf_folder_for_training
+
+            try:  # a converted or training checkpoint: train from its weights
+                out = Path(cfg.trainer.run_dir) / "init_model"
+                return str(hf_folder_for_training(cfg.model.path, out))
+            except ConvertError as exc:
+                raise StartupError(f"model.path={cfg.model.path}: {exc}") from None
         return str(resolve_model_path(cfg.model.path))
     except ModelPathError as exc:
         raise StartupError(str(exc)) from None
+
+
+def _is_megarl_checkpoint(path: str) -> bool:
+    from megarl.checkpoint.layout import MARKER
+
+    return (Path(path).expanduser() / MARKER).is_file()
 
 
 def validate_against_model(cfg, model_dir: str) -> None:
@@ -96,6 +110,25 @@ def validate_against_model(cfg, model_dir: str) -> None:
         raise StartupError(str(exc).splitlines()[0]) from None
 
 
+def resolve_resume(cfg, model_dir: str, device: str) -> str | None:
+    """The checkpoint this run continues from (``trainer.resume``), checked against the config;
+    see :func:`megarl.checkpoint.resume.prepare_resume`."""
+    import dataclasses
+
+    from megarl.checkpoint.layout import CheckpointError
+    from megarl.checkpoint.resume import prepare_resume
+    from megarl.models.hf_io import load_hf_config
+    from megarl.models.spec import spec_from_hf_config
+
+    def model_spec() -> dict:
+        return dataclasses.asdict(spec_from_hf_config(load_hf_config(model_dir)))
+
+    try:
+        return prepare_resume(cfg, device, model_spec)
+    except CheckpointError as exc:
+        raise StartupError(str(exc)) from None
+
+
 def run(overrides: list[str], return_final_state: bool = False):
     """Compose, validate, and train; returns rank 0's :class:`RunResult`."""
     from megarl.distributed.launcher import launch
@@ -107,9 +140,10 @@ def run(overrides: list[str], return_final_state: bool = False):
         raise StartupError("trainer.launcher=ray is not available yet; use trainer.launcher=local")
     model_dir = resolve_model_dir(cfg)
     validate_against_model(cfg, model_dir)
+    resume_from = resolve_resume(cfg, model_dir, device)
     Path(cfg.trainer.run_dir).mkdir(parents=True, exist_ok=True)
     inputs = RunInputs(cfg=cfg, model_dir=model_dir, device=device,
-                       return_final_state=return_final_state)
+                       return_final_state=return_final_state, resume_from=resume_from)
     return launch(run_worker, cfg.trainer.world_size, args=(inputs,))[0]
 
 

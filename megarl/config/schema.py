@@ -300,6 +300,10 @@ class RunConfig:
         _require(world % model_parallel == 0,
                  f"actor.tp={self.actor.tp} x actor.pp={self.actor.pp} does not divide "
                  f"trainer.nnodes x trainer.n_gpus_per_node = {world} ranks")
+        _require(not (self.actor.lora.enabled and self.trainer.save_interval > 0),
+                 f"trainer.save_interval={self.trainer.save_interval} with actor.lora.rank="
+                 f"{self.actor.lora.rank}: training checkpoints do not hold LoRA adapters yet; "
+                 "use trainer.save_interval=0")
         num_seqs = self.data.prompts_per_step * self.rollout.n
         _require(num_seqs % self.actor.ppo_mini_batches == 0,
                  f"data.prompts_per_step x rollout.n = {num_seqs} sequences is not divisible by "

@@ -90,6 +90,17 @@ class Driver:
         self.history.append(metrics)
         self.console.step(metrics, self.producer.last_samples)
 
+    # --- checkpoint state (megarl.checkpoint.trainer_state) ----------------------------------
+
+    def state_dict(self) -> dict:
+        return {"stream": self.stream.state_dict()}
+
+    def load_state_dict(self, state: dict, history: list[dict]) -> None:
+        """Continue the data stream where the checkpoint stopped; ``history`` = its metrics."""
+        self.stream.load_state_dict(state["stream"])
+        self.history = list(history)
+        self.console.skip(len(history))
+
     def close(self) -> None:
         self.console.finish(self.history)
         self.writer.close()
@@ -154,6 +165,11 @@ class Console:
             self._progress.console.print(
                 f"         sample: {prompt!r} -> {text.strip()[:60]!r} (reward {reward:g})")
         self._progress.advance(self._task)
+
+    def skip(self, steps: int) -> None:
+        """Steps already done before a resume."""
+        if self.enabled and steps:
+            self._progress.advance(self._task, steps)
 
     def finish(self, history: list[dict]) -> None:
         if not self.enabled:

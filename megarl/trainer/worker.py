@@ -10,7 +10,11 @@ Rank 0 also hosts the rollout engine and the data (the embedded, colocated layou
 4. each optimizer step of the plan runs this rank's micro-batches;
 5. rank 0 wakes the engine; base (or full) weights are gathered and sent only when the
    base-weight gate says so, and with LoRA the adapter every step;
-6. statistics are reduced and rank 0 writes the step's metrics.
+6. statistics are reduced and rank 0 writes the step's metrics;
+7. every ``trainer.save_interval`` steps all ranks write a checkpoint (:mod:`megarl.checkpoint`).
+
+A resumed run first restores the checkpoint (weights, optimizer, RNG, data position) and hands
+the restored weights to the engine, then continues at the step after the checkpoint's.
 """
 
 from __future__ import annotations
@@ -51,6 +55,8 @@ class RunInputs:
     return_final_state: bool = False
     """Gather the trained weights (HF names; with LoRA also the peft-named adapter) into the
     result: for tests and tools."""
+    resume_from: str | None = None
+    """A complete training checkpoint to continue from (checked against the config already)."""
 
 
 @dataclass(frozen=True)
@@ -106,6 +112,8 @@ class _Runtime:
     reference: MegatronActor | None
     driver: object | None  # megarl.trainer.driver.Driver on rank 0
     spec: object
+    model_dir: str = ""
+    resume_from: str | None = None
 
 
 def _setup(ctx: WorkerContext, inputs: RunInputs) -> _Runtime:
@@ -140,7 +148,8 @@ def _setup(ctx: WorkerContext, inputs: RunInputs) -> _Runtime:
 
         driver = Driver(cfg, inputs.model_dir, inputs.device, tokenizer, spec=spec)
     return _Runtime(cfg=cfg, dp_rank=ps.get_data_parallel_rank(), actor=actor,
-                    reference=reference, driver=driver, spec=spec)
+                    reference=reference, driver=driver, spec=spec,
+                    model_dir=inputs.model_dir, resume_from=inputs.resume_from)
 
 
 def _dtype(cfg: RunConfig, device: str) -> torch.dtype:
@@ -150,7 +159,8 @@ def _dtype(cfg: RunConfig, device: str) -> torch.dtype:
 
 
 def _train(rt: _Runtime) -> None:
-    for step in range(1, rt.cfg.trainer.total_steps + 1):
+    last_done = _maybe_restore(rt)
+    for step in range(last_done + 1, rt.cfg.trainer.total_steps + 1):
         timer = PhaseTimer()
         batch, rollout_metrics, engine_state = _broadcast_rollout(rt, step, timer)
         plan = plan_step(from_config.planner_inputs(
@@ -164,6 +174,31 @@ def _train(rt: _Runtime) -> None:
         _sync_weights(rt, gates, timer)
         if rt.driver is not None:
             rt.driver.record_step(step, timer, rollout_metrics, plan, gates, stats, batch)
+        _maybe_save(rt, step)
+
+
+# --- checkpoints (megarl.checkpoint) ----------------------------------------------------------
+
+
+def _maybe_restore(rt: _Runtime) -> int:
+    """Load ``rt.resume_from`` (if any) and push its weights to the engine; the step it ended."""
+    if rt.resume_from is None:
+        return 0
+    from megarl.checkpoint.trainer_state import restore_training_checkpoint
+
+    step = restore_training_checkpoint(rt.resume_from, rt.actor, rt.spec, rt.driver)
+    _push_weights(rt, base=True, adapter=rt.cfg.actor.lora.enabled)
+    return step
+
+
+def _maybe_save(rt: _Runtime, step: int) -> None:
+    """Every ``trainer.save_interval`` steps, and after the last step."""
+    interval, total = rt.cfg.trainer.save_interval, rt.cfg.trainer.total_steps
+    if interval <= 0 or (step % interval and step != total):
+        return
+    from megarl.checkpoint.trainer_state import save_training_checkpoint
+
+    save_training_checkpoint(rt.cfg, step, rt.actor, rt.spec, rt.driver, rt.model_dir)
 
 
 def _broadcast_rollout(rt: _Runtime, step: int, timer: PhaseTimer):
@@ -258,20 +293,25 @@ def _add_logprob_diff(stats: dict, batch: RolloutBatch, trainer_logprobs: dict) 
 
 def _sync_weights(rt: _Runtime, gates: StepGates, timer: PhaseTimer) -> None:
     """Wake the engine and send what the gates say: base (or full) weights, the adapter."""
-    from megarl.export.gather import gather_hf_state_dict
-
     if rt.driver is not None:
         with timer.phase("engine_wake"):
             _check_wake_report(rt.driver.wake_engine(), gates)
     with timer.phase("update_weights"):
-        if gates.base_weight_sync.run:
-            state = gather_hf_state_dict(rt.actor.local_params(), rt.spec)
-            if rt.driver is not None:
-                rt.driver.update_engine_weights(state)
-        if gates.adapter_sync.run:
-            adapter = rt.actor.gather_lora_adapter()
-            if rt.driver is not None:
-                rt.driver.update_engine_adapter(adapter)
+        _push_weights(rt, base=gates.base_weight_sync.run, adapter=gates.adapter_sync.run)
+
+
+def _push_weights(rt: _Runtime, base: bool, adapter: bool) -> None:
+    """Collective: gather the base (or full) weights and/or the LoRA adapter into the engine."""
+    from megarl.export.gather import gather_hf_state_dict
+
+    if base:
+        state = gather_hf_state_dict(rt.actor.local_params(), rt.spec)
+        if rt.driver is not None:
+            rt.driver.update_engine_weights(state)
+    if adapter:
+        lora = rt.actor.gather_lora_adapter()
+        if rt.driver is not None:
+            rt.driver.update_engine_adapter(lora)
 
 
 def _check_wake_report(state, gates: StepGates) -> None:

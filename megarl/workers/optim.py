@@ -49,6 +49,17 @@ class CpuAdamW:
     def load_state_dict(self, state) -> None:
         self.inner.load_state_dict(state)
 
+    # --- per-parameter state for checkpoints (megarl.checkpoint) -----------------------------
+
+    def param_state(self, param) -> dict[str, torch.Tensor]:
+        """AdamW's state of one parameter (``exp_avg``, ``exp_avg_sq``, ``step``); {} before
+        the first step. Keyed by parameter so a checkpoint can reshard it like the weights."""
+        return dict(self.inner.state.get(param, {}))
+
+    def load_param_state(self, param, state: dict[str, torch.Tensor]) -> None:
+        self.inner.state[param] = {key: value.to(param.device).clone()
+                                   for key, value in state.items()}
+
 
 def _counts_for_norm(param) -> bool:
     from megatron.core import parallel_state as ps

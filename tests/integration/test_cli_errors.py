@@ -27,6 +27,7 @@ def _train(*args: str, cwd) -> subprocess.CompletedProcess:
         (["data.task=jsonl", "data.path=/nonexistent/data.jsonl"], "/nonexistent/data.jsonl"),
         (["planner.prune_zero_adv=match_loss_curve", "actor.kl_coef=0.1"], "actor.kl_coef"),
         (["planner.ref_log_prob=never", "actor.kl_coef=0.1"], "planner.ref_log_prob"),
+        (["trainer.resume=/nonexistent/ckpt"], "checkpoint /nonexistent/ckpt: no such directory"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(tmp_path, args, needle):

@@ -1,0 +1,258 @@
+"""``megarl-convert``: Hugging Face <-> Megatron checkpoints, offline (no process group, no GPU).
+
+    megarl-convert hf-to-mcore --hf PATH --out DIR --tp N --pp M
+    megarl-convert mcore-to-hf --ckpt DIR --out DIR
+
+``--hf`` is a HF safetensors folder or a ``.gguf`` file (dequantised once, see
+:mod:`megarl.models.hf_io`). ``hf-to-mcore`` writes the same per-rank shard files as a training
+checkpoint (:mod:`megarl.checkpoint`), plus the HF config and tokenizer, so the result is also a
+``model.path`` for megarl-train. ``--ckpt`` takes a converted checkpoint, a training checkpoint,
+or a run directory (its latest complete checkpoint). ``mcore-to-hf`` writes ``model.safetensors``
++ ``config.json`` + tokenizer files that plain ``transformers`` loads.
+
+Both directions go through :mod:`megarl.models.mapping`, so HF -> Megatron -> HF is bitwise.
+Bad input is one line on stderr and exit code 2; the output folder is written under a temporary
+name and renamed when complete, so ``--out`` is either absent or whole.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from megarl.checkpoint import layout
+
+EXIT_BAD_INPUT = 2
+HF_WEIGHTS_FILE = "model.safetensors"
+
+
+class ConvertError(ValueError):
+    """Bad input for a conversion; printed as one line."""
+
+
+# --- hf-to-mcore ---------------------------------------------------------------------------
+
+
+def hf_to_mcore(hf: str, out: str, tp: int, pp: int, progress: bool = True) -> Path:
+    """Shard a HF checkpoint for TP=``tp`` x PP=``pp``; returns the written folder."""
+    from megarl.checkpoint.shards import save_tensors, stage_params
+    from megarl.checkpoint.trainer_state import copy_model_side_files
+    from megarl.models import mapping
+    from megarl.models.hf_io import ModelPathError, open_hf_tensors, resolve_model_path
+
+    target = _fresh_output(out)
+    try:
+        folder = resolve_model_path(hf)
+        spec = _spec_of(folder)
+        read = open_hf_tensors(folder)
+    except ModelPathError as exc:
+        raise ConvertError(str(exc).replace("model.path=", "--hf ")) from None
+    _check_layout(spec, tp, pp)
+    jobs = [(t, p, list(stage_params(spec, p, pp))) for p in range(pp) for t in range(tp)]
+    with _staging(target) as staging, _progress_bar(progress, "hf-to-mcore",
+                                                    sum(len(j[2]) for j in jobs)) as advance:
+        for tp_rank, pp_rank, params in jobs:
+            shards = {}
+            for rule, layer in params:
+                try:
+                    hf_tensors = [read(name) for name in rule.hf_names(layer)]
+                except ModelPathError as exc:
+                    raise ConvertError(str(exc).replace("model.path=", "--hf ")) from None
+                shards[rule.mcore_name(layer)] = mapping.to_mcore_shard(rule, hf_tensors, spec,
+                                                                        tp_rank, tp)
+                advance()
+            save_tensors(shards, staging / layout.model_file(tp_rank, pp_rank))
+        copy_model_side_files(folder, staging)
+        marker = {"format": layout.FORMAT_VERSION, "kind": "converted", "step": 0,
+                  "layout": {"tp": tp, "pp": pp}, "spec": dataclasses.asdict(spec),
+                  "source": str(Path(hf).expanduser().resolve()),
+                  "files": sorted(p.name for p in staging.iterdir())}
+        layout.write_json_durably(staging / layout.MARKER, marker)
+    return target
+
+
+def _spec_of(folder: Path):
+    from megarl.models.spec import ModelSpecError, spec_from_hf_config
+
+    config_path = Path(folder) / "config.json"
+    if not config_path.is_file():
+        raise ConvertError(f"{folder}: no config.json")
+    try:
+        return spec_from_hf_config(json.loads(config_path.read_text(encoding="utf-8")))
+    except (ModelSpecError, KeyError, ValueError) as exc:
+        raise ConvertError(f"{config_path}: {str(exc).splitlines()[0]}") from None
+
+
+def _check_layout(spec, tp: int, pp: int) -> None:
+    from megarl.models.spec import ModelSpecError
+
+    try:
+        spec.check_parallelism(tp, pp)
+    except ModelSpecError as exc:
+        raise ConvertError(str(exc).replace("actor.tp=", "--tp ").replace("actor.pp=", "--pp ")
+                           ) from None
+
+
+# --- mcore-to-hf ---------------------------------------------------------------------------
+
+
+def find_checkpoint(path: str | os.PathLike) -> layout.CheckpointInfo:
+    """A checkpoint folder, or a run directory's latest complete checkpoint."""
+    path = Path(path).expanduser()
+    if not (path / layout.MARKER).exists() and layout.checkpoints_dir(path).is_dir():
+        latest = layout.latest_checkpoint(path)
+        if latest is None:
+            raise ConvertError(f"--ckpt {path}: run directory has no complete checkpoint")
+        return latest
+    try:
+        return layout.read_checkpoint(path)
+    except layout.CheckpointError as exc:
+        raise ConvertError(str(exc)) from None
+
+
+def mcore_to_hf(ckpt: str, out: str, progress: bool = True) -> Path:
+    """Reassemble a checkpoint's shards into a plain HF folder; returns the written folder."""
+    target = _fresh_output(out)
+    with _staging(target) as staging:
+        write_hf_folder(find_checkpoint(ckpt), staging, progress)
+    return target
+
+
+def write_hf_folder(info: layout.CheckpointInfo, out: Path, progress: bool = True) -> None:
+    """``model.safetensors`` + config + tokenizer of ``info`` into the existing folder ``out``."""
+    from megarl.checkpoint.shards import ShardReader, hf_state_from_checkpoint, save_tensors
+    from megarl.checkpoint.trainer_state import copy_model_side_files
+    from megarl.models import mapping
+
+    spec = _spec_of(info.path)
+    num_rules = sum(spec.num_layers if r.per_layer else 1 for r in mapping.rules_for(spec)
+                    if not (r.mcore == "output_layer.weight" and spec.tie_embeddings))
+    try:
+        reader = ShardReader(info, spec)
+        with _progress_bar(progress, "mcore-to-hf", num_rules) as advance:
+            state = hf_state_from_checkpoint(reader, advance)
+    except layout.CheckpointError as exc:
+        raise ConvertError(str(exc)) from None
+    save_tensors(state, out / HF_WEIGHTS_FILE)
+    copy_model_side_files(info.path, out)
+
+
+def hf_folder_for_training(path: str | os.PathLike, out: Path) -> Path:
+    """``model.path`` pointing at a megarl checkpoint: its HF folder, written once to ``out``."""
+    info = find_checkpoint(path)
+    stamp = {"source": str(info.path.resolve()), "step": info.step,
+             "marker_mtime": (info.path / layout.MARKER).stat().st_mtime}
+    stamp_path = out / "megarl_source.json"
+    if stamp_path.is_file() and json.loads(stamp_path.read_text()) == stamp:
+        return out
+    if out.exists():
+        shutil.rmtree(out)
+    with _staging(out) as staging:
+        write_hf_folder(info, staging, progress=False)
+        (staging / "megarl_source.json").write_text(json.dumps(stamp))
+    return out
+
+
+# --- shared plumbing -------------------------------------------------------------------------
+
+
+def _fresh_output(out: str) -> Path:
+    target = Path(out).expanduser()
+    if target.exists():
+        raise ConvertError(f"--out {target} already exists (refusing to overwrite)")
+    if not target.parent.is_dir():
+        raise ConvertError(f"--out {target}: parent folder does not exist")
+    return target
+
+
+class _staging:
+    """Write into ``.tmp-<name>`` beside ``target``; rename on success, delete on any error."""
+
+    def __init__(self, target: Path):
+        self.target = target
+        self.path = target.with_name(f"{layout.TMP_PREFIX}{target.name}-{os.getpid()}")
+
+    def __enter__(self) -> Path:
+        if self.path.exists():
+            shutil.rmtree(self.path)
+        self.path.mkdir(parents=True)
+        return self.path
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            os.replace(self.path, self.target)
+        else:
+            shutil.rmtree(self.path, ignore_errors=True)
+
+
+class _progress_bar:
+    """A rich progress bar on stderr; ``advance()`` is a no-op when disabled."""
+
+    def __init__(self, enabled: bool, label: str, total: int):
+        self.enabled, self.label, self.total = enabled, label, total
+        self._progress = None
+
+    def __enter__(self) -> Callable[[], None]:
+        if not self.enabled:
+            return lambda: None
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+        self._progress = Progress(TextColumn(f"[bold]{self.label}"), BarColumn(),
+                                  MofNCompleteColumn(), console=Console(file=sys.stderr))
+        task = self._progress.add_task(self.label, total=self.total)
+        self._progress.start()
+        return lambda: self._progress.advance(task)
+
+    def __exit__(self, *exc) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+
+
+# --- command line ----------------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="megarl-convert", description=__doc__.split("\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    to_mcore = commands.add_parser("hf-to-mcore", help="HF folder or .gguf -> Megatron shards")
+    to_mcore.add_argument("--hf", required=True, help="HF safetensors folder or .gguf file")
+    to_mcore.add_argument("--out", required=True, help="new folder to write")
+    to_mcore.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    to_mcore.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    to_hf = commands.add_parser("mcore-to-hf", help="megarl checkpoint -> HF folder")
+    to_hf.add_argument("--ckpt", required=True,
+                       help="converted or training checkpoint, or a run directory")
+    to_hf.add_argument("--out", required=True, help="new folder to write")
+    to_hf.add_argument("--lora", action="store_true", help="also write a PEFT adapter folder")
+    to_hf.add_argument("--merge-lora", action="store_true", help="merge LoRA into the weights")
+    for sub in (to_mcore, to_hf):
+        sub.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        if args.command == "hf-to-mcore":
+            out = hf_to_mcore(args.hf, args.out, args.tp, args.pp, not args.no_progress)
+        else:
+            if args.lora or args.merge_lora:
+                raise ConvertError("--lora/--merge-lora are not available yet (LoRA training "
+                                   "has not landed)")
+            out = mcore_to_hf(args.ckpt, args.out, not args.no_progress)
+    except ConvertError as exc:
+        print(f"megarl-convert: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    print(f"megarl-convert: wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,189 @@
+"""Megatron shards on disk: write one rank's shards, read them back at any TP/PP layout.
+
+No process groups here: the trainer calls these per rank, the converters call them in a loop
+over virtual ranks. Tensors are keyed by Megatron name with the *global* layer number
+(``decoder.layers.17.mlp.linear_fc1.weight``), so a file does not depend on which pipeline stage
+wrote it; optimizer states use the same keys under a prefix (``exp_avg/<name>``).
+
+Reading at another TP size goes saved shards -> HF tensors -> new shards through
+:mod:`megarl.models.mapping` (pure re-indexing, hence bitwise). PP needs nothing: global layer
+names are found in whichever file holds them.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
+
+import torch
+
+from megarl.checkpoint.layout import CheckpointError, CheckpointInfo, model_file, optim_file
+from megarl.models import mapping
+from megarl.models.spec import TransformerSpec
+
+OPTIM_KEYS = ("exp_avg", "exp_avg_sq", "step")
+SAFETENSORS_METADATA = {"format": "pt"}
+
+
+def save_tensors(tensors: Mapping[str, torch.Tensor], path: Path) -> None:
+    """safetensors file, fsynced (the marker that follows must not outlive the data)."""
+    from safetensors.torch import save_file
+
+    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(path),
+              metadata=SAFETENSORS_METADATA)
+    with open(path, "rb") as handle:
+        os.fsync(handle.fileno())
+
+
+def rank_shards(local_params: Iterable) -> dict[str, torch.Tensor]:
+    """``{global Megatron name: shard}`` of this rank (first copy of a tied embedding wins)."""
+    out: dict[str, torch.Tensor] = {}
+    for rule, layer, param in local_params:
+        out.setdefault(rule.mcore_name(layer), param.detach())
+    return out
+
+
+def rank_optimizer_state(local_params: Iterable, optimizer) -> dict[str, torch.Tensor]:
+    """``{"<state key>/<name>": tensor}`` for every parameter with optimizer state."""
+    out: dict[str, torch.Tensor] = {}
+    for rule, layer, param in local_params:
+        name = rule.mcore_name(layer)
+        for key, value in optimizer.param_state(param).items():
+            # 0-d tensors (the step count) are stored with shape [1]
+            out.setdefault(f"{key}/{name}", value.reshape(1) if value.dim() == 0 else value)
+    return out
+
+
+class ShardReader:
+    """Lazy reads of one checkpoint's shards, resharded to the caller's TP layout."""
+
+    def __init__(self, info: CheckpointInfo, spec: TransformerSpec, optimizer: bool = False):
+        self.info, self.spec = info, spec
+        self.saved_tp = info.tp
+        self._file_of: list[dict[str, Path]] = [{} for _ in range(self.saved_tp)]
+        self._handles: dict[Path, object] = {}
+        files = [model_file] + ([optim_file] if optimizer else [])
+        for t in range(self.saved_tp):
+            for p in range(info.pp):
+                for name_of in files:
+                    self._index(t, info.path / name_of(t, p))
+
+    def _index(self, tp_rank: int, path: Path) -> None:
+        from safetensors import safe_open
+
+        if not path.is_file():
+            raise CheckpointError(f"checkpoint {self.info.path}: missing {path.name}")
+        with safe_open(str(path), framework="pt") as handle:
+            for key in handle.keys():  # noqa: SIM118 - safe_open is not iterable
+                self._file_of[tp_rank].setdefault(key, path)
+
+    def has(self, key: str) -> bool:
+        return key in self._file_of[0]
+
+    def read(self, key: str, tp_rank: int) -> torch.Tensor:
+        from safetensors import safe_open
+
+        path = self._file_of[tp_rank].get(key)
+        if path is None:
+            raise CheckpointError(f"checkpoint {self.info.path}: no tensor {key} for TP rank "
+                                  f"{tp_rank}")
+        if path not in self._handles:  # memory-mapped; only the tensors read are paged in
+            self._handles[path] = safe_open(str(path), framework="pt")
+        return self._handles[path].get_tensor(key)
+
+    def saved_shards(self, rule: mapping.ParamRule, layer: int | None,
+                     prefix: str = "") -> list[torch.Tensor]:
+        key = prefix + rule.mcore_name(layer)
+        if rule.layout == "replicated":
+            return [self.read(key, 0)]
+        return [self.read(key, t) for t in range(self.saved_tp)]
+
+    def hf_tensors(self, rule: mapping.ParamRule, layer: int | None,
+                   prefix: str = "") -> tuple[torch.Tensor, ...]:
+        return mapping.to_hf(rule, self.saved_shards(rule, layer, prefix), self.spec)
+
+    def shard(self, rule: mapping.ParamRule, layer: int | None, tp_rank: int, tp: int,
+              prefix: str = "") -> torch.Tensor:
+        """What TP rank ``tp_rank`` of ``tp`` holds of this parameter (or its optimizer state)."""
+        if tp == self.saved_tp:
+            return self.read(prefix + rule.mcore_name(layer), tp_rank)
+        return mapping.to_mcore_shard(rule, self.hf_tensors(rule, layer, prefix), self.spec,
+                                      tp_rank, tp)
+
+
+@torch.no_grad()
+def load_rank_shards(reader: ShardReader, local_params: Iterable, tp_rank: int, tp: int) -> int:
+    """Copy this rank's shards from the checkpoint into the model; returns params loaded."""
+    count = 0
+    for rule, layer, param in local_params:
+        shard = reader.shard(rule, layer, tp_rank, tp)
+        _check_shape(shard, param, rule.mcore_name(layer))
+        param.copy_(shard.to(param.dtype))
+        count += 1
+    return count
+
+
+def load_rank_optimizer_state(reader: ShardReader, local_params: Iterable, optimizer,
+                              tp_rank: int, tp: int) -> int:
+    """Restore this rank's optimizer state from the checkpoint; returns params restored."""
+    count = 0
+    for rule, layer, param in local_params:
+        name = rule.mcore_name(layer)
+        if not reader.has(f"step/{name}"):
+            continue  # saved before the first optimizer step
+        state = {}
+        for key in OPTIM_KEYS:
+            if key == "step":
+                state[key] = reader.read(f"step/{name}", 0).reshape(())
+            else:
+                state[key] = reader.shard(rule, layer, tp_rank, tp, prefix=f"{key}/")
+                _check_shape(state[key], param, f"{key}/{name}")
+        optimizer.load_param_state(param, state)
+        count += 1
+    return count
+
+
+def _check_shape(tensor: torch.Tensor, param: torch.Tensor, name: str) -> None:
+    if tuple(tensor.shape) != tuple(param.shape):
+        raise CheckpointError(f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, the "
+                              f"model's is {tuple(param.shape)}")
+
+
+# --- offline (converter) side: all virtual ranks of a layout --------------------------------
+
+
+def stage_params(spec: TransformerSpec, pp_rank: int, pp: int
+                 ) -> Iterator[tuple[mapping.ParamRule, int | None]]:
+    """``(rule, global layer)`` of every parameter Megatron puts on pipeline stage ``pp_rank``."""
+    per_stage = spec.num_layers // pp
+    layers = range(pp_rank * per_stage, (pp_rank + 1) * per_stage)
+    first, last = pp_rank == 0, pp_rank == pp - 1
+    for rule in mapping.rules_for(spec):
+        if rule.per_layer:
+            for layer in layers:
+                yield rule, layer
+        elif rule.mcore.startswith("embedding."):
+            if first:
+                yield rule, None
+        elif rule.mcore == "output_layer.weight":
+            if last and not spec.tie_embeddings:
+                yield rule, None
+        elif last:
+            yield rule, None
+
+
+def hf_state_from_checkpoint(reader: ShardReader, progress=None) -> dict[str, torch.Tensor]:
+    """Every HF tensor of the model, reassembled from the checkpoint's shards."""
+    spec = reader.spec
+    out: dict[str, torch.Tensor] = {}
+    for rule in mapping.rules_for(spec):
+        if rule.mcore == "output_layer.weight" and spec.tie_embeddings:
+            continue
+        for layer in (range(spec.num_layers) if rule.per_layer else [None]):
+            for name, tensor in zip(rule.hf_names(layer), reader.hf_tensors(rule, layer),
+                                    strict=True):
+                out[name] = tensor.contiguous()
+            if progress is not None:
+                progress()
+    return out

@@ -1,0 +1,137 @@
+"""Save and restore everything the next training step depends on, from inside the rank loop.
+
+What a step of the loop depends on, and where it is saved:
+
+- weights and AdamW state (``exp_avg``, ``exp_avg_sq``, ``step``) of every shard: model/optim
+  files, one pair per (TP, PP) rank, written by the DP-rank-0 replica (DP replicas are equal);
+- torch / numpy / python RNG states of every rank (nothing in the CPU loop draws from them
+  today -- dropout is 0 and sampling has its own generator -- but a future consumer must not
+  silently break resume); on CUDA also the CUDA and Megatron TP RNG-tracker states;
+- the data position (rank 0's :class:`PromptStream`) and the step counter (the marker).
+
+Everything else is a pure function of ``(config, step)`` and so needs no saving: the rollout
+sampling seed (:func:`megarl.trainer.rollout.sampling_seed`), the pass gates and the batch plan,
+and the learning rate (constant). The reference model is the initial model, reloaded from
+``model.path``. After a restore the rollout engine receives the restored weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megarl.checkpoint import layout
+from megarl.checkpoint.resume import config_tree
+from megarl.checkpoint.shards import (
+    ShardReader,
+    load_rank_optimizer_state,
+    load_rank_shards,
+    rank_optimizer_state,
+    rank_shards,
+    save_tensors,
+)
+
+DRIVER_STATE = "driver.json"
+MODEL_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json",
+                    "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                    "vocab.json", "merges.txt", "tokenizer.model")
+
+
+def copy_model_side_files(model_dir: str | Path, out: Path) -> list[str]:
+    """HF config and tokenizer files, so a checkpoint folder is also a loadable model."""
+    copied = []
+    for name in MODEL_SIDE_FILES:
+        source = Path(model_dir) / name
+        if source.is_file():
+            shutil.copyfile(source, out / name)
+            copied.append(name)
+    return copied
+
+
+def _parallel_ranks() -> tuple[int, int, int, int, int]:
+    from megatron.core import parallel_state as ps
+
+    return (ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size(),
+            ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size(),
+            ps.get_data_parallel_rank())
+
+
+def save_training_checkpoint(cfg, step: int, actor, spec, driver, model_dir: str) -> float:
+    """Collective: every rank writes its part; rank 0 publishes and prunes. Returns seconds."""
+    start = time.perf_counter()
+    rank = dist.get_rank()
+    root = layout.checkpoints_dir(cfg.trainer.run_dir)
+    name = layout.step_dir_name(step)
+    if rank == 0:
+        layout.prepare_staging(root, name)
+    dist.barrier()
+    staging = layout.staging_dir(root, name)
+    tp_rank, tp, pp_rank, pp, dp_rank = _parallel_ranks()
+    if dp_rank == 0:
+        save_tensors(rank_shards(actor.local_params()), staging / layout.model_file(tp_rank, pp_rank))
+        save_tensors(rank_optimizer_state(actor.local_params(), actor.optimizer),
+                     staging / layout.optim_file(tp_rank, pp_rank))
+    torch.save(_rng_state(), staging / layout.rng_file(rank))
+    if rank == 0:
+        (staging / DRIVER_STATE).write_text(json.dumps(driver.state_dict()), encoding="utf-8")
+        copy_model_side_files(model_dir, staging)
+    dist.barrier()
+    if rank == 0:
+        marker = {
+            "format": layout.FORMAT_VERSION, "kind": "training", "step": step,
+            "layout": {"tp": tp, "pp": pp, "world_size": dist.get_world_size()},
+            "config": config_tree(cfg), "spec": dataclasses.asdict(spec),
+            "files": sorted(p.name for p in staging.iterdir()),
+        }
+        layout.publish(staging, root / name, marker)
+        layout.prune(cfg.trainer.run_dir, cfg.trainer.keep_last)
+    dist.barrier()
+    return time.perf_counter() - start
+
+
+def restore_training_checkpoint(path: str, actor, spec, driver) -> int:
+    """Load a checkpoint into this rank (at this run's layout); returns the checkpoint's step."""
+    info = layout.read_checkpoint(path)
+    tp_rank, tp, _, _, _ = _parallel_ranks()
+    reader = ShardReader(info, spec, optimizer=True)
+    load_rank_shards(reader, actor.local_params(), tp_rank, tp)
+    load_rank_optimizer_state(reader, actor.local_params(), actor.optimizer, tp_rank, tp)
+    rank = dist.get_rank()
+    rng_path = info.path / layout.rng_file(rank)
+    if info.marker["layout"].get("world_size") == dist.get_world_size() and rng_path.is_file():
+        _set_rng_state(torch.load(rng_path, weights_only=False))
+    if driver is not None:
+        state = json.loads((info.path / DRIVER_STATE).read_text(encoding="utf-8"))
+        metrics_path = Path(driver.cfg.trainer.run_dir) / "metrics.jsonl"
+        driver.load_state_dict(state, layout.read_metrics(metrics_path))
+    return info.step
+
+
+def _rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(),
+             "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["megatron_tracker"] = get_cuda_rng_tracker().get_states()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+        torch.cuda.set_rng_state_all(state["cuda"])
+        get_cuda_rng_tracker().set_states(state["megatron_tracker"])

@@ -1,0 +1,169 @@
+"""Training checkpoints: exact resume, resume at another TP layout, config checks, keep_last.
+
+Tiny model on CPU in fp32. "Exact" means bitwise-equal parameters and identical per-step
+metrics between a straight run and a run that stopped, was restarted and resumed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import tiny_overrides
+
+from megarl.checkpoint.convert import write_hf_folder
+from megarl.checkpoint.layout import complete_checkpoints, read_checkpoint
+from megarl.models.hf_io import load_hf_state_dict
+from megarl.train import StartupError, run
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[2]
+
+# lr 1e-5: weights move ~1e-5 per step (checked), far above the 1e-6 tolerance of the TP-switch
+# test, while TP=2 vs TP=1 float rounding, amplified by Adam in proportion to the lr, stays below
+# it (at lr 1e-4 it reached 6e-6 after 3 steps at each layout).
+COMMON = {"actor.lr": 1e-5}
+CURVE_KEYS = ("critic/rewards/mean", "actor/pg_loss")
+
+
+def _metrics(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _curve(rows) -> list[tuple]:
+    return [(r["step"], *(r[k] for k in CURVE_KEYS)) for r in rows]
+
+
+def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert sorted(a) == sorted(b)
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """6 uninterrupted steps at TP=1: the reference for both resume tests."""
+    run_dir = tmp_path_factory.mktemp("straight") / "run"
+    result = run(tiny_overrides(run_dir, 6, **COMMON), return_final_state=True)
+    initial = load_hf_state_dict(run_dir / "init_model")
+    assert _max_diff(result.final_state, initial) > 1e-5, "training barely moved the weights"
+    return result.final_state, _metrics(run_dir)
+
+
+def _stop_and_resume(tmp_path, first: dict, second: dict, steps=6, stop_at=3):
+    run_dir = tmp_path / "resumed"
+    stopped = run(tiny_overrides(run_dir, stop_at, **{**COMMON, "trainer.save_interval": stop_at,
+                                                      **first}), return_final_state=True)
+    assert [c.step for c in complete_checkpoints(run_dir)] == [stop_at]
+    result = run(tiny_overrides(run_dir, steps, **{**COMMON, "trainer.save_interval": stop_at,
+                                                   **second}), return_final_state=True)
+    return stopped.final_state, result, _metrics(run_dir)
+
+
+def test_resume_is_bitwise_exact(straight, tmp_path, capsys):
+    straight_state, straight_rows = straight
+    _, result, rows = _stop_and_resume(tmp_path, {}, {})
+    assert "resuming from" in capsys.readouterr().out
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert _curve(rows) == _curve(straight_rows)
+    assert [r["step"] for r in result.history] == [1, 2, 3, 4, 5, 6]
+    assert any(r["actor/grad_norm"] > 0 for r in rows[3:]), "nothing trained after the resume"
+    for name, tensor in straight_state.items():
+        assert torch.equal(tensor, result.final_state[name]), name
+
+
+def test_resume_at_another_layout(straight, tmp_path):
+    """Saved at TP=2 x PP=2 (4 ranks), resumed at TP=1 x PP=1. The resharded load itself is
+    bitwise (the saved shards reassemble to exactly the stopped run's weights); steps 4-6 then
+    differ from the straight TP=1 run only by TP=2-vs-1 rounding of steps 1-3."""
+    straight_state, straight_rows = straight
+    tp2_pp2 = {"actor.tp": 2, "actor.pp": 2, "trainer.n_gpus_per_node": 4}
+    stopped_state, result, rows = _stop_and_resume(tmp_path, tp2_pp2, {})
+    saved = read_checkpoint(tmp_path / "resumed" / "checkpoints" / "step_000003")
+    assert (saved.tp, saved.pp) == (2, 2)
+    write_hf_folder(saved, tmp_path, progress=False)
+    resharded = load_hf_state_dict(tmp_path)
+    assert all(torch.equal(stopped_state[k], resharded[k]) for k in stopped_state)
+    assert [r["critic/rewards/mean"] for r in rows] == [
+        r["critic/rewards/mean"] for r in straight_rows]
+    assert _max_diff(straight_state, result.final_state) <= 1e-6
+
+
+def test_keep_last_and_mismatched_resume(tmp_path):
+    """keep_last prunes older checkpoints; a resume that changes what matters is one line."""
+    run_dir = tmp_path / "run"
+    run(tiny_overrides(run_dir, 4, **{"trainer.save_interval": 1, "trainer.keep_last": 2,
+                                      "rollout.n": 2, "data.prompts_per_step": 1}))
+    names = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert names == ["step_000003", "step_000004"]
+    with pytest.raises(StartupError) as err:
+        run(tiny_overrides(run_dir, 6, **{"trainer.save_interval": 1, "trainer.seed": 7,
+                                          "model.hf_config.num_hidden_layers": 2}))
+    message = str(err.value)
+    assert "\n" not in message
+    assert "trainer.seed: 1234 -> 7" in message
+    assert "model num_layers: 4 -> 2" in message
+    with pytest.raises(StartupError, match="no megarl_checkpoint.json"):
+        run(tiny_overrides(run_dir, 6, **{"trainer.resume": str(tmp_path)}))
+    assert len(_metrics(run_dir)) == 4, "a refused resume must not touch the run's metrics"
+
+
+def _tmp_saves(run_dir) -> list:
+    root = run_dir / "checkpoints"
+    return [p for p in root.iterdir() if p.name.startswith(".tmp-")] if root.is_dir() else []
+
+
+def _start_training(run_dir, steps: int, log) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(Path(__file__).parent)])}
+    args = tiny_overrides(run_dir, steps, **{"trainer.save_interval": 1, "trainer.keep_last": 2,
+                                             "rollout.n": 2, "data.prompts_per_step": 1})
+    return subprocess.Popen([sys.executable, "-m", "megarl.train", *args], cwd=REPO, env=env,
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _kill_during_save(proc: subprocess.Popen, run_dir, step: int, delay_s: float) -> bool:
+    """SIGKILL the run ``delay_s`` after its save of ``step`` starts; True if it was mid-save."""
+    wanted = f".tmp-step_{step:06d}"
+    deadline = time.monotonic() + 600
+    while not any(p.name == wanted for p in _tmp_saves(run_dir)):
+        assert proc.poll() is None, "the run ended before the save to interrupt"
+        assert time.monotonic() < deadline, "no save started"
+        time.sleep(0.002)
+    time.sleep(delay_s)
+    mid_save = any(p.name == wanted for p in _tmp_saves(run_dir))
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=60)
+    return mid_save
+
+
+def test_sigkill_during_saves_resumes_from_last_complete_checkpoint(tmp_path):
+    """Each process saves one checkpoint, then is killed inside its next save (at 0 / 50 /
+    150 ms); every time, the checkpoints left are complete and the next start resumes from the
+    newest of them. Finally the run completes with one metrics line per step."""
+    run_dir, total = tmp_path / "run", 5
+    log_path = tmp_path / "log.txt"
+    mid_save = []
+    for attempt, delay_s in enumerate((0.0, 0.05, 0.15)):
+        with open(log_path, "w") as log:
+            proc = _start_training(run_dir, total, log)
+            mid_save.append(_kill_during_save(proc, run_dir, attempt + 2, delay_s))
+        assert [c.step for c in complete_checkpoints(run_dir)][-1] == attempt + 1
+        for child in (run_dir / "checkpoints").iterdir():
+            if child.name.startswith("step_"):
+                read_checkpoint(child)  # raises if incomplete
+        if attempt:
+            assert f"step_{attempt:06d} (step {attempt})" in log_path.read_text()
+    assert mid_save[0], "the first kill did not land inside a save"
+    with open(log_path, "w") as log:
+        proc = _start_training(run_dir, total, log)
+        assert proc.wait(timeout=600) == 0, log_path.read_text()[-2000:]
+    assert "step_000003 (step 3)" in log_path.read_text()
+    assert [r["step"] for r in _metrics(run_dir)] == [1, 2, 3, 4, 5]
+    assert [c.step for c in complete_checkpoints(run_dir)] == [4, 5]
+    assert _tmp_saves(run_dir) == []
