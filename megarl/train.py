@@ -13,6 +13,7 @@ from pathlib import Path
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 EXIT_BAD_INPUT = 2
+EXIT_WORKER_FAILED = 1
 
 
 class StartupError(Exception):
@@ -98,22 +99,38 @@ def validate_against_model(cfg, model_dir: str) -> None:
 
 def run(overrides: list[str], return_final_state: bool = False):
     """Compose, validate, and train; returns rank 0's :class:`RunResult`."""
-    from megarl.distributed.launcher import launch
     from megarl.trainer.worker import RunInputs, run_worker
 
     cfg = compose_config(overrides)
     device = resolve_device(cfg.trainer.device)
-    if cfg.trainer.launcher == "ray":
-        raise StartupError("trainer.launcher=ray is not available yet; use trainer.launcher=local")
     model_dir = resolve_model_dir(cfg)
     validate_against_model(cfg, model_dir)
     Path(cfg.trainer.run_dir).mkdir(parents=True, exist_ok=True)
     inputs = RunInputs(cfg=cfg, model_dir=model_dir, device=device,
                        return_final_state=return_final_state)
-    return launch(run_worker, cfg.trainer.world_size, args=(inputs,))[0]
+    return _launch(cfg, device, run_worker, inputs)[0]
+
+
+# --- launcher dispatch (issue 7: multi-node) ---------------------------------------------------
+def _launch(cfg, device: str, fn, inputs) -> list:
+    """Run ``fn`` on every rank: spawned processes here (local) or Ray actors (ray)."""
+    from megarl.distributed.launcher import launch
+
+    if cfg.trainer.launcher == "ray":
+        from megarl.distributed.ray_launcher import PlacementError, RayLayout, launch_on_ray
+
+        layout = RayLayout(cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node, device)
+        try:
+            return launch_on_ray(fn, layout, args=(inputs,))
+        except PlacementError as exc:
+            raise StartupError(str(exc)) from None
+    return launch(fn, cfg.trainer.world_size, args=(inputs,))
+# --- end launcher dispatch ---------------------------------------------------------------------
 
 
 def main(argv: list[str] | None = None) -> int:
+    from megarl.distributed.launcher import WorkerFailed
+
     args = sys.argv[1:] if argv is None else argv
     if any(a in ("-h", "--help") for a in args):
         print(__doc__.strip() + "\n\nusage: megarl-train [key=value ...]   (see configs/config.yaml)")
@@ -123,6 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     except StartupError as exc:
         print(f"megarl-train: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except WorkerFailed as exc:  # a rank died or raised: one line names role, rank and node
+        print(f"megarl-train: error: {exc}", file=sys.stderr)
+        return EXIT_WORKER_FAILED
     except KeyboardInterrupt:
         print("megarl-train: interrupted", file=sys.stderr)
         return 130

@@ -143,7 +143,10 @@ def _dtype(cfg: RunConfig, device: str) -> torch.dtype:
 
 
 def _train(rt: _Runtime) -> None:
+    from megarl.distributed.fault_injection import maybe_die  # test-only hook (issue 7)
+
     for step in range(1, rt.cfg.trainer.total_steps + 1):
+        maybe_die(dist.get_rank(), step)
         timer = PhaseTimer()
         batch, rollout_metrics = _broadcast_rollout(rt, step, timer)
         plan = plan_step(from_config.planner_inputs(

@@ -1,0 +1,261 @@
+"""Ray launcher (``trainer.launcher=ray``): the same per-rank entry point as the local launcher,
+placed on a Ray cluster that may span several nodes.
+
+The controller is five named steps (:func:`launch_on_ray`):
+
+1. connect     -- join the cluster named by ``RAY_ADDRESS`` (the Slurm script sets it), else
+                  start a private local Ray;
+2. reserve     -- one placement-group bundle per node (``STRICT_SPREAD`` over ``nnodes``), each
+                  holding ``n_gpus_per_node`` GPUs, or a small CPU fraction per rank on CPU so a
+                  2-core machine can place several ranks;
+3. start ranks -- one :class:`RankWorker` per Megatron rank, node-major like Megatron's rank order;
+4. rendezvous  -- ``MASTER_ADDR`` is rank 0's node IP, the port is free on that node;
+5. run         -- every rank runs ``fn(WorkerContext, *args)`` (gloo on CPU, NCCL on GPU); the first
+                  rank to die or raise stops the run with :class:`WorkerFailed` naming role, rank
+                  and node, and every actor and the placement group are released.
+
+:class:`RankWorker` is a plain class (tests build it without Ray); the Ray actor is a thin shell
+made by ``ray.remote(RankWorker)`` at launch time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from megarl.distributed.launcher import WorkerContext, WorkerFailed, role_of
+
+CPU_PER_RANK = 0.01
+"""Ray CPU resource per rank on CPU runs: a token amount, so placement never waits for cores."""
+RESERVE_TIMEOUT_S = float(os.environ.get("MEGARL_RAY_RESERVE_TIMEOUT_S", 120))
+POLL_S = 0.5
+
+
+class PlacementError(RuntimeError):
+    """The cluster cannot hold the requested layout (too few nodes or resources)."""
+
+
+@dataclass(frozen=True)
+class RankPlacement:
+    """Where a rank landed: reported when it fails."""
+
+    rank: int
+    role: str
+    node_ip: str
+    hostname: str
+    node_id: str
+    pid: int
+
+    def describe(self) -> str:
+        return (f"{self.role} rank {self.rank} on node {self.hostname} ({self.node_ip}, "
+                f"ray node {self.node_id[:8]}, pid {self.pid})")
+
+
+@dataclass(frozen=True)
+class RayLayout:
+    """How ranks map onto nodes and what each one reserves."""
+
+    nnodes: int
+    ranks_per_node: int
+    device: str
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.ranks_per_node
+
+    def bundles(self) -> list[dict[str, float]]:
+        return [self.bundle() for _ in range(self.nnodes)]
+
+    def bundle(self) -> dict[str, float]:
+        per_rank = self.rank_resources()
+        return {k: v * self.ranks_per_node for k, v in per_rank.items()}
+
+    def rank_resources(self) -> dict[str, float]:
+        if self.device == "cuda":
+            return {"CPU": 1.0, "GPU": 1.0}
+        return {"CPU": CPU_PER_RANK}
+
+    def strategy(self) -> str:
+        return "STRICT_SPREAD" if self.nnodes > 1 else "PACK"
+
+    def node_index(self, rank: int) -> int:
+        return rank // self.ranks_per_node
+
+
+def forwarded_env() -> dict[str, str]:
+    """The driver's ``MEGARL_*`` settings (timeouts, test hooks) travel to every rank."""
+    return {k: v for k, v in os.environ.items() if k.startswith("MEGARL_")}
+
+
+class RankWorker:
+    """One Megatron rank. Plain class: the Ray actor is ``ray.remote(RankWorker)``."""
+
+    def __init__(self, rank: int, env: dict[str, str], sys_path: list[str]):
+        self.rank = rank
+        os.environ.update(env)
+        os.environ.setdefault("OMP_NUM_THREADS", os.environ.get("MEGARL_WORKER_THREADS", "1"))
+        # Same import path as the driver (a shared file system is assumed across nodes).
+        sys.path.extend(p for p in sys_path if p not in sys.path)
+
+    def placement(self) -> RankPlacement:
+        node_id = ""
+        with contextlib.suppress(Exception):  # outside Ray (unit tests)
+            import ray
+
+            node_id = ray.get_runtime_context().get_node_id()
+        return RankPlacement(rank=self.rank, role=role_of(self.rank), node_ip=node_ip(),
+                             hostname=socket.gethostname(), node_id=node_id, pid=os.getpid())
+
+    def free_port(self) -> int:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("", 0))
+            return sock.getsockname()[1]
+
+    def run(self, fn: Callable[..., Any], ctx: WorkerContext, args: tuple) -> Any:
+        return fn(ctx, *args)
+
+
+def node_ip() -> str:
+    try:
+        import ray
+
+        return ray.util.get_node_ip_address()
+    except Exception:  # noqa: BLE001 - outside Ray
+        return "127.0.0.1"
+
+
+# ----------------------------------------------------------------------------- controller
+
+
+def launch_on_ray(fn: Callable[..., Any], layout: RayLayout, args: tuple = ()) -> list[Any]:
+    """Run ``fn(WorkerContext, *args)`` on every rank of ``layout``; return each rank's result."""
+    import ray
+
+    connect()
+    group, actors = None, []
+    try:
+        group = reserve(layout)
+        actors = start_ranks(layout, group)
+        placements = ray.get([a.placement.remote() for a in actors])
+        master_addr, master_port = rendezvous(actors[0], placements[0])
+        return run_ranks(actors, placements, fn, master_addr, master_port, args)
+    finally:
+        release(actors, group)
+
+
+def connect() -> None:
+    """Join ``RAY_ADDRESS``'s cluster if set (never someone else's by accident), else start a
+    private local one."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    quiet = {"include_dashboard": False, "log_to_driver": True,
+             "logging_level": "WARNING", "configure_logging": True}
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(address="auto", **{k: v for k, v in quiet.items() if k != "include_dashboard"})
+        return
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    ray.init(**quiet)
+
+
+def reserve(layout: RayLayout):
+    """A placement group over ``nnodes`` bundles; fails with a clear message if it cannot fit."""
+    import ray
+    from ray.util.placement_group import placement_group
+
+    alive = [n for n in ray.nodes() if n.get("Alive")]
+    if layout.nnodes > len(alive):
+        raise PlacementError(f"trainer.nnodes={layout.nnodes} but the Ray cluster has "
+                           f"{len(alive)} node(s)")
+    group = placement_group(layout.bundles(), strategy=layout.strategy())
+    ready, _ = ray.wait([group.ready()], timeout=RESERVE_TIMEOUT_S)
+    if not ready:
+        raise PlacementError(
+            f"Ray could not reserve {layout.nnodes} node(s) x {layout.bundle()} within "
+            f"{RESERVE_TIMEOUT_S:.0f} s (cluster resources: {ray.cluster_resources()})")
+    return group
+
+
+def start_ranks(layout: RayLayout, group) -> list:
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    shell = ray.remote(RankWorker)
+    resources = layout.rank_resources()
+    env, path = forwarded_env(), list(sys.path)
+    return [
+        shell.options(
+            num_cpus=resources["CPU"], num_gpus=resources.get("GPU", 0), max_restarts=0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=group, placement_group_bundle_index=layout.node_index(rank)),
+        ).remote(rank, env, path)
+        for rank in range(layout.world_size)
+    ]
+
+
+def rendezvous(rank0_actor, rank0: RankPlacement) -> tuple[str, int]:
+    import ray
+
+    return rank0.node_ip, int(ray.get(rank0_actor.free_port.remote()))
+
+
+def run_ranks(actors: list, placements: list[RankPlacement], fn: Callable, master_addr: str,
+              master_port: int, args: tuple) -> list[Any]:
+    """Start every rank and wait; the first failure (death or exception) ends the run."""
+    import ray
+
+    world = len(actors)
+    pending = {
+        actor.run.remote(fn, WorkerContext(rank, world, master_addr, master_port), args): rank
+        for rank, actor in enumerate(actors)
+    }
+    results: dict[int, Any] = {}
+    while pending:
+        done, _ = ray.wait(list(pending), num_returns=1, timeout=POLL_S)
+        for ref in done:
+            rank = pending.pop(ref)
+            try:
+                results[rank] = ray.get(ref)
+            except ray.exceptions.RayActorError as exc:
+                raise WorkerFailed(rank, None, _death_cause(exc),
+                                   where=placements[rank].describe()) from None
+            except ray.exceptions.RayTaskError as exc:
+                cause = exc.cause if isinstance(exc.cause, BaseException) else exc
+                if isinstance(cause, SystemExit):
+                    raise SystemExit(cause.code) from None
+                raise WorkerFailed(rank, None, f"{type(cause).__name__}: {cause}",
+                                   where=placements[rank].describe()) from None
+    return [results[r] for r in range(world)]
+
+
+def _death_cause(exc: BaseException) -> str:
+    text = str(exc)
+    if "exit code" in text or "SIGKILL" in text or "OOM" in text.upper():
+        lines = [line.strip() for line in text.splitlines() if line.strip()]
+        hints = [line for line in lines if "exit" in line.lower() or "oom" in line.lower()]
+        return "the process died (" + (hints[0][:200] if hints else "no Python error") + ")"
+    return "the process died without a Python error (killed, OOM or crashed)"
+
+
+def release(actors: list, group) -> None:
+    """Kill every rank, drop the placement group, disconnect (a private Ray stops with it)."""
+    import ray
+
+    if not ray.is_initialized():
+        return
+    for actor in actors:
+        with contextlib.suppress(Exception):  # already dead
+            ray.kill(actor, no_restart=True)
+    if group is not None:
+        from ray.util.placement_group import remove_placement_group
+
+        with contextlib.suppress(Exception):  # cluster already gone
+            remove_placement_group(group)
+    # Stops a private Ray; on a shared cluster only disconnects this driver.
+    ray.shutdown()
