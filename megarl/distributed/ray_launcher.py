@@ -142,6 +142,7 @@ def launch_on_ray(fn: Callable[..., Any], layout: RayLayout, args: tuple = ()) -
         group = reserve(layout)
         actors = start_ranks(layout, group)
         placements = ray.get([a.placement.remote() for a in actors])
+        report_placements(placements)
         master_addr, master_port = rendezvous(actors[0], placements[0])
         return run_ranks(actors, placements, fn, master_addr, master_port, args)
     finally:
@@ -197,6 +198,12 @@ def start_ranks(layout: RayLayout, group) -> list:
         ).remote(rank, env, path)
         for rank in range(layout.world_size)
     ]
+
+
+def report_placements(placements: list[RankPlacement]) -> None:
+    nodes = {p.node_id for p in placements}
+    print(f"megarl ray: {len(placements)} rank(s) on {len(nodes)} node(s): "
+          + "; ".join(p.describe() for p in placements), file=sys.stderr, flush=True)
 
 
 def rendezvous(rank0_actor, rank0: RankPlacement) -> tuple[str, int]:
