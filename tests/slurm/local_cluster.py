@@ -7,11 +7,12 @@ pid files) and removes its temp dir; a ``munged`` that was already running is le
 
 Usable by hand too::
 
-    python tests/slurm/local_cluster.py up      # prints `export SLURM_CONF=...`; Ctrl-C tears down
+    python tests/slurm/local_cluster.py up   # prints `export SLURM_CONF=...`; Ctrl-C/SIGTERM tears down
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -202,10 +203,8 @@ def _terminate(pid: int, wait_s: float = 10) -> None:
         except ProcessLookupError:
             return
         time.sleep(0.1)
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 if __name__ == "__main__":
@@ -216,8 +215,10 @@ if __name__ == "__main__":
     reason = missing_requirements()
     if reason:
         sys.exit(reason)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     cluster = LocalSlurm().start()
-    print(f"export SLURM_CONF={cluster.root / 'slurm.conf'}", flush=True)
+    print(f"export SLURM_CONF={cluster.root / 'slurm.conf'}  # stop: kill -TERM {os.getpid()}",
+          flush=True)
     try:
         signal.pause()
     except KeyboardInterrupt:
