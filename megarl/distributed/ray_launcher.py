@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import socket
 import sys
 from collections.abc import Callable
@@ -242,12 +243,13 @@ def run_ranks(actors: list, placements: list[RankPlacement], fn: Callable, maste
 
 
 def _death_cause(exc: BaseException) -> str:
-    text = str(exc)
-    if "exit code" in text or "SIGKILL" in text or "OOM" in text.upper():
-        lines = [line.strip() for line in text.splitlines() if line.strip()]
-        hints = [line for line in lines if "exit" in line.lower() or "oom" in line.lower()]
-        return "the process died (" + (hints[0][:200] if hints else "no Python error") + ")"
-    return "the process died without a Python error (killed, OOM or crashed)"
+    """Ray's actor-death text, cut to its exit type and detail (the rest is generic advice)."""
+    text = " ".join(str(exc).split())
+    kind = re.search(r"Worker exit type: (\w+)", text)
+    detail = re.search(r"Worker exit detail: (.*?\.)", text)
+    parts = [f"exit type {kind.group(1)}" if kind else "", detail.group(1) if detail else ""]
+    summary = "; ".join(p for p in parts if p) or "no Python error"
+    return f"the process died (killed, OOM or crashed: {summary})"
 
 
 def release(actors: list, group) -> None:
