@@ -68,7 +68,9 @@ start_ray_workers() {
 
 start_node_step() {  # node, role: a background srun step running `ray start --block` there
     local node=$1 role=$2
+    # --overlap: the batch step holds the node's CPUs. GPUs are handed to the step explicitly.
     srun --overlap --nodes=1 --ntasks=1 -w "$node" --kill-on-bad-exit=0 \
+        ${SLURM_GPUS_ON_NODE:+--gres=gpu:$SLURM_GPUS_ON_NODE} \
         bash "$MEGARL_HOME/slurm/ray_cluster.sh" node "$role" \
         >"$LOG_DIR/ray-$role-$node.log" 2>&1 &
     RAY_STEP_PIDS+=("$!")

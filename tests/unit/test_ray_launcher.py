@@ -59,3 +59,16 @@ def test_fault_injection_only_fires_for_its_rank_and_step(monkeypatch):
     fault_injection.maybe_die(1, 1)  # other step: returns
     monkeypatch.delenv(fault_injection.ENV)
     fault_injection.maybe_die(1, 2)  # unset: returns
+
+
+def test_actor_death_text_is_cut_to_exit_type_and_detail():
+    from megarl.distributed.ray_launcher import _death_cause
+
+    ray_text = ("The actor is dead because its worker process has died. Worker exit type: "
+                "SYSTEM_ERROR Worker exit detail: Worker unexpectedly exits with a connection "
+                "error code 2. End of file. Some common causes include: (1) the process was "
+                "killed by the OOM killer ...")
+    assert _death_cause(RuntimeError(ray_text)) == (
+        "the process died (killed, OOM or crashed: exit type SYSTEM_ERROR; Worker unexpectedly "
+        "exits with a connection error code 2.)")
+    assert "no Python error" in _death_cause(RuntimeError("gone"))
