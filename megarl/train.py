@@ -121,10 +121,25 @@ def _launch(cfg, device: str, fn, inputs) -> list:
 
         layout = RayLayout(cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node, device)
         try:
-            return launch_on_ray(fn, layout, args=(inputs,))
+            return launch_on_ray(fn, layout, args=(inputs,), side=_split_rollout(cfg, inputs))
         except PlacementError as exc:
             raise StartupError(str(exc)) from None
     return launch(fn, cfg.trainer.world_size, args=(inputs,))
+
+
+def _split_rollout(cfg, inputs):
+    """``rollout.n_gpus > 0``: the rollout driver as its own Ray actor (None = colocated)."""
+    if cfg.rollout.n_gpus == 0:
+        return None
+    import dataclasses
+
+    from megarl.distributed.ray_launcher import SideActor, forwarded_env
+    from megarl.trainer.split_rollout import RolloutWorker
+
+    return SideActor(
+        role="rollout", cls=RolloutWorker, n_gpus=cfg.rollout.n_gpus,
+        init_args=(cfg, inputs.model_dir, inputs.device, forwarded_env(), list(sys.path)),
+        attach=lambda handle, args: (dataclasses.replace(args[0], rollout_actor=handle),))
 # --- end launcher dispatch ---------------------------------------------------------------------
 
 

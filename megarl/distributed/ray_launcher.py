@@ -35,6 +35,7 @@ CPU_PER_RANK = 0.01
 """Ray CPU resource per rank on CPU runs: a token amount, so placement never waits for cores."""
 RESERVE_TIMEOUT_S = float(os.environ.get("MEGARL_RAY_RESERVE_TIMEOUT_S", 120))
 POLL_S = 0.5
+LOCAL_START_ATTEMPTS = 3
 
 
 class PlacementError(RuntimeError):
@@ -133,21 +134,43 @@ def node_ip() -> str:
 # ----------------------------------------------------------------------------- controller
 
 
-def launch_on_ray(fn: Callable[..., Any], layout: RayLayout, args: tuple = ()) -> list[Any]:
+@dataclass(frozen=True)
+class SideActor:
+    """An actor outside the rank group, on a bundle of its own (split placement's rollout).
+
+    ``attach(handle, args)`` returns the ranks' args with the started actor's handle in them.
+    """
+
+    role: str
+    cls: type
+    init_args: tuple
+    n_gpus: int
+    attach: Callable[[Any, tuple], tuple]
+
+    def bundle(self, device: str) -> dict[str, float]:
+        return {"CPU": 1.0, "GPU": float(self.n_gpus)} if device == "cuda" else {"CPU": CPU_PER_RANK}
+
+
+def launch_on_ray(fn: Callable[..., Any], layout: RayLayout, args: tuple = (),
+                  side: SideActor | None = None) -> list[Any]:
     """Run ``fn(WorkerContext, *args)`` on every rank of ``layout``; return each rank's result."""
     import ray
 
     connect()
-    group, actors = None, []
+    group, actors, side_group, side_actor = None, [], None, None
     try:
         group = reserve(layout)
+        if side is not None:
+            side_group, side_actor = start_side_actor(side, layout.device)
+            args = side.attach(side_actor, args)
         actors = start_ranks(layout, group)
         placements = ray.get([a.placement.remote() for a in actors])
         report_placements(placements)
         master_addr, master_port = rendezvous(actors[0], placements[0])
         return run_ranks(actors, placements, fn, master_addr, master_port, args)
     finally:
-        release(actors, group)
+        release_group(side_group)  # before `release`, which disconnects from Ray
+        release(actors + ([side_actor] if side_actor is not None else []), group)
 
 
 def connect() -> None:
@@ -163,7 +186,14 @@ def connect() -> None:
         ray.init(address="auto", **{k: v for k, v in quiet.items() if k != "include_dashboard"})
         return
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    ray.init(**quiet)
+    for attempt in range(LOCAL_START_ATTEMPTS):
+        try:
+            ray.init(**quiet)
+            return
+        except Exception as exc:  # Ray waits a fixed 30 s for its raylet; an overloaded host
+            ray.shutdown()        # can miss it once, so retry before giving up.
+            if "timed out during startup" not in str(exc) or attempt + 1 == LOCAL_START_ATTEMPTS:
+                raise
 
 
 def reserve(layout: RayLayout):
@@ -182,6 +212,29 @@ def reserve(layout: RayLayout):
             f"Ray could not reserve {layout.nnodes} node(s) x {layout.bundle()} within "
             f"{RESERVE_TIMEOUT_S:.0f} s (cluster resources: {ray.cluster_resources()})")
     return group
+
+
+def start_side_actor(side: SideActor, device: str):
+    """Reserve the side actor's own bundle and start it there; wait until it is built."""
+    import ray
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    bundle = side.bundle(device)
+    group = placement_group([bundle], strategy="PACK")
+    ready, _ = ray.wait([group.ready()], timeout=RESERVE_TIMEOUT_S)
+    if not ready:
+        raise PlacementError(f"Ray could not reserve {bundle} for the {side.role} within "
+                             f"{RESERVE_TIMEOUT_S:.0f} s")
+    actor = ray.remote(side.cls).options(
+        num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), max_restarts=0,
+        scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=group),
+    ).remote(*side.init_args)
+    try:
+        ray.get(actor.__ray_ready__.remote())
+    except ray.exceptions.RayActorError as exc:
+        raise WorkerFailed(-1, None, _death_cause(exc), where=f"{side.role} actor") from None
+    return group, actor
 
 
 def start_ranks(layout: RayLayout, group) -> list:
@@ -261,10 +314,17 @@ def release(actors: list, group) -> None:
     for actor in actors:
         with contextlib.suppress(Exception):  # already dead
             ray.kill(actor, no_restart=True)
-    if group is not None:
-        from ray.util.placement_group import remove_placement_group
-
-        with contextlib.suppress(Exception):  # cluster already gone
-            remove_placement_group(group)
+    release_group(group)
     # Stops a private Ray; on a shared cluster only disconnects this driver.
     ray.shutdown()
+
+
+def release_group(group) -> None:
+    import ray
+
+    if group is None or not ray.is_initialized():
+        return
+    from ray.util.placement_group import remove_placement_group
+
+    with contextlib.suppress(Exception):  # cluster already gone
+        remove_placement_group(group)

@@ -48,6 +48,9 @@ class RunInputs:
     device: str
     return_final_state: bool = False
     """Gather the trained weights (HF names) into the result: for tests and tools."""
+    rollout_actor: object | None = None
+    """Split placement (issue 7): the Ray handle of the RolloutWorker rank 0 talks to instead of
+    building its own Driver; None = colocated."""
 
 
 @dataclass(frozen=True)
@@ -128,7 +131,11 @@ def _setup(ctx: WorkerContext, inputs: RunInputs) -> _Runtime:
         reference = MegatronActor(spec, cfg.actor, inputs.device, dtype, hf_tensors, pad_id,
                                   trainable=False)
     driver = None
-    if ctx.rank == 0:
+    if ctx.rank == 0 and inputs.rollout_actor is not None:  # split placement (issue 7)
+        from megarl.trainer.split_rollout import RemoteDriver
+
+        driver = RemoteDriver(inputs.rollout_actor)
+    elif ctx.rank == 0:
         from megarl.trainer.driver import Driver
 
         driver = Driver(cfg, inputs.model_dir, inputs.device, tokenizer)

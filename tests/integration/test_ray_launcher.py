@@ -29,3 +29,18 @@ def test_ray_matches_local_tp2_dp2(tmp_path):
         for key in a:
             assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-9), key
     assert ray_run.history[0]["actor/grad_norm"] > 0
+
+
+def test_split_rollout_placement_matches_colocated(tmp_path):
+    """rollout.n_gpus=1: the engine in its own Ray actor gives the colocated run's metrics."""
+    layout = {"actor.tp": 2, "trainer.n_gpus_per_node": 2}
+    colocated = run(tiny_overrides(tmp_path / "local", steps=2, **layout))
+    split = run(tiny_overrides(tmp_path / "split", steps=2, **layout, **{
+        "trainer.launcher": "ray", "rollout.n_gpus": 1}))
+    for mine, theirs in zip(colocated.history, split.history, strict=True):
+        a, b = _comparable(mine), _comparable(theirs)
+        assert a.keys() == b.keys()
+        for key in a:
+            assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-9), key
+    assert split.history[1]["rollout/logprob_abs_diff"] <= 1e-3  # weights reached the engine
+    assert (tmp_path / "split" / "metrics.jsonl").read_text().count("\n") == 2

@@ -72,3 +72,24 @@ def test_actor_death_text_is_cut_to_exit_type_and_detail():
         "the process died (killed, OOM or crashed: exit type SYSTEM_ERROR; Worker unexpectedly "
         "exits with a connection error code 2.)")
     assert "no Python error" in _death_cause(RuntimeError("gone"))
+
+
+def test_split_rollout_key_is_validated():
+    from megarl.config.schema import ConfigError, build_run_config
+
+    assert build_run_config({}).rollout.n_gpus == 0  # colocated by default
+    cfg = build_run_config({"rollout": {"n_gpus": 2}, "trainer": {"launcher": "ray"}})
+    assert cfg.rollout.n_gpus == 2
+    with pytest.raises(ConfigError, match="rollout.n_gpus=1: a split rollout placement needs"):
+        build_run_config({"rollout": {"n_gpus": 1}})
+    with pytest.raises(ConfigError, match="rollout.n_gpus=-1"):
+        build_run_config({"rollout": {"n_gpus": -1}, "trainer": {"launcher": "ray"}})
+
+
+def test_side_actor_bundle_cpu_token_or_whole_gpus():
+    from megarl.distributed.ray_launcher import SideActor
+
+    side = SideActor(role="rollout", cls=object, init_args=(), n_gpus=2,
+                     attach=lambda handle, args: args)
+    assert side.bundle("cuda") == {"CPU": 1.0, "GPU": 2.0}
+    assert side.bundle("cpu") == {"CPU": CPU_PER_RANK}
