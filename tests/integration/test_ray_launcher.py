@@ -17,17 +17,25 @@ def _comparable(row: dict) -> dict:
     return {k: v for k, v in row.items() if not k.startswith(VOLATILE)}
 
 
+def _assert_same_metrics(a_rows: list[dict], b_rows: list[dict]) -> None:
+    assert len(a_rows) == len(b_rows)
+    for a_row, b_row in zip(a_rows, b_rows, strict=True):
+        a, b = _comparable(a_row), _comparable(b_row)
+        assert a.keys() == b.keys()
+        for key, value in a.items():
+            if isinstance(value, (int, float)):
+                assert value == pytest.approx(b[key], rel=1e-6, abs=1e-9), key
+            else:
+                assert value == b[key], key
+
+
 def test_ray_matches_local_tp2_dp2(tmp_path):
     layout = {"actor.tp": 2, "trainer.n_gpus_per_node": 4}
     local = run(tiny_overrides(tmp_path / "local", steps=2, **layout))
     ray_run = run(tiny_overrides(tmp_path / "ray", steps=2, **layout,
                                  **{"trainer.launcher": "ray"}))
-    assert len(local.history) == len(ray_run.history) == 2
-    for mine, theirs in zip(local.history, ray_run.history, strict=True):
-        a, b = _comparable(mine), _comparable(theirs)
-        assert a.keys() == b.keys()
-        for key in a:
-            assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-9), key
+    assert len(local.history) == 2
+    _assert_same_metrics(local.history, ray_run.history)
     assert ray_run.history[0]["actor/grad_norm"] > 0
 
 
@@ -37,10 +45,6 @@ def test_split_rollout_placement_matches_colocated(tmp_path):
     colocated = run(tiny_overrides(tmp_path / "local", steps=2, **layout))
     split = run(tiny_overrides(tmp_path / "split", steps=2, **layout, **{
         "trainer.launcher": "ray", "rollout.n_gpus": 1}))
-    for mine, theirs in zip(colocated.history, split.history, strict=True):
-        a, b = _comparable(mine), _comparable(theirs)
-        assert a.keys() == b.keys()
-        for key in a:
-            assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-9), key
+    _assert_same_metrics(colocated.history, split.history)
     assert split.history[1]["rollout/logprob_abs_diff"] <= 1e-3  # weights reached the engine
     assert (tmp_path / "split" / "metrics.jsonl").read_text().count("\n") == 2
