@@ -125,7 +125,8 @@ run_ray_node() {  # head|worker
         exec "$RAY_BIN" start --head --node-ip-address="$HEAD_IP" --port="${RAY_HEAD_ADDRESS##*:}" \
             --include-dashboard=false --ray-client-server-port="$(free_port)" "${common[@]}"
     fi
-    exec "$RAY_BIN" start --address="$RAY_HEAD_ADDRESS" "${common[@]}"
+    # shellcheck disable=SC2086  # MEGARL_RAY_WORKER_ARGS: extra `ray start` flags, word-split
+    exec "$RAY_BIN" start --address="$RAY_HEAD_ADDRESS" "${common[@]}" ${MEGARL_RAY_WORKER_ARGS:-}
 }
 
 if [[ "${BASH_SOURCE[0]}" == "$0" && "${1:-}" == node ]]; then

@@ -69,3 +69,29 @@ def test_sbatch_two_nodes_ray_run_completes(slurm, tmp_path):
     assert {p.name for p in (run_dir / "logs").iterdir()} >= {
         "train.log", "ray-head-n1.log", "ray-worker-n2.log"}
     assert not _ray_processes_of(f"/tmp/megarl-ray-{job}"), "Ray processes outlived the job"
+
+
+def test_node_that_does_not_join_fails_fast_naming_it(slurm, tmp_path):
+    """n2's ray start points at a dead address: the job fails fast (join timeout, or n2's ray
+    start exiting), the one-line error names n2, and no Ray process of the job is left."""
+    submit_dir = tmp_path / "elsewhere"
+    submit_dir.mkdir()
+    join_timeout_s = 20
+    start = time.monotonic()
+    job = slurm.sbatch(["--nodes=2", str(SBATCH), "model=tiny_llama", "trainer.launcher=ray",
+                        "trainer.nnodes=2", "trainer.run_dir=runs/bad"], cwd=submit_dir,
+                       env={"MEGARL_RAY_JOIN_TIMEOUT_S": str(join_timeout_s),
+                            "MEGARL_RAY_OBJECT_STORE_BYTES": str(256 * 2**20),
+                            "MEGARL_RAY_WORKER_ARGS": "--address=127.0.0.1:9"})
+    state = slurm.wait(job, JOB_TIMEOUT_S)
+    elapsed = time.monotonic() - start
+    out = (submit_dir / f"megarl-{job}.out").read_text()
+    print(f"bad node: job {state} after {elapsed:.1f} s")
+    assert state == "FAILED", out[-3000:]
+    errors = [line for line in out.splitlines() if "megarl.sbatch: error" in line]
+    # either the join timeout fired or n2's `ray start` gave up first: both name the node
+    assert errors and "Slurm node n2 " in errors[0], out[-3000:]
+    assert ("did not join the Ray cluster" in errors[0] and f"within {join_timeout_s} s"
+            in errors[0]) or "stopped before joining" in errors[0], errors[0]
+    assert not (submit_dir / "runs" / "bad" / "metrics.jsonl").exists()  # training never began
+    assert not _ray_processes_of(f"/tmp/megarl-ray-{job}"), "Ray processes outlived the job"
