@@ -1,7 +1,7 @@
 """Ray launcher (``trainer.launcher=ray``): the same per-rank entry point as the local launcher,
 placed on a Ray cluster that may span several nodes.
 
-The controller is five named steps (:func:`launch_on_ray`):
+The controller is named steps (:func:`launch_on_ray`):
 
 1. connect     -- join the cluster named by ``RAY_ADDRESS`` (the Slurm script sets it), else
                   start a private local Ray;
@@ -9,6 +9,8 @@ The controller is five named steps (:func:`launch_on_ray`):
                   holding ``n_gpus_per_node`` GPUs, or a small CPU fraction per rank on CPU so a
                   2-core machine can place several ranks;
 3. start ranks -- one :class:`RankWorker` per Megatron rank, node-major like Megatron's rank order;
+   (split rollout placement: the rollout actor first, on a placement group of its own, see
+   :class:`SideActor`);
 4. rendezvous  -- ``MASTER_ADDR`` is rank 0's node IP, the port is free on that node;
 5. run         -- every rank runs ``fn(WorkerContext, *args)`` (gloo on CPU, NCCL on GPU); the first
                   rank to die or raise stops the run with :class:`WorkerFailed` naming role, rank
@@ -156,7 +158,7 @@ def launch_on_ray(fn: Callable[..., Any], layout: RayLayout, args: tuple = (),
     """Run ``fn(WorkerContext, *args)`` on every rank of ``layout``; return each rank's result."""
     import ray
 
-    connect()
+    connected_here = connect()
     group, actors, side_group, side_actor = None, [], None, None
     try:
         group = reserve(layout)
@@ -169,31 +171,33 @@ def launch_on_ray(fn: Callable[..., Any], layout: RayLayout, args: tuple = (),
         master_addr, master_port = rendezvous(actors[0], placements[0])
         return run_ranks(actors, placements, fn, master_addr, master_port, args)
     finally:
-        release_group(side_group)  # before `release`, which disconnects from Ray
-        release(actors + ([side_actor] if side_actor is not None else []), group)
+        release_group(side_group)  # before `release`, which may disconnect from Ray
+        release(actors + ([side_actor] if side_actor is not None else []), group,
+                disconnect=connected_here)
 
 
-def connect() -> None:
+def connect() -> bool:
     """Join ``RAY_ADDRESS``'s cluster if set (never someone else's by accident), else start a
-    private local one."""
+    private local one. False if the caller had already connected (we then leave Ray as is)."""
     import ray
 
     if ray.is_initialized():
-        return
+        return False
     quiet = {"include_dashboard": False, "log_to_driver": True,
              "logging_level": "WARNING", "configure_logging": True}
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address="auto", **{k: v for k, v in quiet.items() if k != "include_dashboard"})
-        return
+        return True
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     for attempt in range(LOCAL_START_ATTEMPTS):
         try:
             ray.init(**quiet)
-            return
+            return True
         except Exception as exc:  # Ray waits a fixed 30 s for its raylet; an overloaded host
             ray.shutdown()        # can miss it once, so retry before giving up.
             if "timed out during startup" not in str(exc) or attempt + 1 == LOCAL_START_ATTEMPTS:
                 raise
+    return False  # unreachable: the last attempt returns or raises
 
 
 def reserve(layout: RayLayout):
@@ -305,8 +309,9 @@ def _death_cause(exc: BaseException) -> str:
     return f"the process died (killed, OOM or crashed: {summary})"
 
 
-def release(actors: list, group) -> None:
-    """Kill every rank, drop the placement group, disconnect (a private Ray stops with it)."""
+def release(actors: list, group, disconnect: bool = True) -> None:
+    """Kill every rank, drop the placement group, disconnect if we connected (a private Ray
+    stops with it; a shared cluster only loses this driver)."""
     import ray
 
     if not ray.is_initialized():
@@ -315,8 +320,8 @@ def release(actors: list, group) -> None:
         with contextlib.suppress(Exception):  # already dead
             ray.kill(actor, no_restart=True)
     release_group(group)
-    # Stops a private Ray; on a shared cluster only disconnects this driver.
-    ray.shutdown()
+    if disconnect:
+        ray.shutdown()
 
 
 def release_group(group) -> None:
