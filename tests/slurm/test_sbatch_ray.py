@@ -58,6 +58,7 @@ def test_sbatch_two_nodes_ray_run_completes(slurm, tmp_path):
     elapsed = time.monotonic() - start
     out = (submit_dir / f"megarl-{job}.out").read_text()
     print(f"sbatch to done: {elapsed:.1f} s")
+    print("\n".join(line for line in out.splitlines() if line.startswith("megarl.sbatch:")))
     assert state == "COMPLETED", f"job {job} ended {state}:\n{out[-3000:]}"
 
     run_dir = submit_dir / "runs" / "t"
@@ -87,6 +88,7 @@ def test_node_that_does_not_join_fails_fast_naming_it(slurm, tmp_path):
     elapsed = time.monotonic() - start
     out = (submit_dir / f"megarl-{job}.out").read_text()
     print(f"bad node: job {state} after {elapsed:.1f} s")
+    print("\n".join(line for line in out.splitlines() if line.startswith("megarl.sbatch:")))
     assert state == "FAILED", out[-3000:]
     errors = [line for line in out.splitlines() if "megarl.sbatch: error" in line]
     # either the join timeout fired or n2's `ray start` gave up first: both name the node
