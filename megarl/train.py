@@ -13,6 +13,7 @@ from pathlib import Path
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 EXIT_BAD_INPUT = 2
+EXIT_WORKER_FAILED = 1
 
 
 class StartupError(Exception):
@@ -131,23 +132,54 @@ def resolve_resume(cfg, model_dir: str, device: str) -> str | None:
 
 def run(overrides: list[str], return_final_state: bool = False):
     """Compose, validate, and train; returns rank 0's :class:`RunResult`."""
-    from megarl.distributed.launcher import launch
     from megarl.trainer.worker import RunInputs, run_worker
 
     cfg = compose_config(overrides)
     device = resolve_device(cfg.trainer.device)
-    if cfg.trainer.launcher == "ray":
-        raise StartupError("trainer.launcher=ray is not available yet; use trainer.launcher=local")
     model_dir = resolve_model_dir(cfg)
     validate_against_model(cfg, model_dir)
     resume_from = resolve_resume(cfg, model_dir, device)
     Path(cfg.trainer.run_dir).mkdir(parents=True, exist_ok=True)
     inputs = RunInputs(cfg=cfg, model_dir=model_dir, device=device,
                        return_final_state=return_final_state, resume_from=resume_from)
-    return launch(run_worker, cfg.trainer.world_size, args=(inputs,))[0]
+    return _launch(cfg, device, run_worker, inputs)[0]
+
+
+# --- launcher dispatch (issue 7: multi-node) ---------------------------------------------------
+def _launch(cfg, device: str, fn, inputs) -> list:
+    """Run ``fn`` on every rank: spawned processes here (local) or Ray actors (ray)."""
+    from megarl.distributed.launcher import launch
+
+    if cfg.trainer.launcher == "ray":
+        from megarl.distributed.ray_launcher import PlacementError, RayLayout, launch_on_ray
+
+        layout = RayLayout(cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node, device)
+        try:
+            return launch_on_ray(fn, layout, args=(inputs,), side=_split_rollout(cfg, inputs))
+        except PlacementError as exc:
+            raise StartupError(str(exc)) from None
+    return launch(fn, cfg.trainer.world_size, args=(inputs,))
+
+
+def _split_rollout(cfg, inputs):
+    """``rollout.n_gpus > 0``: the rollout driver as its own Ray actor (None = colocated)."""
+    if cfg.rollout.n_gpus == 0:
+        return None
+    import dataclasses
+
+    from megarl.distributed.ray_launcher import SideActor, forwarded_env
+    from megarl.trainer.split_rollout import RolloutWorker
+
+    return SideActor(
+        role="rollout", cls=RolloutWorker, n_gpus=cfg.rollout.n_gpus,
+        init_args=(cfg, inputs.model_dir, inputs.device, forwarded_env(), list(sys.path)),
+        attach=lambda handle, args: (dataclasses.replace(args[0], rollout_actor=handle),))
+# --- end launcher dispatch ---------------------------------------------------------------------
 
 
 def main(argv: list[str] | None = None) -> int:
+    from megarl.distributed.launcher import WorkerFailed
+
     args = sys.argv[1:] if argv is None else argv
     if any(a in ("-h", "--help") for a in args):
         print(__doc__.strip() + "\n\nusage: megarl-train [key=value ...]   (see configs/config.yaml)")
@@ -157,6 +189,9 @@ def main(argv: list[str] | None = None) -> int:
     except StartupError as exc:
         print(f"megarl-train: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except WorkerFailed as exc:  # a rank died or raised: one line names role, rank and node
+        print(f"megarl-train: error: {exc}", file=sys.stderr)
+        return EXIT_WORKER_FAILED
     except KeyboardInterrupt:
         print("megarl-train: interrupted", file=sys.stderr)
         return 130

@@ -183,9 +183,15 @@ class RolloutConfig:
     """vLLM: sequences decoded concurrently."""
     max_num_batched_tokens: int = 8192
     """vLLM: tokens per engine step (prefill chunking)."""
+    # --- placement (issue 7) ---
+    n_gpus: int = 0
+    """0 = colocated (the engine shares rank 0's device) | N = split placement: the engine runs
+    in its own Ray actor on N devices of its own (on CPU: its own process). Needs launcher=ray."""
+    # --- end placement ---
 
     def __post_init__(self) -> None:
         _choice("rollout.engine", self.engine, ("hf", "vllm"))
+        _require(self.n_gpus >= 0, f"rollout.n_gpus={self.n_gpus}: must be >= 0 (0 = colocated)")
         _positive("rollout.tp", self.tp)
         _require(self.sleep_level in (0, 1, 2),
                  f"rollout.sleep_level={self.sleep_level}: must be 0, 1 or 2")
@@ -304,6 +310,9 @@ class RunConfig:
                  f"trainer.save_interval={self.trainer.save_interval} with actor.lora.rank="
                  f"{self.actor.lora.rank}: training checkpoints do not hold LoRA adapters yet; "
                  "use trainer.save_interval=0")
+        _require(self.rollout.n_gpus == 0 or self.trainer.launcher == "ray",
+                 f"rollout.n_gpus={self.rollout.n_gpus}: a split rollout placement needs "
+                 "trainer.launcher=ray")
         num_seqs = self.data.prompts_per_step * self.rollout.n
         _require(num_seqs % self.actor.ppo_mini_batches == 0,
                  f"data.prompts_per_step x rollout.n = {num_seqs} sequences is not divisible by "

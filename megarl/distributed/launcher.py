@@ -24,9 +24,17 @@ POLL_S = 0.2
 class WorkerFailed(RuntimeError):
     """A worker process exited abnormally."""
 
-    def __init__(self, rank: int, exitcode: int | None, detail: str = ""):
+    def __init__(self, rank: int, exitcode: int | None, detail: str = "", where: str = ""):
         self.rank, self.exitcode = rank, exitcode
-        super().__init__(f"worker rank {rank} failed (exit code {exitcode}){': ' + detail if detail else ''}")
+        # `where` names role, rank and node (Ray launcher); the local launcher has one node.
+        who = where or f"{role_of(rank)} rank {rank} on node {socket.gethostname()}"
+        code = f" (exit code {exitcode})" if exitcode is not None else ""
+        super().__init__(f"{who} failed{code}{': ' + detail if detail else ''}")
+
+
+def role_of(rank: int) -> str:
+    """What a rank hosts, for failure reports: rank 0 also runs the rollout engine (colocated)."""
+    return "actor+rollout" if rank == 0 else "actor"
 
 
 @dataclass(frozen=True)

@@ -57,6 +57,9 @@ class RunInputs:
     result: for tests and tools."""
     resume_from: str | None = None
     """A complete training checkpoint to continue from (checked against the config already)."""
+    rollout_actor: object | None = None
+    """Split placement (issue 7): the Ray handle of the RolloutWorker rank 0 talks to instead of
+    building its own Driver; None = colocated."""
 
 
 @dataclass(frozen=True)
@@ -143,7 +146,11 @@ def _setup(ctx: WorkerContext, inputs: RunInputs) -> _Runtime:
         reference = MegatronActor(spec, cfg.actor, inputs.device, dtype, hf_tensors, pad_id,
                                   trainable=False)
     driver = None
-    if ctx.rank == 0:
+    if ctx.rank == 0 and inputs.rollout_actor is not None:  # split placement (issue 7)
+        from megarl.trainer.split_rollout import RemoteDriver
+
+        driver = RemoteDriver(inputs.rollout_actor)
+    elif ctx.rank == 0:
         from megarl.trainer.driver import Driver
 
         driver = Driver(cfg, inputs.model_dir, inputs.device, tokenizer, spec=spec)
@@ -159,8 +166,11 @@ def _dtype(cfg: RunConfig, device: str) -> torch.dtype:
 
 
 def _train(rt: _Runtime) -> None:
+    from megarl.distributed.fault_injection import maybe_die  # test-only hook (issue 7)
+
     last_done = _maybe_restore(rt)
     for step in range(last_done + 1, rt.cfg.trainer.total_steps + 1):
+        maybe_die(dist.get_rank(), step)
         timer = PhaseTimer()
         batch, rollout_metrics, engine_state = _broadcast_rollout(rt, step, timer)
         plan = plan_step(from_config.planner_inputs(

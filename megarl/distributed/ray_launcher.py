@@ -1,0 +1,335 @@
+"""Ray launcher (``trainer.launcher=ray``): the same per-rank entry point as the local launcher,
+placed on a Ray cluster that may span several nodes.
+
+The controller is named steps (:func:`launch_on_ray`):
+
+1. connect     -- join the cluster named by ``RAY_ADDRESS`` (the Slurm script sets it), else
+                  start a private local Ray;
+2. reserve     -- one placement-group bundle per node (``STRICT_SPREAD`` over ``nnodes``), each
+                  holding ``n_gpus_per_node`` GPUs, or a small CPU fraction per rank on CPU so a
+                  2-core machine can place several ranks;
+3. start ranks -- one :class:`RankWorker` per Megatron rank, node-major like Megatron's rank order;
+   (split rollout placement: the rollout actor first, on a placement group of its own, see
+   :class:`SideActor`);
+4. rendezvous  -- ``MASTER_ADDR`` is rank 0's node IP, the port is free on that node;
+5. run         -- every rank runs ``fn(WorkerContext, *args)`` (gloo on CPU, NCCL on GPU); the first
+                  rank to die or raise stops the run with :class:`WorkerFailed` naming role, rank
+                  and node, and every actor and the placement group are released.
+
+:class:`RankWorker` is a plain class (tests build it without Ray); the Ray actor is a thin shell
+made by ``ray.remote(RankWorker)`` at launch time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import socket
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from megarl.distributed.launcher import WorkerContext, WorkerFailed, role_of
+
+CPU_PER_RANK = 0.01
+"""Ray CPU resource per rank on CPU runs: a token amount, so placement never waits for cores."""
+RESERVE_TIMEOUT_S = float(os.environ.get("MEGARL_RAY_RESERVE_TIMEOUT_S", 120))
+POLL_S = 0.5
+LOCAL_START_ATTEMPTS = 3
+
+
+class PlacementError(RuntimeError):
+    """The cluster cannot hold the requested layout (too few nodes or resources)."""
+
+
+@dataclass(frozen=True)
+class RankPlacement:
+    """Where a rank landed: reported when it fails."""
+
+    rank: int
+    role: str
+    node_ip: str
+    hostname: str
+    node_id: str
+    pid: int
+
+    def describe(self) -> str:
+        return (f"{self.role} rank {self.rank} on node {self.hostname} ({self.node_ip}, "
+                f"ray node {self.node_id[:8]}, pid {self.pid})")
+
+
+@dataclass(frozen=True)
+class RayLayout:
+    """How ranks map onto nodes and what each one reserves."""
+
+    nnodes: int
+    ranks_per_node: int
+    device: str
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.ranks_per_node
+
+    def bundles(self) -> list[dict[str, float]]:
+        return [self.bundle() for _ in range(self.nnodes)]
+
+    def bundle(self) -> dict[str, float]:
+        per_rank = self.rank_resources()
+        return {k: v * self.ranks_per_node for k, v in per_rank.items()}
+
+    def rank_resources(self) -> dict[str, float]:
+        if self.device == "cuda":
+            return {"CPU": 1.0, "GPU": 1.0}
+        return {"CPU": CPU_PER_RANK}
+
+    def strategy(self) -> str:
+        return "STRICT_SPREAD" if self.nnodes > 1 else "PACK"
+
+    def node_index(self, rank: int) -> int:
+        return rank // self.ranks_per_node
+
+
+def forwarded_env() -> dict[str, str]:
+    """The driver's ``MEGARL_*`` settings (timeouts, test hooks) travel to every rank."""
+    return {k: v for k, v in os.environ.items() if k.startswith("MEGARL_")}
+
+
+class RankWorker:
+    """One Megatron rank. Plain class: the Ray actor is ``ray.remote(RankWorker)``."""
+
+    def __init__(self, rank: int, env: dict[str, str], sys_path: list[str]):
+        self.rank = rank
+        os.environ.update(env)
+        os.environ.setdefault("OMP_NUM_THREADS", os.environ.get("MEGARL_WORKER_THREADS", "1"))
+        # Same import path as the driver (a shared file system is assumed across nodes).
+        sys.path.extend(p for p in sys_path if p not in sys.path)
+
+    def placement(self) -> RankPlacement:
+        node_id = ""
+        with contextlib.suppress(Exception):  # outside Ray (unit tests)
+            import ray
+
+            node_id = ray.get_runtime_context().get_node_id()
+        return RankPlacement(rank=self.rank, role=role_of(self.rank), node_ip=node_ip(),
+                             hostname=socket.gethostname(), node_id=node_id, pid=os.getpid())
+
+    def free_port(self) -> int:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("", 0))
+            return sock.getsockname()[1]
+
+    def run(self, fn: Callable[..., Any], ctx: WorkerContext, args: tuple) -> Any:
+        return fn(ctx, *args)
+
+
+def node_ip() -> str:
+    try:
+        import ray
+
+        return ray.util.get_node_ip_address()
+    except Exception:  # noqa: BLE001 - outside Ray
+        return "127.0.0.1"
+
+
+# ----------------------------------------------------------------------------- controller
+
+
+@dataclass(frozen=True)
+class SideActor:
+    """An actor outside the rank group, on a bundle of its own (split placement's rollout).
+
+    ``attach(handle, args)`` returns the ranks' args with the started actor's handle in them.
+    """
+
+    role: str
+    cls: type
+    init_args: tuple
+    n_gpus: int
+    attach: Callable[[Any, tuple], tuple]
+
+    def bundle(self, device: str) -> dict[str, float]:
+        return {"CPU": 1.0, "GPU": float(self.n_gpus)} if device == "cuda" else {"CPU": CPU_PER_RANK}
+
+
+def launch_on_ray(fn: Callable[..., Any], layout: RayLayout, args: tuple = (),
+                  side: SideActor | None = None) -> list[Any]:
+    """Run ``fn(WorkerContext, *args)`` on every rank of ``layout``; return each rank's result."""
+    import ray
+
+    connected_here = connect()
+    group, actors, side_group, side_actor = None, [], None, None
+    try:
+        group = reserve(layout)
+        if side is not None:
+            side_group, side_actor = start_side_actor(side, layout.device)
+            args = side.attach(side_actor, args)
+        actors = start_ranks(layout, group)
+        placements = ray.get([a.placement.remote() for a in actors])
+        report_placements(placements)
+        master_addr, master_port = rendezvous(actors[0], placements[0])
+        return run_ranks(actors, placements, fn, master_addr, master_port, args)
+    finally:
+        release_group(side_group)  # before `release`, which may disconnect from Ray
+        release(actors + ([side_actor] if side_actor is not None else []), group,
+                disconnect=connected_here)
+
+
+def connect() -> bool:
+    """Join ``RAY_ADDRESS``'s cluster if set (never someone else's by accident), else start a
+    private local one. False if the caller had already connected (we then leave Ray as is)."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    quiet = {"include_dashboard": False, "log_to_driver": True,
+             "logging_level": "WARNING", "configure_logging": True}
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(address="auto", **{k: v for k, v in quiet.items() if k != "include_dashboard"})
+        return True
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    for attempt in range(LOCAL_START_ATTEMPTS):
+        try:
+            ray.init(**quiet)
+            return True
+        except Exception as exc:  # Ray waits a fixed 30 s for its raylet; an overloaded host
+            ray.shutdown()        # can miss it once, so retry before giving up.
+            if "timed out during startup" not in str(exc) or attempt + 1 == LOCAL_START_ATTEMPTS:
+                raise
+    return False  # unreachable: the last attempt returns or raises
+
+
+def reserve(layout: RayLayout):
+    """A placement group over ``nnodes`` bundles; fails with a clear message if it cannot fit."""
+    import ray
+    from ray.util.placement_group import placement_group
+
+    alive = [n for n in ray.nodes() if n.get("Alive")]
+    if layout.nnodes > len(alive):
+        raise PlacementError(f"trainer.nnodes={layout.nnodes} but the Ray cluster has "
+                           f"{len(alive)} node(s)")
+    group = placement_group(layout.bundles(), strategy=layout.strategy())
+    ready, _ = ray.wait([group.ready()], timeout=RESERVE_TIMEOUT_S)
+    if not ready:
+        raise PlacementError(
+            f"Ray could not reserve {layout.nnodes} node(s) x {layout.bundle()} within "
+            f"{RESERVE_TIMEOUT_S:.0f} s (cluster resources: {ray.cluster_resources()})")
+    return group
+
+
+def start_side_actor(side: SideActor, device: str):
+    """Reserve the side actor's own bundle and start it there; wait until it is built."""
+    import ray
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    bundle = side.bundle(device)
+    group = placement_group([bundle], strategy="PACK")
+    ready, _ = ray.wait([group.ready()], timeout=RESERVE_TIMEOUT_S)
+    if not ready:
+        raise PlacementError(f"Ray could not reserve {bundle} for the {side.role} within "
+                             f"{RESERVE_TIMEOUT_S:.0f} s")
+    actor = ray.remote(side.cls).options(
+        num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), max_restarts=0,
+        scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=group),
+    ).remote(*side.init_args)
+    try:
+        ray.get(actor.__ray_ready__.remote())
+    except ray.exceptions.RayActorError as exc:
+        raise WorkerFailed(-1, None, _death_cause(exc), where=f"{side.role} actor") from None
+    return group, actor
+
+
+def start_ranks(layout: RayLayout, group) -> list:
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    shell = ray.remote(RankWorker)
+    resources = layout.rank_resources()
+    env, path = forwarded_env(), list(sys.path)
+    return [
+        shell.options(
+            num_cpus=resources["CPU"], num_gpus=resources.get("GPU", 0), max_restarts=0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=group, placement_group_bundle_index=layout.node_index(rank)),
+        ).remote(rank, env, path)
+        for rank in range(layout.world_size)
+    ]
+
+
+def report_placements(placements: list[RankPlacement]) -> None:
+    nodes = {p.node_id for p in placements}
+    print(f"megarl ray: {len(placements)} rank(s) on {len(nodes)} node(s): "
+          + "; ".join(p.describe() for p in placements), file=sys.stderr, flush=True)
+
+
+def rendezvous(rank0_actor, rank0: RankPlacement) -> tuple[str, int]:
+    import ray
+
+    return rank0.node_ip, int(ray.get(rank0_actor.free_port.remote()))
+
+
+def run_ranks(actors: list, placements: list[RankPlacement], fn: Callable, master_addr: str,
+              master_port: int, args: tuple) -> list[Any]:
+    """Start every rank and wait; the first failure (death or exception) ends the run."""
+    import ray
+
+    world = len(actors)
+    pending = {
+        actor.run.remote(fn, WorkerContext(rank, world, master_addr, master_port), args): rank
+        for rank, actor in enumerate(actors)
+    }
+    results: dict[int, Any] = {}
+    while pending:
+        done, _ = ray.wait(list(pending), num_returns=1, timeout=POLL_S)
+        for ref in done:
+            rank = pending.pop(ref)
+            try:
+                results[rank] = ray.get(ref)
+            except ray.exceptions.RayActorError as exc:
+                raise WorkerFailed(rank, None, _death_cause(exc),
+                                   where=placements[rank].describe()) from None
+            except ray.exceptions.RayTaskError as exc:
+                cause = exc.cause if isinstance(exc.cause, BaseException) else exc
+                if isinstance(cause, SystemExit):
+                    raise SystemExit(cause.code) from None
+                raise WorkerFailed(rank, None, f"{type(cause).__name__}: {cause}",
+                                   where=placements[rank].describe()) from None
+    return [results[r] for r in range(world)]
+
+
+def _death_cause(exc: BaseException) -> str:
+    """Ray's actor-death text, cut to its exit type and detail (the rest is generic advice)."""
+    text = " ".join(str(exc).split())
+    kind = re.search(r"Worker exit type: (\w+)", text)
+    detail = re.search(r"Worker exit detail: (.*?\.)", text)
+    parts = [f"exit type {kind.group(1)}" if kind else "", detail.group(1) if detail else ""]
+    summary = "; ".join(p for p in parts if p) or "no Python error"
+    return f"the process died (killed, OOM or crashed: {summary})"
+
+
+def release(actors: list, group, disconnect: bool = True) -> None:
+    """Kill every rank, drop the placement group, disconnect if we connected (a private Ray
+    stops with it; a shared cluster only loses this driver)."""
+    import ray
+
+    if not ray.is_initialized():
+        return
+    for actor in actors:
+        with contextlib.suppress(Exception):  # already dead
+            ray.kill(actor, no_restart=True)
+    release_group(group)
+    if disconnect:
+        ray.shutdown()
+
+
+def release_group(group) -> None:
+    import ray
+
+    if group is None or not ray.is_initialized():
+        return
+    from ray.util.placement_group import remove_placement_group
+
+    with contextlib.suppress(Exception):  # cluster already gone
+        remove_placement_group(group)

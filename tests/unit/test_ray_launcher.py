@@ -1,0 +1,95 @@
+"""The Ray launcher's plain parts, without Ray: layout, the rank shell class, failure text."""
+
+from __future__ import annotations
+
+import pytest
+
+from megarl.distributed import fault_injection
+from megarl.distributed.launcher import WorkerContext, WorkerFailed, role_of
+from megarl.distributed.ray_launcher import CPU_PER_RANK, RankWorker, RayLayout
+
+
+def _echo(ctx: WorkerContext, value):
+    return (ctx.rank, ctx.world_size, ctx.master_addr, ctx.master_port, value)
+
+
+def test_layout_cpu_two_nodes_is_spread_with_token_cpu():
+    layout = RayLayout(nnodes=2, ranks_per_node=3, device="cpu")
+    assert layout.world_size == 6
+    assert layout.strategy() == "STRICT_SPREAD"
+    assert layout.bundles() == [{"CPU": pytest.approx(3 * CPU_PER_RANK)}] * 2
+    assert [layout.node_index(r) for r in range(6)] == [0, 0, 0, 1, 1, 1]
+    assert sum(layout.rank_resources()["CPU"] for _ in range(6)) < 1  # fits a 1-core node
+
+
+def test_layout_gpu_one_node_packs_whole_gpus():
+    layout = RayLayout(nnodes=1, ranks_per_node=8, device="cuda")
+    assert layout.strategy() == "PACK"
+    assert layout.bundles() == [{"CPU": 8.0, "GPU": 8.0}]
+    assert layout.rank_resources()["GPU"] == 1.0
+
+
+def test_rank_worker_runs_the_entry_point_and_forwards_env(monkeypatch):
+    monkeypatch.delenv("MEGARL_TEST_FORWARD", raising=False)
+    worker = RankWorker(1, {"MEGARL_TEST_FORWARD": "yes"}, [])
+    import os
+
+    assert os.environ["MEGARL_TEST_FORWARD"] == "yes"
+    ctx = WorkerContext(1, 2, "10.0.0.1", worker.free_port())
+    assert worker.run(_echo, ctx, ("x",))[:3] == (1, 2, "10.0.0.1")
+    placement = worker.placement()
+    assert placement.rank == 1 and placement.role == "actor"
+    assert "actor rank 1 on node" in placement.describe()
+    monkeypatch.delenv("MEGARL_TEST_FORWARD")
+
+
+def test_worker_failed_names_role_rank_and_node():
+    assert role_of(0) == "actor+rollout"
+    text = str(WorkerFailed(1, 137, "killed"))
+    assert text.startswith("actor rank 1 on node ") and "exit code 137" in text
+    where = "actor rank 3 on node gpu7 (10.0.0.7, ray node abcd1234, pid 42)"
+    assert str(WorkerFailed(3, None, "the process died", where=where)) == (
+        where + " failed: the process died")
+
+
+def test_fault_injection_only_fires_for_its_rank_and_step(monkeypatch):
+    assert fault_injection.parse("1:2") == (1, 2)
+    monkeypatch.setenv(fault_injection.ENV, "1:2")
+    fault_injection.maybe_die(0, 2)  # other rank: returns
+    fault_injection.maybe_die(1, 1)  # other step: returns
+    monkeypatch.delenv(fault_injection.ENV)
+    fault_injection.maybe_die(1, 2)  # unset: returns
+
+
+def test_actor_death_text_is_cut_to_exit_type_and_detail():
+    from megarl.distributed.ray_launcher import _death_cause
+
+    ray_text = ("The actor is dead because its worker process has died. Worker exit type: "
+                "SYSTEM_ERROR Worker exit detail: Worker unexpectedly exits with a connection "
+                "error code 2. End of file. Some common causes include: (1) the process was "
+                "killed by the OOM killer ...")
+    assert _death_cause(RuntimeError(ray_text)) == (
+        "the process died (killed, OOM or crashed: exit type SYSTEM_ERROR; Worker unexpectedly "
+        "exits with a connection error code 2.)")
+    assert "no Python error" in _death_cause(RuntimeError("gone"))
+
+
+def test_split_rollout_key_is_validated():
+    from megarl.config.schema import ConfigError, build_run_config
+
+    assert build_run_config({}).rollout.n_gpus == 0  # colocated by default
+    cfg = build_run_config({"rollout": {"n_gpus": 2}, "trainer": {"launcher": "ray"}})
+    assert cfg.rollout.n_gpus == 2
+    with pytest.raises(ConfigError, match="rollout.n_gpus=1: a split rollout placement needs"):
+        build_run_config({"rollout": {"n_gpus": 1}})
+    with pytest.raises(ConfigError, match="rollout.n_gpus=-1"):
+        build_run_config({"rollout": {"n_gpus": -1}, "trainer": {"launcher": "ray"}})
+
+
+def test_side_actor_bundle_cpu_token_or_whole_gpus():
+    from megarl.distributed.ray_launcher import SideActor
+
+    side = SideActor(role="rollout", cls=object, init_args=(), n_gpus=2,
+                     attach=lambda handle, args: args)
+    assert side.bundle("cuda") == {"CPU": 1.0, "GPU": 2.0}
+    assert side.bundle("cpu") == {"CPU": CPU_PER_RANK}
