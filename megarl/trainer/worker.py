@@ -110,7 +110,8 @@ def _setup(ctx: WorkerContext, inputs: RunInputs) -> _Runtime:
     from megarl.models.spec import spec_from_hf_config
 
     cfg = inputs.cfg
-    if inputs.device == "cpu":
+    execution = _execution_plan(cfg, inputs.device)  # issue 8: device decisions in one place
+    if execution.cpu_shims:
         enter_cpu_shims()
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // ctx.world_size))
     parallel.init_process_group(inputs.device, ctx.rank, ctx.world_size, ctx.master_addr,
@@ -122,11 +123,11 @@ def _setup(ctx: WorkerContext, inputs: RunInputs) -> _Runtime:
     hf_tensors = open_hf_tensors(inputs.model_dir)
     dtype = _dtype(cfg, inputs.device)
     actor = MegatronActor(spec, cfg.actor, inputs.device, dtype, hf_tensors, pad_id,
-                          trainable=True, init_seed=cfg.trainer.seed)
+                          trainable=True, init_seed=cfg.trainer.seed, execution=execution)
     reference = None
     if needs_reference_model(from_config.run_facts(cfg)).run:
         reference = MegatronActor(spec, cfg.actor, inputs.device, dtype, hf_tensors, pad_id,
-                                  trainable=False)
+                                  trainable=False, execution=execution)
     driver = None
     if ctx.rank == 0:
         from megarl.trainer.driver import Driver
@@ -134,6 +135,20 @@ def _setup(ctx: WorkerContext, inputs: RunInputs) -> _Runtime:
         driver = Driver(cfg, inputs.model_dir, inputs.device, tokenizer)
     return _Runtime(cfg=cfg, dp_rank=ps.get_data_parallel_rank(), actor=actor,
                     reference=reference, driver=driver, spec=spec)
+
+
+def _execution_plan(cfg: RunConfig, device: str):
+    """The run's :class:`ExecutionPlan` for the device the launcher resolved."""
+    import dataclasses
+
+    from megarl.distributed.execution import (
+        ExecutionRequest,
+        decide_execution,
+        detect_environment,
+    )
+
+    request = dataclasses.replace(ExecutionRequest.from_config(cfg), device=device)
+    return decide_execution(request, detect_environment())
 
 
 def _dtype(cfg: RunConfig, device: str) -> torch.dtype:
