@@ -7,6 +7,7 @@ and a Ray driver later.
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -15,7 +16,10 @@ from megarl.config.schema import RunConfig
 from megarl.data.loader import PromptStream, build_prompt_source
 from megarl.data.rewards import get_reward_fn
 from megarl.engines.hf import HFEngine
+from megarl.models.spec import TransformerSpec, spec_from_hf_config
+from megarl.trainer import perf
 from megarl.trainer.metrics import MetricsWriter, PhaseTimer, run_summary, safe_div, step_line
+from megarl.trainer.perf import PeakFlops, peak_flops
 from megarl.trainer.rollout import RolloutProducer, RolloutSettings
 
 
@@ -36,6 +40,7 @@ class Driver:
         self.writer = MetricsWriter(Path(cfg.trainer.run_dir), cfg.trainer.tensorboard)
         self.history: list[dict] = []
         self.console = Console(cfg.trainer.total_steps, enabled=cfg.trainer.log_console)
+        self._perf = _PerfContext.build(model_dir, device, cfg.trainer.world_size)  # issue 8: MFU
 
     def rollout(self, step: int):
         return self.producer.produce(step)
@@ -57,6 +62,7 @@ class Driver:
         total_tokens = sum(batch.seq_lens)
         metrics["perf/total_num_tokens"] = total_tokens
         metrics["perf/throughput"] = total_tokens / max(metrics["timing_s/step"], 1e-9)
+        metrics.update(self._perf.update_metrics(plan, batch, timer.times))  # issue 8: MFU
         self.writer.write(metrics)
         self.history.append(metrics)
         self.console.step(metrics, self.producer.last_samples)
@@ -64,6 +70,29 @@ class Driver:
     def close(self) -> None:
         self.console.finish(self.history)
         self.writer.close()
+
+
+# --- issue 8: MFU of the update phase ---
+@dataclass(frozen=True)
+class _PerfContext:
+    """What ``perf/mfu/actor`` needs besides the step: the model shape and the device peak."""
+
+    spec: TransformerSpec
+    peak: PeakFlops
+    num_devices: int
+
+    @classmethod
+    def build(cls, model_dir: str, device: str, num_devices: int) -> _PerfContext:
+        from megarl.models.hf_io import load_hf_config
+
+        name = torch.cuda.get_device_name() if device == "cuda" else None
+        return cls(spec_from_hf_config(load_hf_config(model_dir)), peak_flops(name), num_devices)
+
+    def update_metrics(self, plan, batch, times: dict[str, float]) -> dict:
+        seconds = times.get("timing_s/update_actor", 0.0)
+        return perf.update_metrics(self.spec, plan, batch.seq_lens, seconds, self.num_devices,
+                                   self.peak)
+# --- end issue 8 ---
 
 
 def _build_engine(cfg: RunConfig, tokenizer, device: str, model_dir: str):
