@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 import time
 
 import torch
@@ -86,6 +87,8 @@ def _bench(ctx, args):
             actor.train_step(batch, work, None, None, loss)
             _sync(args.device)
             times.append(time.perf_counter() - start)
+            print(f"  {'packed' if packed else 'padded'}: {times[-1]:.2f} s", file=sys.stderr,
+                  flush=True)
         computed = sum(actor._micro_batch(batch, g).num_tokens for g in groups)
         rows[packed] = (computed, min(times[1:]))
         del actor
@@ -103,11 +106,11 @@ def _sync(device: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seqs", type=int, default=16)
-    parser.add_argument("--min-len", type=int, default=24)
-    parser.add_argument("--max-len", type=int, default=320)
+    parser.add_argument("--seqs", type=int, default=8)
+    parser.add_argument("--min-len", type=int, default=16)
+    parser.add_argument("--max-len", type=int, default=256)
     parser.add_argument("--micro-batch-tokens", type=int, default=2048)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"))

@@ -213,5 +213,5 @@ def response_values_to_BL(values: dict[int, torch.Tensor], mb: MicroBatchTensors
     out = torch.zeros_like(mb.loss_mask_BL)
     for row, i in enumerate(mb.seq_indices):
         plen, size = batch.prompt_lens[i], len(batch.tokens[i])
-        out[row, plen - 1 : size - 1] = values[i]
+        out[row, plen - 1 : size - 1] = values[i].to(out.device)
     return out

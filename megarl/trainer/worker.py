@@ -111,6 +111,9 @@ def _setup(ctx: WorkerContext, inputs: RunInputs) -> _Runtime:
 
     cfg = inputs.cfg
     execution = _execution_plan(cfg, inputs.device)  # issue 8: device decisions in one place
+    if ctx.rank == 0 and cfg.trainer.log_console:
+        print(f"execution: {execution.summary()}\n  " + "\n  ".join(execution.reasons),
+              flush=True)
     if execution.cpu_shims:
         enter_cpu_shims()
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // ctx.world_size))

@@ -302,7 +302,8 @@ def _sum_stats(stats: list[dict]) -> dict:
 
 def reduce_stats_to_all(values: dict[str, float], keys: Sequence[str], tp: int) -> dict[str, float]:
     """Sum per-rank statistics over the whole world; last-stage TP replicas counted once."""
-    tensor = torch.tensor([values.get(k, 0.0) for k in keys], dtype=torch.float64)
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"  # NCCL reduces GPU tensors only
+    tensor = torch.tensor([values.get(k, 0.0) for k in keys], dtype=torch.float64, device=device)
     dist.all_reduce(tensor)
     return {k: float(v) / tp for k, v in zip(keys, tensor.tolist(), strict=True)}
 
