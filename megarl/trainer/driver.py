@@ -41,37 +41,13 @@ class Driver:
         self.history: list[dict] = []
         self.console = Console(cfg.trainer.total_steps, enabled=cfg.trainer.log_console)
         self._perf = _PerfContext.build(model_dir, device, cfg.trainer.world_size)  # issue 8: MFU
-        self.last_wake_state = None  # issue 8: the engine's EngineMemoryState after a wake
 
     def rollout(self, step: int):
-        result = self.producer.produce(step)
-        self._engine_sleep()
-        return result
+        return self.producer.produce(step)
 
     def update_engine_weights(self, state: dict[str, torch.Tensor] | None) -> None:
-        self._engine_wake()
         if state is not None:
             self.engine.update_weights(state.items())
-
-    # --- issue 8: engine sleep between rollouts (rollout.sleep_level) ---
-    def _engine_sleep(self) -> None:
-        """Free the engine's memory for training: 1 = KV cache (weights kept), 2 = weights too."""
-        if self.cfg.rollout.sleep_level > 0:
-            self.engine.sleep(self.cfg.rollout.sleep_level)
-
-    def _engine_wake(self) -> None:
-        """Wake before the weights are pushed; remember whether base weights survived the sleep."""
-        if self.cfg.rollout.sleep_level > 0:
-            self.last_wake_state = self.engine.wake_up()
-
-    def engine_memory_metrics(self) -> dict[str, float]:
-        """``rollout/base_weights_survived_sleep``: the engine's own report after its last wake."""
-        if self.cfg.rollout.sleep_level == 0 or self.last_wake_state is None:
-            return {}
-        return {"rollout/sleep_level": float(self.cfg.rollout.sleep_level),
-                "rollout/base_weights_survived_sleep":
-                    float(self.last_wake_state.base_weights_resident)}
-    # --- end issue 8 ---
 
     def record_step(self, step, timer: PhaseTimer, rollout_metrics, plan, gates, stats, batch):
         metrics: dict = {"step": step}
@@ -87,7 +63,6 @@ class Driver:
         metrics["perf/total_num_tokens"] = total_tokens
         metrics["perf/throughput"] = total_tokens / max(metrics["timing_s/step"], 1e-9)
         metrics.update(self._perf.update_metrics(plan, batch, timer.times))  # issue 8: MFU
-        metrics.update(self.engine_memory_metrics())  # issue 8: sleep report
         self.writer.write(metrics)
         self.history.append(metrics)
         self.console.step(metrics, self.producer.last_samples)
