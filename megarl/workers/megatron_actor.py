@@ -106,7 +106,13 @@ class MegatronActor:
             overlap_grad_reduce=plan.overlap_grad_reduce,
             overlap_param_gather=plan.overlap_param_gather,
             use_distributed_optimizer=plan.distributed_optimizer)
-        return DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
+        ddp = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
+        if plan.overlap_grad_reduce:
+            # Megatron's schedules only defer the bucketed reduce to the last micro-batch
+            # (and start it early in pipelined schedules) through these config hooks.
+            model.config.no_sync_func = ddp.no_sync
+            model.config.grad_sync_func = ddp.start_grad_sync
+        return ddp
 
     def _build_optimizer(self):
         from megarl.workers.optim import build_optimizer
