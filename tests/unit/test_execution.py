@@ -103,3 +103,18 @@ def test_te_param_names_map_to_local_spec_names():
         == "decoder.layers.0.pre_mlp_layernorm.weight"
     assert canonical_param_name("decoder.layers.0.mlp.linear_fc1.weight") \
         == "decoder.layers.0.mlp.linear_fc1.weight"
+
+
+def test_cli_reports_execution_errors_as_startup_errors(monkeypatch):
+    import torch
+
+    from megarl.config.schema import build_run_config
+    from megarl.train import StartupError, resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device("auto") == "cpu"
+    with pytest.raises(StartupError, match="no CUDA device"):
+        resolve_device("cuda")
+    bad = build_run_config({"actor": {"optim": {"overlap_param_gather": True}}})
+    with pytest.raises(StartupError, match="actor.optim.distributed=true"):
+        resolve_device("auto", bad)
