@@ -113,10 +113,11 @@ def token_logprobs_and_entropy(
     flat_targets = targets_BT.reshape(-1)
     checkpointed = torch.is_grad_enabled() and logits_BTV.requires_grad
     logps, entropies = [], []
-    for start in range(0, batch * seq, chunk_tokens):
-        stop = start + chunk_tokens
-        args = (flat_logits[start:stop], flat_targets[start:stop], shard, temperature,
-                with_entropy)
+    # split (not slicing): its backward concatenates the chunk gradients once, where each
+    # slice's backward would build a zero-filled full-size gradient per chunk
+    for logits_chunk, targets_chunk in zip(flat_logits.split(chunk_tokens),
+                                           flat_targets.split(chunk_tokens), strict=True):
+        args = (logits_chunk, targets_chunk, shard, temperature, with_entropy)
         if checkpointed:
             from torch.utils.checkpoint import checkpoint
 

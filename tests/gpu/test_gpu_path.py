@@ -98,14 +98,13 @@ def _megatron_vs_hf_worker(ctx, te: bool):
     actor = _actor(spec, state, _plan(packed=True, te=te, dtype="bfloat16"))
     groups = [list(range(batch.num_seqs))]
     got = actor.compute_logprobs(batch, groups, temperature=1.0)
-    diffs, agree = [], []
+    diffs = []
     with torch.no_grad():
         for i, toks in enumerate(batch.tokens):
             logits = hf(toks.unsqueeze(0).cuda()).logits.float()[0]
             ref = torch.log_softmax(logits, -1)[:-1].gather(
                 -1, toks[1:].cuda().unsqueeze(-1)).squeeze(-1)[batch.prompt_lens[i] - 1:]
             diffs.append((got[i].cuda().float() - ref).abs())
-            agree.append(float(ref.numel()))
     parallel.destroy()
     flat = torch.cat(diffs)
     return {"mean": flat.mean().item(), "max": flat.max().item()}
@@ -189,9 +188,9 @@ def test_chunked_logprobs_equal_unchunked_and_bound_memory_on_cuda():
     assert torch.allclose(lp_full, lp_c, atol=1e-5) and torch.allclose(ent_full, ent_c, atol=1e-5)
     assert torch.allclose(g_full.float(), g_c.float(), atol=1e-6)
     full_fp32 = tokens * vocab * 4
-    grad_bf16 = tokens * vocab * 2  # the logits' own gradient is unavoidable
-    assert peak_c <= grad_bf16 + 8 * chunk * vocab * 4, (peak_c, peak_full)
-    assert peak_full >= full_fp32, (peak_c, peak_full)
+    grad_bf16 = tokens * vocab * 2  # the logits' own gradient (and its concatenation) is needed
+    assert peak_c <= 2 * grad_bf16 + 8 * chunk * vocab * 4, (peak_c, peak_full)
+    assert peak_full >= 4 * full_fp32 and peak_c < peak_full / 2, (peak_c, peak_full)
 
 
 # --- a 3-step GRPO run ---------------------------------------------------------------------
