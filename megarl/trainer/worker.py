@@ -124,7 +124,7 @@ def _setup(ctx: WorkerContext, inputs: RunInputs) -> _Runtime:
     tokenizer = load_hf_tokenizer(inputs.model_dir)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     hf_tensors = open_hf_tensors(inputs.model_dir)
-    dtype = _dtype(cfg, inputs.device)
+    dtype = getattr(torch, execution.params_dtype)  # issue 8: the plan decides the dtype
     actor = MegatronActor(spec, cfg.actor, inputs.device, dtype, hf_tensors, pad_id,
                           trainable=True, init_seed=cfg.trainer.seed, execution=execution)
     reference = None
@@ -152,12 +152,6 @@ def _execution_plan(cfg: RunConfig, device: str):
 
     request = dataclasses.replace(ExecutionRequest.from_config(cfg), device=device)
     return decide_execution(request, detect_environment())
-
-
-def _dtype(cfg: RunConfig, device: str) -> torch.dtype:
-    if cfg.model.dtype == "auto":
-        return torch.bfloat16 if device == "cuda" else torch.float32
-    return getattr(torch, cfg.model.dtype)
 
 
 def _train(rt: _Runtime) -> None:
