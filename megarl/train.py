@@ -48,14 +48,24 @@ def _one_line(exc: BaseException) -> str:
     return first.replace("Could not override", "unknown config key or bad override:")
 
 
-def resolve_device(requested: str) -> str:
-    import torch
+def resolve_device(requested: str, cfg=None) -> str:
+    """auto -> cuda when present; with ``cfg``, also checks the execution plan can be made."""
+    from megarl.distributed.execution import (
+        ExecutionError,
+        ExecutionRequest,
+        decide_execution,
+        detect_environment,
+    )
+    from megarl.distributed.execution import resolve_device as _resolve
 
-    if requested == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if requested == "cuda" and not torch.cuda.is_available():
-        raise StartupError("trainer.device=cuda but no CUDA device is available")
-    return requested
+    env = detect_environment()
+    try:
+        if cfg is not None:
+            plan = decide_execution(ExecutionRequest.from_config(cfg), env)
+            return plan.device
+        return _resolve(requested, env)
+    except ExecutionError as exc:
+        raise StartupError(str(exc)) from None
 
 
 def resolve_model_dir(cfg) -> str:
@@ -135,7 +145,7 @@ def run(overrides: list[str], return_final_state: bool = False):
     from megarl.trainer.worker import RunInputs, run_worker
 
     cfg = compose_config(overrides)
-    device = resolve_device(cfg.trainer.device)
+    device = resolve_device(cfg.trainer.device, cfg)
     model_dir = resolve_model_dir(cfg)
     validate_against_model(cfg, model_dir)
     resume_from = resolve_resume(cfg, model_dir, device)

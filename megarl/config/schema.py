@@ -140,6 +140,11 @@ class ActorConfig:
     """Tokens per chunk when turning vocab-parallel logits into logprobs and entropy."""
     recompute: str = "none"
     """none | selective (attention core) | full (whole layers): activation recomputation."""
+    # --- sequence packing (issue 8 / issue 3 item 4) ---
+    pack_sequences: bool = True
+    """Pack each micro-batch into one row (no pad tokens; attention and RoPE per sequence):
+    SDPA per sequence block on CPU, transformer-engine THD on GPU. false = right-padded rows."""
+    # --- end sequence packing ---
     optim: OptimConfig = field(default_factory=OptimConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
 

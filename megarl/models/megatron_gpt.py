@@ -125,7 +125,7 @@ def iter_local_params(model, spec: TransformerSpec):
     for name, param in unwrap(model).named_parameters():
         if is_adapter_param_name(name):
             continue  # LoRA adapters are exported by megarl.export.lora, not as base weights
-        template, local_layer = mapping.split_layer_name(name)
+        template, local_layer = mapping.split_layer_name(canonical_param_name(name))
         rule = rules.get(template)
         if rule is None:
             raise KeyError(f"Megatron parameter {name} has no mapping for family {spec.family}")
@@ -133,6 +133,22 @@ def iter_local_params(model, spec: TransformerSpec):
             rule = rules["embedding.word_embeddings.weight"]
         layer = None if local_layer is None else local_layer + offset
         yield rule, layer, param
+
+
+# transformer-engine's layer spec fuses each pre-norm into the following linear layer
+# (TELayerNormColumnParallelLinear), so the norm weight lives under the linear's name.
+TE_PARAM_ALIASES = {
+    ".self_attention.linear_qkv.layer_norm_weight": ".input_layernorm.weight",
+    ".mlp.linear_fc1.layer_norm_weight": ".pre_mlp_layernorm.weight",
+}
+
+
+def canonical_param_name(name: str) -> str:
+    """A Megatron parameter name as the local spec spells it (TE's fused-norm names mapped)."""
+    for te_suffix, local_suffix in TE_PARAM_ALIASES.items():
+        if name.endswith(te_suffix):
+            return name[: -len(te_suffix)] + local_suffix
+    return name
 
 
 def unwrap(model):

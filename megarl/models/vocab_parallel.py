@@ -7,6 +7,11 @@ TP ranks get equal slices) is masked out, so padding never leaks probability mas
 
 Work is done in chunks of tokens (``chunk_tokens``) so fp32 logits for a whole packed
 micro-batch are never materialised at once beyond one chunk (a common OOM at large vocabularies).
+When gradients are needed each chunk is checkpointed: autograd keeps only the chunk's input (a
+view of the model's logits) and recomputes the fp32 intermediates in backward, so the live fp32
+memory stays at one chunk's worth in training too, not ``tokens x vocab`` spread over chunks.
+Every TP rank runs the same chunks in the same order forward and backward, so the per-chunk
+collectives (re-run during recomputation) still pair up.
 """
 
 from __future__ import annotations
@@ -106,11 +111,20 @@ def token_logprobs_and_entropy(
     batch, seq = targets_BT.shape
     flat_logits = logits_BTV.reshape(batch * seq, -1)
     flat_targets = targets_BT.reshape(-1)
+    checkpointed = torch.is_grad_enabled() and logits_BTV.requires_grad
     logps, entropies = [], []
-    for start in range(0, batch * seq, chunk_tokens):
-        stop = start + chunk_tokens
-        logp, ent = _chunk_logprobs_entropy(flat_logits[start:stop], flat_targets[start:stop],
-                                            shard, temperature, with_entropy)
+    # split (not slicing): its backward concatenates the chunk gradients once, where each
+    # slice's backward would build a zero-filled full-size gradient per chunk
+    for logits_chunk, targets_chunk in zip(flat_logits.split(chunk_tokens),
+                                           flat_targets.split(chunk_tokens), strict=True):
+        args = (logits_chunk, targets_chunk, shard, temperature, with_entropy)
+        if checkpointed:
+            from torch.utils.checkpoint import checkpoint
+
+            logp, ent = checkpoint(_chunk_logprobs_entropy, *args, use_reentrant=False,
+                                   preserve_rng_state=False)
+        else:
+            logp, ent = _chunk_logprobs_entropy(*args)
         logps.append(logp)
         entropies.append(ent)
     logp_BT = torch.cat(logps).reshape(batch, seq)

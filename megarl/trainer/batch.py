@@ -7,10 +7,19 @@ Token/position convention: a sequence is ``prompt + response`` (length ``S = P +
 logit at position ``t`` predicts token ``t + 1``, so response token ``j`` (at position
 ``P + j``) is scored by the logit at ``P - 1 + j``. ``labels[t] = tokens[t + 1]`` and the loss
 mask is 1 exactly at ``t in [P - 1, S - 2]``.
+
+Two layouts of a micro-batch's *model inputs* (``tokens_BL``, ``position_ids_BL``,
+``labels_BL``): right-padded ``[B, L_max]`` (:func:`collate`), or packed ``[1, T]`` with
+``T = sum(S_i)`` (:func:`pack`: sequences concatenated, positions restarting at 0 per sequence,
+``cu_seqlens`` marking the boundaries so attention stays inside each sequence). The *loss-side*
+fields (``loss_mask_BL``, ``response_mask_BL``, ``advantages_B``) are always per sequence,
+``[B, L_max]``; :meth:`MicroBatchTensors.to_rows` maps per-token model outputs (logprobs,
+entropy) into that layout, so the losses and :func:`per_token_to_response` never see packing.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -60,58 +69,141 @@ class RolloutBatch:
 
 @dataclass(frozen=True)
 class MicroBatchTensors:
-    """Right-padded model inputs for a set of sequences."""
+    """Model inputs (padded ``[B, L]`` or packed ``[1, T]``) and per-sequence loss tensors."""
 
     seq_indices: tuple[int, ...]
     tokens_BL: torch.Tensor
+    """Model input ids: ``[B, L_max]`` padded, or ``[1, T]`` packed."""
     position_ids_BL: torch.Tensor
+    """Same layout as ``tokens_BL``; restarts at 0 for every sequence."""
     labels_BL: torch.Tensor
+    """Next-token targets in the model-input layout (what the logprob kernel reads)."""
     loss_mask_BL: torch.Tensor
-    """1.0 where the label is a response token, times the sequence's loss weight."""
+    """[B, L_max] 1.0 where the label is a response token, times the sequence's loss weight."""
     response_mask_BL: torch.Tensor
-    """1.0 where the label is a response token (weights not applied): for metrics and extraction."""
+    """[B, L_max] 1.0 where the label is a response token (weights not applied)."""
     advantages_B: torch.Tensor
+    cu_seqlens: tuple[int, ...] | None = None
+    """Packed only: sequence boundaries in the ``[1, T]`` row (``len = B + 1``, from 0 to T)."""
 
     @property
     def num_tokens(self) -> int:
         return int(self.tokens_BL.numel())
+
+    @property
+    def is_packed(self) -> bool:
+        return self.cu_seqlens is not None
+
+    @property
+    def max_seqlen(self) -> int:
+        return int(self.loss_mask_BL.shape[1])
+
+    def to_rows(self, values_BL: torch.Tensor) -> torch.Tensor:
+        """Per-token values in the model layout -> ``[B, L_max]`` per sequence (differentiable).
+
+        Identity when padded. Packed: a gather of each sequence's span; slots past a sequence's
+        end read position 0 and are zeroed, so they are finite and carry no gradient.
+        """
+        if not self.is_packed:
+            return values_BL
+        index_BL, valid_BL = _row_gather_index(self.cu_seqlens, self.max_seqlen,
+                                               values_BL.device)
+        flat = values_BL.reshape(-1)
+        return flat[index_BL] * valid_BL.to(flat.dtype)
+
+    def to(self, device: str | torch.device) -> MicroBatchTensors:
+        """A copy with every tensor on ``device`` (a no-op copy on CPU)."""
+        moved = {f: getattr(self, f).to(device) for f in _TENSOR_FIELDS}
+        return dataclasses.replace(self, **moved)
+
+
+_TENSOR_FIELDS = ("tokens_BL", "position_ids_BL", "labels_BL", "loss_mask_BL",
+                  "response_mask_BL", "advantages_B")
+
+
+def _row_gather_index(cu_seqlens: Sequence[int], max_len: int,
+                      device) -> tuple[torch.Tensor, torch.Tensor]:
+    starts_B = torch.tensor(cu_seqlens[:-1], device=device)
+    lens_B = torch.tensor(cu_seqlens[1:], device=device) - starts_B
+    offs_L = torch.arange(max_len, device=device)
+    valid_BL = offs_L.unsqueeze(0) < lens_B.unsqueeze(1)
+    index_BL = torch.where(valid_BL, starts_B.unsqueeze(1) + offs_L.unsqueeze(0), 0)
+    return index_BL, valid_BL
 
 
 def collate(batch: RolloutBatch, seq_indices: Sequence[int], pad_id: int,
             loss_weights: Sequence[float] | None = None) -> MicroBatchTensors:
     """Pad the chosen sequences to a common length and build labels and masks."""
     seq_indices = tuple(int(i) for i in seq_indices)
-    weights = loss_weights if loss_weights is not None else [1.0] * len(seq_indices)
     length = max(len(batch.tokens[i]) for i in seq_indices)
     num = len(seq_indices)
     tokens = torch.full((num, length), pad_id, dtype=torch.long)
     labels = torch.full((num, length), pad_id, dtype=torch.long)
-    response_mask = torch.zeros((num, length), dtype=torch.float32)
     for row, i in enumerate(seq_indices):
         seq = batch.tokens[i]
-        size, plen = len(seq), batch.prompt_lens[i]
-        tokens[row, :size] = seq
-        labels[row, : size - 1] = seq[1:]
-        response_mask[row, plen - 1 : size - 1] = 1.0
-    weight_B = torch.tensor(list(weights), dtype=torch.float32)
+        tokens[row, : len(seq)] = seq
+        labels[row, : len(seq) - 1] = seq[1:]
     return MicroBatchTensors(
         seq_indices=seq_indices,
         tokens_BL=tokens,
         position_ids_BL=torch.arange(length).unsqueeze(0).expand(num, -1).contiguous(),
         labels_BL=labels,
-        loss_mask_BL=response_mask * weight_B.unsqueeze(1),
-        response_mask_BL=response_mask,
-        advantages_B=batch.advantages[list(seq_indices)].float(),
+        **_loss_side(batch, seq_indices, length, loss_weights),
     )
+
+
+def pack(batch: RolloutBatch, seq_indices: Sequence[int],
+         loss_weights: Sequence[float] | None = None) -> MicroBatchTensors:
+    """Concatenate the chosen sequences into one ``[1, T]`` row (no pad tokens at all).
+
+    Positions restart at 0 per sequence and the boundaries go to ``cu_seqlens``; each
+    sequence's last label is a dummy (its own last token) that no mask selects, so no label
+    crosses into the next sequence. Loss-side tensors are the same as :func:`collate`'s.
+    """
+    seq_indices = tuple(int(i) for i in seq_indices)
+    seqs = [batch.tokens[i].long() for i in seq_indices]
+    lens = [len(s) for s in seqs]
+    cu = [0]
+    for size in lens:
+        cu.append(cu[-1] + size)
+    tokens = torch.cat(seqs)
+    labels = torch.cat([torch.cat([s[1:], s[-1:]]) for s in seqs])
+    positions = torch.cat([torch.arange(size) for size in lens])
+    rows = _loss_side(batch, seq_indices, max(lens), loss_weights)
+    return MicroBatchTensors(seq_indices=seq_indices, tokens_BL=tokens.unsqueeze(0),
+                             position_ids_BL=positions.unsqueeze(0), labels_BL=labels.unsqueeze(0),
+                             cu_seqlens=tuple(cu), **rows)
+
+
+def _loss_side(batch: RolloutBatch, seq_indices: tuple[int, ...], length: int,
+               loss_weights: Sequence[float] | None) -> dict[str, torch.Tensor]:
+    weights = loss_weights if loss_weights is not None else [1.0] * len(seq_indices)
+    response_mask = torch.zeros((len(seq_indices), length), dtype=torch.float32)
+    for row, i in enumerate(seq_indices):
+        response_mask[row, batch.prompt_lens[i] - 1 : len(batch.tokens[i]) - 1] = 1.0
+    weight_B = torch.tensor(list(weights), dtype=torch.float32)
+    return {"loss_mask_BL": response_mask * weight_B.unsqueeze(1),
+            "response_mask_BL": response_mask,
+            "advantages_B": batch.advantages[list(seq_indices)].float()}
+
+
+def build_micro_batch(batch: RolloutBatch, seq_indices: Sequence[int], pad_id: int,
+                      loss_weights: Sequence[float] | None = None,
+                      packed: bool = False) -> MicroBatchTensors:
+    """:func:`pack` or :func:`collate`: the one place the layout is chosen."""
+    if packed:
+        return pack(batch, seq_indices, loss_weights)
+    return collate(batch, seq_indices, pad_id, loss_weights)
 
 
 def per_token_to_response(values_BL: torch.Tensor, mb: MicroBatchTensors,
                           batch: RolloutBatch) -> dict[int, torch.Tensor]:
     """Cut each row's response part out of a [B, L] per-token tensor, keyed by sequence index."""
+    values_BL = values_BL.detach().cpu()  # one device->host copy; results live on the CPU
     out: dict[int, torch.Tensor] = {}
     for row, i in enumerate(mb.seq_indices):
         plen, size = batch.prompt_lens[i], len(batch.tokens[i])
-        out[i] = values_BL[row, plen - 1 : size - 1].detach().clone()
+        out[i] = values_BL[row, plen - 1 : size - 1].clone()
     return out
 
 
@@ -121,5 +213,5 @@ def response_values_to_BL(values: dict[int, torch.Tensor], mb: MicroBatchTensors
     out = torch.zeros_like(mb.loss_mask_BL)
     for row, i in enumerate(mb.seq_indices):
         plen, size = batch.prompt_lens[i], len(batch.tokens[i])
-        out[row, plen - 1 : size - 1] = values[i]
+        out[row, plen - 1 : size - 1] = values[i].to(out.device)
     return out

@@ -7,6 +7,7 @@ and a Ray driver later.
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -16,7 +17,10 @@ from megarl.data.loader import PromptStream, build_prompt_source
 from megarl.data.rewards import get_reward_fn
 from megarl.engines.base import EngineMemoryState
 from megarl.engines.hf import HFEngine
+from megarl.models.spec import TransformerSpec, spec_from_hf_config
+from megarl.trainer import perf
 from megarl.trainer.metrics import MetricsWriter, PhaseTimer, run_summary, safe_div, step_line
+from megarl.trainer.perf import PeakFlops, peak_flops
 from megarl.trainer.rollout import RolloutProducer, RolloutSettings
 
 
@@ -38,6 +42,7 @@ class Driver:
         self.writer = MetricsWriter(Path(cfg.trainer.run_dir), cfg.trainer.tensorboard)
         self.history: list[dict] = []
         self.console = Console(cfg.trainer.total_steps, enabled=cfg.trainer.log_console)
+        self._perf = _PerfContext.build(model_dir, device, cfg.trainer.world_size)  # issue 8: MFU
 
     def rollout(self, step: int):
         return self.producer.produce(step)
@@ -86,6 +91,7 @@ class Driver:
         total_tokens = sum(batch.seq_lens)
         metrics["perf/total_num_tokens"] = total_tokens
         metrics["perf/throughput"] = total_tokens / max(metrics["timing_s/step"], 1e-9)
+        metrics.update(self._perf.update_metrics(plan, batch, timer.times))  # issue 8: MFU
         self.writer.write(metrics)
         self.history.append(metrics)
         self.console.step(metrics, self.producer.last_samples)
@@ -106,16 +112,59 @@ class Driver:
         self.writer.close()
 
 
+# --- issue 8: MFU of the update phase ---
+@dataclass(frozen=True)
+class _PerfContext:
+    """What ``perf/mfu/actor`` needs besides the step: the model shape and the device peak."""
+
+    spec: TransformerSpec
+    peak: PeakFlops
+    num_devices: int
+
+    @classmethod
+    def build(cls, model_dir: str, device: str, num_devices: int) -> _PerfContext:
+        from megarl.models.hf_io import load_hf_config
+
+        name = torch.cuda.get_device_name() if device == "cuda" else None
+        return cls(spec_from_hf_config(load_hf_config(model_dir)), peak_flops(name), num_devices)
+
+    def update_metrics(self, plan, batch, times: dict[str, float]) -> dict:
+        seconds = times.get("timing_s/update_actor", 0.0)
+        return perf.update_metrics(self.spec, plan, batch.seq_lens, seconds, self.num_devices,
+                                   self.peak)
+# --- end issue 8 ---
+
+
+def vllm_engine_kwargs(cfg: RunConfig, model_dir: str) -> dict:
+    """``VLLMEngine`` arguments from the ``rollout.*`` keys (pure; tested on CPU)."""
+    return {
+        "model": model_dir,
+        "seed": cfg.trainer.seed,
+        "tensor_parallel_size": cfg.rollout.tp,
+        "gpu_memory_utilization": cfg.rollout.gpu_memory_utilization,
+        "max_num_seqs": cfg.rollout.max_num_seqs,
+        "max_num_batched_tokens": cfg.rollout.max_num_batched_tokens,
+        "enable_sleep_mode": cfg.rollout.sleep_level > 0,
+        "dtype": "float32" if cfg.model.dtype == "float32" else "bfloat16",
+        "weight_bucket_bytes": cfg.export.bucket_mb * 1024**2,
+        **_vllm_lora_kwargs(cfg),
+    }
+
+
+def _vllm_lora_kwargs(cfg: RunConfig) -> dict:
+    from megarl.engines.vllm import vllm_max_lora_rank
+
+    lora = cfg.actor.lora
+    if not lora.enabled:
+        return {}
+    return {"enable_lora": True, "max_lora_rank": vllm_max_lora_rank(lora.rank)}
+
+
 def _build_engine(cfg: RunConfig, tokenizer, device: str, model_dir: str):
     if cfg.rollout.engine == "vllm":
         from megarl.engines.base import build_engine
-        from megarl.engines.vllm import vllm_max_lora_rank
 
-        lora = cfg.actor.lora
-        lora_kwargs = ({"enable_lora": True, "max_lora_rank": vllm_max_lora_rank(lora.rank)}
-                       if lora.enabled else {})
-        return build_engine("vllm", model=model_dir, seed=cfg.trainer.seed,
-                            enable_sleep_mode=cfg.rollout.sleep_level > 0, **lora_kwargs)
+        return build_engine("vllm", **vllm_engine_kwargs(cfg, model_dir))
     from megarl.models.hf_io import load_hf_model
 
     model, _ = load_hf_model(model_dir, device=device)

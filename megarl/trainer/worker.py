@@ -128,7 +128,11 @@ def _setup(ctx: WorkerContext, inputs: RunInputs) -> _Runtime:
     from megarl.models.spec import spec_from_hf_config
 
     cfg = inputs.cfg
-    if inputs.device == "cpu":
+    execution = _execution_plan(cfg, inputs.device)  # issue 8: device decisions in one place
+    if ctx.rank == 0 and cfg.trainer.log_console:
+        print(f"execution: {execution.summary()}\n  " + "\n  ".join(execution.reasons),
+              flush=True)
+    if execution.cpu_shims:
         enter_cpu_shims()
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // ctx.world_size))
     parallel.init_process_group(inputs.device, ctx.rank, ctx.world_size, ctx.master_addr,
@@ -138,13 +142,13 @@ def _setup(ctx: WorkerContext, inputs: RunInputs) -> _Runtime:
     tokenizer = load_hf_tokenizer(inputs.model_dir)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     hf_tensors = open_hf_tensors(inputs.model_dir)
-    dtype = _dtype(cfg, inputs.device)
+    dtype = getattr(torch, execution.params_dtype)  # issue 8: the plan decides the dtype
     actor = MegatronActor(spec, cfg.actor, inputs.device, dtype, hf_tensors, pad_id,
-                          trainable=True, init_seed=cfg.trainer.seed)
+                          trainable=True, init_seed=cfg.trainer.seed, execution=execution)
     reference = None
     if needs_reference_model(from_config.run_facts(cfg)).run:
         reference = MegatronActor(spec, cfg.actor, inputs.device, dtype, hf_tensors, pad_id,
-                                  trainable=False)
+                                  trainable=False, execution=execution)
     driver = None
     if ctx.rank == 0 and inputs.rollout_actor is not None:  # split placement (issue 7)
         from megarl.trainer.split_rollout import RemoteDriver
@@ -159,10 +163,18 @@ def _setup(ctx: WorkerContext, inputs: RunInputs) -> _Runtime:
                     model_dir=inputs.model_dir, resume_from=inputs.resume_from)
 
 
-def _dtype(cfg: RunConfig, device: str) -> torch.dtype:
-    if cfg.model.dtype == "auto":
-        return torch.bfloat16 if device == "cuda" else torch.float32
-    return getattr(torch, cfg.model.dtype)
+def _execution_plan(cfg: RunConfig, device: str):
+    """The run's :class:`ExecutionPlan` for the device the launcher resolved."""
+    import dataclasses
+
+    from megarl.distributed.execution import (
+        ExecutionRequest,
+        decide_execution,
+        detect_environment,
+    )
+
+    request = dataclasses.replace(ExecutionRequest.from_config(cfg), device=device)
+    return decide_execution(request, detect_environment())
 
 
 def _train(rt: _Runtime) -> None:

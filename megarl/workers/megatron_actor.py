@@ -17,13 +17,14 @@ import torch.distributed as dist
 
 from megarl.algo.losses import aggregate, kl_penalty, policy_loss
 from megarl.config.schema import ActorConfig
+from megarl.distributed.execution import ExecutionPlan
 from megarl.models import megatron_gpt
 from megarl.models.spec import TransformerSpec
 from megarl.models.vocab_parallel import VocabShard, token_logprobs_and_entropy
 from megarl.trainer.batch import (
     MicroBatchTensors,
     RolloutBatch,
-    collate,
+    build_micro_batch,
     per_token_to_response,
     response_values_to_BL,
 )
@@ -62,12 +63,17 @@ class MegatronActor:
 
     def __init__(self, spec: TransformerSpec, cfg: ActorConfig, device: str, dtype: torch.dtype,
                  hf_weights: Callable[[str], torch.Tensor] | Mapping[str, torch.Tensor],
-                 pad_id: int, trainable: bool = True, init_seed: int = 0):
+                 pad_id: int, trainable: bool = True, init_seed: int = 0,
+                 execution: ExecutionPlan | None = None):
         from megatron.core import parallel_state as ps
 
         self.spec, self.cfg, self.device, self.pad_id = spec, cfg, device, pad_id
+        self.execution = execution or default_execution(cfg, device)
         torch.manual_seed(init_seed)
-        model = megatron_gpt.build_gpt_model(spec, cfg.tp, cfg.pp, dtype=dtype, device=device)
+        model = megatron_gpt.build_gpt_model(
+            spec, cfg.tp, cfg.pp, dtype=dtype, device=device,
+            use_transformer_engine=self.execution.use_transformer_engine,
+            recompute=self.execution.recompute)
         if hf_weights is not None:
             megatron_gpt.load_hf_weights(model, spec, hf_weights)
         # --- LoRA (megarl.models.lora): adapters on frozen base weights, before DDP ---
@@ -102,15 +108,39 @@ class MegatronActor:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
         model.config.calculate_per_token_loss = True  # we normalise explicitly; DDP must sum
-        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
-                                                   overlap_grad_reduce=False,
-                                                   use_distributed_optimizer=False)
-        return DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
+        plan = self.execution
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=plan.grad_reduce_in_fp32,
+            overlap_grad_reduce=plan.overlap_grad_reduce,
+            overlap_param_gather=plan.overlap_param_gather,
+            use_distributed_optimizer=plan.distributed_optimizer)
+        ddp = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
+        if plan.overlap_grad_reduce:
+            # Megatron's schedules only defer the bucketed reduce to the last micro-batch
+            # (and start it early in pipelined schedules) through these config hooks.
+            model.config.no_sync_func = ddp.no_sync
+            model.config.grad_sync_func = ddp.start_grad_sync
+        return ddp
 
     def _build_optimizer(self):
         from megarl.workers.optim import build_optimizer
 
-        return build_optimizer(self.model, self.cfg, self.device)
+        return build_optimizer(self.model, self.cfg, self.execution)
+
+    def _micro_batch(self, batch: RolloutBatch, seq_indices: Sequence[int],
+                     loss_weights: Sequence[float] | None = None) -> MicroBatchTensors:
+        """Packed or padded per the execution plan, on this rank's device."""
+        mb = build_micro_batch(batch, seq_indices, self.pad_id, loss_weights,
+                               packed=self.execution.pack_sequences)
+        return mb.to(self.device)
+
+    def _logprobs_and_entropy(self, logits, mb: MicroBatchTensors, temperature: float,
+                              with_entropy: bool):
+        """Chunked vocab-parallel logprobs/entropy, mapped to per-sequence rows ``[B, L]``."""
+        logp, entropy = token_logprobs_and_entropy(
+            logits, mb.labels_BL, self.vocab_shard, temperature, with_entropy=with_entropy,
+            chunk_tokens=self.cfg.logprob_chunk_tokens)
+        return mb.to_rows(logp), (mb.to_rows(entropy) if entropy is not None else None)
 
     # --- forward-only logprobs ---------------------------------------------------------------
 
@@ -119,7 +149,7 @@ class MegatronActor:
         """Per-token response logprobs of the planned micro-batches; empty off the last stage."""
         if not micro_batches:
             return {}
-        mbs = [collate(batch, group, self.pad_id) for group in micro_batches]
+        mbs = [self._micro_batch(batch, group) for group in micro_batches]
         collect = partial(self._collect_logprobs_loss, batch=batch, temperature=temperature)
         with torch.no_grad():
             outputs = self._run_schedule(mbs, collect, forward_only=True)
@@ -129,8 +159,7 @@ class MegatronActor:
         return result
 
     def _collect_logprobs_loss(self, mb: MicroBatchTensors, logits, *, batch, temperature):
-        logp_BL, _ = token_logprobs_and_entropy(logits, mb.labels_BL, self.vocab_shard,
-                                                temperature, with_entropy=False)
+        logp_BL, _ = self._logprobs_and_entropy(logits, mb, temperature, with_entropy=False)
         zero = logits.new_zeros(())
         return zero, torch.tensor(1), {"logprobs": per_token_to_response(logp_BL, mb, batch)}
 
@@ -151,7 +180,7 @@ class MegatronActor:
         self.optimizer.zero_grad()
         stats: list[dict[str, torch.Tensor]] = []
         if not work.is_ghost and work.micro_batches:
-            mbs = [collate(batch, m.seq_indices, self.pad_id, m.loss_weights)
+            mbs = [self._micro_batch(batch, m.seq_indices, m.loss_weights)
                    for m in work.micro_batches]
             loss_fn = partial(self._training_loss, batch=batch, old=old_logprobs or {},
                               ref=ref_logprobs, loss=loss, denom=work.normaliser,
@@ -165,8 +194,8 @@ class MegatronActor:
 
     def _training_loss(self, mb: MicroBatchTensors, logits, *, batch, old, ref, loss: LossSettings,
                        denom: float, capture: bool):
-        logp_BL, entropy_BL = token_logprobs_and_entropy(
-            logits, mb.labels_BL, self.vocab_shard, loss.temperature, with_entropy=True)
+        logp_BL, entropy_BL = self._logprobs_and_entropy(logits, mb, loss.temperature,
+                                                         with_entropy=True)
         old_BL = self._old_logprobs_BL(logp_BL, mb, batch, old)
         mask_BL = mb.loss_mask_BL
         pg = policy_loss(logp_BL, old_BL, mb.advantages_B, mask_BL, loss.clip_low, loss.clip_high,
@@ -201,7 +230,7 @@ class MegatronActor:
     @staticmethod
     def _old_logprobs_BL(logp_BL, mb, batch, old) -> torch.Tensor:
         """Provided old logprobs where the gates recomputed them, else the detached forward's."""
-        has_old_B = torch.tensor([i in old for i in mb.seq_indices])
+        has_old_B = torch.tensor([i in old for i in mb.seq_indices], device=logp_BL.device)
         if not has_old_B.any():
             return logp_BL.detach()
         provided = response_values_to_BL({i: old[i] for i in mb.seq_indices if i in old}, mb, batch)
@@ -219,7 +248,8 @@ class MegatronActor:
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
-            output = model(mb.tokens_BL, mb.position_ids_BL, None)
+            output = model(mb.tokens_BL, mb.position_ids_BL, None,
+                           packed_seq_params=packed_seq_params(mb))
             return output, partial(loss_fn, mb)
 
         max_len = max(mb.tokens_BL.shape[1] for mb in mbs)
@@ -247,6 +277,37 @@ class MegatronActor:
         return gather_peft_adapter(self.model, self.spec)
 
 
+def default_execution(cfg: ActorConfig, device: str) -> ExecutionPlan:
+    """The plan for ``device`` on this machine when the caller did not decide one."""
+    from megarl.distributed.execution import (
+        ExecutionRequest,
+        decide_execution,
+        detect_environment,
+    )
+
+    request = ExecutionRequest(
+        device=device, pack_sequences=cfg.pack_sequences,
+        distributed_optimizer=cfg.optim.distributed,
+        overlap_grad_reduce=cfg.optim.overlap_grad_reduce,
+        overlap_param_gather=cfg.optim.overlap_param_gather, recompute=cfg.recompute)
+    return decide_execution(request, detect_environment())
+
+
+def packed_seq_params(mb: MicroBatchTensors):
+    """Megatron's THD ``PackedSeqParams`` for a packed micro-batch (None when padded).
+
+    The same object drives RoPE (positions restart at each ``cu_seqlens`` boundary) and the
+    attention core (TE's fused THD attention on GPU, per-block SDPA otherwise).
+    """
+    if not mb.is_packed:
+        return None
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu = torch.tensor(mb.cu_seqlens, dtype=torch.int32, device=mb.tokens_BL.device)
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                           max_seqlen_q=mb.max_seqlen, max_seqlen_kv=mb.max_seqlen)
+
+
 def _sum_stats(stats: list[dict]) -> dict:
     """Sum scalar statistics over micro-batches; merge per-sequence dicts."""
     totals: dict = {}
@@ -261,7 +322,8 @@ def _sum_stats(stats: list[dict]) -> dict:
 
 def reduce_stats_to_all(values: dict[str, float], keys: Sequence[str], tp: int) -> dict[str, float]:
     """Sum per-rank statistics over the whole world; last-stage TP replicas counted once."""
-    tensor = torch.tensor([values.get(k, 0.0) for k in keys], dtype=torch.float64)
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"  # NCCL reduces GPU tensors only
+    tensor = torch.tensor([values.get(k, 0.0) for k in keys], dtype=torch.float64, device=device)
     dist.all_reduce(tensor)
     return {k: float(v) / tp for k, v in zip(keys, tensor.tolist(), strict=True)}
 

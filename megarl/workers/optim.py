@@ -85,16 +85,25 @@ def global_grad_norm(params) -> float:
 
 
 class MegatronOptimizer:
-    """Megatron's (distributed) optimizer on CUDA."""
+    """Megatron's (distributed) optimizer on CUDA: fp32 main params and grads under bf16 params.
 
-    def __init__(self, model, cfg: ActorConfig, distributed: bool = False):
+    With ``overlap_param_gather`` Megatron defers the parameter all-gather of the distributed
+    optimizer to the next forward's pre-hooks; megarl exports weights to the rollout engine
+    right after every step, so the gather is forced here (the exporter must read updated
+    parameters). The flag then only changes *when* the gather's buckets are issued.
+    """
+
+    def __init__(self, model, cfg: ActorConfig, distributed: bool = False,
+                 overlap_param_gather: bool = False):
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+        self.model = model
+        self.force_param_sync = distributed and overlap_param_gather
         config = OptimizerConfig(
             optimizer="adam", lr=cfg.lr, weight_decay=cfg.optim.weight_decay,
             adam_beta1=cfg.optim.betas[0], adam_beta2=cfg.optim.betas[1], adam_eps=cfg.optim.eps,
             clip_grad=cfg.optim.grad_clip, bf16=model.config.bf16,
-            use_distributed_optimizer=distributed,
+            params_dtype=model.config.params_dtype, use_distributed_optimizer=distributed,
         )
         self.inner = get_megatron_optimizer(config, [model])
 
@@ -103,6 +112,8 @@ class MegatronOptimizer:
 
     def step(self) -> float:
         _, grad_norm, _ = self.inner.step()
+        if self.force_param_sync:
+            self.model.start_param_sync(force_sync=True)
         return float(grad_norm or 0.0)
 
     def state_dict(self):
@@ -112,7 +123,11 @@ class MegatronOptimizer:
         self.inner.load_state_dict(state)
 
 
-def build_optimizer(model, cfg: ActorConfig, device: str):
-    if device == "cuda":
-        return MegatronOptimizer(model, cfg)
+def build_optimizer(model, cfg: ActorConfig, plan):
+    """The optimizer the execution plan names (``plan``: an ExecutionPlan, or a device string)."""
+    if isinstance(plan, str):  # older call sites pass the device
+        return MegatronOptimizer(model, cfg) if plan == "cuda" else CpuAdamW(model, cfg)
+    if plan.optimizer == "megatron":
+        return MegatronOptimizer(model, cfg, distributed=plan.distributed_optimizer,
+                                 overlap_param_gather=plan.overlap_param_gather)
     return CpuAdamW(model, cfg)

@@ -1,0 +1,188 @@
+"""How this run executes on this machine: one pure decision, made once, with reasons.
+
+The device decides a handful of things and nothing else (``shared/GUIDE.md`` section 5): the
+process-group backend, whether the CPU shims for Megatron are entered, the parameter dtype, the
+optimizer, the layer spec and attention core, how packed micro-batches attend, and which
+CUDA-only features (distributed optimizer, overlapped communication, activation recomputation)
+are on. :func:`decide_execution` maps *(requested device, what is installed, the config)* to a
+frozen :class:`ExecutionPlan`; workers only read it. It is pure (no torch import), so every
+branch is unit-tested on a CPU machine by passing a fake :class:`Environment`;
+:func:`detect_environment` is the only place that looks at the real machine.
+
+Decisions, and why:
+
+- CPU: gloo, fp32, shims on, ``torch.optim.AdamW`` (Megatron's optimizers assert CUDA tensors),
+  local spec with SDPA core attention; packed micro-batches attend block by block (a
+  block-diagonal causal mask evaluated per sequence). Distributed optimizer, overlap and
+  recomputation are CUDA-only (Megatron's recompute saves CUDA RNG state) and are ignored with
+  a reason, so one config runs on both devices.
+- CUDA: NCCL, bf16 parameters (``model.dtype=auto``) with fp32 main grads and fp32 gradient
+  reduction, Megatron's optimizer (distributed when ``actor.optim.distributed``), overlap flags as
+  configured, recomputation as configured. transformer-engine's layer spec when it imports (its
+  fused attention runs packed THD batches natively); otherwise the local spec with SDPA.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+
+
+class ExecutionError(ValueError):
+    """The requested execution cannot run here (e.g. cuda requested, none present)."""
+
+
+@dataclass(frozen=True)
+class Environment:
+    """What the machine offers (detected once; faked in tests)."""
+
+    cuda_available: bool
+    transformer_engine: bool
+    device_name: str | None = None
+    """``torch.cuda.get_device_name()`` when CUDA is present (selects the MFU peak)."""
+
+
+@dataclass(frozen=True)
+class ExecutionRequest:
+    """The config keys that the decision reads (plain values, so tests need no RunConfig)."""
+
+    device: str = "auto"
+    """trainer.device: auto | cpu | cuda."""
+    model_dtype: str = "auto"
+    """model.dtype: auto | float32 | bfloat16."""
+    pack_sequences: bool = True
+    distributed_optimizer: bool = False
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
+    recompute: str = "none"
+
+    @classmethod
+    def from_config(cls, cfg) -> ExecutionRequest:
+        """From a :class:`megarl.config.schema.RunConfig`."""
+        a = cfg.actor
+        return cls(device=cfg.trainer.device, model_dtype=cfg.model.dtype,
+                   pack_sequences=a.pack_sequences, distributed_optimizer=a.optim.distributed,
+                   overlap_grad_reduce=a.optim.overlap_grad_reduce,
+                   overlap_param_gather=a.optim.overlap_param_gather, recompute=a.recompute)
+
+
+@dataclass(frozen=True)
+class ExecutionPlan:
+    """Everything device-dependent about one run; read by workers, decided nowhere else."""
+
+    device: str
+    """cpu | cuda."""
+    backend: str
+    """gloo | nccl."""
+    cpu_shims: bool
+    params_dtype: str
+    """float32 | bfloat16 (torch attribute names)."""
+    grad_reduce_in_fp32: bool
+    optimizer: str
+    """torch_adamw | megatron."""
+    distributed_optimizer: bool
+    overlap_grad_reduce: bool
+    overlap_param_gather: bool
+    recompute: str | None
+    """Megatron ``recompute_granularity``: None | selective | full."""
+    layer_spec: str
+    """transformer_engine | local."""
+    attention_core: str
+    """te (TEDotProductAttention) | sdpa (:class:`megarl.distributed.platform.SDPACoreAttention`)."""
+    packed_attention: str
+    """How a packed micro-batch attends: te_thd | sdpa_blocks | none (padded micro-batches)."""
+    reasons: tuple[str, ...] = ()
+
+    @property
+    def pack_sequences(self) -> bool:
+        return self.packed_attention != "none"
+
+    @property
+    def use_transformer_engine(self) -> bool:
+        return self.layer_spec == "transformer_engine"
+
+    def summary(self) -> str:
+        """One line for the start-up log."""
+        return (f"{self.device}/{self.backend} {self.params_dtype} | optim {self.optimizer}"
+                f"{' (distributed)' if self.distributed_optimizer else ''} | spec {self.layer_spec}"
+                f" + {self.attention_core} | packing {self.packed_attention} | recompute "
+                f"{self.recompute or 'none'}")
+
+
+def detect_environment() -> Environment:
+    """Look at the real machine: CUDA, its name, and whether transformer-engine is installed."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    return Environment(
+        cuda_available=cuda,
+        transformer_engine=cuda and importlib.util.find_spec("transformer_engine") is not None,
+        device_name=torch.cuda.get_device_name() if cuda else None,
+    )
+
+
+def resolve_device(requested: str, env: Environment) -> str:
+    """auto -> cuda when present; an explicit cuda without CUDA is an error."""
+    if requested not in ("auto", "cpu", "cuda"):
+        raise ExecutionError(f"trainer.device={requested!r}: must be auto, cpu or cuda")
+    if requested == "auto":
+        return "cuda" if env.cuda_available else "cpu"
+    if requested == "cuda" and not env.cuda_available:
+        raise ExecutionError("trainer.device=cuda but no CUDA device is available")
+    return requested
+
+
+def decide_execution(request: ExecutionRequest, env: Environment) -> ExecutionPlan:
+    """The execution plan for ``request`` on a machine like ``env`` (pure)."""
+    if request.overlap_param_gather and not request.distributed_optimizer:
+        raise ExecutionError("actor.optim.overlap_param_gather=true needs "
+                             "actor.optim.distributed=true (params are gathered from DP shards)")
+    device = resolve_device(request.device, env)
+    if device == "cpu":
+        return _cpu_plan(request)
+    return _cuda_plan(request, env)
+
+
+def _cpu_plan(request: ExecutionRequest) -> ExecutionPlan:
+    reasons = ["cpu: gloo, fp32, Megatron CPU shims, torch AdamW (Megatron optimizers need CUDA)"]
+    ignored = [name for name, on in (
+        ("actor.optim.distributed", request.distributed_optimizer),
+        ("actor.optim.overlap_grad_reduce", request.overlap_grad_reduce),
+        ("actor.optim.overlap_param_gather", request.overlap_param_gather),
+        ("actor.recompute", request.recompute != "none")) if on]
+    if ignored:
+        reasons.append(f"ignored on cpu (CUDA-only): {', '.join(ignored)}")
+    dtype = "float32" if request.model_dtype == "auto" else request.model_dtype
+    packed = "sdpa_blocks" if request.pack_sequences else "none"
+    reasons.append("packing: " + ("one row per micro-batch, SDPA per sequence block"
+                                  if request.pack_sequences else "off (right-padded rows)"))
+    return ExecutionPlan(
+        device="cpu", backend="gloo", cpu_shims=True, params_dtype=dtype,
+        grad_reduce_in_fp32=True, optimizer="torch_adamw", distributed_optimizer=False,
+        overlap_grad_reduce=False, overlap_param_gather=False, recompute=None,
+        layer_spec="local", attention_core="sdpa", packed_attention=packed,
+        reasons=tuple(reasons))
+
+
+def _cuda_plan(request: ExecutionRequest, env: Environment) -> ExecutionPlan:
+    reasons = [f"cuda ({env.device_name or 'unknown GPU'}): nccl, Megatron optimizer"]
+    dtype = "bfloat16" if request.model_dtype == "auto" else request.model_dtype
+    reasons.append(f"params {dtype}, fp32 main grads and fp32 gradient reduction")
+    if env.transformer_engine:
+        spec, core = "transformer_engine", "te"
+        packed = "te_thd" if request.pack_sequences else "none"
+        reasons.append("transformer-engine installed: TE layer spec, fused attention (THD packing)")
+    else:
+        spec, core = "local", "sdpa"
+        packed = "sdpa_blocks" if request.pack_sequences else "none"
+        reasons.append("transformer-engine not installed: local spec with SDPA core attention"
+                       + (" (packed batches attend per sequence block)"
+                          if request.pack_sequences else ""))
+    return ExecutionPlan(
+        device="cuda", backend="nccl", cpu_shims=False, params_dtype=dtype,
+        grad_reduce_in_fp32=True, optimizer="megatron",
+        distributed_optimizer=request.distributed_optimizer,
+        overlap_grad_reduce=request.overlap_grad_reduce,
+        overlap_param_gather=request.overlap_param_gather,
+        recompute=None if request.recompute == "none" else request.recompute,
+        layer_spec=spec, attention_core=core, packed_attention=packed, reasons=tuple(reasons))

@@ -1,0 +1,72 @@
+"""Packed micro-batch layout (pure torch): boundaries, restarting positions, labels, row mapping."""
+
+from __future__ import annotations
+
+import torch
+
+from megarl.trainer.batch import (
+    RolloutBatch,
+    build_micro_batch,
+    collate,
+    pack,
+    per_token_to_response,
+    response_values_to_BL,
+)
+
+
+def _batch() -> RolloutBatch:
+    tokens = (torch.tensor([10, 11, 12, 13]), torch.tensor([20, 21, 22, 23, 24, 25]),
+              torch.tensor([30, 31, 32]))
+    prompts = (2, 3, 1)
+    return RolloutBatch(tokens=tokens, prompt_lens=prompts, group_ids=torch.zeros(3),
+                        rewards=torch.zeros(3), advantages=torch.tensor([0.5, -1.0, 2.0]),
+                        engine_logprobs=tuple(torch.zeros(len(t) - p)
+                                              for t, p in zip(tokens, prompts, strict=True)))
+
+
+def test_pack_concatenates_with_restarting_positions():
+    mb = pack(_batch(), [1, 0, 2], loss_weights=[1.0, 0.0, 1.0])
+    assert mb.tokens_BL.tolist() == [[20, 21, 22, 23, 24, 25, 10, 11, 12, 13, 30, 31, 32]]
+    assert mb.position_ids_BL.tolist() == [[0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 0, 1, 2]]
+    assert mb.cu_seqlens == (0, 6, 10, 13)
+    assert mb.max_seqlen == 6 and mb.num_tokens == 13 and mb.is_packed
+    # labels never cross a boundary: each sequence's last slot repeats its own last token
+    assert mb.labels_BL.tolist() == [[21, 22, 23, 24, 25, 25, 11, 12, 13, 13, 31, 32, 32]]
+    assert mb.loss_mask_BL[1].sum() == 0  # weight 0 (filler)
+    assert mb.advantages_B.tolist() == [-1.0, 0.5, 2.0]
+
+
+def test_loss_side_tensors_equal_collate():
+    batch = _batch()
+    padded, packed = collate(batch, [1, 0, 2], pad_id=0), pack(batch, [1, 0, 2])
+    for name in ("loss_mask_BL", "response_mask_BL", "advantages_B"):
+        assert torch.equal(getattr(padded, name), getattr(packed, name)), name
+
+
+def test_to_rows_maps_packed_values_back_and_keeps_gradients():
+    batch = _batch()
+    padded, packed = collate(batch, [1, 0, 2], pad_id=0), pack(batch, [1, 0, 2])
+    # a per-token quantity that depends only on (sequence, position): token id * 10 + position
+    flat = (packed.tokens_BL * 10 + packed.position_ids_BL).float().requires_grad_(True)
+    rows = packed.to_rows(flat)
+    expected = (padded.tokens_BL * 10 + padded.position_ids_BL).float()
+    valid = torch.arange(6).unsqueeze(0) < torch.tensor([6, 4, 3]).unsqueeze(1)
+    assert torch.equal(rows[valid], expected[valid])
+    assert torch.all(rows[~valid] == 0)
+    rows.sum().backward()
+    assert flat.grad.tolist() == [[1.0] * 13]  # every packed token reached exactly once
+    assert padded.to_rows(expected) is expected  # padded: identity
+
+
+def test_response_extraction_round_trip_on_packed():
+    batch = _batch()
+    mb = build_micro_batch(batch, [2, 1], pad_id=0, packed=True)
+    values = {2: torch.tensor([7.0, 8.0]), 1: torch.tensor([1.0, 2.0, 3.0])}
+    rows = response_values_to_BL(values, mb, batch)
+    back = per_token_to_response(rows, mb, batch)
+    assert {k: v.tolist() for k, v in back.items()} == {k: v.tolist() for k, v in values.items()}
+
+
+def test_build_micro_batch_padded_by_default():
+    mb = build_micro_batch(_batch(), [0, 2], pad_id=0)
+    assert not mb.is_packed and mb.tokens_BL.shape == (2, 4)
