@@ -14,6 +14,9 @@ from typing import Any
 
 SUPPORTED_FAMILIES = ("llama", "qwen2", "mistral")
 VOCAB_DIVISIBLE_BY = 128
+VPP_TRAINING_UNSUPPORTED = (
+    "actor.vpp > 1 is supported for loading, forward logprobs and export, not for training yet "
+    "(the interleaved schedule needs micro-batch counts in multiples of actor.pp); use actor.vpp=1")
 
 
 class ModelSpecError(ValueError):
