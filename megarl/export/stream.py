@@ -189,7 +189,7 @@ class BucketStream:
         return buffers or []
 
     def _send(self, named: NamedTensors) -> None:
-        for name, tensor in named:
+        for _name, tensor in named:
             dist.send(tensor, dst=0)
             if self.checksums:
                 pair = torch.tensor(tensor_checksum(tensor), dtype=torch.int64, device=self.device)
