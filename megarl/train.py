@@ -88,6 +88,9 @@ def validate_against_model(cfg, model_dir: str) -> None:
         spec.check_parallelism(cfg.actor.tp, cfg.actor.pp, cfg.actor.vpp)
         if cfg.actor.vpp > 1:  # export branch: VPP builds, loads and exports, but cannot train yet
             raise StartupError(VPP_TRAINING_UNSUPPORTED)
+        if cfg.export.checksum_interval and cfg.rollout.engine != "hf":  # export branch
+            raise StartupError(f"export.checksum_interval={cfg.export.checksum_interval} needs "
+                               "rollout.engine=hf (vLLM keeps fused weights); set it to 0")
         validate_gate_config(run_facts(cfg))
         check_pruning_config(cfg.planner.prune_zero_adv, cfg.actor.kl_coef,
                              cfg.actor.entropy_coef, cfg.planner.allow_approx)

@@ -161,7 +161,8 @@ class BucketStream:
         shards = self._gather_shards(param, into_one_buffer=stacked)
         if self.ranks.tp_rank != 0:
             return ()
-        self.meter.observe(held, shards)
+        gathered = shards if self.ranks.tp > 1 else []  # at TP=1 the "shard" is the parameter
+        self.meter.observe(held, gathered)
         if stacked:  # the shards are already the HF tensor (vocab: minus padding rows)
             full = shards[0] if len(shards) == 1 else _base_of(shards)
             tensors = (full[: self.spec.vocab_size] if item.rule.layout == "vocab" else full,)
@@ -169,7 +170,7 @@ class BucketStream:
                 tensors = (tensors[0].clone(),)  # never hand out the live parameter
         else:
             tensors = tuple(t.contiguous() for t in mapping.to_hf(item.rule, shards, self.spec))
-        self.meter.observe(held, shards, tensors)
+        self.meter.observe(held, gathered, tensors)
         return tensors
 
     def _gather_shards(self, param: torch.Tensor, into_one_buffer: bool) -> list[torch.Tensor]:
@@ -210,17 +211,19 @@ class BucketStream:
 
 
 
-def open_stream(actor_params: Iterable, spec: TransformerSpec, bucket_bytes: int,
-                dtype: torch.dtype, vpp: int = 1, checksums: bool = False) -> BucketStream:
+def open_stream(actor_params: Iterable, spec: TransformerSpec, bucket_bytes: int, vpp: int = 1,
+                checksums: bool = False) -> BucketStream:
     """A :class:`BucketStream` for this rank, its plan computed from the parallel layout."""
     from megatron.core import parallel_state as ps
 
     from megarl.export.plan import plan_export
 
+    params = list(actor_params)
+    dtype = params[0][2].dtype
     plan = plan_export(spec, ps.get_tensor_model_parallel_world_size(),
                        ps.get_pipeline_model_parallel_world_size(), vpp,
                        torch.empty((), dtype=dtype).element_size(), bucket_bytes)
-    return BucketStream(plan, spec, actor_params, dtype, ExportRanks.from_megatron(), checksums)
+    return BucketStream(plan, spec, params, dtype, ExportRanks.from_megatron(), checksums)
 
 
 def collect_state_dict(stream: BucketStream) -> dict[str, torch.Tensor] | None:

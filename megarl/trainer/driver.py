@@ -9,8 +9,6 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import torch
-
 from megarl.config.schema import RunConfig
 from megarl.data.loader import PromptStream, build_prompt_source
 from megarl.data.rewards import get_reward_fn
@@ -35,14 +33,15 @@ class Driver:
                                         cfg.trainer.seed)
         self.writer = MetricsWriter(Path(cfg.trainer.run_dir), cfg.trainer.tensorboard)
         self.history: list[dict] = []
+        self._export_metrics: dict[str, float] = {}
         self.console = Console(cfg.trainer.total_steps, enabled=cfg.trainer.log_console)
 
     def rollout(self, step: int):
         return self.producer.produce(step)
 
-    def update_engine_weights(self, state: dict[str, torch.Tensor] | None) -> None:
-        if state is not None:
-            self.engine.update_weights(state.items())
+    def update_engine_weights(self, export_metrics: dict[str, float]) -> None:
+        """The worker streamed the weights into ``self.engine``; keep its metrics for the step."""
+        self._export_metrics = dict(export_metrics)
 
     def record_step(self, step, timer: PhaseTimer, rollout_metrics, plan, gates, stats, batch):
         metrics: dict = {"step": step}
@@ -52,6 +51,7 @@ class Driver:
         metrics["planner/summary"] = plan.summary()
         metrics.update(gates.metrics())
         metrics["gates/summary"] = gates.summary()
+        metrics.update(self._export_metrics)
         metrics.update(timer.times)
         metrics["timing_s/step"] = timer.total()
         total_tokens = sum(batch.seq_lens)

@@ -7,7 +7,7 @@ Rank 0 also hosts the rollout engine and the data (the embedded, colocated layou
    (pass gates) from it -- pure functions of broadcast data, so no rank can disagree;
 3. old/reference logprob forwards run only where the gates say so;
 4. each optimizer step of the plan runs this rank's micro-batches;
-5. new weights are gathered to rank 0 and loaded into the engine;
+5. new weights are streamed to rank 0 in bounded buckets and loaded into the engine;
 6. statistics are reduced and rank 0 writes the step's metrics.
 """
 
@@ -68,10 +68,12 @@ def run_worker(ctx: WorkerContext, inputs: RunInputs) -> RunResult | None:
     try:
         _train(runtime)
         final_state = None
-        if inputs.return_final_state:
-            from megarl.export.gather import gather_hf_state_dict
+        if inputs.return_final_state:  # export branch: streamed, never the model on one rank
+            from megarl.export.stream import collect_state_dict, open_stream
 
-            final_state = gather_hf_state_dict(runtime.actor.local_params(), runtime.spec)
+            final_state = collect_state_dict(open_stream(
+                runtime.actor.local_params(), runtime.spec,
+                runtime.cfg.export.bucket_mb << 20, vpp=runtime.cfg.actor.vpp))
         if runtime.driver is None:
             return None
         return RunResult(history=runtime.driver.history, final_state=final_state)
@@ -115,7 +117,8 @@ def _setup(ctx: WorkerContext, inputs: RunInputs) -> _Runtime:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // ctx.world_size))
     parallel.init_process_group(inputs.device, ctx.rank, ctx.world_size, ctx.master_addr,
                                 ctx.master_port)
-    parallel.init_model_parallel(cfg.actor.tp, cfg.actor.pp)
+    parallel.init_model_parallel(cfg.actor.tp, cfg.actor.pp,
+                                 cfg.actor.vpp if cfg.actor.vpp > 1 else None)
     spec = spec_from_hf_config(load_hf_config(inputs.model_dir))
     tokenizer = load_hf_tokenizer(inputs.model_dir)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -152,7 +155,7 @@ def _train(rt: _Runtime) -> None:
         gates = decide_gates(from_config.step_facts(rt.cfg, step, batch.num_seqs))
         old, recomputed, ref = _logprob_passes(rt, batch, plan, gates, timer)
         stats = _update_actor(rt, batch, plan, old, recomputed, ref, timer)
-        _sync_weights(rt, timer)
+        _sync_weights(rt, timer, step)
         if rt.driver is not None:
             rt.driver.record_step(step, timer, rollout_metrics, plan, gates, stats, batch)
 
@@ -234,12 +237,16 @@ def _add_logprob_diff(stats: dict, batch: RolloutBatch, trainer_logprobs: dict) 
     stats["lp_diff_count"] = stats.get("lp_diff_count", 0.0) + count
 
 
-def _sync_weights(rt: _Runtime, timer: PhaseTimer) -> None:
-    from megarl.export.gather import gather_hf_state_dict
+def _sync_weights(rt: _Runtime, timer: PhaseTimer, step: int) -> None:
+    """Stream the new weights to the engine on rank 0 in bounded buckets (every rank takes part)."""
+    from megarl.export.sync import is_checksum_step, sync_engine_weights
 
+    engine = rt.driver.engine if rt.driver is not None else None
     with timer.phase("update_weights"):
-        state = gather_hf_state_dict(rt.actor.local_params(), rt.spec)
-        if rt.driver is not None:
-            rt.driver.update_engine_weights(state)
+        metrics = sync_engine_weights(
+            rt.actor.local_params(), rt.spec, rt.cfg.export.bucket_mb, rt.cfg.actor.vpp,
+            is_checksum_step(step, rt.cfg.export.checksum_interval), engine)
+    if rt.driver is not None:
+        rt.driver.update_engine_weights(metrics)
 
 

@@ -74,7 +74,7 @@ def _worker(ctx, tp, pp, vpp, hf_config, state, ids, ref_logits, engine_seed):
         logits = _vocab_logits(actor, ids, tp)
         if logits is not None:
             result["logits_diff"] = (logits[..., : spec.vocab_size] - ref_logits).abs().max().item()
-    stream = open_stream(actor.local_params(), spec, BUCKET_BYTES, torch.float32, vpp=vpp,
+    stream = open_stream(actor.local_params(), spec, BUCKET_BYTES, vpp=vpp,
                          checksums=True)
     if ctx.rank == 0:
         engine = _engine(hf_config, engine_seed)
