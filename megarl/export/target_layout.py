@@ -205,3 +205,28 @@ def vllm_shard_from_mcore(rule: ParamRule, mcore_shards: Mapping[int, torch.Tens
             out[: pieces[0].shape[0]] = pieces[0]
         return out
     return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+
+
+def local_engine_shards(local_params, spec: TransformerSpec, mcore_tp: int, mcore_rank: int,
+                        engine_tp: int):
+    """``(vLLM name, shard)`` for engine rank ``mcore_rank``, from this Megatron rank's own shards.
+
+    The colocated case (engine rank r on Megatron TP rank r's device, equal TP): no communication
+    at all. ``local_params`` is ``(rule, layer, param)`` as the actor lists them (one pipeline
+    stage). Raises ValueError naming the first parameter that would need a peer's shard, so the
+    caller falls back to the gathering exporter.
+    """
+    if engine_tp != mcore_tp:
+        raise ValueError(f"rollout.tp={engine_tp} != actor.tp={mcore_tp}: shards need peers")
+    seen: set[str] = set()
+    for rule, layer, param in local_params:
+        name = vllm_param_name(rule, layer)
+        if name in seen:
+            continue  # tied output layer on the last stage: the embedding already went
+        seen.add(name)
+        needed = needed_mcore_ranks(rule, spec, mcore_tp, engine_tp, mcore_rank)
+        if needed != (mcore_rank,):
+            raise ValueError(f"{name} for engine rank {mcore_rank} needs Megatron TP ranks "
+                             f"{list(needed)} (vocabulary padded differently)")
+        yield name, vllm_shard_from_mcore(rule, {mcore_rank: param.detach()}, spec, mcore_tp,
+                                          engine_tp, mcore_rank)

@@ -121,3 +121,20 @@ def test_bad_engine_tp_is_named():
     rule = next(r for r in mapping.rules_for(spec) if r.layout == "qkv")
     with pytest.raises(ValueError, match="rollout.tp=3"):
         needed_mcore_ranks(rule, spec, 1, 3, 0)
+
+
+def test_local_engine_shards_need_no_peer_when_aligned():
+    from megarl.export.target_layout import local_engine_shards
+
+    spec = spec_from_hf_config(dict(BASE, vocab_size=512))
+    hf = _hf(spec)
+    for rank in range(2):
+        params = [(rule, layer, shards[rank]) for rule, layer, _, shards in _cases(spec, hf, 2)]
+        got = dict(local_engine_shards(params, spec, 2, rank, 2))
+        for rule, layer, tensors, _ in _cases(spec, hf, 2):
+            want = vllm_shard_from_hf(rule, tensors, spec, 2, rank)
+            assert torch.equal(got[vllm_param_name(rule, layer)], want)
+    misaligned = spec_from_hf_config(BASE)  # vocab 100: vLLM pads to 128, Megatron to 256
+    params = [(r, layer, s[1]) for r, layer, _, s in _cases(misaligned, _hf(misaligned), 2)]
+    with pytest.raises(ValueError, match="embed_tokens"):
+        dict(local_engine_shards(params, misaligned, 2, 1, 2))
