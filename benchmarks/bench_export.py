@@ -76,8 +76,8 @@ def _export_once(method: str, actor, spec, bucket_mb: int) -> tuple[int, int]:
     from megarl.export.stream import open_stream
 
     stream = open_stream(actor.local_params(), spec, bucket_mb << 20)
-    for _bucket in stream.buckets():
-        pass  # an engine would copy the bucket in here, then drop it
+    for bucket in stream.buckets():
+        bucket.clear()  # an engine would copy the bucket in here, then drop it
     return stream.num_bytes, stream.peak_bytes
 
 

@@ -119,14 +119,20 @@ class BucketStream:
             del out
 
     def named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The buckets flattened: what ``RolloutEngine.update_weights`` takes."""
+        """The buckets flattened: what ``RolloutEngine.update_weights`` takes.
+
+        Each tensor is released from the bucket as it is handed out, so no finished bucket is
+        still referenced while the next one is being filled.
+        """
         for bucket in self.buckets():
-            yield from bucket
+            bucket.reverse()
+            while bucket:
+                yield bucket.pop()
 
     def run_to_end(self) -> None:
         """Drive the protocol on a rank that consumes nothing (every rank but 0)."""
-        for _ in self.buckets():
-            pass
+        for bucket in self.buckets():
+            bucket.clear()
 
     # --- one item ------------------------------------------------------------------------------
 
