@@ -85,3 +85,20 @@ def test_checksum_detects_changed_and_moved_values(dtype):
     held = {"w": t.float()}  # the engine keeps fp32; checksums compare in the sent dtype
     assert compare_checksums({"w": base}, held, dtype) == []
     assert compare_checksums({"w": base, "x": (0, 0)}, held, dtype) == ["x"]
+
+
+def test_checksum_steps_and_engine_mismatch_is_an_error_naming_the_tensor():
+    from types import SimpleNamespace
+
+    from megarl.export.sync import ExportChecksumError, is_checksum_step, verify_engine_checksums
+
+    assert [s for s in range(1, 7) if is_checksum_step(s, 3)] == [3, 6]
+    assert not any(is_checksum_step(s, 0) for s in range(1, 7))
+    weights = {"a": torch.randn(4, 4), "b": torch.randn(3)}
+    stream = SimpleNamespace(sent_checksums={k: tensor_checksum(v) for k, v in weights.items()},
+                             dtype=torch.float32)
+    engine = SimpleNamespace(base_weights=lambda: dict(weights))
+    verify_engine_checksums(stream, engine)
+    stale = dict(weights, b=weights["b"] + 1)
+    with pytest.raises(ExportChecksumError, match="'b' differs"):
+        verify_engine_checksums(stream, SimpleNamespace(base_weights=lambda: stale))
