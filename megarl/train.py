@@ -103,14 +103,19 @@ def validate_against_model(cfg, model_dir: str) -> None:
     from megarl.data.loader import build_prompt_source
     from megarl.data.rewards import get_reward_fn
     from megarl.models.hf_io import load_hf_config
-    from megarl.models.spec import ModelSpecError, spec_from_hf_config
+    from megarl.models.spec import VPP_TRAINING_UNSUPPORTED, ModelSpecError, spec_from_hf_config
     from megarl.planner.batch_planner import PlannerError, check_pruning_config
     from megarl.planner.from_config import run_facts
     from megarl.planner.gates import GateConfigError, validate_gate_config
 
     try:
         spec = spec_from_hf_config(load_hf_config(model_dir))
-        spec.check_parallelism(cfg.actor.tp, cfg.actor.pp)
+        spec.check_parallelism(cfg.actor.tp, cfg.actor.pp, cfg.actor.vpp)
+        if cfg.actor.vpp > 1:  # export branch: VPP builds, loads and exports, but cannot train yet
+            raise StartupError(VPP_TRAINING_UNSUPPORTED)
+        if cfg.export.checksum_interval and cfg.rollout.engine != "hf":  # export branch
+            raise StartupError(f"export.checksum_interval={cfg.export.checksum_interval} needs "
+                               "rollout.engine=hf (vLLM keeps fused weights); set it to 0")
         validate_gate_config(run_facts(cfg))
         check_pruning_config(cfg.planner.prune_zero_adv, cfg.actor.kl_coef,
                              cfg.actor.entropy_coef, cfg.planner.allow_approx)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import abc
 import importlib.util
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -125,6 +125,15 @@ class RolloutEngine(abc.ABC):
         embeddings. An unknown name or a shape mismatch raises ValueError naming it. The
         stream is applied as it is read, so tensors before a bad one stay applied.
         """
+
+    def base_weights(self) -> Mapping[str, torch.Tensor]:
+        """The engine's base weights by HF name, as it holds them (for the export checksum).
+
+        Engines that keep weights fused or remote cannot offer this; they raise.
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__} cannot expose its weights by HF name: set "
+            "export.checksum_interval=0 (rollout/logprob_abs_diff still checks every sync)")
 
     @abc.abstractmethod
     def load_lora_adapter(

@@ -359,6 +359,9 @@ class HFEngine(RolloutEngine):
                 num_applied += 1
         return num_applied
 
+    def base_weights(self) -> dict[str, torch.Tensor]:
+        return {name: param.detach() for name, param in self._params_by_name.items()}
+
     def _param_for(self, name: str, tensor: torch.Tensor) -> torch.nn.Parameter:
         """The base parameter ``name`` refers to, checked against ``tensor``'s shape."""
         param = self._params_by_name.get(name)

@@ -236,6 +236,26 @@ def _worker_load_weights(worker: Any, weights: list[tuple[str, torch.Tensor]]) -
     return set(loaded)
 
 
+def _worker_copy_shards(worker: Any, shards_by_rank: Sequence[Sequence[tuple[str, Any]]]) -> set:
+    """Copy this worker's own pre-sliced shards (vLLM names, its TP rank's layout) into place.
+
+    The trainer computed each engine rank's slice (``megarl.export.target_layout``), so no
+    weight loader slices again; a shape mismatch means the layouts disagree and is an error.
+    """
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    params = dict(worker.model_runner.get_model().named_parameters())
+    loaded = set()
+    for name, tensor in shards_by_rank[get_tensor_model_parallel_rank()]:
+        param = params.get(name)
+        if param is None or tuple(param.shape) != tuple(tensor.shape):
+            got = None if param is None else tuple(param.shape)
+            raise ValueError(f"engine shard {name}: vLLM holds {got}, got {tuple(tensor.shape)}")
+        param.data.copy_(tensor)
+        loaded.add(name)
+    return loaded
+
+
 # --- the engine ------------------------------------------------------------------------------
 
 
@@ -385,6 +405,21 @@ class VLLMEngine(RolloutEngine):
             num_applied += len(bucket)
         self._llm.reset_prefix_cache()
         return num_applied
+
+    def update_weight_shards(
+        self, shards_by_rank: Sequence[Sequence[tuple[str, torch.Tensor]]]
+    ) -> int:
+        """Load per-engine-rank shards under vLLM's fused names (``rollout.tp`` > 1 resharding).
+
+        Not yet run against vLLM. ``collective_rpc`` hands every worker the whole list and each
+        copies only its own entry: correct, but the transport still carries all ranks' shards;
+        a per-rank channel (each trainer rank feeding its colocated engine rank) is the next step.
+        """
+        self._sleep.require_awake("update_weight_shards")
+        loaded_per_worker = self._llm.collective_rpc(_worker_copy_shards, args=(shards_by_rank,))
+        self._sleep.mark_reloaded(set().union(*loaded_per_worker))
+        self._llm.reset_prefix_cache()
+        return sum(len(s) for s in shards_by_rank)
 
     def _checked(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]]

@@ -3,8 +3,9 @@
 The simple, correct baseline: each parameter's TP shards are all-gathered inside its TP group,
 turned into HF tensors by the family's mapping table, and each pipeline stage's (DP rank 0,
 TP rank 0) hands its stage's tensors to global rank 0. Every rank must call
-:func:`gather_hf_state_dict` (it is a collective). Bucketed streaming with a byte budget and
-target-layout resharding replace this in the resharding exporter.
+:func:`gather_hf_state_dict` (it is a collective). Runs no longer use it: the weight sync and the
+final state go through the bucketed :mod:`megarl.export.stream`. Kept as the baseline that
+``benchmarks/bench_export.py`` measures the streaming exporter against.
 """
 
 from __future__ import annotations

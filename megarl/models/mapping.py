@@ -26,6 +26,8 @@ import torch
 from megarl.models.spec import TransformerSpec
 
 LAYOUTS = ("replicated", "column", "row", "vocab", "qkv", "gate_up")
+DIMS = ("vocab", "hidden", "ffn", "q", "kv")
+"""Symbolic dims of HF tensor shapes: ``q`` = heads x head_dim, ``kv`` = KV heads x head_dim."""
 
 
 @dataclass(frozen=True)
@@ -37,10 +39,19 @@ class ParamRule:
     hf: tuple[str, ...]
     """HF names in the order the layout expects (q, k, v for ``qkv``; gate, up for ``gate_up``)."""
     layout: str
+    shapes: tuple[tuple[str, ...], ...] = ()
+    """Each HF tensor's shape in symbolic dims (``DIMS``), in ``hf`` order: every rank knows every
+    tensor's size without holding it, so the exporter can plan buckets from metadata alone."""
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
             raise ValueError(f"unknown layout {self.layout!r} for {self.mcore}")
+        if len(self.shapes) != len(self.hf):
+            raise ValueError(f"{self.mcore}: one shape per HF tensor is needed")
+        for shape in self.shapes:
+            unknown = set(shape) - set(DIMS)
+            if unknown:
+                raise ValueError(f"{self.mcore}: unknown dims {sorted(unknown)}")
 
     @property
     def per_layer(self) -> bool:
@@ -56,33 +67,43 @@ class ParamRule:
 _L = "decoder.layers.{layer}."
 _H = "model.layers.{layer}."
 
+_VH, _H1 = ("vocab", "hidden"), ("hidden",)
+
 LLAMA_RULES: tuple[ParamRule, ...] = (
-    ParamRule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab"),
-    ParamRule(_L + "input_layernorm.weight", (_H + "input_layernorm.weight",), "replicated"),
+    ParamRule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab",
+              (_VH,)),
+    ParamRule(_L + "input_layernorm.weight", (_H + "input_layernorm.weight",), "replicated",
+              (_H1,)),
     ParamRule(
         _L + "self_attention.linear_qkv.weight",
         (_H + "self_attn.q_proj.weight", _H + "self_attn.k_proj.weight",
          _H + "self_attn.v_proj.weight"),
         "qkv",
+        (("q", "hidden"), ("kv", "hidden"), ("kv", "hidden")),
     ),
-    ParamRule(_L + "self_attention.linear_proj.weight", (_H + "self_attn.o_proj.weight",), "row"),
+    ParamRule(_L + "self_attention.linear_proj.weight", (_H + "self_attn.o_proj.weight",), "row",
+              (("hidden", "q"),)),
     ParamRule(
-        _L + "pre_mlp_layernorm.weight", (_H + "post_attention_layernorm.weight",), "replicated"
+        _L + "pre_mlp_layernorm.weight", (_H + "post_attention_layernorm.weight",), "replicated",
+        (_H1,),
     ),
     ParamRule(
         _L + "mlp.linear_fc1.weight",
         (_H + "mlp.gate_proj.weight", _H + "mlp.up_proj.weight"),
         "gate_up",
+        (("ffn", "hidden"), ("ffn", "hidden")),
     ),
-    ParamRule(_L + "mlp.linear_fc2.weight", (_H + "mlp.down_proj.weight",), "row"),
-    ParamRule("decoder.final_layernorm.weight", ("model.norm.weight",), "replicated"),
-    ParamRule("output_layer.weight", ("lm_head.weight",), "vocab"),
+    ParamRule(_L + "mlp.linear_fc2.weight", (_H + "mlp.down_proj.weight",), "row",
+              (("hidden", "ffn"),)),
+    ParamRule("decoder.final_layernorm.weight", ("model.norm.weight",), "replicated", (_H1,)),
+    ParamRule("output_layer.weight", ("lm_head.weight",), "vocab", (_VH,)),
 )
 
 QKV_BIAS_RULE = ParamRule(
     _L + "self_attention.linear_qkv.bias",
     (_H + "self_attn.q_proj.bias", _H + "self_attn.k_proj.bias", _H + "self_attn.v_proj.bias"),
     "qkv",
+    (("q",), ("kv",), ("kv",)),
 )
 
 FAMILY_RULES: dict[str, tuple[ParamRule, ...]] = {
@@ -98,6 +119,13 @@ def rules_for(spec: TransformerSpec) -> tuple[ParamRule, ...]:
     if spec.qkv_bias and QKV_BIAS_RULE not in rules:
         rules = rules + (QKV_BIAS_RULE,)
     return rules
+
+
+def hf_shapes(rule: ParamRule, spec: TransformerSpec) -> tuple[tuple[int, ...], ...]:
+    """Concrete shapes of ``rule``'s HF tensors for this model."""
+    sizes = {"vocab": spec.vocab_size, "hidden": spec.hidden_size, "ffn": spec.ffn_hidden_size,
+             "q": spec.num_heads * spec.head_dim, "kv": spec.num_kv_heads * spec.head_dim}
+    return tuple(tuple(sizes[d] for d in shape) for shape in rule.shapes)
 
 
 # --- HF -> one Megatron TP shard -------------------------------------------------------------

@@ -107,19 +107,42 @@ def build_gpt_model(spec: TransformerSpec, tp: int, pp: int, dtype: torch.dtype 
     return model
 
 
+def build_model_chunks(spec: TransformerSpec, tp: int, pp: int, vpp: int = 1,
+                       dtype: torch.dtype = torch.float32, device: str = "cpu",
+                       use_transformer_engine: bool = False, recompute: str | None = None) -> list:
+    """This rank's model chunks: one ``GPTModel`` without a virtual pipeline, else ``vpp`` of them.
+
+    With a virtual pipeline, chunk ``v`` of pipeline rank ``p`` holds Megatron's interleaved
+    layer slice (global chunk ``v * pp + p``); only chunk 0 of rank 0 embeds and only the last
+    chunk of the last rank has the output layer.
+    """
+    if vpp == 1:
+        return [build_gpt_model(spec, tp, pp, dtype, device,
+                                use_transformer_engine=use_transformer_engine, recompute=recompute)]
+    return [build_gpt_model(spec, tp, pp, dtype, device, vp_stage=v, vpp=vpp,
+                            use_transformer_engine=use_transformer_engine, recompute=recompute)
+            for v in range(vpp)]
+
+
 def layer_offset(model) -> int:
-    """Global number of this stage's first transformer layer."""
+    """Global number of this chunk's first transformer layer."""
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
+    model = unwrap(model)
     return get_transformer_layer_offset(model.config, vp_stage=getattr(model, "vp_stage", None))
 
 
 def iter_local_params(model, spec: TransformerSpec):
     """Yield ``(rule, global_layer, param)`` for every base parameter this rank holds.
 
-    With tied embeddings and PP > 1 the last stage's ``output_layer.weight`` is a copy of the
-    embedding; it maps to the HF embedding tensor.
+    ``model`` is one chunk or a list of virtual-pipeline chunks. With tied embeddings and PP > 1
+    the last stage's ``output_layer.weight`` is a copy of the embedding; it maps to the HF
+    embedding tensor.
     """
+    if isinstance(model, (list, tuple)):
+        for chunk in model:
+            yield from iter_local_params(chunk, spec)
+        return
     rules = mapping.rule_index(spec)
     offset = layer_offset(model)
     for name, param in unwrap(model).named_parameters():

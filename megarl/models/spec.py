@@ -14,6 +14,9 @@ from typing import Any
 
 SUPPORTED_FAMILIES = ("llama", "qwen2", "mistral")
 VOCAB_DIVISIBLE_BY = 128
+VPP_TRAINING_UNSUPPORTED = (
+    "actor.vpp > 1 is supported for loading, forward logprobs and export, not for training yet "
+    "(the interleaved schedule needs micro-batch counts in multiples of actor.pp); use actor.vpp=1")
 
 
 class ModelSpecError(ValueError):
@@ -102,6 +105,25 @@ def _rope_theta(config: Mapping[str, Any]) -> float:
     return float(config.get("rope_theta", 10000.0))
 
 
+def _reject_unmapped_features(family: str, config: Mapping[str, Any]) -> None:
+    """Features the Megatron block and the mapping tables do not carry: refuse, never drop them.
+
+    Llama/Mistral ``attention_bias`` also biases ``o_proj`` and ``mlp_bias`` biases the MLP; a
+    sliding attention window changes attention beyond the window. Silently ignoring any of them
+    would train a different model than the checkpoint.
+    """
+    if family != "qwen2" and config.get("attention_bias"):
+        raise ModelSpecError(f"attention_bias=True ({family}: bias on o_proj too) is not supported")
+    if config.get("mlp_bias"):
+        raise ModelSpecError("mlp_bias=True is not supported")
+    window = config.get("sliding_window")
+    uses_window = config.get("use_sliding_window", family == "mistral")
+    if window and uses_window and int(window) < int(config.get("max_position_embeddings", 0)):
+        raise ModelSpecError(
+            f"sliding_window={window} < max_position_embeddings: windowed attention is not "
+            "supported")
+
+
 def spec_from_hf_config(config: Mapping[str, Any] | Any) -> TransformerSpec:
     """Build a :class:`TransformerSpec` from a HF config (a ``PretrainedConfig`` or its dict)."""
     if not isinstance(config, Mapping):
@@ -113,6 +135,7 @@ def spec_from_hf_config(config: Mapping[str, Any] | Any) -> TransformerSpec:
         )
     if config.get("hidden_act", "silu") != "silu":
         raise ModelSpecError(f"hidden_act={config['hidden_act']!r}: only SwiGLU (silu) is supported")
+    _reject_unmapped_features(family, config)
     num_heads = int(config["num_attention_heads"])
     hidden = int(config["hidden_size"])
     head_dim = config.get("head_dim") or hidden // num_heads

@@ -41,15 +41,16 @@ class Driver:
                                         cfg.trainer.seed)
         self.writer = MetricsWriter(Path(cfg.trainer.run_dir), cfg.trainer.tensorboard)
         self.history: list[dict] = []
+        self._export_metrics: dict[str, float] = {}
         self.console = Console(cfg.trainer.total_steps, enabled=cfg.trainer.log_console)
         self._perf = _PerfContext.build(model_dir, device, cfg.trainer.world_size)  # issue 8: MFU
 
     def rollout(self, step: int):
         return self.producer.produce(step)
 
-    def update_engine_weights(self, state: dict[str, torch.Tensor] | None) -> None:
-        if state is not None:
-            self.engine.update_weights(state.items())
+    def record_export_metrics(self, export_metrics: dict[str, float]) -> None:
+        """The worker streamed the weights into ``self.engine``; keep its metrics for the step."""
+        self._export_metrics = dict(export_metrics)
 
     # --- engine memory and LoRA (base-weight gate; see megarl.planner.gates) ---
 
@@ -86,6 +87,7 @@ class Driver:
         metrics["planner/summary"] = plan.summary()
         metrics.update(gates.metrics())
         metrics["gates/summary"] = gates.summary()
+        metrics.update(self._export_metrics)
         metrics.update(timer.times)
         metrics["timing_s/step"] = timer.total()
         total_tokens = sum(batch.seq_lens)

@@ -40,6 +40,12 @@ class RolloutWorker:
     def history(self) -> list[dict]:
         return self.driver.history
 
+    def engine_update_weights(self, named_tensors: list) -> int:
+        return self.driver.engine.update_weights(named_tensors)
+
+    def engine_base_weights(self) -> dict:
+        return dict(self.driver.engine.base_weights())
+
 
 class RemoteDriver:
     """Rank 0's stand-in for a Driver that lives in a :class:`RolloutWorker` actor."""
@@ -65,3 +71,38 @@ class RemoteDriver:
         import ray
 
         return ray.get(self._actor.history.remote())
+
+    @property
+    def engine(self) -> RemoteEngine:
+        return RemoteEngine(self._actor)
+
+
+class RemoteEngine:
+    """What the weight stream needs of the rollout actor's engine, over Ray.
+
+    The exporter hands over one bucket at a time; each bucket becomes one Ray call, so the
+    byte budget also bounds what crosses the object store at once.
+    """
+
+    def __init__(self, handle):
+        self._actor = handle
+
+    def update_weights(self, named_tensors) -> int:
+        import ray
+
+        loaded, bucket = 0, []
+        for name, tensor in named_tensors:
+            bucket.append((name, tensor))
+            if len(bucket) >= self.TENSORS_PER_CALL:
+                loaded += ray.get(self._actor.engine_update_weights.remote(bucket))
+                bucket = []
+        if bucket:
+            loaded += ray.get(self._actor.engine_update_weights.remote(bucket))
+        return loaded
+
+    def base_weights(self) -> dict:
+        import ray
+
+        return ray.get(self._actor.engine_base_weights.remote())
+
+    TENSORS_PER_CALL = 16

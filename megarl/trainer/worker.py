@@ -8,8 +8,8 @@ Rank 0 also hosts the rollout engine and the data (the embedded, colocated layou
    (pass gates) from it -- pure functions of broadcast data, so no rank can disagree;
 3. old/reference logprob forwards run only where the gates say so;
 4. each optimizer step of the plan runs this rank's micro-batches;
-5. rank 0 wakes the engine; base (or full) weights are gathered and sent only when the
-   base-weight gate says so, and with LoRA the adapter every step;
+5. rank 0 wakes the engine; base (or full) weights are streamed to it in bounded buckets
+   only when the base-weight gate says so, and with LoRA the adapter every step;
 6. statistics are reduced and rank 0 writes the step's metrics;
 7. every ``trainer.save_interval`` steps all ranks write a checkpoint (:mod:`megarl.checkpoint`).
 
@@ -80,10 +80,12 @@ def run_worker(ctx: WorkerContext, inputs: RunInputs) -> RunResult | None:
     try:
         _train(runtime)
         final_state = None
-        if inputs.return_final_state:
-            from megarl.export.gather import gather_hf_state_dict
+        if inputs.return_final_state:  # export branch: streamed, never the model on one rank
+            from megarl.export.stream import collect_state_dict, open_stream
 
-            final_state = gather_hf_state_dict(runtime.actor.local_params(), runtime.spec)
+            final_state = collect_state_dict(open_stream(
+                runtime.actor.local_params(), runtime.spec,
+                runtime.cfg.export.bucket_mb << 20, vpp=runtime.cfg.actor.vpp))
             if runtime.actor.lora is not None:  # LoRA: base weights + peft-named adapter
                 adapter = runtime.actor.gather_lora_adapter()
                 if final_state is not None:
@@ -137,7 +139,8 @@ def _setup(ctx: WorkerContext, inputs: RunInputs) -> _Runtime:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // ctx.world_size))
     parallel.init_process_group(inputs.device, ctx.rank, ctx.world_size, ctx.master_addr,
                                 ctx.master_port)
-    parallel.init_model_parallel(cfg.actor.tp, cfg.actor.pp)
+    parallel.init_model_parallel(cfg.actor.tp, cfg.actor.pp,
+                                 cfg.actor.vpp if cfg.actor.vpp > 1 else None)
     spec = spec_from_hf_config(load_hf_config(inputs.model_dir))
     tokenizer = load_hf_tokenizer(inputs.model_dir)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -193,7 +196,7 @@ def _train(rt: _Runtime) -> None:
             engine_base_weights_resident=engine_state.base_weights_resident))
         old, recomputed, ref = _logprob_passes(rt, batch, plan, gates, timer)
         stats = _update_actor(rt, batch, plan, old, recomputed, ref, timer)
-        _sync_weights(rt, gates, timer)
+        _sync_weights(rt, gates, timer, step)
         if rt.driver is not None:
             rt.driver.record_step(step, timer, rollout_metrics, plan, gates, stats, batch)
         _maybe_save(rt, step)
@@ -313,27 +316,37 @@ def _add_logprob_diff(stats: dict, batch: RolloutBatch, trainer_logprobs: dict) 
     stats["lp_diff_count"] = stats.get("lp_diff_count", 0.0) + count
 
 
-def _sync_weights(rt: _Runtime, gates: StepGates, timer: PhaseTimer) -> None:
+def _sync_weights(rt: _Runtime, gates: StepGates, timer: PhaseTimer, step: int) -> None:
     """Wake the engine and send what the gates say: base (or full) weights, the adapter."""
+    from megarl.export.sync import is_checksum_step
+
     if rt.driver is not None:
         with timer.phase("engine_wake"):
             _check_wake_report(rt.driver.wake_engine(), gates)
     with timer.phase("update_weights"):
-        _push_weights(rt, base=gates.base_weight_sync.run, adapter=gates.adapter_sync.run)
+        metrics = _push_weights(rt, base=gates.base_weight_sync.run,
+                                adapter=gates.adapter_sync.run,
+                                checksum=is_checksum_step(step, rt.cfg.export.checksum_interval))
+    if rt.driver is not None:
+        rt.driver.record_export_metrics(metrics)
 
 
-def _push_weights(rt: _Runtime, base: bool, adapter: bool) -> None:
-    """Collective: gather the base (or full) weights and/or the LoRA adapter into the engine."""
-    from megarl.export.gather import gather_hf_state_dict
+def _push_weights(rt: _Runtime, base: bool, adapter: bool,
+                  checksum: bool = False) -> dict[str, float]:
+    """Collective: stream the base (or full) weights to the engine on rank 0 in bounded buckets
+    and/or gather the LoRA adapter into it; the export metrics (on rank 0)."""
+    from megarl.export.sync import sync_engine_weights
 
+    metrics: dict[str, float] = {}
     if base:
-        state = gather_hf_state_dict(rt.actor.local_params(), rt.spec)
-        if rt.driver is not None:
-            rt.driver.update_engine_weights(state)
+        engine = rt.driver.engine if rt.driver is not None else None
+        metrics = sync_engine_weights(rt.actor.local_params(), rt.spec, rt.cfg.export.bucket_mb,
+                                      rt.cfg.actor.vpp, checksum, engine)
     if adapter:
         lora = rt.actor.gather_lora_adapter()
         if rt.driver is not None:
             rt.driver.update_engine_adapter(lora)
+    return metrics
 
 
 def _check_wake_report(state, gates: StepGates) -> None:

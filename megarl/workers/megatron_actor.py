@@ -19,7 +19,7 @@ from megarl.algo.losses import aggregate, kl_penalty, policy_loss
 from megarl.config.schema import ActorConfig
 from megarl.distributed.execution import ExecutionPlan
 from megarl.models import megatron_gpt
-from megarl.models.spec import TransformerSpec
+from megarl.models.spec import VPP_TRAINING_UNSUPPORTED, TransformerSpec
 from megarl.models.vocab_parallel import VocabShard, token_logprobs_and_entropy
 from megarl.trainer.batch import (
     MicroBatchTensors,
@@ -70,12 +70,17 @@ class MegatronActor:
         self.spec, self.cfg, self.device, self.pad_id = spec, cfg, device, pad_id
         self.execution = execution or default_execution(cfg, device)
         torch.manual_seed(init_seed)
-        model = megatron_gpt.build_gpt_model(
-            spec, cfg.tp, cfg.pp, dtype=dtype, device=device,
+        # --- virtual pipeline (export branch): the model is a list of chunks -------------------
+        chunks = megatron_gpt.build_model_chunks(
+            spec, cfg.tp, cfg.pp, cfg.vpp, dtype=dtype, device=device,
             use_transformer_engine=self.execution.use_transformer_engine,
             recompute=self.execution.recompute)
         if hf_weights is not None:
-            megatron_gpt.load_hf_weights(model, spec, hf_weights)
+            megatron_gpt.load_hf_weights(chunks, spec, hf_weights)
+        if trainable and cfg.vpp > 1:
+            raise NotImplementedError(VPP_TRAINING_UNSUPPORTED)
+        model = chunks[0]
+        # --- end virtual pipeline ----------------------------------------------------------------
         # --- LoRA (megarl.models.lora): adapters on frozen base weights, before DDP ---
         self.lora = None
         if trainable and cfg.lora.enabled:
@@ -96,11 +101,14 @@ class MegatronActor:
             self.model = self._wrap_ddp(model)
             self.optimizer = self._build_optimizer()
         else:
-            model.eval()
-            for p in model.parameters():
-                p.requires_grad_(False)
+            for chunk in chunks:
+                chunk.eval()
+                for p in chunk.parameters():
+                    p.requires_grad_(False)
             self.model = model
             self.optimizer = None
+        self.chunks = [self.model] if cfg.vpp == 1 else chunks
+        """Model chunks in virtual-pipeline order (one unless ``actor.vpp > 1``)."""
 
     # --- construction ----------------------------------------------------------------------
 
@@ -254,10 +262,12 @@ class MegatronActor:
 
         max_len = max(mb.tokens_BL.shape[1] for mb in mbs)
         max_b = max(mb.tokens_BL.shape[0] for mb in mbs)
+        # each virtual-pipeline chunk walks the micro-batches on its own
+        data = iter(mbs) if len(self.chunks) == 1 else [iter(mbs) for _ in self.chunks]
         return get_forward_backward_func()(
             forward_step_func=forward_step,
-            data_iterator=iter(mbs),
-            model=[self.model],
+            data_iterator=data,
+            model=self.chunks,
             num_microbatches=len(mbs),
             seq_length=max_len,
             micro_batch_size=max_b,
@@ -268,7 +278,7 @@ class MegatronActor:
 
     def local_params(self) -> Iterable:
         """``(rule, global_layer, param)`` for this rank's shards (the exporter reads these)."""
-        return megatron_gpt.iter_local_params(self.model, self.spec)
+        return megatron_gpt.iter_local_params(self.chunks, self.spec)
 
     def gather_lora_adapter(self) -> dict[str, torch.Tensor] | None:
         """The LoRA adapter under peft's HF names on global rank 0 (a collective)."""

@@ -1,0 +1,45 @@
+"""A cheap, exact checksum of a tensor's bits, to prove the engine holds what the trainer sent.
+
+Two integer sums over the tensor's raw words (read as int16/int32/int64 by element size): the
+plain sum catches changed values, the position-weighted sum catches moved ones. Integer maths is
+exact on every device, so sender and receiver agree bit for bit or the weights differ. Worked in
+chunks so the temporary stays small.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+_WORD = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_CHUNK = 1 << 20
+_MODULUS = 65521
+
+
+def tensor_checksum(tensor: torch.Tensor) -> tuple[int, int]:
+    """``(sum of words, position-weighted sum of words)``, both as Python ints (mod 2**64)."""
+    words = tensor.detach().contiguous().reshape(-1).view(_WORD[tensor.element_size()])
+    plain = torch.zeros((), dtype=torch.int64, device=words.device)
+    weighted = torch.zeros((), dtype=torch.int64, device=words.device)
+    for start in range(0, words.numel(), _CHUNK):
+        chunk = words[start:start + _CHUNK].to(torch.int64)
+        positions = torch.arange(start, start + chunk.numel(), device=words.device) % _MODULUS + 1
+        plain += chunk.sum()
+        weighted += (chunk * positions).sum()
+    return int(plain), int(weighted)
+
+
+def compare_checksums(sent: Mapping[str, tuple[int, int]], held: Mapping[str, torch.Tensor],
+                      sent_dtype: torch.dtype) -> list[str]:
+    """Names whose held tensor is missing or does not match the sender's checksum.
+
+    The engine may keep a wider dtype than the trainer sent (bf16 -> fp32 is exact), so its
+    tensor is cast back to ``sent_dtype`` before checksumming.
+    """
+    bad = []
+    for name, expected in sent.items():
+        tensor = held.get(name)
+        if tensor is None or tensor_checksum(tensor.to(sent_dtype)) != expected:
+            bad.append(name)
+    return bad

@@ -1,0 +1,48 @@
+"""The streamed weight sync inside a real run: metrics, checksum, and the VPP start-up refusal."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from conftest import tiny_overrides
+
+from megarl.train import StartupError, run
+
+pytestmark = pytest.mark.slow
+
+
+def _tiny_llama_bytes() -> int:
+    from omegaconf import OmegaConf
+
+    from megarl.models.spec import spec_from_hf_config
+
+    cfg = OmegaConf.load(Path(__file__).parents[2] / "configs/model/tiny_llama.yaml")
+    return spec_from_hf_config(OmegaConf.to_container(cfg.hf_config)).num_parameters() * 4
+
+
+def test_run_streams_buckets_and_checksums(tmp_path):
+    result = run(tiny_overrides(tmp_path / "run", steps=2, **{
+        "export.bucket_mb": 4, "export.checksum_interval": 2}))
+    first, second = result.history
+    for row in result.history:
+        assert row["rollout/logprob_abs_diff"] <= 1e-3, row
+        # tiny_llama: two 25 MB vocabulary tensors (each alone) and ~1.6 MB of layers
+        assert row["export/buckets"] == 3
+        assert row["export/bytes"] == _tiny_llama_bytes()
+        # one bucket plus the largest gathered tensor (the 25 MB embedding) at most
+        assert 0 < row["export/peak_bytes"] <= 4 * 2**20 + 2 * 49152 * 128 * 4
+    assert "export/checksum_ok" not in first
+    assert second["export/checksum_ok"] == 1.0
+
+
+def test_vpp_training_is_refused_at_start_up(tmp_path):
+    with pytest.raises(StartupError, match="actor.vpp > 1"):
+        run(tiny_overrides(tmp_path / "run", **{"actor.pp": 2, "actor.vpp": 2,
+                                                "trainer.n_gpus_per_node": 2}))
+
+
+def test_checksum_with_vllm_is_refused_at_start_up(tmp_path):
+    with pytest.raises(StartupError, match="export.checksum_interval"):
+        run(tiny_overrides(tmp_path / "run", **{"export.checksum_interval": 1,
+                                                "rollout.engine": "vllm"}))
