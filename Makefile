@@ -27,7 +27,7 @@ test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow and not slurm" $(PYTEST_ARGS)
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check megarl tests tools examples
+	$(VENV)/bin/ruff check megarl tests tools examples benchmarks slurm
 
 clean:
 	rm -rf $(VENV)
