@@ -71,6 +71,32 @@ def _worker_entry(rank: int, fn: Callable, world_size: int, port: int, args: tup
         raise
 
 
+def _drain(queue, results: dict[int, Any], errors: dict[int, Any]) -> None:
+    while not queue.empty():
+        rank, status, payload = queue.get()
+        (results if status == "ok" else errors)[rank] = payload
+
+
+def _crashed(procs, results, errors) -> list[tuple[int, int]]:
+    """Ranks that exited non-zero without reporting anything: killed, OOM, segfault."""
+    return [(r, p.exitcode) for r, p in enumerate(procs)
+            if p.exitcode not in (None, 0) and r not in results and r not in errors]
+
+
+def _root_cause(procs, results, errors) -> BaseException:
+    """The failure to report. A rank that died without a Python error is the cause; the other
+    ranks' errors (a collective whose peer vanished) are its consequences."""
+    crashed = _crashed(procs, results, errors)
+    if crashed:
+        rank, code = crashed[0]
+        return WorkerFailed(rank, code, "killed or crashed without a Python error")
+    rank = min(errors)
+    payload = errors[rank]
+    if isinstance(payload, int):
+        return SystemExit(payload)
+    return WorkerFailed(rank, procs[rank].exitcode, payload)
+
+
 def launch(fn: Callable[..., Any], world_size: int, args: tuple = (),
            timeout_s: float | None = None) -> list[Any]:
     """Run ``fn(WorkerContext, *args)`` on ``world_size`` ranks; return each rank's result.
@@ -91,35 +117,18 @@ def launch(fn: Callable[..., Any], world_size: int, args: tuple = (),
     for proc in procs:
         proc.start()
     results: dict[int, Any] = {}
-    errors: dict[int, str] = {}
+    errors: dict[int, Any] = {}
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     try:
         while len(results) + len(errors) < world_size:
-            while not queue.empty():
-                rank, status, payload = queue.get()
-                (results if status == "ok" else errors)[rank] = payload
-            if errors:
-                break
-            dead = [(r, p.exitcode) for r, p in enumerate(procs)
-                    if p.exitcode not in (None, 0) and r not in results]
-            if dead:
-                time.sleep(POLL_S)  # let its error message arrive
-                while not queue.empty():
-                    rank, status, payload = queue.get()
-                    (results if status == "ok" else errors)[rank] = payload
-                if not errors:
-                    rank, code = dead[0]
-                    raise WorkerFailed(rank, code, "killed or crashed without a Python error")
-                break
+            _drain(queue, results, errors)
+            if errors or _crashed(procs, results, errors):
+                time.sleep(POLL_S)  # let the other ranks' exits and messages arrive
+                _drain(queue, results, errors)
+                raise _root_cause(procs, results, errors)
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"workers did not finish within {timeout_s:.0f} s")
             time.sleep(POLL_S)
-        if errors:
-            rank = min(errors)
-            payload = errors[rank]
-            if isinstance(payload, int):
-                raise SystemExit(payload)
-            raise WorkerFailed(rank, procs[rank].exitcode, payload)
         for proc in procs:
             proc.join(timeout=30)
         return [pickle.loads(results[r]) for r in range(world_size)]
