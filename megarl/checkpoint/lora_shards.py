@@ -91,5 +91,5 @@ def peft_adapter_from_checkpoint(read, saved_tp: int, spec: TransformerSpec,
             shards[factor] = [read(key, t) for t in ranks]
         tensors = adapter_to_hf(site.rule, site.layer, site.parallel, shards["lora_A"],
                                 shards["lora_B"], spec)
-        out.update({name: t.float().contiguous() for name, t in tensors.items()})
+        out.update({name: t.float().clone() for name, t in tensors.items()})  # A is shared
     return out

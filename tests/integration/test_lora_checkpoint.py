@@ -30,25 +30,39 @@ def _adapter(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def resumed(tmp_path_factory):
-    """(straight final state, resumed final state, resumed run_dir)."""
+    """(straight final state, resumed final state, resumed run_dir, state at step 2)."""
     root = tmp_path_factory.mktemp("lora_ckpt")
     straight = run(tiny_overrides(root / "straight", 4, **LORA), return_final_state=True)
     run_dir = root / "resumed"
-    run(tiny_overrides(run_dir, 2, **LORA, **{"trainer.save_interval": 2}))
+    stopped = run(tiny_overrides(run_dir, 2, **LORA, **{"trainer.save_interval": 2}),
+                  return_final_state=True)
     assert [c.step for c in complete_checkpoints(run_dir)] == [2]
     result = run(tiny_overrides(run_dir, 4, **LORA, **{"trainer.save_interval": 2}),
                  return_final_state=True)
-    return straight.final_state, result.final_state, run_dir
+    return straight.final_state, result.final_state, run_dir, stopped.final_state
 
 
 def test_lora_resume_is_bitwise_exact(resumed):
-    straight, result, _ = resumed
+    straight, result, _, _ = resumed
     adapter = _adapter(straight)
     assert adapter and any(k.endswith("lora_B.weight") and v.abs().max() > 0
                            for k, v in adapter.items()), "adapters did not train"
     assert sorted(straight) == sorted(result)
     for name, tensor in straight.items():
         assert torch.equal(tensor, result[name]), name
+
+
+def test_lora_checkpoint_loads_resharded_at_tp1(resumed, tmp_path):
+    """The TP=2 checkpoint restored at TP=1 (no further step) holds bitwise the same base
+    weights and adapters: split factors are reassembled and re-sliced, not approximated."""
+    _, _, run_dir, at_step2 = resumed
+    [ckpt] = [c.path for c in complete_checkpoints(run_dir) if c.step == 2]
+    tp1 = {**LORA, "actor.tp": 1, "trainer.n_gpus_per_node": 1, "trainer.resume": str(ckpt)}
+    result = run(tiny_overrides(tmp_path / "tp1", 2, **tp1), return_final_state=True)
+    assert result.history == [] or all(r["step"] <= 2 for r in result.history)
+    assert sorted(result.final_state) == sorted(at_step2)
+    for name, tensor in at_step2.items():
+        assert torch.equal(tensor, result.final_state[name]), name
 
 
 def _logits(model_dir, adapter_dir=None) -> torch.Tensor:
@@ -67,7 +81,7 @@ def test_convert_lora_checkpoint_to_peft_and_merged(resumed, tmp_path, capsys):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    _, _, run_dir = resumed
+    run_dir = resumed[2]
     [ckpt] = [c.path for c in complete_checkpoints(run_dir) if c.step == 2]
     hf, merged = tmp_path / "hf", tmp_path / "merged"
     assert convert_main(["mcore-to-hf", "--ckpt", str(ckpt), "--out", str(hf), "--lora",
