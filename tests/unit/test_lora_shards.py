@@ -79,3 +79,12 @@ def test_peft_tensors_from_tp2_shards_equal_the_full_adapter():
     assert sorted(got) == sorted(expected)
     for name, tensor in expected.items():
         assert torch.equal(got[name], tensor), name
+
+
+def test_lora_runs_may_save_checkpoints_and_target_modules_must_match():
+    from megarl.checkpoint.resume import MUST_MATCH
+    from megarl.config.schema import build_run_config
+
+    cfg = build_run_config({"actor": {"lora": {"rank": 4}}, "trainer": {"save_interval": 2}})
+    assert cfg.trainer.save_interval == 2 and cfg.actor.lora.rank == 4
+    assert {"actor.lora.rank", "actor.lora.target_modules"} <= set(MUST_MATCH)
