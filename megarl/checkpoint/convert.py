@@ -1,14 +1,17 @@
 """``megarl-convert``: Hugging Face <-> Megatron checkpoints, offline (no process group, no GPU).
 
     megarl-convert hf-to-mcore --hf PATH --out DIR --tp N --pp M
-    megarl-convert mcore-to-hf --ckpt DIR --out DIR
+    megarl-convert mcore-to-hf --ckpt DIR --out DIR [--lora | --merge-lora]
 
 ``--hf`` is a HF safetensors folder or a ``.gguf`` file (dequantised once, see
 :mod:`megarl.models.hf_io`). ``hf-to-mcore`` writes the same per-rank shard files as a training
 checkpoint (:mod:`megarl.checkpoint`), plus the HF config and tokenizer, so the result is also a
 ``model.path`` for megarl-train. ``--ckpt`` takes a converted checkpoint, a training checkpoint,
 or a run directory (its latest complete checkpoint). ``mcore-to-hf`` writes ``model.safetensors``
-+ ``config.json`` + tokenizer files that plain ``transformers`` loads.
++ ``config.json`` + tokenizer files that plain ``transformers`` loads. For a checkpoint of a LoRA
+run, ``--lora`` also writes a PEFT adapter folder ``<out>-lora`` (``PeftModel.from_pretrained``
+loads it on ``<out>``) and ``--merge-lora`` writes the weights with the adapter merged in; both
+assemble the adapter from the shard files (:mod:`megarl.checkpoint.lora_shards`).
 
 Both directions go through :mod:`megarl.models.mapping`, so HF -> Megatron -> HF is bitwise.
 Bad input is one line on stderr and exit code 2; the output folder is written under a temporary
@@ -116,16 +119,66 @@ def find_checkpoint(path: str | os.PathLike) -> layout.CheckpointInfo:
         raise ConvertError(str(exc)) from None
 
 
-def mcore_to_hf(ckpt: str, out: str, progress: bool = True) -> Path:
-    """Reassemble a checkpoint's shards into a plain HF folder; returns the written folder."""
+def mcore_to_hf(ckpt: str, out: str, progress: bool = True, lora: bool = False,
+                merge_lora: bool = False) -> list[Path]:
+    """Reassemble a checkpoint's shards into a plain HF folder; returns the written folders.
+
+    ``lora``: also a PEFT adapter folder ``<out>-lora`` beside it (base weights in ``out``,
+    which the adapter config names as its base model). ``merge_lora``: ``out`` holds the base
+    weights with the adapter merged in (``W + alpha/r * B @ A``).
+    """
+    if lora and merge_lora:
+        raise ConvertError("--lora and --merge-lora: choose one (an adapter on merged weights "
+                           "would apply twice)")
     target = _fresh_output(out)
+    info = find_checkpoint(ckpt)
+    adapter = settings = None
+    adapter_target = target.with_name(f"{target.name}-lora")
+    if lora or merge_lora:
+        if lora:
+            _fresh_output(str(adapter_target))
+        adapter, settings = read_lora_adapter(info)
     with _staging(target) as staging:
-        write_hf_folder(find_checkpoint(ckpt), staging, progress)
-    return target
+        merge = (adapter, settings.scaling) if merge_lora else None
+        write_hf_folder(info, staging, progress, merge=merge)
+        if lora:
+            from megarl.export.lora import save_peft_adapter
+
+            with _staging(adapter_target) as adapter_staging:
+                save_peft_adapter(adapter_staging, adapter, settings, _spec_of(info.path),
+                                  base_model=str(target.resolve()))
+    return [target, adapter_target] if lora else [target]
 
 
-def write_hf_folder(info: layout.CheckpointInfo, out: Path, progress: bool = True) -> None:
-    """``model.safetensors`` + config + tokenizer of ``info`` into the existing folder ``out``."""
+def read_lora_adapter(info: layout.CheckpointInfo):
+    """``(peft-named fp32 adapter, LoraSettings)`` assembled from a checkpoint's shard files."""
+    from megarl.checkpoint.lora_shards import peft_adapter_from_checkpoint
+    from megarl.checkpoint.shards import ShardReader
+    from megarl.models.lora import LoraSettings
+
+    lora_cfg = info.marker.get("config", {}).get("actor", {}).get("lora", {})
+    if int(lora_cfg.get("rank", 0)) < 1:
+        raise ConvertError(f"--ckpt {info.path}: checkpoint holds no LoRA adapter (saved "
+                           "without actor.lora.rank > 0); drop --lora/--merge-lora")
+    settings = LoraSettings(rank=int(lora_cfg["rank"]), alpha=float(lora_cfg["alpha"]),
+                            dropout=float(lora_cfg.get("dropout", 0.0)),
+                            target_modules=tuple(lora_cfg["target_modules"]))
+    spec = _spec_of(info.path)
+    try:
+        reader = ShardReader(info, spec)
+        adapter = peft_adapter_from_checkpoint(reader.read, reader.saved_tp, spec,
+                                               settings.target_modules)
+    except layout.CheckpointError as exc:
+        raise ConvertError(str(exc)) from None
+    return adapter, settings
+
+
+def write_hf_folder(info: layout.CheckpointInfo, out: Path, progress: bool = True,
+                    merge: tuple | None = None) -> None:
+    """``model.safetensors`` + config + tokenizer of ``info`` into the existing folder ``out``.
+
+    ``merge``: ``(peft-named adapter, scaling)`` to merge into the weights before writing.
+    """
     from megarl.checkpoint.shards import ShardReader, hf_state_from_checkpoint, save_tensors
     from megarl.checkpoint.trainer_state import copy_model_side_files
     from megarl.models import mapping
@@ -139,6 +192,10 @@ def write_hf_folder(info: layout.CheckpointInfo, out: Path, progress: bool = Tru
             state = hf_state_from_checkpoint(reader, advance)
     except layout.CheckpointError as exc:
         raise ConvertError(str(exc)) from None
+    if merge is not None:
+        from megarl.export.lora import merge_adapter_into_hf
+
+        state = merge_adapter_into_hf(state, *merge)
     save_tensors(state, out / HF_WEIGHTS_FILE)
     copy_model_side_files(info.path, out)
 
@@ -230,7 +287,7 @@ def _parser() -> argparse.ArgumentParser:
     to_hf.add_argument("--ckpt", required=True,
                        help="converted or training checkpoint, or a run directory")
     to_hf.add_argument("--out", required=True, help="new folder to write")
-    to_hf.add_argument("--lora", action="store_true", help="also write a PEFT adapter folder")
+    to_hf.add_argument("--lora", action="store_true", help="also write a PEFT adapter folder <out>-lora")
     to_hf.add_argument("--merge-lora", action="store_true", help="merge LoRA into the weights")
     for sub in (to_mcore, to_hf):
         sub.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -243,14 +300,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "hf-to-mcore":
             out = hf_to_mcore(args.hf, args.out, args.tp, args.pp, not args.no_progress)
         else:
-            if args.lora or args.merge_lora:
-                raise ConvertError("--lora/--merge-lora are not available yet (LoRA training "
-                                   "has not landed)")
-            out = mcore_to_hf(args.ckpt, args.out, not args.no_progress)
+            out = mcore_to_hf(args.ckpt, args.out, not args.no_progress, lora=args.lora,
+                              merge_lora=args.merge_lora)
     except ConvertError as exc:
         print(f"megarl-convert: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    print(f"megarl-convert: wrote {out}")
+    for folder in (out if isinstance(out, list) else [out]):
+        print(f"megarl-convert: wrote {folder}")
     return 0
 
 

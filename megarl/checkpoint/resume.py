@@ -14,7 +14,8 @@ mean something else are errors, everything else may change and is reported:
   position and the rollouts after the resume only continue the run under the same seed;
 - the problem set (``data.task``, ``data.path``, ``data.max_operand``, ``data.ops``): the saved
   stream position indexes it;
-- ``actor.lora.rank``: it changes which parameters (and optimizer states) exist.
+- ``actor.lora.rank`` and ``actor.lora.target_modules``: they change which parameters (and
+  optimizer states) exist.
 
 Allowed, reported on the console: ``trainer.total_steps`` (extend a run), logging, the parallel
 layout (``actor.tp/pp``, ``trainer.n_gpus_per_node``: the checkpoint is resharded), learning
@@ -43,6 +44,7 @@ from megarl.checkpoint.layout import (
 MUST_MATCH = (
     "model.path", "model.hf_config", "model.init_seed", "model.dtype", "trainer.seed",
     "data.task", "data.path", "data.max_operand", "data.ops", "actor.lora.rank",
+    "actor.lora.target_modules",
 )
 NOT_REPORTED = ("trainer.resume",)
 

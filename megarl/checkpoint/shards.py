@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from megarl.checkpoint import lora_shards
 from megarl.checkpoint.layout import CheckpointError, CheckpointInfo, model_file, optim_file
 from megarl.models import mapping
 from megarl.models.spec import TransformerSpec
@@ -141,6 +142,65 @@ def load_rank_optimizer_state(reader: ShardReader, local_params: Iterable, optim
                 _check_shape(state[key], param, f"{key}/{name}")
         optimizer.load_param_state(param, state)
         count += 1
+    return count
+
+
+# --- LoRA adapters (megarl.checkpoint.lora_shards): sites = (SavedSite, LoraAdapter) ----------
+
+
+def rank_adapter_shards(sites: Iterable) -> dict[str, torch.Tensor]:
+    """``{adapter key: this rank's factor}`` for every adapter this rank holds."""
+    out: dict[str, torch.Tensor] = {}
+    for site, adapter in sites:
+        out.update(lora_shards.site_tensors(site, adapter.lora_A.detach(),
+                                            adapter.lora_B.detach()))
+    return out
+
+
+def rank_adapter_optimizer_state(sites: Iterable, optimizer) -> dict[str, torch.Tensor]:
+    """``{"<state key>/<adapter key>": tensor}`` (AdamW holds only adapter params with LoRA)."""
+    out: dict[str, torch.Tensor] = {}
+    for site, adapter in sites:
+        for factor in lora_shards.FACTORS:
+            key = lora_shards.adapter_key(site.rule, site.layer, factor)
+            for name, value in optimizer.param_state(getattr(adapter, factor)).items():
+                out[f"{name}/{key}"] = value.reshape(1) if value.dim() == 0 else value
+    return out
+
+
+def _adapter_factor(reader: ShardReader, site, factor: str, tp_rank: int, tp: int,
+                    prefix: str = "") -> torch.Tensor:
+    key = prefix + lora_shards.adapter_key(site.rule, site.layer, factor)
+    if tp == reader.saved_tp:
+        return reader.read(key, tp_rank)
+    split = lora_shards.is_split(site.parallel, factor)
+    saved = [reader.read(key, t) for t in (range(reader.saved_tp) if split else [0])]
+    return lora_shards.reshard_factor(site, factor, saved, reader.spec, tp_rank, tp)
+
+
+@torch.no_grad()
+def load_rank_adapters(reader: ShardReader, sites: Iterable, optimizer, tp_rank: int,
+                       tp: int) -> int:
+    """Copy this rank's adapter factors and their AdamW state in; returns factors loaded."""
+    count = 0
+    for site, adapter in sites:
+        for factor in lora_shards.FACTORS:
+            param = getattr(adapter, factor)
+            key = lora_shards.adapter_key(site.rule, site.layer, factor)
+            if not reader.has(key):
+                raise CheckpointError(f"checkpoint {reader.info.path} holds no LoRA adapter "
+                                      f"tensor {key} (saved without actor.lora?)")
+            value = _adapter_factor(reader, site, factor, tp_rank, tp)
+            _check_shape(value, param, key)
+            param.copy_(value.to(param.dtype))
+            count += 1
+            if optimizer is None or not reader.has(f"step/{key}"):
+                continue
+            state = {"step": reader.read(f"step/{key}", 0).reshape(())}
+            for name in ("exp_avg", "exp_avg_sq"):
+                state[name] = _adapter_factor(reader, site, factor, tp_rank, tp, f"{name}/")
+                _check_shape(state[name], param, f"{name}/{key}")
+            optimizer.load_param_state(param, state)
     return count
 
 

@@ -4,6 +4,9 @@ What a step of the loop depends on, and where it is saved:
 
 - weights and AdamW state (``exp_avg``, ``exp_avg_sq``, ``step``) of every shard: model/optim
   files, one pair per (TP, PP) rank, written by the DP-rank-0 replica (DP replicas are equal);
+  with LoRA also every adapter factor's shard and its AdamW state (the optimizer holds only
+  adapters then), keyed as in :mod:`megarl.checkpoint.lora_shards`, and the adapters' dropout
+  generators (in the RNG files);
 - torch / numpy / python RNG states of every rank (nothing in the CPU loop draws from them
   today -- dropout is 0 and sampling has its own generator -- but a future consumer must not
   silently break resume); on CUDA also the CUDA and Megatron TP RNG-tracker states;
@@ -32,8 +35,11 @@ from megarl.checkpoint import layout
 from megarl.checkpoint.resume import config_tree
 from megarl.checkpoint.shards import (
     ShardReader,
+    load_rank_adapters,
     load_rank_optimizer_state,
     load_rank_shards,
+    rank_adapter_optimizer_state,
+    rank_adapter_shards,
     rank_optimizer_state,
     rank_shards,
     save_tensors,
@@ -75,11 +81,14 @@ def save_training_checkpoint(cfg, step: int, actor, spec, driver, model_dir: str
     dist.barrier()
     staging = layout.staging_dir(root, name)
     tp_rank, tp, pp_rank, pp, dp_rank = _parallel_ranks()
+    sites = _adapter_sites(actor, spec)
     if dp_rank == 0:
-        save_tensors(rank_shards(actor.local_params()), staging / layout.model_file(tp_rank, pp_rank))
-        save_tensors(rank_optimizer_state(actor.local_params(), actor.optimizer),
+        save_tensors({**rank_shards(actor.local_params()), **rank_adapter_shards(sites)},
+                     staging / layout.model_file(tp_rank, pp_rank))
+        save_tensors({**rank_optimizer_state(actor.local_params(), actor.optimizer),
+                      **rank_adapter_optimizer_state(sites, actor.optimizer)},
                      staging / layout.optim_file(tp_rank, pp_rank))
-    torch.save(_rng_state(), staging / layout.rng_file(rank))
+    torch.save({**_rng_state(), **_adapter_rng_state(sites)}, staging / layout.rng_file(rank))
     if rank == 0:
         (staging / DRIVER_STATE).write_text(json.dumps(driver.state_dict()), encoding="utf-8")
         copy_model_side_files(model_dir, staging)
@@ -104,15 +113,53 @@ def restore_training_checkpoint(path: str, actor, spec, driver) -> int:
     reader = ShardReader(info, spec, optimizer=True)
     load_rank_shards(reader, actor.local_params(), tp_rank, tp)
     load_rank_optimizer_state(reader, actor.local_params(), actor.optimizer, tp_rank, tp)
+    sites = _adapter_sites(actor, spec)
+    load_rank_adapters(reader, sites, actor.optimizer, tp_rank, tp)
     rank = dist.get_rank()
     rng_path = info.path / layout.rng_file(rank)
     if info.marker["layout"].get("world_size") == dist.get_world_size() and rng_path.is_file():
-        _set_rng_state(torch.load(rng_path, weights_only=False))
+        state = torch.load(rng_path, weights_only=False)
+        _set_rng_state(state)
+        _set_adapter_rng_state(sites, state)
     if driver is not None:
         state = json.loads((info.path / DRIVER_STATE).read_text(encoding="utf-8"))
         metrics_path = Path(driver.cfg.trainer.run_dir) / "metrics.jsonl"
         driver.load_state_dict(state, layout.read_metrics(metrics_path))
     return info.step
+
+
+# --- LoRA adapters (megarl.checkpoint.lora_shards) --------------------------------------------
+
+
+def _adapter_sites(actor, spec) -> list:
+    """``(SavedSite, LoraAdapter)`` of this rank's adapters; empty without LoRA."""
+    if getattr(actor, "lora", None) is None:
+        return []
+    from megarl.checkpoint.lora_shards import SavedSite
+    from megarl.models.lora import iter_adapters
+
+    return [(SavedSite(s.rule, s.layer, s.adapter.parallel), s.adapter)
+            for s in iter_adapters(actor.model, spec)]
+
+
+def _adapter_rng_state(sites) -> dict:
+    """Dropout generators of the adapters (``actor.lora.dropout > 0``), by adapter key."""
+    from megarl.checkpoint.lora_shards import adapter_key
+
+    if not sites:
+        return {}
+    return {"lora_dropout": {adapter_key(s.rule, s.layer, "lora_A"): a.dropout_rng_state()
+                             for s, a in sites}}
+
+
+def _set_adapter_rng_state(sites, state: dict) -> None:
+    from megarl.checkpoint.lora_shards import adapter_key
+
+    saved = state.get("lora_dropout", {})
+    for site, adapter in sites:
+        key = adapter_key(site.rule, site.layer, "lora_A")
+        if key in saved:
+            adapter.set_dropout_rng_state(saved[key])
 
 
 def _rng_state() -> dict:

@@ -311,10 +311,6 @@ class RunConfig:
         _require(world % model_parallel == 0,
                  f"actor.tp={self.actor.tp} x actor.pp={self.actor.pp} does not divide "
                  f"trainer.nnodes x trainer.n_gpus_per_node = {world} ranks")
-        _require(not (self.actor.lora.enabled and self.trainer.save_interval > 0),
-                 f"trainer.save_interval={self.trainer.save_interval} with actor.lora.rank="
-                 f"{self.actor.lora.rank}: training checkpoints do not hold LoRA adapters yet; "
-                 "use trainer.save_interval=0")
         _require(self.rollout.n_gpus == 0 or self.trainer.launcher == "ray",
                  f"rollout.n_gpus={self.rollout.n_gpus}: a split rollout placement needs "
                  "trainer.launcher=ray")

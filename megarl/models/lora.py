@@ -98,7 +98,7 @@ def hf_target_modules(spec: TransformerSpec, targets: Sequence[str]) -> list[str
     rules = mapping.rule_index(spec)
     modules: list[str] = []
     for target in targets:
-        rule = rules[_weight_template(target)]
+        rule = rules[weight_template(target)]
         for hf_name in rule.hf:
             module = hf_name.removesuffix(".weight").rsplit(".", 1)[-1]
             if module not in modules:
@@ -106,7 +106,7 @@ def hf_target_modules(spec: TransformerSpec, targets: Sequence[str]) -> list[str
     return modules
 
 
-def _weight_template(target: str) -> str:
+def weight_template(target: str) -> str:
     block = "self_attention" if target in ("linear_qkv", "linear_proj") else "mlp"
     return f"decoder.layers.{{layer}}.{block}.{target}.weight"
 
@@ -152,6 +152,20 @@ class LoraAdapter(torch.nn.Module):
         else:
             h = reduce_from_tensor_model_parallel_region(h)
         return torch.nn.functional.linear(h, self.lora_B) * self.scaling
+
+    def dropout_rng_state(self) -> tuple[str, torch.Tensor] | None:
+        """``(device, state)`` of the dropout generator (None before its first use): a
+        training checkpoint saves it so a resumed run draws the masks it would have drawn."""
+        gen = self._dropout_gen
+        return None if gen is None else (str(gen.device), gen.get_state())
+
+    def set_dropout_rng_state(self, saved: tuple[str, torch.Tensor] | None) -> None:
+        if saved is None:
+            self._dropout_gen = None
+            return
+        device, state = saved
+        self._dropout_gen = torch.Generator(device=device)
+        self._dropout_gen.set_state(state)
 
     def _apply_dropout(self, x: torch.Tensor) -> torch.Tensor:
         if self.dropout == 0 or not (self.training and torch.is_grad_enabled()):
@@ -266,7 +280,7 @@ def iter_adapters(model, spec: TransformerSpec) -> Iterator[AdapterSite]:
     for module in unwrap(model).modules():
         adapter = getattr(module, ADAPTER_ATTR, None)
         if isinstance(adapter, LoraAdapter):
-            yield AdapterSite(rules[_weight_template(adapter.target)], adapter.layer, adapter)
+            yield AdapterSite(rules[weight_template(adapter.target)], adapter.layer, adapter)
 
 
 def adapter_parameters(model) -> list[torch.nn.Parameter]:

@@ -100,8 +100,8 @@ def test_bad_inputs_are_one_line_and_write_nothing(tiny_hf, tmp_path, capsys):
     err = _error_line(capsys, ["mcore-to-hf", "--ckpt", str(tiny_hf), "--out", str(out)])
     assert "no megarl_checkpoint.json" in err
     err = _error_line(capsys, ["mcore-to-hf", "--ckpt", str(tiny_hf), "--out", str(out),
-                               "--merge-lora"])
-    assert "not available yet" in err
+                               "--lora", "--merge-lora"])
+    assert "--lora and --merge-lora: choose one" in err
     assert not out.exists()
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".tmp")] == []
     err = _error_line(capsys, ["hf-to-mcore", "--hf", str(tiny_hf), "--out", str(tiny_hf)])
