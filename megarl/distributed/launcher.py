@@ -19,6 +19,7 @@ from typing import Any
 import torch.multiprocessing as mp
 
 POLL_S = 0.2
+CAUSE_GRACE_S = 1.0  # how long a peer's error waits for a killed rank to be seen
 
 
 class WorkerFailed(RuntimeError):
@@ -91,35 +92,16 @@ def launch(fn: Callable[..., Any], world_size: int, args: tuple = (),
     for proc in procs:
         proc.start()
     results: dict[int, Any] = {}
-    errors: dict[int, str] = {}
+    errors: dict[int, Any] = {}
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     try:
         while len(results) + len(errors) < world_size:
-            while not queue.empty():
-                rank, status, payload = queue.get()
-                (results if status == "ok" else errors)[rank] = payload
-            if errors:
-                break
-            dead = [(r, p.exitcode) for r, p in enumerate(procs)
-                    if p.exitcode not in (None, 0) and r not in results]
-            if dead:
-                time.sleep(POLL_S)  # let its error message arrive
-                while not queue.empty():
-                    rank, status, payload = queue.get()
-                    (results if status == "ok" else errors)[rank] = payload
-                if not errors:
-                    rank, code = dead[0]
-                    raise WorkerFailed(rank, code, "killed or crashed without a Python error")
-                break
+            _drain(queue, results, errors)
+            if errors or _silently_dead(procs, results, errors):
+                _raise_root_cause(procs, queue, results, errors)
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"workers did not finish within {timeout_s:.0f} s")
             time.sleep(POLL_S)
-        if errors:
-            rank = min(errors)
-            payload = errors[rank]
-            if isinstance(payload, int):
-                raise SystemExit(payload)
-            raise WorkerFailed(rank, procs[rank].exitcode, payload)
         for proc in procs:
             proc.join(timeout=30)
         return [pickle.loads(results[r]) for r in range(world_size)]
@@ -131,3 +113,44 @@ def launch(fn: Callable[..., Any], world_size: int, args: tuple = (),
             proc.join(timeout=10)
             if proc.is_alive():
                 proc.kill()
+
+
+# --- which rank caused a failure (issue 7) ----------------------------------------------------
+# When one rank is killed (SIGKILL, OOM killer), its peers fail a moment later inside a collective
+# ("connection closed by peer") and report that as a Python error, often before the parent has
+# even seen the dead process. The killed rank is the cause, so it is named, not its peers.
+
+
+def _drain(queue, results: dict[int, Any], errors: dict[int, Any]) -> None:
+    while not queue.empty():
+        rank, status, payload = queue.get()
+        (results if status == "ok" else errors)[rank] = payload
+
+
+def _silently_dead(procs, results, errors) -> list[tuple[int, int]]:
+    """Ranks that exited abnormally without reporting anything: killed or crashed natively."""
+    return [(r, p.exitcode) for r, p in enumerate(procs)
+            if p.exitcode not in (None, 0) and r not in results and r not in errors]
+
+
+def _raise_root_cause(procs, queue, results, errors) -> None:
+    """Give a killed rank ``CAUSE_GRACE_S`` to be seen dead, then name it (or the lowest rank with
+    a Python error). A reporting rank writes its message before it exits, so exit codes are read
+    before the queue: a rank dead with its message still unread is never taken as killed."""
+    grace_end = time.monotonic() + CAUSE_GRACE_S
+    while True:
+        dead = _silently_dead(procs, results, errors)
+        _drain(queue, results, errors)
+        killed = [(r, code) for r, code in dead if r not in errors and r not in results]
+        if killed:
+            rank, code = killed[0]
+            peers = f"; then {len(errors)} other rank(s) failed" if errors else ""
+            raise WorkerFailed(rank, code, f"killed or crashed without a Python error{peers}")
+        if time.monotonic() >= grace_end:
+            break
+        time.sleep(POLL_S / 4)
+    rank = min(errors)
+    payload = errors[rank]
+    if isinstance(payload, int):
+        raise SystemExit(payload)
+    raise WorkerFailed(rank, procs[rank].exitcode, payload)
