@@ -19,6 +19,7 @@ from typing import Any
 import torch.multiprocessing as mp
 
 POLL_S = 0.2
+CAUSE_GRACE_S = 1.0  # how long a peer's error waits for a killed rank to be seen
 
 
 class WorkerFailed(RuntimeError):
@@ -71,32 +72,6 @@ def _worker_entry(rank: int, fn: Callable, world_size: int, port: int, args: tup
         raise
 
 
-def _drain(queue, results: dict[int, Any], errors: dict[int, Any]) -> None:
-    while not queue.empty():
-        rank, status, payload = queue.get()
-        (results if status == "ok" else errors)[rank] = payload
-
-
-def _crashed(procs, results, errors) -> list[tuple[int, int]]:
-    """Ranks that exited non-zero without reporting anything: killed, OOM, segfault."""
-    return [(r, p.exitcode) for r, p in enumerate(procs)
-            if p.exitcode not in (None, 0) and r not in results and r not in errors]
-
-
-def _root_cause(procs, results, errors) -> BaseException:
-    """The failure to report. A rank that died without a Python error is the cause; the other
-    ranks' errors (a collective whose peer vanished) are its consequences."""
-    crashed = _crashed(procs, results, errors)
-    if crashed:
-        rank, code = crashed[0]
-        return WorkerFailed(rank, code, "killed or crashed without a Python error")
-    rank = min(errors)
-    payload = errors[rank]
-    if isinstance(payload, int):
-        return SystemExit(payload)
-    return WorkerFailed(rank, procs[rank].exitcode, payload)
-
-
 def launch(fn: Callable[..., Any], world_size: int, args: tuple = (),
            timeout_s: float | None = None) -> list[Any]:
     """Run ``fn(WorkerContext, *args)`` on ``world_size`` ranks; return each rank's result.
@@ -122,10 +97,8 @@ def launch(fn: Callable[..., Any], world_size: int, args: tuple = (),
     try:
         while len(results) + len(errors) < world_size:
             _drain(queue, results, errors)
-            if errors or _crashed(procs, results, errors):
-                time.sleep(POLL_S)  # let the other ranks' exits and messages arrive
-                _drain(queue, results, errors)
-                raise _root_cause(procs, results, errors)
+            if errors or _silently_dead(procs, results, errors):
+                _raise_root_cause(procs, queue, results, errors)
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"workers did not finish within {timeout_s:.0f} s")
             time.sleep(POLL_S)
@@ -140,3 +113,44 @@ def launch(fn: Callable[..., Any], world_size: int, args: tuple = (),
             proc.join(timeout=10)
             if proc.is_alive():
                 proc.kill()
+
+
+# --- which rank caused a failure (issue 7) ----------------------------------------------------
+# When one rank is killed (SIGKILL, OOM killer), its peers fail a moment later inside a collective
+# ("connection closed by peer") and report that as a Python error, often before the parent has
+# even seen the dead process. The killed rank is the cause, so it is named, not its peers.
+
+
+def _drain(queue, results: dict[int, Any], errors: dict[int, Any]) -> None:
+    while not queue.empty():
+        rank, status, payload = queue.get()
+        (results if status == "ok" else errors)[rank] = payload
+
+
+def _silently_dead(procs, results, errors) -> list[tuple[int, int]]:
+    """Ranks that exited abnormally without reporting anything: killed or crashed natively."""
+    return [(r, p.exitcode) for r, p in enumerate(procs)
+            if p.exitcode not in (None, 0) and r not in results and r not in errors]
+
+
+def _raise_root_cause(procs, queue, results, errors) -> None:
+    """Give a killed rank ``CAUSE_GRACE_S`` to be seen dead, then name it (or the lowest rank with
+    a Python error). A reporting rank writes its message before it exits, so exit codes are read
+    before the queue: a rank dead with its message still unread is never taken as killed."""
+    grace_end = time.monotonic() + CAUSE_GRACE_S
+    while True:
+        dead = _silently_dead(procs, results, errors)
+        _drain(queue, results, errors)
+        killed = [(r, code) for r, code in dead if r not in errors and r not in results]
+        if killed:
+            rank, code = killed[0]
+            peers = f"; then {len(errors)} other rank(s) failed" if errors else ""
+            raise WorkerFailed(rank, code, f"killed or crashed without a Python error{peers}")
+        if time.monotonic() >= grace_end:
+            break
+        time.sleep(POLL_S / 4)
+    rank = min(errors)
+    payload = errors[rank]
+    if isinstance(payload, int):
+        raise SystemExit(payload)
+    raise WorkerFailed(rank, procs[rank].exitcode, payload)

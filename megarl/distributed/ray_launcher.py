@@ -37,6 +37,7 @@ CPU_PER_RANK = 0.01
 """Ray CPU resource per rank on CPU runs: a token amount, so placement never waits for cores."""
 RESERVE_TIMEOUT_S = float(os.environ.get("MEGARL_RAY_RESERVE_TIMEOUT_S", 120))
 POLL_S = 0.5
+CAUSE_GRACE_S = 2.0  # how long a rank's error waits for Ray to report a killed peer
 LOCAL_START_ATTEMPTS = 3
 
 
@@ -291,12 +292,32 @@ def run_ranks(actors: list, placements: list[RankPlacement], fn: Callable, maste
                 raise WorkerFailed(rank, None, _death_cause(exc),
                                    where=placements[rank].describe()) from None
             except ray.exceptions.RayTaskError as exc:
+                _raise_if_a_rank_died(pending, placements)  # the cause, not this symptom
                 cause = exc.cause if isinstance(exc.cause, BaseException) else exc
                 if isinstance(cause, SystemExit):
                     raise SystemExit(cause.code) from None
                 raise WorkerFailed(rank, None, f"{type(cause).__name__}: {cause}",
                                    where=placements[rank].describe()) from None
     return [results[r] for r in range(world)]
+
+
+def _raise_if_a_rank_died(pending: dict, placements: list[RankPlacement]) -> None:
+    """A rank's Python error may be its collective noticing that a peer was killed; Ray reports
+    the death a moment later. Wait ``CAUSE_GRACE_S`` for one and name the dead rank if any."""
+    import ray
+
+    if not pending:
+        return
+    done, _ = ray.wait(list(pending), num_returns=len(pending), timeout=CAUSE_GRACE_S)
+    for ref in done:
+        try:
+            ray.get(ref)
+        except ray.exceptions.RayActorError as exc:
+            rank = pending[ref]
+            raise WorkerFailed(rank, None, _death_cause(exc) + "; then other rank(s) failed",
+                               where=placements[rank].describe()) from None
+        except ray.exceptions.RayTaskError:
+            continue
 
 
 def _death_cause(exc: BaseException) -> str:

@@ -42,3 +42,63 @@ def test_killed_rank_is_named_and_run_exits_nonzero(tmp_path, launcher):
     metrics = tmp_path / "run" / "metrics.jsonl"
     rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
     assert [r["step"] for r in rows] in ([], [1])
+
+
+def test_killed_rank_then_resume_auto_completes_the_run(tmp_path):
+    """Issue 7's failure-injection test: rank 1 dies at the start of step 3 (after the step-2
+    checkpoint was published), the run stops within the bound naming rank 1; the same command
+    again, without the fault, resumes from step 2 and finishes with every step recorded once."""
+    total, die_at, run_dir = 3, 3, tmp_path / "run"
+    mark = tmp_path / "killed_at"
+    base_env = {**os.environ,
+                "PYTHONPATH": os.pathsep.join([str(REPO), str(Path(__file__).parent)]),
+                "MEGARL_COLLECTIVE_TIMEOUT_S": "120"}
+    command = [sys.executable, "-m", "megarl.train", *tiny_overrides(run_dir, steps=total, **{
+        "trainer.launcher": "local", "trainer.n_gpus_per_node": 2, "actor.tp": 2,
+        "trainer.save_interval": 1, "trainer.resume": "auto"})]
+
+    killed = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                            env={**base_env, "MEGARL_FAULT_INJECT": f"1:{die_at}",
+                                 "MEGARL_FAULT_INJECT_MARK": str(mark)})
+    detect_s = time.time() - float(mark.read_text())
+    errors = [line for line in killed.stderr.splitlines() if line.startswith("megarl-train: error")]
+    assert killed.returncode != 0, killed.stderr[-3000:]
+    assert len(errors) == 1 and "rank 1" in errors[0], killed.stderr[-3000:]
+    assert detect_s < DETECT_BOUND_S, f"rank 1 died {detect_s:.1f} s before the run exited"
+    assert [r["step"] for r in _metric_rows(run_dir)] == [1, 2]
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) == [
+        "step_000001", "step_000002"]
+
+    resumed = subprocess.run(command, cwd=tmp_path, env=base_env, capture_output=True, text=True,
+                             timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    said = [line for line in resumed.stdout.splitlines() if "megarl-train: resuming from" in line]
+    assert len(said) == 1 and "step_000002 (step 2)" in said[0], resumed.stdout[-3000:]
+    assert [r["step"] for r in _metric_rows(run_dir)] == list(range(1, total + 1))
+    print(f"rank 1 killed at step {die_at} -> exit in {detect_s:.1f} s: {errors[0]}; {said[0]}")
+
+
+def _metric_rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _peer_fails_first(ctx, sync_dir: str) -> None:
+    """Rank 1 is "killed" just after rank 0 reports the peer error it would see in a collective:
+    the order in which the parent hears about them when the killed rank is reaped late."""
+    ready = Path(sync_dir) / "rank1_ready"
+    if ctx.rank == 1:
+        ready.write_text("1")
+        time.sleep(0.3)
+        os._exit(137)
+    while not ready.exists():
+        time.sleep(0.01)
+    raise RuntimeError("Connection closed by peer")
+
+
+def test_killed_rank_is_named_not_the_peer_that_noticed(tmp_path):
+    from megarl.distributed.launcher import WorkerFailed, launch
+
+    with pytest.raises(WorkerFailed) as failed:
+        launch(_peer_fails_first, 2, args=(str(tmp_path),), timeout_s=120)
+    assert failed.value.rank == 1 and failed.value.exitcode == 137, str(failed.value)
+    assert "then 1 other rank(s) failed" in str(failed.value)
