@@ -33,26 +33,9 @@ def _state(model, tied: bool) -> dict[str, torch.Tensor]:
 
 def _vocab_logits(actor, ids, tp: int):
     """Full-vocabulary logits of each sequence through the (interleaved) pipeline schedule."""
-    from megatron.core import parallel_state as ps
+    from logits_probe import full_logits, probe_batch
 
-    from megarl.trainer.batch import RolloutBatch, collate
-
-    num = ids.shape[0]
-    batch = RolloutBatch(
-        tokens=tuple(ids), prompt_lens=(4,) * num, group_ids=torch.zeros(num),
-        rewards=torch.zeros(num), advantages=torch.zeros(num),
-        engine_logprobs=tuple(torch.zeros(ids.shape[1] - 4) for _ in range(num)))
-    mbs = [collate(batch, [i], pad_id=0) for i in range(num)]
-
-    def gather_logits(mb, logits):
-        shards = [torch.empty_like(logits) for _ in range(tp)]
-        torch.distributed.all_gather(shards, logits.contiguous(),
-                                     group=ps.get_tensor_model_parallel_group())
-        return logits.new_zeros(()), torch.tensor(1), {"logits": torch.cat(shards, -1)}
-
-    with torch.no_grad():
-        outs = actor._run_schedule(mbs, gather_logits, forward_only=True)
-    return torch.cat([o["logits"] for o in outs]) if actor.is_last_stage else None
+    return full_logits(actor, probe_batch(ids), tp)
 
 
 def _worker(ctx, tp, pp, vpp, hf_config, state, ids, ref_logits, engine_seed):

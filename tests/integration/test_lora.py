@@ -37,23 +37,9 @@ def _batch(ids):
 
 def _full_logits(actor, batch, tp: int):
     """Logits of every sequence through the pipeline, TP shards gathered (last stage only)."""
-    from megatron.core import parallel_state as ps
+    from logits_probe import full_logits
 
-    from megarl.trainer.batch import collate
-
-    mbs = [collate(batch, [i], pad_id=0) for i in range(batch.num_seqs)]
-
-    def gather(mb, logits):
-        shards = [torch.empty_like(logits) for _ in range(tp)]
-        torch.distributed.all_gather(shards, logits.contiguous(),
-                                     group=ps.get_tensor_model_parallel_group())
-        return logits.new_zeros(()), torch.tensor(1), {"logits": torch.cat(shards, -1)}
-
-    with torch.no_grad():
-        outs = actor._run_schedule(mbs, gather, forward_only=True)
-    if not actor.is_last_stage:
-        return None
-    return torch.cat([o["logits"] for o in outs])[..., : TINY["vocab_size"]]
+    return full_logits(actor, batch, tp, TINY["vocab_size"])
 
 
 def _worker(ctx, tp: int, pp: int, ids, state):

@@ -40,7 +40,6 @@ def _worker(ctx, tp: int, pp: int, hf_config: dict, ids, ref_logits, state):
     from megarl.distributed.platform import enter_cpu_shims
     from megarl.export.gather import gather_hf_state_dict
     from megarl.models.spec import spec_from_hf_config
-    from megarl.trainer.batch import RolloutBatch
     from megarl.workers.megatron_actor import MegatronActor
 
     enter_cpu_shims()
@@ -49,30 +48,11 @@ def _worker(ctx, tp: int, pp: int, hf_config: dict, ids, ref_logits, state):
     spec = spec_from_hf_config(hf_config)
     actor = MegatronActor(spec, ActorConfig(tp=tp, pp=pp), "cpu", torch.float32, state,
                           pad_id=0, trainable=True)
-    # full logits through the pipeline schedule, TP shards gathered
-    from megarl.trainer.batch import collate
+    from logits_probe import full_logits, probe_batch
 
-    num = ids.shape[0]
-    batch = RolloutBatch(
-        tokens=tuple(ids), prompt_lens=(4,) * num, group_ids=torch.zeros(num),
-        rewards=torch.zeros(num), advantages=torch.zeros(num),
-        engine_logprobs=tuple(torch.zeros(ids.shape[1] - 4) for _ in range(num)))
-    mbs = [collate(batch, [i], pad_id=0) for i in range(num)]
-
-    def gather_logits(mb, logits):
-        from megatron.core import parallel_state as ps
-
-        shards = [torch.empty_like(logits) for _ in range(tp)]
-        torch.distributed.all_gather(shards, logits.contiguous(),
-                                     group=ps.get_tensor_model_parallel_group())
-        return logits.new_zeros(()), torch.tensor(1), {"logits": torch.cat(shards, -1)}
-
-    with torch.no_grad():
-        outs = actor._run_schedule(mbs, gather_logits, forward_only=True)
-    logits_diff = None
-    if actor.is_last_stage:
-        got = torch.cat([o["logits"] for o in outs])[..., : hf_config["vocab_size"]]
-        logits_diff = (got - ref_logits).abs().max().item()
+    num, batch = ids.shape[0], probe_batch(ids)
+    got = full_logits(actor, batch, tp, hf_config["vocab_size"])
+    logits_diff = None if got is None else (got - ref_logits).abs().max().item()
     logp = actor.compute_logprobs(batch, [list(range(num))], temperature=0.7)
     logp_diff = None
     if actor.is_last_stage:
