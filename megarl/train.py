@@ -111,9 +111,9 @@ def validate_against_model(cfg, model_dir: str) -> None:
     try:
         spec = spec_from_hf_config(load_hf_config(model_dir))
         spec.check_parallelism(cfg.actor.tp, cfg.actor.pp, cfg.actor.vpp)
-        if cfg.actor.vpp > 1:  # export branch: VPP builds, loads and exports, but cannot train yet
+        if cfg.actor.vpp > 1:  # VPP builds, loads and exports, but cannot train yet
             raise StartupError(VPP_TRAINING_UNSUPPORTED)
-        if cfg.export.checksum_interval and cfg.rollout.engine != "hf":  # export branch
+        if cfg.export.checksum_interval and cfg.rollout.engine != "hf":
             raise StartupError(f"export.checksum_interval={cfg.export.checksum_interval} needs "
                                "rollout.engine=hf (vLLM keeps fused weights); set it to 0")
         validate_gate_config(run_facts(cfg))
@@ -160,7 +160,7 @@ def run(overrides: list[str], return_final_state: bool = False):
     return _launch(cfg, device, run_worker, inputs)[0]
 
 
-# --- launcher dispatch (issue 7: multi-node) ---------------------------------------------------
+# --- launcher dispatch ---------------------------------------------------
 def _launch(cfg, device: str, fn, inputs) -> list:
     """Run ``fn`` on every rank: spawned processes here (local) or Ray actors (ray)."""
     from megarl.distributed.launcher import launch
@@ -189,7 +189,6 @@ def _split_rollout(cfg, inputs):
         role="rollout", cls=RolloutWorker, n_gpus=cfg.rollout.n_gpus,
         init_args=(cfg, inputs.model_dir, inputs.device, forwarded_env(), list(sys.path)),
         attach=lambda handle, args: (dataclasses.replace(args[0], rollout_actor=handle),))
-# --- end launcher dispatch ---------------------------------------------------------------------
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -140,11 +140,10 @@ class ActorConfig:
     """Tokens per chunk when turning vocab-parallel logits into logprobs and entropy."""
     recompute: str = "none"
     """none | selective (attention core) | full (whole layers): activation recomputation."""
-    # --- sequence packing (issue 8 / issue 3 item 4) ---
+    # --- sequence packing ---
     pack_sequences: bool = True
     """Pack each micro-batch into one row (no pad tokens; attention and RoPE per sequence):
     SDPA per sequence block on CPU, transformer-engine THD on GPU. false = right-padded rows."""
-    # --- end sequence packing ---
     optim: OptimConfig = field(default_factory=OptimConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
 
@@ -188,11 +187,10 @@ class RolloutConfig:
     """vLLM: sequences decoded concurrently."""
     max_num_batched_tokens: int = 8192
     """vLLM: tokens per engine step (prefill chunking)."""
-    # --- placement (issue 7) ---
+    # --- placement ---
     n_gpus: int = 0
     """0 = colocated (the engine shares rank 0's device) | N = split placement: the engine runs
     in its own Ray actor on N devices of its own (on CPU: its own process). Needs launcher=ray."""
-    # --- end placement ---
 
     def __post_init__(self) -> None:
         _choice("rollout.engine", self.engine, ("hf", "vllm"))

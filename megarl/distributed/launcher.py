@@ -115,7 +115,7 @@ def launch(fn: Callable[..., Any], world_size: int, args: tuple = (),
                 proc.kill()
 
 
-# --- which rank caused a failure (issue 7) ----------------------------------------------------
+# --- which rank caused a failure ----------------------------------------------------
 # When one rank is killed (SIGKILL, OOM killer), its peers fail a moment later inside a collective
 # ("connection closed by peer") and report that as a Python error, often before the parent has
 # even seen the dead process. The killed rank is the cause, so it is named, not its peers.

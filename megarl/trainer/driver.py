@@ -43,7 +43,7 @@ class Driver:
         self.history: list[dict] = []
         self._export_metrics: dict[str, float] = {}
         self.console = Console(cfg.trainer.total_steps, enabled=cfg.trainer.log_console)
-        self._perf = _PerfContext.build(model_dir, device, cfg.trainer.world_size)  # issue 8: MFU
+        self._perf = _PerfContext.build(model_dir, device, cfg.trainer.world_size)
 
     def rollout(self, step: int):
         return self.producer.produce(step)
@@ -77,7 +77,6 @@ class Driver:
         self.engine.load_lora_adapter(adapter.items(), rank=lora.rank, alpha=lora.alpha,
                                       target_modules=hf_target_modules(self.spec,
                                                                        lora.target_modules))
-    # --- end engine memory and LoRA ---
 
     def record_step(self, step, timer: PhaseTimer, rollout_metrics, plan, gates, stats, batch):
         metrics: dict = {"step": step}
@@ -93,7 +92,7 @@ class Driver:
         total_tokens = sum(batch.seq_lens)
         metrics["perf/total_num_tokens"] = total_tokens
         metrics["perf/throughput"] = total_tokens / max(metrics["timing_s/step"], 1e-9)
-        metrics.update(self._perf.update_metrics(plan, batch, timer.times))  # issue 8: MFU
+        metrics.update(self._perf.update_metrics(plan, batch, timer.times))
         self.writer.write(metrics)
         self.history.append(metrics)
         self.console.step(metrics, self.producer.last_samples)
@@ -114,7 +113,7 @@ class Driver:
         self.writer.close()
 
 
-# --- issue 8: MFU of the update phase ---
+# --- MFU of the update phase ---
 @dataclass(frozen=True)
 class _PerfContext:
     """What ``perf/mfu/actor`` needs besides the step: the model shape and the device peak."""
@@ -134,7 +133,6 @@ class _PerfContext:
         seconds = times.get("timing_s/update_actor", 0.0)
         return perf.update_metrics(self.spec, plan, batch.seq_lens, seconds, self.num_devices,
                                    self.peak)
-# --- end issue 8 ---
 
 
 def vllm_engine_kwargs(cfg: RunConfig, model_dir: str) -> dict:

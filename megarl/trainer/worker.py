@@ -58,7 +58,7 @@ class RunInputs:
     resume_from: str | None = None
     """A complete training checkpoint to continue from (checked against the config already)."""
     rollout_actor: object | None = None
-    """Split placement (issue 7): the Ray handle of the RolloutWorker rank 0 talks to instead of
+    """Split placement: the Ray handle of the RolloutWorker rank 0 talks to instead of
     building its own Driver; None = colocated."""
 
 
@@ -80,7 +80,7 @@ def run_worker(ctx: WorkerContext, inputs: RunInputs) -> RunResult | None:
     try:
         _train(runtime)
         final_state = None
-        if inputs.return_final_state:  # export branch: streamed, never the model on one rank
+        if inputs.return_final_state:  # streamed: never the whole model on one rank
             from megarl.export.stream import collect_state_dict, open_stream
 
             final_state = collect_state_dict(open_stream(
@@ -130,7 +130,7 @@ def _setup(ctx: WorkerContext, inputs: RunInputs) -> _Runtime:
     from megarl.models.spec import spec_from_hf_config
 
     cfg = inputs.cfg
-    execution = _execution_plan(cfg, inputs.device)  # issue 8: device decisions in one place
+    execution = _execution_plan(cfg, inputs.device)
     if ctx.rank == 0 and cfg.trainer.log_console:
         print(f"execution: {execution.summary()}\n  " + "\n  ".join(execution.reasons),
               flush=True)
@@ -145,7 +145,7 @@ def _setup(ctx: WorkerContext, inputs: RunInputs) -> _Runtime:
     tokenizer = load_hf_tokenizer(inputs.model_dir)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     hf_tensors = open_hf_tensors(inputs.model_dir)
-    dtype = getattr(torch, execution.params_dtype)  # issue 8: the plan decides the dtype
+    dtype = getattr(torch, execution.params_dtype)
     actor = MegatronActor(spec, cfg.actor, inputs.device, dtype, hf_tensors, pad_id,
                           trainable=True, init_seed=cfg.trainer.seed, execution=execution)
     reference = None
@@ -153,7 +153,7 @@ def _setup(ctx: WorkerContext, inputs: RunInputs) -> _Runtime:
         reference = MegatronActor(spec, cfg.actor, inputs.device, dtype, hf_tensors, pad_id,
                                   trainable=False, execution=execution)
     driver = None
-    if ctx.rank == 0 and inputs.rollout_actor is not None:  # split placement (issue 7)
+    if ctx.rank == 0 and inputs.rollout_actor is not None:  # split placement
         from megarl.trainer.split_rollout import RemoteDriver
 
         driver = RemoteDriver(inputs.rollout_actor)
@@ -181,7 +181,7 @@ def _execution_plan(cfg: RunConfig, device: str):
 
 
 def _train(rt: _Runtime) -> None:
-    from megarl.distributed.fault_injection import maybe_die  # test-only hook (issue 7)
+    from megarl.distributed.fault_injection import maybe_die  # test-only hook
 
     last_done = _maybe_restore(rt)
     for step in range(last_done + 1, rt.cfg.trainer.total_steps + 1):

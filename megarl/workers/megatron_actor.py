@@ -70,7 +70,7 @@ class MegatronActor:
         self.spec, self.cfg, self.device, self.pad_id = spec, cfg, device, pad_id
         self.execution = execution or default_execution(cfg, device)
         torch.manual_seed(init_seed)
-        # --- virtual pipeline (export branch): the model is a list of chunks -------------------
+        # --- virtual pipeline: the model is a list of chunks -------------------
         chunks = megatron_gpt.build_model_chunks(
             spec, cfg.tp, cfg.pp, cfg.vpp, dtype=dtype, device=device,
             use_transformer_engine=self.execution.use_transformer_engine,
@@ -80,7 +80,6 @@ class MegatronActor:
         if trainable and cfg.vpp > 1:
             raise NotImplementedError(VPP_TRAINING_UNSUPPORTED)
         model = chunks[0]
-        # --- end virtual pipeline ----------------------------------------------------------------
         # --- LoRA (megarl.models.lora): adapters on frozen base weights, before DDP ---
         self.lora = None
         if trainable and cfg.lora.enabled:
@@ -88,7 +87,6 @@ class MegatronActor:
 
             self.lora = LoraSettings.from_config(cfg.lora, seed=init_seed)
             apply_lora(model, spec, self.lora)
-        # --- end LoRA ---
         self.is_last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
         tp_rank = ps.get_tensor_model_parallel_rank()
         vocab_per_rank = spec.padded_vocab_size(cfg.tp) // cfg.tp
