@@ -17,31 +17,42 @@ PHASES = ("gen", "old_log_prob", "ref", "adv", "update_actor", "update_weights")
 
 
 class MetricsWriter:
-    """Append one JSON object per step to ``<run_dir>/metrics.jsonl``; mirror scalars to TensorBoard."""
+    """Append one JSON object per step to ``<run_dir>/metrics.jsonl``; mirror scalars to TensorBoard.
+
+    The TensorBoard writer opens at the first step written, with ``purge_step`` = that step: after a
+    resume from step k (``metrics.jsonl`` already cut back to k), events of steps > k left by the
+    interrupted run are hidden, so curves show each step once. Nothing is deleted.
+    """
 
     def __init__(self, run_dir: Path, tensorboard: bool = True):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._jsonl = open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8")  # noqa: SIM115
+        self._tensorboard = tensorboard
         self._tb = None
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
-            except ImportError:  # tensorboard is optional at run time
-                self._tb = None
 
     def write(self, metrics: Mapping[str, Any]) -> None:
         record = {k: _jsonable(v) for k, v in metrics.items()}
         self._jsonl.write(json.dumps(record) + "\n")
         self._jsonl.flush()
-        if self._tb is not None:
-            step = int(metrics["step"])
+        step = int(metrics["step"])
+        tb = self._tensorboard_from(step)
+        if tb is not None:
             for key, value in metrics.items():
                 if isinstance(value, int | float) and not isinstance(value, bool) and key != "step":
-                    self._tb.add_scalar(key, value, step)
-            self._tb.flush()
+                    tb.add_scalar(key, value, step)
+            tb.flush()
+
+    def _tensorboard_from(self, first_step: int):
+        if self._tb is None and self._tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:  # tensorboard is optional at run time
+                self._tensorboard = False
+                return None
+            self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"),
+                                     purge_step=first_step)
+        return self._tb
 
     def close(self) -> None:
         self._jsonl.close()

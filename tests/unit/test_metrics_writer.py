@@ -1,0 +1,30 @@
+"""metrics.jsonl and TensorBoard after a resume: each step shows once, with the resumed values."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megarl.trainer.metrics import MetricsWriter
+
+
+def _write(run_dir, steps, value_offset):
+    writer = MetricsWriter(run_dir, tensorboard=True)
+    for step in steps:
+        writer.write({"step": step, "actor/pg_loss": step + value_offset})
+    writer.close()
+
+
+def test_tensorboard_hides_the_interrupted_runs_later_steps(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    _write(tmp_path, [1, 2, 3, 4], value_offset=0.0)  # interrupted after step 4
+    _write(tmp_path, [3, 4, 5], value_offset=0.5)  # resumed from the step-2 checkpoint
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    scalars = [(e.step, e.value) for e in events.Scalars("actor/pg_loss")]
+    assert scalars == [(1, 1.0), (2, 2.0), (3, 3.5), (4, 4.5), (5, 5.5)]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 3, 4, 5]  # resume.py cuts this file itself
