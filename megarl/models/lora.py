@@ -35,6 +35,7 @@ mask.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import zlib
 from collections.abc import Iterator, Sequence
@@ -127,6 +128,7 @@ class LoraAdapter(torch.nn.Module):
         super().__init__()
         self.parallel, self.layer, self.target = parallel, layer, target
         self.scaling, self.dropout = settings.scaling, settings.dropout
+        self.enabled = True  # False inside `adapters_disabled`: the base model's forward
         self._seed = init_seed(settings.seed, layer, target)
         self._dropout_gen: torch.Generator | None = None
         out_local, in_local = base_weight.shape
@@ -212,9 +214,32 @@ def _lora_sharded_state_dict(module, parallel: str):
 
 def _add_lora_delta(module, args, output):
     """Forward hook on a Megatron parallel linear: ``(W x, bias) -> (W x + s B A x, bias)``."""
+    adapter = getattr(module, ADAPTER_ATTR)
+    if not adapter.enabled:
+        return output
     out, bias = output
-    delta = getattr(module, ADAPTER_ATTR).delta(args[0])
-    return out + delta.to(out.dtype), bias
+    return out + adapter.delta(args[0]).to(out.dtype), bias
+
+
+@contextlib.contextmanager
+def adapters_disabled(model) -> Iterator[int]:
+    """Forwards inside run the frozen base model, every adapter's delta left out.
+
+    With LoRA the base weights never change, so this *is* the initial policy: the reference for
+    a KL term, without building a second model (:func:`megarl.planner.gates.decide_reference`).
+    Every TP rank must enter it together (a row-parallel delta would all-reduce). Yields the
+    number of adapters switched off.
+    """
+    from megarl.models.megatron_gpt import unwrap
+
+    adapters = [m for m in unwrap(model).modules() if isinstance(m, LoraAdapter)]
+    for adapter in adapters:
+        adapter.enabled = False
+    try:
+        yield len(adapters)
+    finally:
+        for adapter in adapters:
+            adapter.enabled = True
 
 
 # --- applying and finding adapters -----------------------------------------------------------

@@ -24,7 +24,8 @@ def gate_config(cfg: RunConfig) -> GateConfig:
 def run_facts(cfg: RunConfig) -> RunFacts:
     """What is known at start-up: validates forced gate choices, decides the reference model."""
     return RunFacts(modes=gate_config(cfg), schedule=schedule(cfg),
-                    num_steps=cfg.trainer.total_steps, kl_coef=cfg.actor.kl_coef)
+                    num_steps=cfg.trainer.total_steps, kl_coef=cfg.actor.kl_coef,
+                    lora_enabled=cfg.actor.lora.enabled)
 
 
 def step_facts(cfg: RunConfig, step: int, num_sequences: int,

@@ -3,8 +3,9 @@
 One pure function, :func:`decide_gates`, takes the facts of a step (:class:`StepFacts`) and
 returns :class:`StepGates`, one :class:`PassGate` per expensive pass, each with a reason. Workers
 only execute the gates; no skip decision lives inline in GPU code. Start-up checks for unsafe
-forced choices live in :func:`validate_gate_config`; :func:`needs_reference_model` decides
-whether the reference model is built at all.
+forced choices live in :func:`validate_gate_config`; :func:`decide_reference` decides at start-up
+where reference logprobs come from: nowhere (no model built), a frozen model copy, or -- with
+LoRA, whose base weights never change -- the actor itself with its adapters disabled.
 
 The passes and their rules:
 
@@ -330,6 +331,9 @@ class RunFacts:
     kl_reward_coef: Coef = 0.0
     """``algo.kl_reward_coef``: reward KL-penalty coefficient, a constant or ``step -> value``."""
 
+    lora_enabled: bool = False
+    """``actor.lora.rank > 0``: only adapters train, the base weights stay the initial model's."""
+
     def __post_init__(self) -> None:
         _require_non_negative_int("trainer.num_steps", self.num_steps)
         _require_coef("actor.kl_coef", self.kl_coef)
@@ -521,6 +525,36 @@ def needs_reference_model(run: RunFacts) -> PassGate:
     return PassGate(run=False, reason=f"kl_coef=0, kl_reward_coef=0 for all {run.num_steps} steps")
 
 
+class ReferenceSource(str, Enum):
+    """Where the reference logprobs of a run come from (decided once, at start-up)."""
+
+    NONE = "none"
+    """No step needs them: no reference model is built or kept in memory."""
+    MODEL = "model"
+    """A frozen copy of the initial weights, built beside the actor."""
+    ACTOR_WITHOUT_ADAPTERS = "actor_without_adapters"
+    """LoRA: the actor's frozen base *is* the initial model; its forward with the adapters
+    disabled gives the reference logprobs, and no second model is built."""
+
+
+@dataclass(frozen=True)
+class ReferencePlan:
+    source: ReferenceSource
+    reason: str
+
+
+def decide_reference(run: RunFacts) -> ReferencePlan:
+    """Build a reference model only when some step needs reference logprobs and LoRA cannot
+    provide them from the actor's own frozen base weights."""
+    needed = needs_reference_model(run)
+    if not needed.run:
+        return ReferencePlan(ReferenceSource.NONE, f"no reference model: {needed.reason}")
+    if run.lora_enabled:
+        return ReferencePlan(ReferenceSource.ACTOR_WITHOUT_ADAPTERS,
+                             f"reference = actor with LoRA adapters disabled ({needed.reason})")
+    return ReferencePlan(ReferenceSource.MODEL, f"reference model built ({needed.reason})")
+
+
 def _unsafe_old_log_prob(modes: GateConfig, schedule: Schedule) -> list[str]:
     if modes.old_log_prob is not OldLogProbMode.NEVER or schedule.is_on_policy:
         return []
@@ -596,7 +630,8 @@ def decide_ref_log_prob(facts: StepFacts) -> PassGate:
         return PassGate(run=False, reason="planner.ref_log_prob=never")
     kl_terms = _nonzero_kl_terms(facts.kl_coef, facts.kl_reward_coef, facts.step)
     if kl_terms:
-        return PassGate(run=True, seq_indices=all_seqs, reason=kl_terms)
+        source = " (actor without adapters)" if facts.lora_enabled else ""
+        return PassGate(run=True, seq_indices=all_seqs, reason=kl_terms + source)
     return PassGate(run=False, reason="kl_coef=0, kl_reward_coef=0")
 
 

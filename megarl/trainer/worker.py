@@ -30,7 +30,7 @@ from megarl.config.schema import RunConfig
 from megarl.distributed.launcher import WorkerContext
 from megarl.planner import from_config
 from megarl.planner.batch_planner import StepPlan, plan_forward_micro_batches, plan_step
-from megarl.planner.gates import StepGates, decide_gates, needs_reference_model
+from megarl.planner.gates import ReferenceSource, StepGates, decide_gates, decide_reference
 from megarl.trainer.batch import RolloutBatch
 from megarl.trainer.metrics import PhaseTimer
 from megarl.workers.megatron_actor import (
@@ -114,7 +114,8 @@ class _Runtime:
     cfg: RunConfig
     dp_rank: int
     actor: MegatronActor
-    reference: MegatronActor | None
+    reference: MegatronActor | None  # built only for ReferenceSource.MODEL
+    reference_source: ReferenceSource
     driver: object | None  # megarl.trainer.driver.Driver on rank 0
     spec: object
     model_dir: str = ""
@@ -148,8 +149,11 @@ def _setup(ctx: WorkerContext, inputs: RunInputs) -> _Runtime:
     dtype = getattr(torch, execution.params_dtype)
     actor = MegatronActor(spec, cfg.actor, inputs.device, dtype, hf_tensors, pad_id,
                           trainable=True, init_seed=cfg.trainer.seed, execution=execution)
+    reference_plan = decide_reference(from_config.run_facts(cfg))
+    if ctx.rank == 0 and cfg.trainer.log_console:
+        print(f"reference: {reference_plan.reason}", flush=True)
     reference = None
-    if needs_reference_model(from_config.run_facts(cfg)).run:
+    if reference_plan.source is ReferenceSource.MODEL:
         reference = MegatronActor(spec, cfg.actor, inputs.device, dtype, hf_tensors, pad_id,
                                   trainable=False, execution=execution)
     driver = None
@@ -162,7 +166,8 @@ def _setup(ctx: WorkerContext, inputs: RunInputs) -> _Runtime:
 
         driver = Driver(cfg, inputs.model_dir, inputs.device, tokenizer, spec=spec)
     return _Runtime(cfg=cfg, dp_rank=ps.get_data_parallel_rank(), actor=actor,
-                    reference=reference, driver=driver, spec=spec,
+                    reference=reference, reference_source=reference_plan.source,
+                    driver=driver, spec=spec,
                     model_dir=inputs.model_dir, resume_from=inputs.resume_from)
 
 
@@ -266,11 +271,21 @@ def _logprob_passes(rt: _Runtime, batch: RolloutBatch, plan: StepPlan, gates: St
                 recomputed = rt.actor.compute_logprobs(batch, groups, temperature)
         old = recomputed
     ref = None
-    if gates.ref_log_prob.run and rt.reference is not None:
+    if gates.ref_log_prob.run:
         groups = plan_forward_micro_batches(list(mine), batch.seq_lens, budget)
         with timer.phase("ref"):
-            ref = rt.reference.compute_logprobs(batch, groups, temperature)
+            ref = _reference_logprobs(rt, batch, groups, temperature)
     return old, recomputed, ref
+
+
+def _reference_logprobs(rt: _Runtime, batch: RolloutBatch, groups, temperature: float):
+    """Run the reference forward from the source decided at start-up (see decide_reference)."""
+    if rt.reference_source is ReferenceSource.ACTOR_WITHOUT_ADAPTERS:
+        return rt.actor.compute_logprobs(batch, groups, temperature, without_adapters=True)
+    if rt.reference is None:
+        raise RuntimeError("the gates run the reference pass, but start-up decided no step "
+                           "needs one (decide_reference and decide_ref_log_prob disagree)")
+    return rt.reference.compute_logprobs(batch, groups, temperature)
 
 
 def _loss_settings(cfg: RunConfig) -> LossSettings:

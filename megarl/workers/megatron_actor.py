@@ -8,6 +8,7 @@ schedules and DDP.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -151,18 +152,30 @@ class MegatronActor:
     # --- forward-only logprobs ---------------------------------------------------------------
 
     def compute_logprobs(self, batch: RolloutBatch, micro_batches: Sequence[Sequence[int]],
-                         temperature: float) -> dict[int, torch.Tensor]:
-        """Per-token response logprobs of the planned micro-batches; empty off the last stage."""
+                         temperature: float, *, without_adapters: bool = False,
+                         ) -> dict[int, torch.Tensor]:
+        """Per-token response logprobs of the planned micro-batches; empty off the last stage.
+
+        ``without_adapters``: the LoRA actor's frozen base model (the reference policy)."""
         if not micro_batches:
             return {}
         mbs = [self._micro_batch(batch, group) for group in micro_batches]
         collect = partial(self._collect_logprobs_loss, batch=batch, temperature=temperature)
-        with torch.no_grad():
+        with torch.no_grad(), self._adapters_off(without_adapters):
             outputs = self._run_schedule(mbs, collect, forward_only=True)
         result: dict[int, torch.Tensor] = {}
         for out in outputs:
             result.update(out["logprobs"])
         return result
+
+    def _adapters_off(self, wanted: bool):
+        if not wanted:
+            return contextlib.nullcontext()
+        if self.lora is None:
+            raise ValueError("without_adapters: this actor has no LoRA adapters")
+        from megarl.models.lora import adapters_disabled
+
+        return adapters_disabled(self.model)
 
     def _collect_logprobs_loss(self, mb: MicroBatchTensors, logits, *, batch, temperature):
         logp_BL, _ = self._logprobs_and_entropy(logits, mb, temperature, with_entropy=False)

@@ -3,7 +3,8 @@
 The proof: after one optimizer step (so ``lora_B != 0``), the Megatron model's logits equal a
 ``transformers`` model with a ``peft`` adapter loaded, via ``PeftModel.from_pretrained``, from
 the folder the exporter wrote; the base weights are bitwise unchanged; the initial model (B = 0)
-equals the base model.
+equals the base model; with its adapters disabled the trained actor gives the reference
+model's logprobs bitwise (so a KL term needs no second model).
 """
 
 from __future__ import annotations
@@ -87,9 +88,29 @@ def _worker(ctx, tp: int, pp: int, ids, state):
         "optim_is_adapters": optim_is_adapters, "lora_shapes": lora_shapes,
         "initial_logits": initial_logits, "logits": _full_logits(actor, batch, tp),
         "initial_adapter": initial_adapter, "adapter": actor.gather_lora_adapter(),
+        **_reference_vs_adapters_disabled(actor, batch, spec, cfg, state),
     }
     parallel.destroy()
     return result
+
+
+def _reference_vs_adapters_disabled(actor, batch, spec, cfg, state) -> dict:
+    """Logprobs of the trained LoRA actor with its adapters disabled, vs a separately built
+    frozen reference model and vs the adapters on (last stage only; {} elsewhere)."""
+    from megarl.workers.megatron_actor import MegatronActor
+
+    reference = MegatronActor(spec, cfg, "cpu", torch.float32, state, pad_id=0, trainable=False)
+    groups = [(0, 1, 2)]
+    disabled = actor.compute_logprobs(batch, groups, 1.0, without_adapters=True)
+    separate = reference.compute_logprobs(batch, groups, 1.0)
+    enabled = actor.compute_logprobs(batch, groups, 1.0)
+    if not disabled:
+        return {}
+
+    def gap(a, b):
+        return max((a[i] - b[i]).abs().max().item() for i in a)
+
+    return {"ref_gap": gap(disabled, separate), "adapter_effect": gap(enabled, disabled)}
 
 
 def test_lora_tp2_pp2_trains_adapters_and_exports_what_peft_loads(tmp_path):
@@ -122,6 +143,9 @@ def test_lora_tp2_pp2_trains_adapters_and_exports_what_peft_loads(tmp_path):
     assert last
     for r in last:  # B = 0: the initial LoRA model is the base model
         assert (r["initial_logits"] - base_logits).abs().max().item() < 1e-5
+    for r in last:  # trained, adapters disabled: exactly the reference model (a KL term's ref)
+        assert r["ref_gap"] == 0.0, r["ref_gap"]
+        assert r["adapter_effect"] > 1e-4, "the adapters did not change the logprobs"
 
     adapter = results[0]["adapter"]
     num_layers = TINY["num_hidden_layers"]

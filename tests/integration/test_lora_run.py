@@ -68,9 +68,17 @@ def test_lora_tp2_run_syncs_what_the_engine_lost(tmp_path, sleep_level, base_res
     assert _adapter_effect(run_dir, final) > 1e-3
 
 
-def test_lora_single_process_sleep0_adapter_only(tmp_path):
-    result = run(tiny_overrides(tmp_path / "run", steps=2, **LORA))
-    for row in result.history:
+def test_lora_single_process_sleep0_adapter_only_kl_from_the_actor(tmp_path):
+    """Engine kept its base: adapter-only sync. With a KL term, the reference is the actor with
+    its adapters disabled (no second model); the KL is 0 at step 1 (B = 0) and then grows."""
+    result = run(tiny_overrides(tmp_path / "run", steps=2, **LORA, **{
+        "actor.kl_coef": 0.05, "planner.prune_zero_adv": "off"}))
+    rows = result.history
+    for row in rows:
         assert row["rollout/logprob_abs_diff"] < 1e-3, row
         assert row["gates/base_weight_sync"] == 0.0
         assert "sync: adapter only (engine kept base)" in row["gates/summary"]
+        assert row["gates/ref_log_prob"] == 1.0
+        assert "(actor without adapters)" in row["gates/reasons"]
+    assert abs(rows[0]["actor/kl_loss"]) < 1e-6  # untrained adapters: policy == reference
+    assert abs(rows[1]["actor/kl_loss"]) > 1e-6  # trained adapters, base reference

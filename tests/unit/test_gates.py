@@ -15,12 +15,14 @@ from megarl.planner.gates import (
     OldLogProbMode,
     OldLogProbSource,
     PassGate,
+    ReferenceSource,
     RefLogProbMode,
     RunFacts,
     Schedule,
     SliceUse,
     StepFacts,
     decide_gates,
+    decide_reference,
     needs_reference_model,
     recompute_slices,
     stale_slices,
@@ -327,6 +329,24 @@ def test_reference_model_built_when_a_scheduled_kl_turns_on_late() -> None:
     assert not needs_reference_model(shorter).run
 
 
+@pytest.mark.parametrize(
+    ("kl_coef", "lora", "source"),
+    [
+        (0.0, False, ReferenceSource.NONE),
+        (0.0, True, ReferenceSource.NONE),
+        (0.01, False, ReferenceSource.MODEL),
+        (0.01, True, ReferenceSource.ACTOR_WITHOUT_ADAPTERS),
+    ],
+)
+def test_reference_source(kl_coef: float, lora: bool, source: ReferenceSource) -> None:
+    """LoRA never builds a second model: its frozen base is the reference."""
+    run = RunFacts(GateConfig(), Schedule.from_ppo(1, 1), num_steps=3, kl_coef=kl_coef,
+                   lora_enabled=lora)
+    plan = decide_reference(run)
+    assert plan.source is source
+    assert ("kl_coef=0.01" in plan.reason) is (kl_coef > 0), plan.reason
+
+
 @pytest.mark.parametrize(("mode", "expected"), [("always", True), ("never", False)])
 def test_reference_model_forced(mode: str, expected: bool) -> None:
     run = RunFacts(GateConfig(ref_log_prob=mode), Schedule.from_ppo(1, 1), num_steps=3)
@@ -455,7 +475,7 @@ def test_metrics_have_exactly_the_four_keys_and_values() -> None:
         "gates/old_log_prob_frac": 0.5,
         "gates/ref_log_prob": 1.0,
         "gates/base_weight_sync": 1.0,
-        "gates/reasons": "old_lp: mb1 after step; ref: actor.kl_coef=0.1; sync: engine freed base",
+        "gates/reasons": "old_lp: mb1 after step; ref: actor.kl_coef=0.1 (actor without adapters); sync: engine freed base",
     }
 
 
