@@ -422,6 +422,7 @@ class StepPlan:
             "planner/num_micro_batches": float(self.num_micro_batches),
             "planner/ghost_steps": float(self.num_ghost_steps),
             "planner/filler_seqs": float(self.num_filler_seqs),
+            "planner/optimizer_steps": float(len(self.optimizer_steps)),
         }
 
     def trained_sequences(self, dp_rank: int) -> tuple[int, ...]:

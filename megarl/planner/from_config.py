@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from megarl.config.schema import RunConfig
-from megarl.planner.batch_planner import PlannerInputs, mini_batch_slices
+from megarl.planner.batch_planner import PlannerInputs, StepPlan, mini_batch_slices
 from megarl.planner.gates import GateConfig, RunFacts, Schedule, StepFacts
 
 
@@ -29,14 +29,47 @@ def run_facts(cfg: RunConfig) -> RunFacts:
 
 
 def step_facts(cfg: RunConfig, step: int, num_sequences: int,
-               engine_base_weights_resident: bool | None = None) -> StepFacts:
-    """The gates' view of one step; slices are the planner's baseline mini-batches."""
+               engine_base_weights_resident: bool | None = None,
+               plan: StepPlan | None = None) -> StepFacts:
+    """The gates' view of one step: the slices are what each optimizer step consumes.
+
+    Those are the baseline mini-batches, unless ``plan`` (this step's :class:`StepPlan`) merged
+    them (``planner.prune_zero_adv=fast``): then the merged runs are the slices, so a sequence
+    trained before the rollout's first optimizer step is not recomputed just because the
+    unmerged schedule would have trained it later.
+    """
+    consumption, slices = executed_schedule(cfg, num_sequences, plan)
     return StepFacts(
-        step=step, schedule=schedule(cfg),
-        slices=mini_batch_slices(num_sequences, cfg.actor.ppo_mini_batches),
+        step=step, schedule=consumption, slices=slices,
         modes=gate_config(cfg), kl_coef=cfg.actor.kl_coef, lora_enabled=cfg.actor.lora.enabled,
         engine_base_weights_resident=engine_base_weights_resident,
     )
+
+
+def executed_schedule(cfg: RunConfig, num_sequences: int, plan: StepPlan | None = None,
+                      ) -> tuple[Schedule, tuple[tuple[int, ...], ...]]:
+    """(schedule, slices) of the optimizer steps as the plan executes them (see step_facts)."""
+    mini_batches = mini_batch_slices(num_sequences, cfg.actor.ppo_mini_batches)
+    runs = _merged_runs(plan)
+    if runs is None:
+        return schedule(cfg), mini_batches
+    merged = tuple(tuple(i for m in run for i in mini_batches[m]) for run in runs)
+    return Schedule.from_ppo(len(runs), cfg.actor.ppo_epochs), merged
+
+
+def _merged_runs(plan: StepPlan | None) -> tuple[tuple[int, ...], ...] | None:
+    """The mini-batches each optimizer step of an epoch covers, if some step merged several and
+    every epoch repeats the same runs (it does: kept tokens do not change between epochs)."""
+    if plan is None:
+        return None
+    per_epoch: dict[int, list[tuple[int, ...]]] = {}
+    for opt_step in plan.optimizer_steps:
+        per_epoch.setdefault(opt_step.epoch, []).append(opt_step.source_mini_batches)
+    runs = {tuple(r) for r in per_epoch.values()}
+    if len(runs) != 1:
+        return None  # epochs differ: judge on the unmerged (more conservative) schedule
+    [only] = runs
+    return only if any(len(run) > 1 for run in only) else None
 
 
 def planner_inputs(cfg: RunConfig, seq_tokens: Sequence[int], response_tokens: Sequence[int],

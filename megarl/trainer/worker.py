@@ -198,7 +198,7 @@ def _train(rt: _Runtime) -> None:
             batch.group_ids.tolist()))
         gates = decide_gates(from_config.step_facts(
             rt.cfg, step, batch.num_seqs,
-            engine_base_weights_resident=engine_state.base_weights_resident))
+            engine_base_weights_resident=engine_state.base_weights_resident, plan=plan))
         old, recomputed, ref = _logprob_passes(rt, batch, plan, gates, timer)
         stats = _update_actor(rt, batch, plan, old, recomputed, ref, timer)
         _sync_weights(rt, gates, timer, step)

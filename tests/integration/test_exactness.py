@@ -81,6 +81,21 @@ def test_old_logprob_gate_auto_equals_always(tiny_run, tmp_path, mini_batches):
     assert _max_diff(always, auto) <= 1e-6
 
 
+def test_old_logprob_gate_follows_fast_merged_steps(tiny_run, tmp_path):
+    """`fast` merges the 2 mini-batches into fewer optimizer steps; the gate recomputes only
+    what is consumed after one of those steps (nothing when they merged into one), and the
+    result still equals recomputing everything."""
+    batching = {"actor.ppo_mini_batches": 2, "planner.prune_zero_adv": "fast"}
+    always, always_hist = _train(tiny_run, **batching, **{"planner.old_log_prob": "always"})
+    auto, hist = _train(tiny_run, **batching, **{"planner.old_log_prob": "auto"})
+    _assert_moved(always_hist, always, tmp_path)
+    merged = [r["planner/optimizer_steps"] == 1 for r in hist]
+    assert any(merged), "no step merged its mini-batches"
+    for row, one_step in zip(hist, merged, strict=True):
+        assert (row["gates/old_log_prob_frac"] == 0.0) is one_step, row["gates/reasons"]
+    assert _max_diff(always, auto) <= 1e-6
+
+
 def test_dp4_with_few_kept_sequences_completes(tiny_run):
     """Fewer kept sequences than DP ranks: fillers keep every rank busy, nothing hangs.
 

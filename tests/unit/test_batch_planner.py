@@ -34,6 +34,7 @@ METRIC_KEYS = {
     "planner/num_micro_batches",
     "planner/ghost_steps",
     "planner/filler_seqs",
+    "planner/optimizer_steps",
 }
 
 
