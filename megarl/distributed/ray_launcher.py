@@ -25,6 +25,7 @@ made by ``ray.remote(RankWorker)`` at launch time.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import re
 import socket
@@ -227,6 +228,8 @@ def launch_on_ray(fn: Callable[..., Any], layout: RayLayout, args: tuple = (),
             args = side.attach(side_actor, args)
         actors = start_ranks(layout, group)
         placements = ray.get([a.placement.remote() for a in actors])
+        if side is not None:  # rank 0 only drives the side actor: not "actor+rollout"
+            placements = [dataclasses.replace(p, role="actor") for p in placements]
         report_placements(placements)
         master_addr, master_port = rendezvous(actors[0], placements[0])
         return run_ranks(actors, placements, fn, master_addr, master_port, args)
