@@ -1,9 +1,10 @@
-"""Test-only fault injection: make one rank die abruptly at a given step.
+"""Test-only fault injection: make one rank, or the split rollout actor, die abruptly at a step.
 
 ``MEGARL_FAULT_INJECT=<rank>:<step>`` makes that rank call ``os._exit(137)`` (what a SIGKILL or the
-OOM killer looks like from outside) at the start of that step, after writing the wall-clock time
-to ``MEGARL_FAULT_INJECT_MARK`` if set, so tests can measure how fast the failure is reported.
-Unset (always, outside tests) it costs one dictionary lookup per step.
+OOM killer looks like from outside) at the start of that step; ``rollout:<step>`` does the same to
+the rollout actor of a split placement when it starts that step's rollout. Before dying it writes
+the wall-clock time to ``MEGARL_FAULT_INJECT_MARK`` if set, so tests can measure how fast the
+failure is reported. Unset (always, outside tests) it costs one dictionary lookup per step.
 """
 
 from __future__ import annotations
@@ -15,22 +16,25 @@ import time
 ENV = "MEGARL_FAULT_INJECT"
 MARK_ENV = "MEGARL_FAULT_INJECT_MARK"
 EXIT_CODE = 137
+ROLLOUT = "rollout"
 
 
-def parse(spec: str) -> tuple[int, int]:
-    """``"1:2"`` -> (rank 1, step 2)."""
-    rank, _, step = spec.partition(":")
-    return int(rank), int(step)
+def parse(spec: str) -> tuple[int | str, int]:
+    """``"1:2"`` -> (rank 1, step 2); ``"rollout:2"`` -> ("rollout", step 2)."""
+    who, _, step = spec.partition(":")
+    return (who if who == ROLLOUT else int(who)), int(step)
 
 
-def maybe_die(rank: int, step: int) -> None:
+def maybe_die(who: int | str, step: int) -> None:
+    """``who`` is a rank, or :data:`ROLLOUT` for the split rollout actor."""
     spec = os.environ.get(ENV)
-    if not spec or parse(spec) != (rank, step):
+    if not spec or parse(spec) != (who, step):
         return
     mark = os.environ.get(MARK_ENV)
     if mark:
         with open(mark, "w") as handle:
             handle.write(f"{time.time():.3f}\n")
-    print(f"fault injection: rank {rank} exits with {EXIT_CODE} at step {step}", file=sys.stderr,
+    name = who if who == ROLLOUT else f"rank {who}"
+    print(f"fault injection: {name} exits with {EXIT_CODE} at step {step}", file=sys.stderr,
           flush=True)
     os._exit(EXIT_CODE)

@@ -10,11 +10,13 @@ The controller is named steps (:func:`launch_on_ray`):
                   2-core machine can place several ranks;
 3. start ranks -- one :class:`RankWorker` per Megatron rank, node-major like Megatron's rank order;
    (split rollout placement: the rollout actor first, on a placement group of its own, see
-   :class:`SideActor`);
+   :class:`SideActor`; it reports where it landed);
 4. rendezvous  -- ``MASTER_ADDR`` is rank 0's node IP, the port is free on that node;
 5. run         -- every rank runs ``fn(WorkerContext, *args)`` (gloo on CPU, NCCL on GPU); the first
                   rank to die or raise stops the run with :class:`WorkerFailed` naming role, rank
-                  and node, and every actor and the placement group are released.
+                  and node, and every actor and the placement group are released. A rank that
+                  finds the rollout actor dead raises :class:`SideActorFailed`, and the report
+                  names the rollout actor and its node instead of the rank that noticed.
 
 :class:`RankWorker` is a plain class (tests build it without Ray); the Ray actor is a thin shell
 made by ``ray.remote(RankWorker)`` at launch time.
@@ -23,6 +25,7 @@ made by ``ray.remote(RankWorker)`` at launch time.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import re
 import socket
@@ -57,8 +60,60 @@ class RankPlacement:
     pid: int
 
     def describe(self) -> str:
-        return (f"{self.role} rank {self.rank} on node {self.hostname} ({self.node_ip}, "
-                f"ray node {self.node_id[:8]}, pid {self.pid})")
+        return f"{self.role} rank {self.rank} on {_node_text(self)}"
+
+
+@dataclass(frozen=True)
+class ActorPlacement:
+    """Where an actor outside the rank group (split placement's rollout) landed."""
+
+    role: str
+    node_ip: str
+    hostname: str
+    node_id: str
+    pid: int
+
+    @classmethod
+    def here(cls, role: str) -> ActorPlacement:
+        """The calling process's placement (call it inside the actor)."""
+        return cls(role=role, node_ip=node_ip(), hostname=socket.gethostname(),
+                   node_id=ray_node_id(), pid=os.getpid())
+
+    def describe(self) -> str:
+        return f"{self.role} actor on {_node_text(self)}"
+
+
+def _node_text(p: RankPlacement | ActorPlacement) -> str:
+    return f"node {p.hostname} ({p.node_ip}, ray node {p.node_id[:8]}, pid {p.pid})"
+
+
+class SideActorFailed(RuntimeError):
+    """A rank's call into a side actor (split placement's rollout) found it dead or raising.
+
+    Raised in the rank (it crosses back to the controller pickled, as the rank task's cause) so
+    the report names the side actor and its node, not the rank that happened to notice.
+    """
+
+    def __init__(self, where: str, detail: str):
+        super().__init__(where, detail)
+        self.where, self.detail = where, detail
+
+    def __str__(self) -> str:
+        return f"{self.where} failed: {self.detail}"
+
+
+def get_from_side_actor(ref, where: str, call: str = "") -> Any:
+    """``ray.get`` on a side actor's call; its death or error becomes :class:`SideActorFailed`."""
+    import ray
+
+    during = f" during {call}" if call else ""
+    try:
+        return ray.get(ref)
+    except ray.exceptions.RayActorError as exc:
+        raise SideActorFailed(where, _death_cause(exc) + during) from None
+    except ray.exceptions.RayTaskError as exc:
+        cause = exc.cause if isinstance(exc.cause, BaseException) else exc
+        raise SideActorFailed(where, f"{type(cause).__name__}: {cause}{during}") from None
 
 
 @dataclass(frozen=True)
@@ -108,13 +163,9 @@ class RankWorker:
         sys.path.extend(p for p in sys_path if p not in sys.path)
 
     def placement(self) -> RankPlacement:
-        node_id = ""
-        with contextlib.suppress(Exception):  # outside Ray (unit tests)
-            import ray
-
-            node_id = ray.get_runtime_context().get_node_id()
         return RankPlacement(rank=self.rank, role=role_of(self.rank), node_ip=node_ip(),
-                             hostname=socket.gethostname(), node_id=node_id, pid=os.getpid())
+                             hostname=socket.gethostname(), node_id=ray_node_id(),
+                             pid=os.getpid())
 
     def free_port(self) -> int:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -123,6 +174,14 @@ class RankWorker:
 
     def run(self, fn: Callable[..., Any], ctx: WorkerContext, args: tuple) -> Any:
         return fn(ctx, *args)
+
+
+def ray_node_id() -> str:
+    with contextlib.suppress(Exception):  # outside Ray (unit tests)
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+    return ""
 
 
 def node_ip() -> str:
@@ -141,7 +200,8 @@ def node_ip() -> str:
 class SideActor:
     """An actor outside the rank group, on a bundle of its own (split placement's rollout).
 
-    ``attach(handle, args)`` returns the ranks' args with the started actor's handle in them.
+    ``attach(handle, args)`` returns the ranks' args with the started actor's handle in them;
+    ``cls`` has a ``placement() -> ActorPlacement`` method (where it landed, for reports).
     """
 
     role: str
@@ -168,6 +228,8 @@ def launch_on_ray(fn: Callable[..., Any], layout: RayLayout, args: tuple = (),
             args = side.attach(side_actor, args)
         actors = start_ranks(layout, group)
         placements = ray.get([a.placement.remote() for a in actors])
+        if side is not None:  # rank 0 only drives the side actor: not "actor+rollout"
+            placements = [dataclasses.replace(p, role="actor") for p in placements]
         report_placements(placements)
         master_addr, master_port = rendezvous(actors[0], placements[0])
         return run_ranks(actors, placements, fn, master_addr, master_port, args)
@@ -236,9 +298,10 @@ def start_side_actor(side: SideActor, device: str):
         scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=group),
     ).remote(*side.init_args)
     try:
-        ray.get(actor.__ray_ready__.remote())
+        placement = ray.get(actor.placement.remote())  # also waits until it is built
     except ray.exceptions.RayActorError as exc:
         raise WorkerFailed(-1, None, _death_cause(exc), where=f"{side.role} actor") from None
+    print(f"megarl ray: {placement.describe()}", file=sys.stderr, flush=True)
     return group, actor
 
 
@@ -292,8 +355,10 @@ def run_ranks(actors: list, placements: list[RankPlacement], fn: Callable, maste
                 raise WorkerFailed(rank, None, _death_cause(exc),
                                    where=placements[rank].describe()) from None
             except ray.exceptions.RayTaskError as exc:
-                _raise_if_a_rank_died(pending, placements)  # the cause, not this symptom
                 cause = exc.cause if isinstance(exc.cause, BaseException) else exc
+                if isinstance(cause, SideActorFailed):  # the rollout actor, not this rank
+                    raise WorkerFailed(-1, None, cause.detail, where=cause.where) from None
+                _raise_if_a_rank_died(pending, placements)  # the cause, not this symptom
                 if isinstance(cause, SystemExit):
                     raise SystemExit(cause.code) from None
                 raise WorkerFailed(rank, None, f"{type(cause).__name__}: {cause}",

@@ -7,13 +7,26 @@ rank 0 builds in the colocated layout (the Ray actor is ``ray.remote(RolloutWork
 Ray round trip, so the step loop in ``worker.py`` does not know which placement it runs in.
 Data crosses as the same typed objects (RolloutBatch, StepPlan, StepGates, PhaseTimer); weights
 cross as one HF-named state dict per step through Ray's object store.
+If the actor dies (OOM, SIGKILL) or raises, the proxy call raises
+:class:`~megarl.distributed.ray_launcher.SideActorFailed` naming the actor and its node, so the
+run's one error line blames the rollout actor, not rank 0 that noticed.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
+
+from megarl.distributed.fault_injection import ROLLOUT, maybe_die
+from megarl.distributed.ray_launcher import (
+    ActorPlacement,
+    SideActorFailed,
+    get_from_side_actor,
+)
+
+ROLE = "rollout"
 
 
 class RolloutWorker:
@@ -28,13 +41,19 @@ class RolloutWorker:
         from megarl.models.spec import spec_from_hf_config
         from megarl.trainer.driver import Driver
 
+        self.where = ActorPlacement.here(ROLE)
         if device == "cpu":  # the thread budget rank 0 would give it when colocated
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.trainer.world_size))
         spec = spec_from_hf_config(load_hf_config(model_dir))
         self.driver = Driver(cfg, model_dir, device, load_hf_tokenizer(model_dir), spec=spec)
 
+    def placement(self) -> ActorPlacement:
+        return self.where
+
     def call(self, method: str, *args: Any, **kwargs: Any):
         """Run one :class:`Driver` method here (rank 0's :class:`RemoteDriver` forwards them)."""
+        if method == "rollout":
+            maybe_die(ROLLOUT, *args)  # test-only hook
         return getattr(self.driver, method)(*args, **kwargs)
 
     def history(self) -> list[dict]:
@@ -52,6 +71,20 @@ class RemoteDriver:
 
     def __init__(self, handle):
         self._actor = handle
+        self._where = get_from_side_actor(handle.placement.remote(), f"{ROLE} actor").describe()
+        self._failure: SideActorFailed | None = None
+
+    def _get(self, ref, call: str):
+        """One call's result. The first failure is kept and raised again by every later call
+        (the step loop's ``close()`` in a ``finally``), so the report names the call that found
+        the actor dead, not the cleanup after it."""
+        if self._failure is not None:
+            raise self._failure
+        try:
+            return get_from_side_actor(ref, self._where, call)
+        except SideActorFailed as failure:
+            self._failure = failure
+            raise
 
     def __getattr__(self, method: str):
         """Every public Driver method (rollout, engine sleep/wake, weight and adapter updates,
@@ -60,21 +93,17 @@ class RemoteDriver:
             raise AttributeError(method)
 
         def remote_call(*args: Any, **kwargs: Any):
-            import ray
-
-            return ray.get(self._actor.call.remote(method, *args, **kwargs))
+            return self._get(self._actor.call.remote(method, *args, **kwargs), method)
 
         return remote_call
 
     @property
     def history(self) -> list[dict]:
-        import ray
-
-        return ray.get(self._actor.history.remote())
+        return self._get(self._actor.history.remote(), "history")
 
     @property
     def engine(self) -> RemoteEngine:
-        return RemoteEngine(self._actor)
+        return RemoteEngine(self._actor, self._get)
 
 
 class RemoteEngine:
@@ -84,25 +113,25 @@ class RemoteEngine:
     byte budget also bounds what crosses the object store at once.
     """
 
-    def __init__(self, handle):
-        self._actor = handle
+    def __init__(self, handle, get: Callable[[Any, str], Any]):
+        self._actor, self._get = handle, get  # ``get``: the RemoteDriver's failure-keeping get
 
     def update_weights(self, named_tensors) -> int:
-        import ray
-
         loaded, bucket = 0, []
         for name, tensor in named_tensors:
             bucket.append((name, tensor))
             if len(bucket) >= self.TENSORS_PER_CALL:
-                loaded += ray.get(self._actor.engine_update_weights.remote(bucket))
+                loaded += self._send(bucket)
                 bucket = []
         if bucket:
-            loaded += ray.get(self._actor.engine_update_weights.remote(bucket))
+            loaded += self._send(bucket)
         return loaded
 
-    def base_weights(self) -> dict:
-        import ray
+    def _send(self, bucket: list) -> int:
+        return self._get(self._actor.engine_update_weights.remote(bucket),
+                         "engine update_weights")
 
-        return ray.get(self._actor.engine_base_weights.remote())
+    def base_weights(self) -> dict:
+        return self._get(self._actor.engine_base_weights.remote(), "engine base_weights")
 
     TENSORS_PER_CALL = 16

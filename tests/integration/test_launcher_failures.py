@@ -1,5 +1,6 @@
 """A rank that dies mid-run (as a SIGKILL or the OOM killer would leave it) stops the run with
-one line naming role, rank and node, a non-zero exit, within a bound -- under both launchers."""
+one line naming role, rank and node, a non-zero exit, within a bound -- under both launchers; so
+does the split placement's rollout actor (named as the rollout actor, not as rank 0)."""
 
 from __future__ import annotations
 
@@ -42,6 +43,32 @@ def test_killed_rank_is_named_and_run_exits_nonzero(tmp_path, launcher):
     metrics = tmp_path / "run" / "metrics.jsonl"
     rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
     assert [r["step"] for r in rows] in ([], [1])
+
+
+def test_killed_rollout_actor_is_named_not_rank_0(tmp_path):
+    """Split placement: the rollout actor dies as it starts step 2's rollout. Rank 0 notices (its
+    Ray call fails) but the one error line names the rollout actor and its node, within the bound;
+    the other rank, blocked in the broadcast, does not make the run hang."""
+    mark = tmp_path / "killed_at"
+    env = {**os.environ,
+           "PYTHONPATH": os.pathsep.join([str(REPO), str(Path(__file__).parent)]),
+           "MEGARL_FAULT_INJECT": "rollout:2", "MEGARL_FAULT_INJECT_MARK": str(mark),
+           "MEGARL_COLLECTIVE_TIMEOUT_S": "120"}
+    args = tiny_overrides(tmp_path / "run", steps=2, **{
+        "trainer.launcher": "ray", "rollout.n_gpus": 1, "trainer.n_gpus_per_node": 2,
+        "actor.tp": 2})
+    done = subprocess.run([sys.executable, "-m", "megarl.train", *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=600)
+    exited = time.time()
+    errors = [line for line in done.stderr.splitlines() if line.startswith("megarl-train: error")]
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert len(errors) == 1, done.stderr[-3000:]
+    assert "rollout actor on node" in errors[0] and "the process died" in errors[0], errors[0]
+    assert "during rollout" in errors[0], errors[0]
+    assert "rank 0" not in errors[0], errors[0]
+    detect_s = exited - float(mark.read_text())
+    print(f"rollout actor killed at step 2 -> exit in {detect_s:.1f} s: {errors[0]}")
+    assert detect_s < DETECT_BOUND_S
 
 
 def test_killed_rank_then_resume_auto_completes_the_run(tmp_path):

@@ -61,6 +61,32 @@ def test_fault_injection_only_fires_for_its_rank_and_step(monkeypatch):
     fault_injection.maybe_die(1, 2)  # unset: returns
 
 
+def test_fault_injection_rollout_spec_fires_only_for_the_rollout_actor(monkeypatch):
+    assert fault_injection.parse("rollout:2") == (fault_injection.ROLLOUT, 2)
+    monkeypatch.setenv(fault_injection.ENV, "rollout:2")
+    fault_injection.maybe_die(0, 2)  # a rank, even rank 0 that drives it: returns
+    fault_injection.maybe_die(fault_injection.ROLLOUT, 1)  # other step: returns
+    monkeypatch.setenv(fault_injection.ENV, "0:2")
+    fault_injection.maybe_die(fault_injection.ROLLOUT, 2)  # a rank's spec: returns
+    with pytest.raises(ValueError):
+        fault_injection.parse("engine:2")
+
+
+def test_side_actor_failure_names_the_actor_and_survives_pickling():
+    import pickle
+
+    from megarl.distributed.ray_launcher import ActorPlacement, SideActorFailed
+
+    where = ActorPlacement(role="rollout", node_ip="10.0.0.9", hostname="gpu9",
+                           node_id="abcd1234ffff", pid=7).describe()
+    assert where == "rollout actor on node gpu9 (10.0.0.9, ray node abcd1234, pid 7)"
+    failure = pickle.loads(pickle.dumps(SideActorFailed(where, "the process died during rollout")))
+    assert (failure.where, failure.detail) == (where, "the process died during rollout")
+    assert str(WorkerFailed(-1, None, failure.detail, where=failure.where)) == (
+        where + " failed: the process died during rollout")
+    assert "rollout actor on node" in ActorPlacement.here("rollout").describe()  # outside Ray
+
+
 def test_actor_death_text_is_cut_to_exit_type_and_detail():
     from megarl.distributed.ray_launcher import _death_cause
 
