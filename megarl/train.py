@@ -105,7 +105,7 @@ def validate_against_model(cfg, model_dir: str) -> None:
     from megarl.models.hf_io import load_hf_config
     from megarl.models.spec import VPP_TRAINING_UNSUPPORTED, ModelSpecError, spec_from_hf_config
     from megarl.planner.batch_planner import PlannerError, check_pruning_config
-    from megarl.planner.from_config import run_facts
+    from megarl.planner.from_config import prune_mode, run_facts
     from megarl.planner.gates import GateConfigError, validate_gate_config
 
     try:
@@ -117,7 +117,7 @@ def validate_against_model(cfg, model_dir: str) -> None:
             raise StartupError(f"export.checksum_interval={cfg.export.checksum_interval} needs "
                                "rollout.engine=hf (vLLM keeps fused weights); set it to 0")
         validate_gate_config(run_facts(cfg))
-        check_pruning_config(cfg.planner.prune_zero_adv, cfg.actor.kl_coef,
+        check_pruning_config(prune_mode(cfg)[0], cfg.actor.kl_coef,
                              cfg.actor.entropy_coef, cfg.planner.allow_approx)
         build_prompt_source(cfg.data.task, cfg.data.path, cfg.trainer.seed, cfg.data.max_operand,
                             cfg.data.instruction, ops=cfg.data.ops)

@@ -265,8 +265,9 @@ class AlgoConfig:
 
 @dataclass(frozen=True)
 class PlannerConfig:
-    prune_zero_adv: str = "off"
-    """off | match_loss_curve (exact) | fast (merged steps; exact with one mini-batch)."""
+    prune_zero_adv: str = "auto"
+    """auto (match_loss_curve when exact, else off) | off | match_loss_curve (exact) | fast
+    (merged steps; exact with one mini-batch)."""
     allow_approx: bool = False
     old_log_prob: str = "auto"
     """auto | always | rollout | never."""
@@ -274,7 +275,8 @@ class PlannerConfig:
     """auto | always | never."""
 
     def __post_init__(self) -> None:
-        _choice("planner.prune_zero_adv", self.prune_zero_adv, ("off", "match_loss_curve", "fast"))
+        _choice("planner.prune_zero_adv", self.prune_zero_adv,
+                ("auto", "off", "match_loss_curve", "fast"))
         _choice("planner.old_log_prob", self.old_log_prob, ("auto", "always", "rollout", "never"))
         _choice("planner.ref_log_prob", self.ref_log_prob, ("auto", "always", "never"))
 

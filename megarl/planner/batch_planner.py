@@ -109,6 +109,29 @@ class PlannerError(ValueError):
     """The planner cannot produce a faithful plan for this configuration or batch."""
 
 
+PRUNE_SETTINGS: tuple[str, ...] = ("auto", *PLANNER_MODES)
+"""Values of ``planner.prune_zero_adv``: a planner mode, or ``auto`` (the default)."""
+
+
+def resolve_prune_mode(setting: str, kl_coef: float, entropy_coef: float) -> tuple[str, str]:
+    """``(mode, reason)`` for ``planner.prune_zero_adv``.
+
+    ``auto`` prunes whenever pruning is exact -- ``match_loss_curve``, the same gradients as
+    the unpruned baseline -- i.e. when no loss term survives at advantage 0 (``kl_coef == 0``
+    and ``entropy_coef == 0``), and does not prune otherwise. It never picks an approximation:
+    ``fast`` and ``allow_approx`` must be asked for by name.
+    """
+    if setting not in PRUNE_SETTINGS:
+        raise PlannerError(f"planner.prune_zero_adv must be one of {PRUNE_SETTINGS}, "
+                           f"got {setting!r}")
+    if setting != "auto":
+        return setting, f"planner.prune_zero_adv={setting}"
+    if kl_coef == 0 and entropy_coef == 0:
+        return "match_loss_curve", "auto: exact (kl_coef=0, entropy_coef=0)"
+    return "off", (f"auto: no pruning, actor.kl_coef={kl_coef} / actor.entropy_coef="
+                   f"{entropy_coef} act on zero-advantage sequences")
+
+
 def check_pruning_config(
     mode: str, kl_coef: float, entropy_coef: float, allow_approx: bool
 ) -> str | None:

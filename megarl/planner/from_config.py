@@ -9,12 +9,24 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from megarl.config.schema import RunConfig
-from megarl.planner.batch_planner import PlannerInputs, StepPlan, mini_batch_slices
+from megarl.planner.batch_planner import (
+    PlannerInputs,
+    StepPlan,
+    mini_batch_slices,
+    resolve_prune_mode,
+)
 from megarl.planner.gates import GateConfig, RunFacts, Schedule, StepFacts
 
 
 def schedule(cfg: RunConfig) -> Schedule:
     return Schedule.from_ppo(cfg.actor.ppo_mini_batches, cfg.actor.ppo_epochs)
+
+
+def prune_mode(cfg: RunConfig) -> tuple[str, str]:
+    """The planner mode ``planner.prune_zero_adv`` resolves to, and why (``auto``: see
+    :func:`~megarl.planner.batch_planner.resolve_prune_mode`)."""
+    return resolve_prune_mode(cfg.planner.prune_zero_adv, cfg.actor.kl_coef,
+                              cfg.actor.entropy_coef)
 
 
 def gate_config(cfg: RunConfig) -> GateConfig:
@@ -80,5 +92,5 @@ def planner_inputs(cfg: RunConfig, seq_tokens: Sequence[int], response_tokens: S
         group_ids=group_ids, loss_agg=a.loss_agg, kl_coef=a.kl_coef,
         entropy_coef=a.entropy_coef, dp_size=cfg.dp, ppo_mini_batches=a.ppo_mini_batches,
         ppo_epochs=a.ppo_epochs, micro_batch_tokens=a.micro_batch_tokens,
-        mode=cfg.planner.prune_zero_adv, allow_approx=cfg.planner.allow_approx,
+        mode=prune_mode(cfg)[0], allow_approx=cfg.planner.allow_approx,
     )

@@ -151,7 +151,8 @@ def _setup(ctx: WorkerContext, inputs: RunInputs) -> _Runtime:
                           trainable=True, init_seed=cfg.trainer.seed, execution=execution)
     reference_plan = decide_reference(from_config.run_facts(cfg))
     if ctx.rank == 0 and cfg.trainer.log_console:
-        print(f"reference: {reference_plan.reason}", flush=True)
+        print(f"pruning: {from_config.prune_mode(cfg)[1]}\nreference: {reference_plan.reason}",
+              flush=True)
     reference = None
     if reference_plan.source is ReferenceSource.MODEL:
         reference = MegatronActor(spec, cfg.actor, inputs.device, dtype, hf_tensors, pad_id,

@@ -590,3 +590,33 @@ def test_partition_covers_every_item_once_and_never_worsens_lpt_bound(
     loads = np.array([array[part].sum() for part in parts])
     # Graham's LPT bound: max load <= mean load + largest item
     assert loads.max() <= array.sum() / num_parts + array.max() + 1e-6
+
+
+# ----------------------------------------------------------------------------- prune setting
+
+
+@pytest.mark.parametrize(
+    ("setting", "kl", "entropy", "mode"),
+    [
+        ("auto", 0.0, 0.0, "match_loss_curve"),
+        ("auto", 0.01, 0.0, "off"),
+        ("auto", 0.0, 0.001, "off"),
+        ("fast", 0.0, 0.0, "fast"),
+        ("off", 0.0, 0.0, "off"),
+    ],
+)
+def test_auto_prunes_only_when_exact(setting, kl, entropy, mode):
+    from megarl.planner.batch_planner import resolve_prune_mode
+
+    resolved, reason = resolve_prune_mode(setting, kl, entropy)
+    assert resolved == mode
+    assert reason
+    # whatever auto picks passes the start-up exactness check without allow_approx
+    check_pruning_config(resolved, kl, entropy, allow_approx=False)
+
+
+def test_unknown_prune_setting_is_one_clear_error():
+    from megarl.planner.batch_planner import resolve_prune_mode
+
+    with pytest.raises(PlannerError, match="planner.prune_zero_adv must be one of"):
+        resolve_prune_mode("sometimes", 0.0, 0.0)
