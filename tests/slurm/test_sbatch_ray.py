@@ -49,6 +49,9 @@ def test_sbatch_two_nodes_ray_run_completes(slurm, tmp_path):
         "trainer.n_gpus_per_node=1", "trainer.device=cpu", "trainer.total_steps=2",
         "rollout.n=4", "data.prompts_per_step=2", "rollout.max_new_tokens=6",
         "trainer.log_console=false", "trainer.tensorboard=false", "trainer.run_dir=runs/t",
+        # the tiny model's rewards are all equal, so pruning would train nothing and leave
+        # rollout/logprob_abs_diff (trainer vs engine on trained sequences) empty
+        "planner.prune_zero_adv=off",
     ]
     start = time.monotonic()
     job = slurm.sbatch(["--nodes=2", str(SBATCH), *overrides], cwd=submit_dir,
