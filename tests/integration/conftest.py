@@ -4,6 +4,14 @@ from __future__ import annotations
 
 import pytest
 
+TINY_HF_CONFIG = {
+    "model_type": "llama", "vocab_size": 384, "hidden_size": 64, "intermediate_size": 96,
+    "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 128,
+    "tie_word_embeddings": False,
+}
+"""The tiny Llama the export, LoRA and equivalence tests build with random weights."""
+
 REQUIRED_METRICS = (
     "step", "timing_s/gen", "timing_s/old_log_prob", "timing_s/ref", "timing_s/adv",
     "timing_s/update_actor", "timing_s/update_weights", "timing_s/step", "critic/rewards/mean",

@@ -20,23 +20,29 @@ REPO = Path(__file__).resolve().parents[2]
 DETECT_BOUND_S = 60  # death -> process exit; the collective timeout below is the backstop
 
 
-@pytest.mark.parametrize("launcher", ["local", "ray"])
-def test_killed_rank_is_named_and_run_exits_nonzero(tmp_path, launcher):
+def _run_killed(tmp_path, fault: str, steps: int, **overrides) -> tuple[list[str], float]:
+    """Run ``megarl-train`` with ``MEGARL_FAULT_INJECT=fault``; assert it exits 1 with exactly
+    one error line. Returns that line (in a list) and seconds from the death to the exit."""
     mark = tmp_path / "killed_at"
     env = {**os.environ,
            "PYTHONPATH": os.pathsep.join([str(REPO), str(Path(__file__).parent)]),
-           "MEGARL_FAULT_INJECT": "1:2", "MEGARL_FAULT_INJECT_MARK": str(mark),
+           "MEGARL_FAULT_INJECT": fault, "MEGARL_FAULT_INJECT_MARK": str(mark),
            "MEGARL_COLLECTIVE_TIMEOUT_S": "120"}
-    args = tiny_overrides(tmp_path / "run", steps=3, **{
-        "trainer.launcher": launcher, "trainer.n_gpus_per_node": 2, "actor.tp": 2})
+    args = tiny_overrides(tmp_path / "run", steps=steps, **overrides)
     done = subprocess.run([sys.executable, "-m", "megarl.train", *args], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=600)
     exited = time.time()
     errors = [line for line in done.stderr.splitlines() if line.startswith("megarl-train: error")]
     assert done.returncode == 1, done.stderr[-3000:]
     assert len(errors) == 1, done.stderr[-3000:]
+    return errors, exited - float(mark.read_text())
+
+
+@pytest.mark.parametrize("launcher", ["local", "ray"])
+def test_killed_rank_is_named_and_run_exits_nonzero(tmp_path, launcher):
+    errors, detect_s = _run_killed(tmp_path, "1:2", steps=3, **{
+        "trainer.launcher": launcher, "trainer.n_gpus_per_node": 2, "actor.tp": 2})
     assert "actor rank 1 on node" in errors[0] and "failed" in errors[0], errors[0]
-    detect_s = exited - float(mark.read_text())
     print(f"{launcher}: rank 1 killed -> exit in {detect_s:.1f} s: {errors[0]}")
     assert detect_s < DETECT_BOUND_S
     # whatever was recorded is whole lines (rank 0 may be stopped before it records step 1)
@@ -49,24 +55,12 @@ def test_killed_rollout_actor_is_named_not_rank_0(tmp_path):
     """Split placement: the rollout actor dies as it starts step 2's rollout. Rank 0 notices (its
     Ray call fails) but the one error line names the rollout actor and its node, within the bound;
     the other rank, blocked in the broadcast, does not make the run hang."""
-    mark = tmp_path / "killed_at"
-    env = {**os.environ,
-           "PYTHONPATH": os.pathsep.join([str(REPO), str(Path(__file__).parent)]),
-           "MEGARL_FAULT_INJECT": "rollout:2", "MEGARL_FAULT_INJECT_MARK": str(mark),
-           "MEGARL_COLLECTIVE_TIMEOUT_S": "120"}
-    args = tiny_overrides(tmp_path / "run", steps=2, **{
+    errors, detect_s = _run_killed(tmp_path, "rollout:2", steps=2, **{
         "trainer.launcher": "ray", "rollout.n_gpus": 1, "trainer.n_gpus_per_node": 2,
         "actor.tp": 2})
-    done = subprocess.run([sys.executable, "-m", "megarl.train", *args], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=600)
-    exited = time.time()
-    errors = [line for line in done.stderr.splitlines() if line.startswith("megarl-train: error")]
-    assert done.returncode == 1, done.stderr[-3000:]
-    assert len(errors) == 1, done.stderr[-3000:]
     assert "rollout actor on node" in errors[0] and "the process died" in errors[0], errors[0]
     assert "during rollout" in errors[0], errors[0]
     assert "rank 0" not in errors[0], errors[0]
-    detect_s = exited - float(mark.read_text())
     print(f"rollout actor killed at step 2 -> exit in {detect_s:.1f} s: {errors[0]}")
     assert detect_s < DETECT_BOUND_S
 

@@ -8,18 +8,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import TINY_HF_CONFIG
 
 from megarl.distributed.launcher import launch
 from megarl.models.random_init import build_random_hf_model
 
 pytestmark = pytest.mark.slow
 
-TINY = {
-    "model_type": "llama", "vocab_size": 384, "hidden_size": 64, "intermediate_size": 96,
-    "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 128,
-    "tie_word_embeddings": False,
-}
+TINY = TINY_HF_CONFIG
 
 
 def _reference(hf_config: dict, seed: int):
