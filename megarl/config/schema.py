@@ -30,6 +30,13 @@ def _positive(key: str, value: float) -> None:
     _require(value > 0, f"{key}={value}: must be > 0")
 
 
+def _optional_positive(key: str, value: object) -> None:
+    """None (automatic) or a number > 0."""
+    is_number = isinstance(value, int | float) and not isinstance(value, bool)
+    _require(value is None or (is_number and value > 0),
+             f"{key}={value!r}: must be a number > 0, or null for automatic")
+
+
 @dataclass(frozen=True)
 class TrainerConfig:
     total_steps: int = 20
@@ -182,7 +189,16 @@ class RolloutConfig:
     """Between rollouts: 0 = engine stays resident | 1 = free KV cache, keep weights |
     2 = free weights too (they are resent on wake)."""
     gpu_memory_utilization: float = 0.5
-    """vLLM: fraction of GPU memory for weights + KV cache (colocated with the trainer)."""
+    """vLLM on CUDA: fraction of GPU memory for weights + KV cache (colocated with the
+    trainer). On CPU the KV cache is sized by ``kv_cache_gb`` instead."""
+    kv_cache_gb: float | None = None
+    """vLLM: KV-cache size in GiB. None: on CPU a tenth of the available memory (at least one
+    max_model_len sequence, at most 4 GiB); on CUDA from gpu_memory_utilization."""
+    max_model_len: int | None = None
+    """vLLM: longest prompt + response in tokens; None = the model's context length."""
+    enforce_eager: bool | None = None
+    """vLLM: no torch.compile / CUDA graphs. None = eager on CPU (compiling costs ~80 s per
+    start there), graphs on CUDA."""
     max_num_seqs: int = 256
     """vLLM: sequences decoded concurrently."""
     max_num_batched_tokens: int = 8192
@@ -200,6 +216,10 @@ class RolloutConfig:
                  f"rollout.sleep_level={self.sleep_level}: must be 0, 1 or 2")
         _require(0 < self.gpu_memory_utilization <= 1,
                  f"rollout.gpu_memory_utilization={self.gpu_memory_utilization}: must be in (0, 1]")
+        _optional_positive("rollout.kv_cache_gb", self.kv_cache_gb)
+        _optional_positive("rollout.max_model_len", self.max_model_len)
+        _require(self.enforce_eager is None or isinstance(self.enforce_eager, bool),
+                 f"rollout.enforce_eager={self.enforce_eager!r}: must be true, false or null")
         _positive("rollout.max_num_seqs", self.max_num_seqs)
         _positive("rollout.max_num_batched_tokens", self.max_num_batched_tokens)
         _require(self.n >= 2, f"rollout.n={self.n}: GRPO needs at least 2 samples per prompt")

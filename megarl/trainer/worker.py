@@ -145,6 +145,7 @@ def _setup(ctx: WorkerContext, inputs: RunInputs) -> _Runtime:
     spec = spec_from_hf_config(load_hf_config(inputs.model_dir))
     tokenizer = load_hf_tokenizer(inputs.model_dir)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    driver = _build_driver(ctx, inputs, tokenizer, spec)  # engine first: its errors come early
     hf_tensors = open_hf_tensors(inputs.model_dir)
     dtype = getattr(torch, execution.params_dtype)
     actor = MegatronActor(spec, cfg.actor, inputs.device, dtype, hf_tensors, pad_id,
@@ -157,19 +158,24 @@ def _setup(ctx: WorkerContext, inputs: RunInputs) -> _Runtime:
     if reference_plan.source is ReferenceSource.MODEL:
         reference = MegatronActor(spec, cfg.actor, inputs.device, dtype, hf_tensors, pad_id,
                                   trainable=False, execution=execution)
-    driver = None
-    if ctx.rank == 0 and inputs.rollout_actor is not None:  # split placement
-        from megarl.trainer.split_rollout import RemoteDriver
-
-        driver = RemoteDriver(inputs.rollout_actor)
-    elif ctx.rank == 0:
-        from megarl.trainer.driver import Driver
-
-        driver = Driver(cfg, inputs.model_dir, inputs.device, tokenizer, spec=spec)
     return _Runtime(cfg=cfg, dp_rank=ps.get_data_parallel_rank(), actor=actor,
                     reference=reference, reference_source=reference_plan.source,
                     driver=driver, spec=spec,
                     model_dir=inputs.model_dir, resume_from=inputs.resume_from)
+
+
+def _build_driver(ctx: WorkerContext, inputs: RunInputs, tokenizer, spec):
+    """Rank 0's rollout host: a local Driver, or (split placement) the proxy to the rollout
+    actor; None on other ranks."""
+    if ctx.rank != 0:
+        return None
+    if inputs.rollout_actor is not None:
+        from megarl.trainer.split_rollout import RemoteDriver
+
+        return RemoteDriver(inputs.rollout_actor)
+    from megarl.trainer.driver import Driver
+
+    return Driver(inputs.cfg, inputs.model_dir, inputs.device, tokenizer, spec=spec)
 
 
 def _execution_plan(cfg: RunConfig, device: str):
@@ -240,18 +246,12 @@ def _broadcast_rollout(rt: _Runtime, step: int, timer: PhaseTimer):
         batch, metrics, phase_seconds = rt.driver.rollout(step)
         with timer.phase("engine_sleep"):
             engine_state = rt.driver.release_engine_for_training()
-        metrics = {**metrics, **_engine_metrics(rt.cfg, engine_state)}
+        metrics = {**metrics, **rt.driver.engine_metrics(engine_state)}
         payload = [(batch, metrics, phase_seconds, engine_state)]
     dist.broadcast_object_list(payload, src=0)
     batch, metrics, phase_seconds, engine_state = payload[0]
     timer.add(phase_seconds)
     return batch, metrics, engine_state
-
-
-def _engine_metrics(cfg: RunConfig, state) -> dict[str, float]:
-    """What the engine reported after its sleep (the base-weight gate's input)."""
-    return {"engine/sleep_level": float(cfg.rollout.sleep_level),
-            "engine/base_weights_resident": float(state.base_weights_resident)}
 
 
 def _logprob_passes(rt: _Runtime, batch: RolloutBatch, plan: StepPlan, gates: StepGates,

@@ -1,9 +1,11 @@
 """VLLMEngine against a real vLLM on CUDA (skipped where vLLM or CUDA is missing).
 
-One engine serves the whole module (vLLM's sleep-mode allocator allows one per process), so
-every test leaves it awake with the original base weights. The model is a tiny random Llama
-saved to a temporary folder, served in bfloat16; references come from ``transformers`` in
-fp32 on the same weights, so logprob comparisons use a bfloat16-sized tolerance.
+The CUDA-only branches: bf16, sleep mode, and the ``load_weights`` path (which the CPU build's
+repacked weights refuse). One engine serves the whole module (vLLM's sleep-mode allocator allows
+one per process), so every test leaves it awake with the original base weights. The model is a
+tiny random Llama saved to a temporary folder, served in bfloat16; references come from
+``transformers`` in fp32 on the same weights, so logprob comparisons use a bfloat16-sized
+tolerance. The CPU build runs the rest in ``tests/integration/test_vllm_engine.py``.
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ def engine(reference) -> VLLMEngine:
         gpu_memory_utilization=0.3,
         max_num_seqs=16,
         dtype="bfloat16",
+        logprobs_mode="processed_logprobs",  # the tests sample at temperature 0.8
         enable_sleep_mode=True,
         enable_lora=True,
         max_lora_rank=8,
@@ -136,6 +139,23 @@ def test_update_weights_changes_output_and_validates_names(engine, reference):
     with pytest.raises(ValueError, match="model.layers.7.mlp.up_proj.weight"):
         engine.update_weights([("model.layers.7.mlp.up_proj.weight", torch.zeros(512, 256))])
     engine.update_weights(model.state_dict().items())
+    assert engine.generate(PROMPTS, greedy()) == before
+
+
+@pytest.mark.parametrize("method", ["reload", "load_weights"])
+def test_both_weight_load_paths_serve_the_sent_weights(engine, reference, method):
+    """On CUDA both paths work; ``benchmarks/bench_engines.py --gpu`` times them."""
+    _, model = reference
+    before = engine.generate(PROMPTS, greedy())
+    engine._load_method = method
+    try:
+        new_model = random_llama(seed=2).cuda()
+        engine.update_weights(new_model.state_dict().items())
+        after = engine.generate(PROMPTS, greedy())
+        assert mean_abs_logprob_diff(new_model, after, 0.0) < BF16_LOGPROB_TOLERANCE
+        engine.update_weights(model.state_dict().items())
+    finally:
+        engine._load_method = "reload"
     assert engine.generate(PROMPTS, greedy()) == before
 
 

@@ -57,14 +57,14 @@ def _worker(ctx, tp, pp, vpp, hf_config, state, ids, ref_logits, engine_seed):
                          checksums=True)
     if ctx.rank == 0:
         engine = _engine(hf_config, engine_seed)
-        engine.update_weights(stream.named_tensors())
+        engine.update_weights(stream.named_tensors(), record_checksums=True)
         held = dict(engine.model.named_parameters())
         result["export_equal"] = sorted(stream.sent_checksums) == sorted(state) and all(
             torch.equal(held[k], state[k]) for k in state)
         from megarl.export.checksum import compare_checksums
 
-        result["checksum_mismatches"] = compare_checksums(stream.sent_checksums, held,
-                                                          torch.float32)
+        result["checksum_mismatches"] = compare_checksums(
+            stream.sent_checksums, engine.weight_checksums(torch.float32))
         result["greedy"] = _greedy(engine)
         result["num_buckets"] = stream.num_buckets
         result["num_bytes"] = stream.num_bytes
@@ -138,7 +138,7 @@ def test_checksum_catches_a_corrupted_engine_weight():
 
     state = _state(build_random_hf_model(TINY, seed=3), tied=False)
     sent = {k: tensor_checksum(v) for k, v in state.items()}
-    held = dict(state)
-    held["model.layers.2.mlp.up_proj.weight"] = held["model.layers.2.mlp.up_proj.weight"].clone()
-    held["model.layers.2.mlp.up_proj.weight"][0, 0] += 1e-6
-    assert compare_checksums(sent, held, torch.float32) == ["model.layers.2.mlp.up_proj.weight"]
+    corrupted = state["model.layers.2.mlp.up_proj.weight"].clone()
+    corrupted[0, 0] += 1e-6
+    held = {**sent, "model.layers.2.mlp.up_proj.weight": tensor_checksum(corrupted)}
+    assert compare_checksums(sent, held) == ["model.layers.2.mlp.up_proj.weight"]

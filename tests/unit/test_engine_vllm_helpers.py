@@ -1,4 +1,5 @@
-"""The vLLM engine's pure parts, which run without vLLM (the engine itself: tests/gpu)."""
+"""The vLLM engine's pure parts, which run without vLLM (the engine itself:
+tests/integration/test_vllm_engine.py)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from megarl.engines.tensor_transport import SharedTensorFile, TensorMeta, read_tensors
 from megarl.engines.vllm import (
-    bucket_by_bytes,
+    FusedGroupBatcher,
     canonical_weight_name,
     check_weight,
+    fused_group,
     read_checkpoint_shapes,
     request_seed,
     sampled_token_logprobs,
@@ -84,10 +87,68 @@ def test_no_local_checkpoint_means_no_local_checks(tmp_path):
     check_weight("anything", torch.zeros(1), None)
 
 
-def test_buckets_respect_the_byte_limit_and_keep_order():
-    tensors = [(f"t{i}", torch.zeros(n, dtype=torch.float32)) for i, n in enumerate([4, 4, 10, 1])]
-    buckets = list(bucket_by_bytes(tensors, max_bytes=32))
-    assert [[name for name, _ in bucket] for bucket in buckets] == [["t0", "t1"], ["t2"], ["t3"]]
+PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+
+
+def layer_tensors(layer: int) -> list[tuple[str, torch.Tensor]]:
+    """One layer's HF tensors in the exporter's order (4 floats each: 16 bytes)."""
+    names = ["input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+             "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
+    return [(f"model.layers.{layer}.{n}.weight", torch.full((4,), float(layer))) for n in names]
+
+
+def test_fused_group_names_the_vllm_parameter_and_the_part():
+    assert fused_group("model.layers.3.self_attn.k_proj.weight", PACKED) == (
+        "model.layers.3.self_attn.qkv_proj.weight", "qkv_proj", "k_proj")
+    assert fused_group("model.layers.3.mlp.up_proj.bias", PACKED) == (
+        "model.layers.3.mlp.gate_up_proj.bias", "gate_up_proj", "up_proj")
+    assert fused_group("model.layers.3.self_attn.o_proj.weight", PACKED) is None
+
+
+@pytest.mark.parametrize("max_bytes", [1, 16, 40, 100, 10_000])
+def test_buckets_never_split_a_fused_group_at_any_budget(max_bytes):
+    stream = layer_tensors(0) + layer_tensors(1)
+    batcher = FusedGroupBatcher(PACKED, max_bytes)
+    buckets = list(batcher.buckets(stream))
+    assert sorted(n for b in buckets for n, _ in b) == sorted(n for n, _ in stream)
+    for bucket in buckets:
+        names = [n for n, _ in bucket]
+        for name in names:
+            group = fused_group(name, PACKED)
+            if group is not None:  # every part of its group is in the same bucket
+                assert all(name.replace(group[2], part) in names for part in PACKED[group[1]])
+        if max_bytes <= 16:  # one tensor or one whole group per bucket
+            assert len(bucket) in (1, 2, 3)
+    assert not batcher.pending
+
+
+def test_a_group_split_across_calls_waits_for_its_last_part():
+    batcher = FusedGroupBatcher(PACKED, 10_000)
+    stream = layer_tensors(0)
+    first = [n for b in batcher.buckets(stream[:3]) for n, _ in b]  # norm, q, k
+    assert first == ["model.layers.0.input_layernorm.weight"]
+    assert batcher.pending_names() == ["model.layers.0.self_attn.k_proj.weight",
+                                       "model.layers.0.self_attn.q_proj.weight"]
+    second = [n for b in batcher.buckets(stream[3:]) for n, _ in b]
+    assert second[:3] == ["model.layers.0.self_attn.q_proj.weight",
+                          "model.layers.0.self_attn.k_proj.weight",
+                          "model.layers.0.self_attn.v_proj.weight"]
+    assert not batcher.pending
+
+
+def test_shared_file_hands_tensors_over_bitwise():
+    tensors = [("a", torch.randn(3, 5)), ("b", torch.arange(7, dtype=torch.int64)),
+               ("c", torch.randn(4, 2).to(torch.bfloat16).t())]  # non-contiguous
+    shared = SharedTensorFile()
+    try:
+        for _ in range(2):  # the file is reused, and grows for a bigger bucket
+            records = [TensorMeta.from_wire(r.to_wire()) for r in shared.write(tensors)]
+            got = dict(read_tensors(shared.path, records))
+            for name, tensor in tensors:
+                assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor)
+            tensors = [*tensors, ("d", torch.randn(1000))]
+    finally:
+        shared.close()
 
 
 def test_written_adapter_loads_in_peft_as_the_same_adapter(tmp_path):

@@ -82,9 +82,9 @@ def test_checksum_detects_changed_and_moved_values(dtype):
     swapped = t.clone()
     swapped[[3, 900]] = t[[900, 3]]
     assert t[3] == t[900] or tensor_checksum(swapped) != base
-    held = {"w": t.float()}  # the engine keeps fp32; checksums compare in the sent dtype
-    assert compare_checksums({"w": base}, held, dtype) == []
-    assert compare_checksums({"w": base, "x": (0, 0)}, held, dtype) == ["x"]
+    held = {"w": tensor_checksum(t.float().to(dtype))}  # an fp32 engine, read in the sent dtype
+    assert compare_checksums({"w": base}, held) == []
+    assert compare_checksums({"w": base, "x": (0, 0)}, held) == ["x"]
 
 
 def test_checksum_steps_and_engine_mismatch_is_an_error_naming_the_tensor():
@@ -97,8 +97,11 @@ def test_checksum_steps_and_engine_mismatch_is_an_error_naming_the_tensor():
     weights = {"a": torch.randn(4, 4), "b": torch.randn(3)}
     stream = SimpleNamespace(sent_checksums={k: tensor_checksum(v) for k, v in weights.items()},
                              dtype=torch.float32)
-    engine = SimpleNamespace(base_weights=lambda: dict(weights))
-    verify_engine_checksums(stream, engine)
+    def engine_holding(held: dict) -> SimpleNamespace:
+        return SimpleNamespace(weight_checksums=lambda dtype: {
+            k: tensor_checksum(v.to(dtype)) for k, v in held.items()})
+
+    verify_engine_checksums(stream, engine_holding(weights))
     stale = dict(weights, b=weights["b"] + 1)
     with pytest.raises(ExportChecksumError, match="'b' differs"):
-        verify_engine_checksums(stream, SimpleNamespace(base_weights=lambda: stale))
+        verify_engine_checksums(stream, engine_holding(stale))

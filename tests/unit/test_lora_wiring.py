@@ -177,14 +177,6 @@ def test_merge_adapter_equals_peft_merge_and_unload():
                            base.state_dict()["model.layers.0.self_attn.q_proj.weight"])
 
 
-def test_vllm_max_lora_rank_rounds_up_to_an_allowed_value():
-    from megarl.engines.vllm import vllm_max_lora_rank
-
-    assert [vllm_max_lora_rank(r) for r in (1, 4, 8, 9, 300)] == [1, 8, 8, 16, 320]
-    with pytest.raises(ValueError, match="exceeds"):
-        vllm_max_lora_rank(1024)
-
-
 def test_hf_engine_second_load_is_an_adapter_only_update():
     """Same layout: the peft layers stay, only their values change."""
     from peft import LoraConfig, get_peft_model, get_peft_model_state_dict

