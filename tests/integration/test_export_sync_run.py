@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -42,7 +43,9 @@ def test_vpp_training_is_refused_at_start_up(tmp_path):
                                                 "trainer.n_gpus_per_node": 2}))
 
 
-def test_checksum_with_vllm_is_refused_at_start_up(tmp_path):
-    with pytest.raises(StartupError, match="export.checksum_interval"):
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM")
+def test_checksum_with_a_tensor_parallel_vllm_is_refused_at_start_up(tmp_path):
+    """vLLM checksums whole HF tensors; an engine split over rollout.tp ranks holds slices."""
+    with pytest.raises(StartupError, match="export.checksum_interval=1 needs rollout.tp=1"):
         run(tiny_overrides(tmp_path / "run", **{"export.checksum_interval": 1,
-                                                "rollout.engine": "vllm"}))
+                                                "rollout.engine": "vllm", "rollout.tp": 2}))
