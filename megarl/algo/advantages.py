@@ -2,7 +2,20 @@
 
 Every function here is pure tensor code on a flat batch of ``B`` sequences: no process groups,
 no model, no Python loop per sequence.  Sequences that were sampled from the same prompt share a
-group id; the advantage of a sequence is how much better its reward is than its group's.
+group id; the advantage of a sequence is how much better its reward is than a baseline (its
+group's, or the whole batch's).
+
+The estimators and their config names follow verl's ``core_algos`` so that a verl user's
+``algo.adv_estimator`` means the same here; every difference is named in the estimator's
+docstring.  Two differences hold throughout:
+
+* Outcome rewards only: one scalar per sequence, no per-token rewards, no discount (verl's
+  ``gamma`` is 1 for outcome rewards) and no KL folded into the reward.
+* A baseline that leaves no signal gives *exactly* 0.0, not float residue: a group (or batch)
+  whose rewards are all equal, and a group of one.  verl leaves such a sequence's reward
+  unchanged or a rounding residue; megarl zeroes it because the batch planner skips
+  sequences whose advantage is exactly 0 (see :func:`zero_advantage_mask`), so a residue would
+  waste a forward/backward and corrupt ``critic/advantages/zero_adv_ratio``.
 """
 
 from __future__ import annotations
@@ -27,11 +40,22 @@ class GroupStats:
     mean_B: Tensor
     std_B: Tensor
     is_constant_B: Tensor
+    size_B: Tensor
 
 
 def _output_dtype(rewards_B: Tensor) -> torch.dtype:
     """Keep the caller's float dtype; integer rewards (e.g. 0/1 correctness) become default float."""
     return rewards_B.dtype if rewards_B.is_floating_point() else torch.get_default_dtype()
+
+
+def _check_inputs(rewards_B: Tensor, group_ids_B: Tensor) -> torch.dtype:
+    """Reject malformed batches up front; returns the dtype the advantages will have."""
+    if rewards_B.ndim != 1 or rewards_B.shape != group_ids_B.shape:
+        raise ValueError(
+            f"rewards_B and group_ids_B must both be 1-D of the same length, got "
+            f"{tuple(rewards_B.shape)} and {tuple(group_ids_B.shape)}"
+        )
+    return _output_dtype(rewards_B)
 
 
 def _group_stats(rewards_B: Tensor, group_ids_B: Tensor) -> GroupStats:
@@ -65,6 +89,7 @@ def _group_stats(rewards_B: Tensor, group_ids_B: Tensor) -> GroupStats:
         mean_B=mean_G[group_index_B],
         std_B=std_G[group_index_B],
         is_constant_B=(min_G == max_G)[group_index_B],
+        size_B=size_G[group_index_B],
     )
 
 
@@ -87,17 +112,17 @@ def group_relative_advantages(
         group_ids_B: integer group id per sequence; arbitrary values, any order.
         norm_by_std: divide by (group std + eps) as in GRPO; ``False`` gives Dr.GRPO's
             mean-centred advantage, which does not up-weight low-variance (too easy/hard) groups.
-        eps: keeps the division finite for near-constant groups.
+            verl calls this ``algo.norm_adv_by_std_in_grpo``.
+        eps: keeps the division finite for near-constant groups; verl's default, added to the
+            unbiased std (not under the square root).
+
+    Unlike verl, a group of one gets 0 rather than its raw reward ``r / (1 + eps)``: with no
+    other sample from the prompt there is nothing to compare against.
 
     Returns:
         advantages with shape ``[B]`` and the rewards' float dtype.
     """
-    if rewards_B.ndim != 1 or rewards_B.shape != group_ids_B.shape:
-        raise ValueError(
-            f"rewards_B and group_ids_B must both be 1-D of the same length, got "
-            f"{tuple(rewards_B.shape)} and {tuple(group_ids_B.shape)}"
-        )
-    out_dtype = _output_dtype(rewards_B)
+    out_dtype = _check_inputs(rewards_B, group_ids_B)
     if rewards_B.numel() == 0:
         return torch.zeros(0, dtype=out_dtype, device=rewards_B.device)
 
@@ -110,8 +135,36 @@ def group_relative_advantages(
 
 
 def zero_advantage_mask(adv_B: Tensor) -> Tensor:
-    """True for sequences whose advantage is exactly 0, i.e. that would not move the policy."""
+    """True for sequences whose advantage is exactly 0, i.e. that would not move the policy.
+
+    This is what the batch planner prunes, and it is exact for *every* estimator here, not just
+    for the structural zeros of constant groups: the PPO clip loss of a token is
+    ``max(-A * r, -A * clip(r))`` with a clamped, hence finite, ratio ``r``, so at ``A == 0``
+    both the loss and its gradient are exactly 0, and the planner keeps each mini-batch's
+    unpruned normaliser.  A whole-batch-whitened advantage that lands on 0.0 by float
+    coincidence therefore contributes nothing either, and skipping it is still exact.  What
+    does act at ``A == 0`` (``actor.kl_coef``, ``actor.entropy_coef``) is handled by the
+    planner's ``prune_mode``, which does not prune then.  Only exact zeros count (``-0.0``
+    included): a 1e-30 is kept, since pruning it would not be exact.
+    """
     return adv_B == 0
+
+
+def _whiten_over_batch(values64_B: Tensor, shift_mean: bool, eps: float = 1e-8) -> Tensor:
+    """``(x - mean) / sqrt(var + eps)`` over the whole batch, with the unbiased variance.
+
+    Matches verl's ``masked_whiten`` (``rsqrt(var + 1e-8)``, Bessel-corrected variance), except
+    that each *sequence* is one sample where verl counts every response *token*: an outcome
+    advantage is one number per sequence, and token weighting would make a sequence's
+    advantage depend on how long the other responses are.  With equal response lengths the two
+    differ only in Bessel's correction (``B - 1`` sequences here, tokens - 1 in verl).
+    ``shift_mean=False`` only scales (the variance is still taken about the mean), for
+    inputs whose batch mean is 0 by construction.  A batch of one has no spread: variance 0.
+    """
+    mean = values64_B.mean()
+    var = (values64_B - mean).square().sum() / max(values64_B.numel() - 1, 1)
+    centred_B = values64_B - mean if shift_mean else values64_B
+    return centred_B * torch.rsqrt(var + eps)
 
 
 def grpo_advantages(rewards_B: Tensor, group_ids_B: Tensor) -> Tensor:
@@ -124,10 +177,79 @@ def grpo_no_std_advantages(rewards_B: Tensor, group_ids_B: Tensor) -> Tensor:
     return group_relative_advantages(rewards_B, group_ids_B, norm_by_std=False)
 
 
+def rloo_advantages(rewards_B: Tensor, group_ids_B: Tensor) -> Tensor:
+    """RLOO: reward minus the mean reward of the *other* samples of the same prompt.
+
+    ``r_i - mean_{j != i} r_j == n / (n - 1) * (r_i - mean_j r_j)``, so the baseline does not
+    depend on the sample it scores and the estimate stays unbiased; computed in the second
+    form from the same float64 group statistics as GRPO.  A constant group is exactly 0; so is
+    a group of one, which has no other sample to compare with (verl's loop version leaves its
+    raw reward, its vectorised version gives 0, as here).
+    """
+    out_dtype = _check_inputs(rewards_B, group_ids_B)
+    if rewards_B.numel() == 0:
+        return torch.zeros(0, dtype=out_dtype, device=rewards_B.device)
+    stats = _group_stats(rewards_B, group_ids_B)
+    scale_B = stats.size_B / (stats.size_B - 1).clamp_min(1)
+    adv_B = (rewards_B.to(torch.float64) - stats.mean_B) * scale_B
+    adv_B = torch.where(stats.is_constant_B, torch.zeros_like(adv_B), adv_B)
+    return adv_B.to(out_dtype)
+
+
+def reinforce_plus_plus_advantages(rewards_B: Tensor, group_ids_B: Tensor) -> Tensor:
+    """REINFORCE++: rewards whitened over the whole batch, no per-prompt baseline.
+
+    ``group_ids_B`` is only validated: the baseline is the batch mean, so a prompt whose samples
+    all got the same reward still gets a signal, relative to the other prompts.  Only a batch
+    whose rewards are all equal gives (exactly) 0.  With outcome rewards and no KL in the
+    reward, verl's discounted return is the reward itself at every token (``gamma = 1``).
+    """
+    out_dtype = _check_inputs(rewards_B, group_ids_B)
+    if rewards_B.numel() == 0:
+        return torch.zeros(0, dtype=out_dtype, device=rewards_B.device)
+    rewards64_B = rewards_B.to(torch.float64)
+    adv_B = _whiten_over_batch(rewards64_B, shift_mean=True)
+    if bool(rewards64_B.min() == rewards64_B.max()):
+        adv_B = torch.zeros_like(adv_B)  # the batch mean's rounding residue times 1e4
+    return adv_B.to(out_dtype)
+
+
+def reinforce_plus_plus_baseline_advantages(rewards_B: Tensor, group_ids_B: Tensor) -> Tensor:
+    """REINFORCE++-baseline: group mean subtracted, then scaled by the batch's std.
+
+    As verl, the group-centred rewards are whitened over the batch.  Their batch mean is 0 by
+    construction when each sequence weighs the same (every group's centred rewards sum to 0),
+    so megarl only divides by ``sqrt(var + 1e-8)`` instead of subtracting a rounding residue:
+    a constant group stays exactly 0, and so does a sample whose reward equals its group mean.
+    verl weighs tokens, whose mean is not 0 when lengths differ, so there a constant group
+    gets ``-mean / std``.  A group of one is 0 here; verl uses its raw reward as the advantage
+    before whitening.
+    """
+    out_dtype = _check_inputs(rewards_B, group_ids_B)
+    if rewards_B.numel() == 0:
+        return torch.zeros(0, dtype=out_dtype, device=rewards_B.device)
+    stats = _group_stats(rewards_B, group_ids_B)
+    centred_B = rewards_B.to(torch.float64) - stats.mean_B
+    centred_B = torch.where(stats.is_constant_B, torch.zeros_like(centred_B), centred_B)
+    return _whiten_over_batch(centred_B, shift_mean=False).to(out_dtype)
+
+
 ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
     "grpo": grpo_advantages,
     "grpo_no_std": grpo_no_std_advantages,
+    "rloo": rloo_advantages,
+    "reinforce_plus_plus": reinforce_plus_plus_advantages,
+    "reinforce_plus_plus_baseline": reinforce_plus_plus_baseline_advantages,
 }
+"""The one list of estimators: the config schema validates ``algo.adv_estimator`` against it."""
+
+ADVANTAGE_ESTIMATOR_NAMES: tuple[str, ...] = tuple(ADVANTAGE_ESTIMATORS)
+
+
+def resolve_estimator_name(name: str, norm_adv_by_std_in_grpo: bool = True) -> str:
+    """The registry name a config means: verl's ``norm_adv_by_std_in_grpo=false`` turns
+    ``grpo`` into ``grpo_no_std`` and, as in verl, is not read by any other estimator."""
+    return "grpo_no_std" if name == "grpo" and not norm_adv_by_std_in_grpo else name
 
 
 def get_advantage_estimator(name: str) -> AdvantageEstimator:
@@ -135,5 +257,5 @@ def get_advantage_estimator(name: str) -> AdvantageEstimator:
     try:
         return ADVANTAGE_ESTIMATORS[name]
     except KeyError:
-        valid = ", ".join(sorted(ADVANTAGE_ESTIMATORS))
+        valid = ", ".join(ADVANTAGE_ESTIMATOR_NAMES)
         raise ValueError(f"unknown advantage estimator {name!r}; valid names: {valid}") from None

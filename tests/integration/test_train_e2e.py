@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 from conftest import REQUIRED_METRICS, tiny_overrides
@@ -46,3 +47,24 @@ def test_weights_reach_the_engine(tmp_path):
                  return_final_state=True)
     assert result.history[0]["actor/grad_norm"] > 0
     assert result.history[1]["rollout/logprob_abs_diff"] <= 1e-3
+
+
+@pytest.mark.parametrize(
+    "algo",
+    [
+        {"algo.adv_estimator": "rloo"},
+        {"algo.adv_estimator": "reinforce_plus_plus"},
+        {"algo.adv_estimator": "reinforce_plus_plus_baseline"},
+        {"algo.adv_estimator": "grpo", "algo.norm_adv_by_std_in_grpo": "false"},
+    ],
+    ids=["rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "grpo_no_std_by_flag"],
+)
+def test_advantage_estimator_trains_two_steps(tmp_path, algo):
+    """Each estimator runs through rollout, planner and update; all of these subtract a baseline
+    (group or batch mean) from every sequence, so the batch's advantages average to 0."""
+    result = run(tiny_overrides(tmp_path / "run", steps=2, **algo))
+    assert [r["step"] for r in result.history] == [1, 2]
+    for row in result.history:
+        assert math.isfinite(row["actor/pg_loss"]), row
+        assert abs(row["critic/advantages/mean"]) < 1e-5, row
+        assert row["critic/advantages/min"] <= 0.0 <= row["critic/advantages/max"], row
