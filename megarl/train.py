@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -67,27 +68,57 @@ def resolve_device(requested: str, cfg=None) -> str:
         raise StartupError(str(exc)) from None
 
 
-def resolve_model_dir(cfg) -> str:
-    """A HF folder for the run: the packaged SmolLM2, ``model.path``, or a random init."""
+def resolve_model_dir(cfg, staging: Path | None = None) -> str:
+    """A checked HF folder for the run: the packaged SmolLM2, ``model.path``, or one megarl writes.
+
+    megarl writes the folder itself for a random init (``model.hf_config``) or a megarl checkpoint
+    given as ``model.path``; its place is ``<run_dir>/init_model``, reused when it already holds
+    that model. With ``staging`` (a path in a temporary folder) a folder not already in place is
+    written there instead, and :func:`place_model_dir` moves it into the run directory once every
+    check has passed, so a run refused by a later check leaves ``trainer.run_dir`` untouched.
+    Validating before writing would not do: the later checks read the written folder.
+    """
     from megarl.models.hf_io import ModelPathError, resolve_model_path
 
+    final = Path(cfg.trainer.run_dir) / "init_model"
     try:
         if cfg.model.hf_config is not None:
-            from megarl.models.random_init import save_random_hf_model
+            from megarl.models.random_init import is_saved, save_random_hf_model
 
-            out = Path(cfg.trainer.run_dir) / "init_model"
-            return str(save_random_hf_model(cfg.model.hf_config, cfg.model.init_seed, out))
+            hf_config, seed = cfg.model.hf_config, cfg.model.init_seed
+            out = staging if staging and not is_saved(hf_config, seed, final) else final
+            return str(resolve_model_path(save_random_hf_model(hf_config, seed, out)))
         if cfg.model.path is not None and _is_megarl_checkpoint(cfg.model.path):
-            from megarl.checkpoint.convert import ConvertError, hf_folder_for_training
+            from megarl.checkpoint.convert import (
+                ConvertError,
+                hf_folder_for_training,
+                is_training_folder_current,
+            )
 
             try:  # a converted or training checkpoint: train from its weights
-                out = Path(cfg.trainer.run_dir) / "init_model"
-                return str(hf_folder_for_training(cfg.model.path, out))
+                current = is_training_folder_current(cfg.model.path, final)
+                out = staging if staging and not current else final
+                return str(resolve_model_path(hf_folder_for_training(cfg.model.path, out)))
             except ConvertError as exc:
                 raise StartupError(f"model.path={cfg.model.path}: {exc}") from None
         return str(resolve_model_path(cfg.model.path))
     except ModelPathError as exc:
         raise StartupError(str(exc)) from None
+
+
+def place_model_dir(cfg, model_dir: str, staging: Path) -> str:
+    """Move a folder :func:`resolve_model_dir` wrote to ``staging`` into ``<run_dir>/init_model``
+    (replacing a stale one); any other folder is used where it is."""
+    import shutil
+
+    if Path(model_dir) != staging:
+        return model_dir
+    final = Path(cfg.trainer.run_dir) / "init_model"
+    final.parent.mkdir(parents=True, exist_ok=True)
+    if final.exists():
+        shutil.rmtree(final)
+    shutil.move(str(staging), str(final))
+    return str(final)
 
 
 def _is_megarl_checkpoint(path: str) -> bool:
@@ -183,9 +214,12 @@ def run(overrides: list[str], return_final_state: bool = False):
 
     cfg = compose_config(overrides)
     device = resolve_device(cfg.trainer.device, cfg)
-    model_dir = resolve_model_dir(cfg)
-    validate_against_model(cfg, model_dir, device)
-    resume_from = resolve_resume(cfg, model_dir, device)
+    with tempfile.TemporaryDirectory(prefix="megarl-init-") as tmp:
+        staging = Path(tmp) / "init_model"
+        model_dir = resolve_model_dir(cfg, staging)
+        validate_against_model(cfg, model_dir, device)
+        resume_from = resolve_resume(cfg, model_dir, device)
+        model_dir = place_model_dir(cfg, model_dir, staging)
     Path(cfg.trainer.run_dir).mkdir(parents=True, exist_ok=True)
     inputs = RunInputs(cfg=cfg, model_dir=model_dir, device=device,
                        return_final_state=return_final_state, resume_from=resume_from)

@@ -33,6 +33,7 @@ from megarl.checkpoint import layout
 
 EXIT_BAD_INPUT = 2
 HF_WEIGHTS_FILE = "model.safetensors"
+SOURCE_STAMP = "megarl_source.json"
 
 
 class ConvertError(ValueError):
@@ -48,6 +49,7 @@ def hf_to_mcore(hf: str, out: str, tp: int, pp: int, progress: bool = True) -> P
     from megarl.checkpoint.trainer_state import copy_model_side_files
     from megarl.models import mapping
     from megarl.models.hf_io import ModelPathError, open_hf_tensors, resolve_model_path
+    from megarl.models.spec import ModelSpecError
 
     target = _fresh_output(out)
     try:
@@ -65,10 +67,10 @@ def hf_to_mcore(hf: str, out: str, tp: int, pp: int, progress: bool = True) -> P
             for rule, layer in params:
                 try:
                     hf_tensors = [read(name) for name in rule.hf_names(layer)]
-                except ModelPathError as exc:
+                    shards[rule.mcore_name(layer)] = mapping.to_mcore_shard(
+                        rule, hf_tensors, spec, tp_rank, tp)
+                except (ModelPathError, ModelSpecError) as exc:
                     raise ConvertError(str(exc).replace("model.path=", "--hf ")) from None
-                shards[rule.mcore_name(layer)] = mapping.to_mcore_shard(rule, hf_tensors, spec,
-                                                                        tp_rank, tp)
                 advance()
             save_tensors(shards, staging / layout.model_file(tp_rank, pp_rank))
         copy_model_side_files(folder, staging)
@@ -203,17 +205,26 @@ def write_hf_folder(info: layout.CheckpointInfo, out: Path, progress: bool = Tru
 def hf_folder_for_training(path: str | os.PathLike, out: Path) -> Path:
     """``model.path`` pointing at a megarl checkpoint: its HF folder, written once to ``out``."""
     info = find_checkpoint(path)
-    stamp = {"source": str(info.path.resolve()), "step": info.step,
-             "marker_mtime": (info.path / layout.MARKER).stat().st_mtime}
-    stamp_path = out / "megarl_source.json"
-    if stamp_path.is_file() and json.loads(stamp_path.read_text()) == stamp:
+    if is_training_folder_current(path, out):
         return out
     if out.exists():
         shutil.rmtree(out)
     with _staging(out) as staging:
         write_hf_folder(info, staging, progress=False)
-        (staging / "megarl_source.json").write_text(json.dumps(stamp))
+        (staging / SOURCE_STAMP).write_text(json.dumps(_source_stamp(info)))
     return out
+
+
+def is_training_folder_current(path: str | os.PathLike, out: Path) -> bool:
+    """``out`` already holds the HF folder of the checkpoint ``path`` names (same step, same save)."""
+    stamp_path = Path(out) / SOURCE_STAMP
+    return (stamp_path.is_file()
+            and json.loads(stamp_path.read_text()) == _source_stamp(find_checkpoint(path)))
+
+
+def _source_stamp(info: layout.CheckpointInfo) -> dict:
+    return {"source": str(info.path.resolve()), "step": info.step,
+            "marker_mtime": (info.path / layout.MARKER).stat().st_mtime}
 
 
 # --- shared plumbing -------------------------------------------------------------------------

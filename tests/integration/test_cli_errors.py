@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import importlib.util
+import json
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -51,6 +54,75 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, args, needle):
     assert len(lines) == 1 and needle in lines[0], proc.stderr
     assert "Traceback" not in proc.stderr
     assert not (run_dir / "metrics.jsonl").exists()
+
+
+def _tiny_hf_folder(folder: Path) -> Path:
+    """A tiny random Llama saved by transformers, with SmolLM2's tokenizer: a valid model.path."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from megarl.models.hf_io import resolve_model_path
+
+    config = LlamaConfig(vocab_size=384, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    LlamaForCausalLM(config).save_pretrained(folder, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(resolve_model_path(None) / name, folder / name)
+    return folder
+
+
+def _set_config(folder: Path, key: str, value) -> None:
+    config = json.loads((folder / "config.json").read_text())
+    config[key] = value
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+_BAD_MODELS = {
+    "truncated weights": (
+        lambda f: (f / "model.safetensors").write_bytes(
+            (f / "model.safetensors").read_bytes()[:1000]),
+        "model.safetensors is not a readable safetensors file"),
+    "config not json": (lambda f: (f / "config.json").write_text("{not json"),
+                        "config.json is not valid JSON"),
+    "vocab disagreeing with the weights": (
+        lambda f: _set_config(f, "vocab_size", 400),
+        "config.json vocab_size=400 but model.embed_tokens.weight has 384 rows"),
+    "no tokenizer": (lambda f: (f / "tokenizer.json").unlink(), "folder has no tokenizer"),
+}
+
+
+def _assert_one_line_exit_2_nothing_written(proc, needle: str, run_dir: Path) -> None:
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("megarl-train")]
+    assert len(lines) == 1 and needle in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not run_dir.exists() or not any(run_dir.iterdir()), list(run_dir.iterdir())
+
+
+@pytest.mark.parametrize("case", sorted(_BAD_MODELS))
+def test_bad_model_folder_is_one_line_and_writes_nothing(tmp_path, case):
+    corrupt, needle = _BAD_MODELS[case]
+    model = _tiny_hf_folder(tmp_path / "model")
+    corrupt(model)
+    run_dir = tmp_path / "run"
+    proc = _train(f"trainer.run_dir={run_dir}", f"model.path={model}", cwd=tmp_path)
+    _assert_one_line_exit_2_nothing_written(proc, f"model.path={model}: {needle}", run_dir)
+
+
+def test_unparsable_gguf_is_one_line(tmp_path):
+    gguf = tmp_path / "random.gguf"
+    gguf.write_bytes(bytes(range(256)) * 64)
+    run_dir = tmp_path / "run"
+    proc = _train(f"trainer.run_dir={run_dir}", f"model.path={gguf}", cwd=tmp_path)
+    _assert_one_line_exit_2_nothing_written(proc, f"model.path={gguf}: not a readable .gguf",
+                                            run_dir)
+
+
+def test_random_init_refused_by_a_later_check_leaves_run_dir_untouched(tmp_path):
+    """The init model is written to a staging folder and moved in only once every check passed."""
+    run_dir = tmp_path / "run"
+    proc = _train(f"trainer.run_dir={run_dir}", "model=tiny_llama", "actor.pp=3",
+                  "trainer.n_gpus_per_node=3", cwd=tmp_path)
+    _assert_one_line_exit_2_nothing_written(proc, "actor.pp=3 does not divide", run_dir)
 
 
 def test_malformed_dataset_row_names_file_and_line(tmp_path):

@@ -80,6 +80,15 @@ def test_vocab_padding_is_zero_and_dropped_on_export():
     assert torch.equal(mapping.to_hf(rule, shards, spec)[0], emb)
 
 
+@pytest.mark.parametrize("rows", [99, 101, 128])
+def test_vocab_rows_disagreeing_with_the_config_are_refused_not_padded(rows):
+    spec = spec_from_hf_config(LLAMA)
+    rule = mapping.rules_for(spec)[0]
+    with pytest.raises(ModelSpecError, match=f"model.embed_tokens.weight has {rows} rows but "
+                                             "vocab_size=100"):
+        mapping.to_mcore_shard(rule, [torch.randn(rows, 32)], spec, 0, 2)
+
+
 @pytest.mark.parametrize(
     ("tp", "pp", "needle"),
     [(3, 1, "actor.tp=3 does not divide the model's 8 attention heads"),
