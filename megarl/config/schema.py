@@ -281,19 +281,24 @@ class AlgoConfig:
     verl's names and math (see megarl.algo.advantages)."""
     norm_adv_by_std_in_grpo: bool = True
     """verl's key: false makes grpo divide by nothing, i.e. grpo_no_std; other estimators
-    ignore it. The config then carries adv_estimator=grpo_no_std, the estimator that runs."""
+    ignore it. :attr:`estimator` names the estimator that runs."""
 
     def __post_init__(self) -> None:
         # Imported here, not at the top: the estimator list lives with the estimators (one
         # registry), and only building an AlgoConfig needs it.
-        from megarl.algo.advantages import ADVANTAGE_ESTIMATOR_NAMES, resolve_estimator_name
+        from megarl.algo.advantages import ADVANTAGE_ESTIMATOR_NAMES
 
         _choice("algo.adv_estimator", self.adv_estimator, ADVANTAGE_ESTIMATOR_NAMES)
         _require(isinstance(self.norm_adv_by_std_in_grpo, bool),
                  f"algo.norm_adv_by_std_in_grpo={self.norm_adv_by_std_in_grpo!r}: "
                  "expected true or false")
-        object.__setattr__(self, "adv_estimator", resolve_estimator_name(
-            self.adv_estimator, self.norm_adv_by_std_in_grpo))
+
+    @property
+    def estimator(self) -> str:
+        """The estimator that runs (``grpo`` without std normalisation is ``grpo_no_std``)."""
+        from megarl.algo.advantages import resolve_estimator_name
+
+        return resolve_estimator_name(self.adv_estimator, self.norm_adv_by_std_in_grpo)
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ class Driver:
         settings = RolloutSettings(
             group_size=cfg.rollout.n, max_new_tokens=cfg.rollout.max_new_tokens,
             temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-            adv_estimator=cfg.algo.adv_estimator, system_prompt=cfg.data.system_prompt)
+            adv_estimator=cfg.algo.estimator, system_prompt=cfg.data.system_prompt)
         self.producer = RolloutProducer(self.engine, tokenizer, self.stream,
                                         get_reward_fn(cfg.data.reward_fn_name), settings,
                                         cfg.trainer.seed)

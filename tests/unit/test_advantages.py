@@ -329,11 +329,11 @@ def test_whitened_zero_by_coincidence_is_pruned_and_contributes_nothing() -> Non
 def test_norm_adv_by_std_in_grpo_false_is_grpo_no_std() -> None:
     from megarl.config.schema import AlgoConfig
 
-    assert AlgoConfig("grpo", norm_adv_by_std_in_grpo=True).adv_estimator == "grpo"
-    switched = AlgoConfig("grpo", norm_adv_by_std_in_grpo=False).adv_estimator
+    assert AlgoConfig("grpo", norm_adv_by_std_in_grpo=True).estimator == "grpo"
+    switched = AlgoConfig("grpo", norm_adv_by_std_in_grpo=False).estimator
     assert switched == "grpo_no_std"
     # verl reads the flag only in grpo
-    assert AlgoConfig("rloo", norm_adv_by_std_in_grpo=False).adv_estimator == "rloo"
+    assert AlgoConfig("rloo", norm_adv_by_std_in_grpo=False).estimator == "rloo"
     rewards_B, group_ids_B = _rewards(*MIXED_REWARDS), _ids(*MIXED_GROUPS)
     assert torch.equal(get_advantage_estimator(switched)(rewards_B, group_ids_B),
                        group_relative_advantages(rewards_B, group_ids_B, norm_by_std=False))
