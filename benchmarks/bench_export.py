@@ -16,7 +16,7 @@ it has copied a bucket in; the old gather returns the whole state dict on rank 0
 
 With TP > 1, a raw ``torch.distributed.all_gather`` of every TP-sharded parameter inside each
 TP group (the same bytes the exporter gathers) is timed too, as the communication floor, and the
-best streaming throughput is printed as a ratio of it (issue 5 target: >= 0.8).
+best streaming throughput is printed as a ratio of it (target: >= 0.8).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import torch
 from megarl.distributed.launcher import launch
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
-RATIO_TARGET = 0.8  # issue 5: export throughput / raw all-gather throughput
+RATIO_TARGET = 0.8  # export throughput / raw all-gather throughput
 
 # A ~113M-parameter Llama-style model whose 12 heads / 4 KV heads divide by 2 (and 4), sharing
 # SmolLM2's tokenizer and vocabulary; tied embeddings like SmolLM2.

@@ -8,7 +8,7 @@ names and copies it into the engine (what a step costs without LoRA, or with LoR
 that freed the engine's base weights); the adapter-only sync gathers the LoRA adapter under
 peft's names and updates the engine's injected LoRA layers (what the base-weight gate sends while
 the engine kept its base weights). Each is timed ``--repeats`` times after a warm-up; the best
-time is the verdict (noise-robust on a shared machine). Target (issue 5): adapter-only under 5%
+time is the verdict (noise-robust on a shared machine). Target: adapter-only under 5%
 of full sync on SmolLM2.
 """
 

@@ -66,7 +66,7 @@ def test_killed_rollout_actor_is_named_not_rank_0(tmp_path):
 
 
 def test_killed_rank_then_resume_auto_completes_the_run(tmp_path):
-    """Issue 7's failure-injection test: rank 1 dies at the start of step 3 (after the step-2
+    """The failure-injection test: rank 1 dies at the start of step 3 (after the step-2
     checkpoint was published), the run stops within the bound naming rank 1; the same command
     again, without the fault, resumes from step 2 and finishes with every step recorded once."""
     total, die_at, run_dir = 3, 3, tmp_path / "run"
