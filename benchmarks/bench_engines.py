@@ -79,7 +79,7 @@ def bench_engines(model_dir: str, repeats: int) -> None:
     tokens = {name: 0 for name in engines}
     gen_s: dict[str, list[float]] = {name: [] for name in engines}
     sync_s: dict[str, list[float]] = {name: [] for name in engines}
-    for name, engine in engines.items():  # warm-up
+    for engine in engines.values():  # warm-up
         engine.generate(prompts, params)
         engine.update_weights(weights)
     for _ in range(repeats):
