@@ -143,6 +143,15 @@ def decide_execution(request: ExecutionRequest, env: Environment) -> ExecutionPl
     return _cuda_plan(request, env)
 
 
+def execution_plan_for(cfg, device: str) -> ExecutionPlan:
+    """The run's plan on the device the launcher resolved (``cfg``: a ``RunConfig``); what every
+    rank executes and what the rollout host sizes its engine from."""
+    import dataclasses
+
+    request = dataclasses.replace(ExecutionRequest.from_config(cfg), device=device)
+    return decide_execution(request, detect_environment())
+
+
 def _cpu_plan(request: ExecutionRequest) -> ExecutionPlan:
     reasons = ["cpu: gloo, fp32, Megatron CPU shims, torch AdamW (Megatron optimizers need CUDA)"]
     ignored = [name for name, on in (

@@ -159,22 +159,14 @@ def vllm_request(cfg: RunConfig, device: str, params_dtype: str):
 def vllm_settings(cfg: RunConfig, model_dir: str, device: str):
     """How this run starts vLLM (``megarl.engines.vllm_settings``), from the config, the model
     and the memory available now. Raises ``VLLMSettingsError`` naming the key."""
-    import dataclasses
-
     import psutil
 
-    from megarl.distributed.execution import (
-        ExecutionRequest,
-        decide_execution,
-        detect_environment,
-    )
+    from megarl.distributed.execution import execution_plan_for
     from megarl.engines.vllm_settings import ModelFacts, decide_vllm_settings
     from megarl.models.hf_io import load_hf_config
 
     spec = spec_from_hf_config(load_hf_config(model_dir))
-    execution = decide_execution(
-        dataclasses.replace(ExecutionRequest.from_config(cfg), device=device),
-        detect_environment())
+    execution = execution_plan_for(cfg, device)
     facts = ModelFacts(num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads,
                        head_dim=spec.head_dim,
                        max_position_embeddings=spec.max_position_embeddings)

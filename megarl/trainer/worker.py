@@ -126,12 +126,13 @@ def _setup(ctx: WorkerContext, inputs: RunInputs) -> _Runtime:
     from megatron.core import parallel_state as ps
 
     from megarl.distributed import parallel
+    from megarl.distributed.execution import execution_plan_for
     from megarl.distributed.platform import enter_cpu_shims
     from megarl.models.hf_io import load_hf_config, load_hf_tokenizer, open_hf_tensors
     from megarl.models.spec import spec_from_hf_config
 
     cfg = inputs.cfg
-    execution = _execution_plan(cfg, inputs.device)
+    execution = execution_plan_for(cfg, inputs.device)
     if ctx.rank == 0 and cfg.trainer.log_console:
         print(f"execution: {execution.summary()}\n  " + "\n  ".join(execution.reasons),
               flush=True)
@@ -176,20 +177,6 @@ def _build_driver(ctx: WorkerContext, inputs: RunInputs, tokenizer, spec):
     from megarl.trainer.driver import Driver
 
     return Driver(inputs.cfg, inputs.model_dir, inputs.device, tokenizer, spec=spec)
-
-
-def _execution_plan(cfg: RunConfig, device: str):
-    """The run's :class:`ExecutionPlan` for the device the launcher resolved."""
-    import dataclasses
-
-    from megarl.distributed.execution import (
-        ExecutionRequest,
-        decide_execution,
-        detect_environment,
-    )
-
-    request = dataclasses.replace(ExecutionRequest.from_config(cfg), device=device)
-    return decide_execution(request, detect_environment())
 
 
 def _train(rt: _Runtime) -> None:
