@@ -46,8 +46,7 @@ def _worker(ctx, overrides: list[str], folder: str):
     enter_cpu_shims()
     cfg = compose_config(overrides + [f"trainer.run_dir={folder}"])
     model_dir = str(resolve_model_path(cfg.model.path))
-    parallel.init_process_group("cpu", ctx.rank, ctx.world_size, ctx.master_addr,
-                                ctx.master_port)
+    parallel.init_process_group("cpu", ctx.rank, ctx.world_size, ctx.master_addr, ctx.master_port)
     parallel.init_model_parallel(cfg.actor.tp, 1)
     spec = spec_from_hf_config(load_hf_config(model_dir))
     actor = MegatronActor(spec, cfg.actor, "cpu", torch.float32, open_hf_tensors(model_dir), 0)
@@ -61,8 +60,9 @@ def _worker(ctx, overrides: list[str], folder: str):
         p.data.zero_()
     dist.barrier()
     start = time.perf_counter()
-    restore_training_checkpoint(str(Path(folder) / "checkpoints" / "step_000001"), actor, spec,
-                                None)
+    restore_training_checkpoint(
+        str(Path(folder) / "checkpoints" / "step_000001"), actor, spec, None
+    )
     dist.barrier()
     load_s = time.perf_counter() - start
     exact = all(torch.equal(before[id(p)], p) for _, _, p in actor.local_params())
@@ -81,8 +81,10 @@ def main() -> None:
         results = launch(_worker, args.tp, args=(overrides, folder))
         size = sum(f.stat().st_size for f in Path(folder).rglob("*") if f.is_file())
     save_s, load_s, exact = results[0]
-    print(f"SmolLM2-135M TP={args.tp}: save {save_s:.2f} s, load {load_s:.2f} s, "
-          f"size {size / 2**20:.0f} MiB, restored weights bitwise equal: {exact}")
+    print(
+        f"SmolLM2-135M TP={args.tp}: save {save_s:.2f} s, load {load_s:.2f} s, "
+        f"size {size / 2**20:.0f} MiB, restored weights bitwise equal: {exact}"
+    )
 
 
 if __name__ == "__main__":

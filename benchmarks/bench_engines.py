@@ -40,8 +40,11 @@ def demo_prompts(tokenizer, num_prompts: int = 4, group: int = 8) -> list[list[i
 
     ids = []
     for problem in ArithmeticTask(seed=1234).problems(0, num_prompts):
-        text = tokenizer.apply_chat_template([{"role": "user", "content": problem.prompt}],
-                                             tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": problem.prompt}],
+            tokenize=False,
+            add_generation_prompt=True,
+        )
         ids.append(list(tokenizer(text, add_special_tokens=False)["input_ids"]))
     return [p for p in ids for _ in range(group)]
 
@@ -54,8 +57,14 @@ def build_engines(model_dir: str):
     tokenizer = load_hf_tokenizer(model_dir)
     model, _ = load_hf_model(model_dir, device="cpu")
     t0 = time.perf_counter()
-    vllm = VLLMEngine(model_dir, dtype="float32", enforce_eager=True,
-                      kv_cache_memory_bytes=1 << 30, max_model_len=1024, seed=0)
+    vllm = VLLMEngine(
+        model_dir,
+        dtype="float32",
+        enforce_eager=True,
+        kv_cache_memory_bytes=1 << 30,
+        max_model_len=1024,
+        seed=0,
+    )
     start_s = time.perf_counter() - t0
     return tokenizer, {"transformers": HFEngine(model, tokenizer), "vllm": vllm}, start_s
 
@@ -85,29 +94,41 @@ def bench_engines(model_dir: str, repeats: int) -> None:
     for _ in range(repeats):
         for name, engine in engines.items():
             out: list = []
-            gen_s[name].append(timed(lambda e=engine, o=out: o.extend(e.generate(prompts,
-                                                                                  params))))
+            gen_s[name].append(timed(lambda e=engine, o=out: o.extend(e.generate(prompts, params))))
             tokens[name] = sum(len(g.response_ids) for g in out)
             sync_s[name].append(timed(lambda e=engine: e.update_weights(weights)))
-    print(f"SmolLM2-135M-Instruct fp32, {len(prompts)} sequences x <= 12 new tokens, "
-          f"{torch.get_num_threads()} torch threads, {repeats} interleaved repeats")
+    print(
+        f"SmolLM2-135M-Instruct fp32, {len(prompts)} sequences x <= 12 new tokens, "
+        f"{torch.get_num_threads()} torch threads, {repeats} interleaved repeats"
+    )
     print(f"vLLM start-up (its two processes, eager): {vllm_start:.1f} s")
     print(f"{'engine':<13}{'gen s':>8}{'tokens/s':>10}{'sync s':>9}")
     med = {}
     for name in engines:
         med[name] = (statistics.median(gen_s[name]), statistics.median(sync_s[name]))
-        print(f"{name:<13}{med[name][0]:>8.2f}{tokens[name] / med[name][0]:>10.1f}"
-              f"{med[name][1]:>9.3f}")
-    print(f"vllm / transformers: generation {med['transformers'][0] / med['vllm'][0]:.2f}x "
-          f"faster, weight sync {med['vllm'][1] / med['transformers'][1]:.1f}x slower "
-          f"(+{med['vllm'][1] - med['transformers'][1]:.2f} s per step)")
+        print(
+            f"{name:<13}{med[name][0]:>8.2f}{tokens[name] / med[name][0]:>10.1f}"
+            f"{med[name][1]:>9.3f}"
+        )
+    print(
+        f"vllm / transformers: generation {med['transformers'][0] / med['vllm'][0]:.2f}x "
+        f"faster, weight sync {med['vllm'][1] / med['transformers'][1]:.1f}x slower "
+        f"(+{med['vllm'][1] - med['transformers'][1]:.2f} s per step)"
+    )
     engines["vllm"].close()
 
 
 def full_run(engine: str, steps: int, run_dir: Path) -> list[dict]:
-    command = [sys.executable, "-m", "megarl.train", f"rollout.engine={engine}",
-               f"trainer.total_steps={steps}", f"trainer.run_dir={run_dir}",
-               "trainer.log_console=false", "trainer.tensorboard=false"]
+    command = [
+        sys.executable,
+        "-m",
+        "megarl.train",
+        f"rollout.engine={engine}",
+        f"trainer.total_steps={steps}",
+        f"trainer.run_dir={run_dir}",
+        "trainer.log_console=false",
+        "trainer.tensorboard=false",
+    ]
     t0 = time.perf_counter()
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
     print(f"  {engine}: whole run {time.perf_counter() - t0:.0f} s (start-up included)")
@@ -119,9 +140,11 @@ def report_run(engine: str, rows: list[dict]) -> None:
     phases = {p: statistics.median(r.get(f"timing_s/{p}", 0.0) for r in rows) for p in PHASES}
     diffs = [r["rollout/logprob_abs_diff"] for r in rows if r["rollout/logprob_abs_diff"]]
     rewards = " ".join(f"{r['critic/rewards/mean']:.2f}" for r in rows)
-    print(f"  {engine}: median step {statistics.median(steps):.1f} s | "
-          + " | ".join(f"{p} {s:.2f}" for p, s in phases.items())
-          + f" | max lp_diff {max(diffs):.1e} over {len(diffs)} steps")
+    print(
+        f"  {engine}: median step {statistics.median(steps):.1f} s | "
+        + " | ".join(f"{p} {s:.2f}" for p, s in phases.items())
+        + f" | max lp_diff {max(diffs):.1e} over {len(diffs)} steps"
+    )
     print(f"    reward per step: {rewards}")
 
 

@@ -37,10 +37,20 @@ RATIO_TARGET = 0.8  # export throughput / raw all-gather throughput
 # A ~113M-parameter Llama-style model whose 12 heads / 4 KV heads divide by 2 (and 4), sharing
 # SmolLM2's tokenizer and vocabulary; tied embeddings like SmolLM2.
 RANDOM_110M_HF_CONFIG = {
-    "model_type": "llama", "vocab_size": 49152, "hidden_size": 768, "intermediate_size": 2048,
-    "num_hidden_layers": 12, "num_attention_heads": 12, "num_key_value_heads": 4,
-    "rms_norm_eps": 1e-5, "rope_theta": 100000.0, "max_position_embeddings": 2048,
-    "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2,
+    "model_type": "llama",
+    "vocab_size": 49152,
+    "hidden_size": 768,
+    "intermediate_size": 2048,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 4,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 100000.0,
+    "max_position_embeddings": 2048,
+    "tie_word_embeddings": True,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 2,
 }
 MODELS = {"smollm2": ("SmolLM2-135M", 3), "random-110m": ("random-init Llama 110M", 2)}
 
@@ -137,8 +147,7 @@ def _raw_tp_collective(actor, to_leader_only: bool) -> int:
     return total
 
 
-def _worker(ctx, folder: str | None, tp: int, pp: int, method: str, bucket_mb: int,
-            repeats: int):
+def _worker(ctx, folder: str | None, tp: int, pp: int, method: str, bucket_mb: int, repeats: int):
     import torch.distributed as dist
 
     from megarl.config.schema import ActorConfig
@@ -153,8 +162,15 @@ def _worker(ctx, folder: str | None, tp: int, pp: int, method: str, bucket_mb: i
     parallel.init_process_group("cpu", ctx.rank, ctx.world_size, ctx.master_addr, ctx.master_port)
     parallel.init_model_parallel(tp, pp)
     spec = spec_from_hf_config(load_hf_config(folder))
-    actor = MegatronActor(spec, ActorConfig(tp=tp, pp=pp), "cpu", torch.float32,
-                          open_hf_tensors(folder), pad_id=0, trainable=False)
+    actor = MegatronActor(
+        spec,
+        ActorConfig(tp=tp, pp=pp),
+        "cpu",
+        torch.float32,
+        open_hf_tensors(folder),
+        pad_id=0,
+        trainable=False,
+    )
     _export_once(method, actor, spec, bucket_mb)  # warm-up
     times, peaks, rss_rises, nbytes = [], [], [], 0
     for _ in range(repeats):
@@ -168,8 +184,12 @@ def _worker(ctx, folder: str | None, tp: int, pp: int, method: str, bucket_mb: i
         peaks.append(held)
         rss_rises.append(max(0, sampler.peak - before))
     parallel.destroy()
-    return {"time": statistics.median(times), "bytes": nbytes, "held": max(peaks),
-            "rss_rise": max(rss_rises)}
+    return {
+        "time": statistics.median(times),
+        "bytes": nbytes,
+        "held": max(peaks),
+        "rss_rise": max(rss_rises),
+    }
 
 
 def _throughput(results: list[dict]) -> float:
@@ -181,8 +201,10 @@ def _row(label: str, results: list[dict]) -> str:
     t = max(r["time"] for r in results)
     held = max(r["held"] for r in results)
     rss = max(r["rss_rise"] for r in results)
-    return (f"{label:<22} {t * 1000:9.0f} ms {_throughput(results) / 1e9:8.2f} GB/s "
-            f"{held / 2**20:10.1f} MiB {rss / 2**20:10.1f} MiB")
+    return (
+        f"{label:<22} {t * 1000:9.0f} ms {_throughput(results) / 1e9:8.2f} GB/s "
+        f"{held / 2**20:10.1f} MiB {rss / 2**20:10.1f} MiB"
+    )
 
 
 def _verdict(stream_gbps: dict[str, float], raw_gbps: dict[str, float]) -> str:
@@ -191,20 +213,28 @@ def _verdict(stream_gbps: dict[str, float], raw_gbps: dict[str, float]) -> str:
     best = stream_gbps[best_label]
     ratio = best / raw_gbps["raw_all_gather"]
     verdict = "meets" if ratio >= RATIO_TARGET else "BELOW"
-    line = (f"export / raw all-gather: best {best_label} {best / 1e9:.2f} GB/s vs "
-            f"{raw_gbps['raw_all_gather'] / 1e9:.2f} GB/s = {ratio:.2f} ({verdict} the "
-            f"{RATIO_TARGET} target)")
+    line = (
+        f"export / raw all-gather: best {best_label} {best / 1e9:.2f} GB/s vs "
+        f"{raw_gbps['raw_all_gather'] / 1e9:.2f} GB/s = {ratio:.2f} ({verdict} the "
+        f"{RATIO_TARGET} target)"
+    )
     if "raw_gather" in raw_gbps:
-        line += (f"; vs raw gather to the TP leader {raw_gbps['raw_gather'] / 1e9:.2f} GB/s = "
-                 f"{best / raw_gbps['raw_gather']:.2f}")
+        line += (
+            f"; vs raw gather to the TP leader {raw_gbps['raw_gather'] / 1e9:.2f} GB/s = "
+            f"{best / raw_gbps['raw_gather']:.2f}"
+        )
     return line
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=sorted(MODELS), default="smollm2")
-    parser.add_argument("--tp", type=int, default=None,
-                        help="tensor parallel size (default: 3 for smollm2, 2 for random-110m)")
+    parser.add_argument(
+        "--tp",
+        type=int,
+        default=None,
+        help="tensor parallel size (default: 3 for smollm2, 2 for random-110m)",
+    )
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--buckets", default="16,64,256", help="bucket sizes in MiB")
     parser.add_argument("--repeats", type=int, default=3)
@@ -216,26 +246,35 @@ def main() -> None:
     methods = [("full_gather", 0)] + [("stream", int(mb)) for mb in args.buckets.split(",")]
     if args.tp > 1:
         methods += [("raw_all_gather", 0), ("raw_gather", 0)]
-    print(f"{name} ({count_parameters(folder) / 1e6:.1f}M parameters) fp32, TP={args.tp} "
-          f"PP={args.pp} ({world} CPU/gloo processes), median of {args.repeats} exports")
+    print(
+        f"{name} ({count_parameters(folder) / 1e6:.1f}M parameters) fp32, TP={args.tp} "
+        f"PP={args.pp} ({world} CPU/gloo processes), median of {args.repeats} exports"
+    )
     print(f"{'method':<22} {'time':>12} {'throughput':>13} {'held (own)':>14} {'RSS rise':>14}")
     stream_gbps, raw_gbps = {}, {}
     for method, bucket_mb in methods:
-        results = launch(_worker, world,
-                         args=(folder, args.tp, args.pp, method, bucket_mb, args.repeats),
-                         timeout_s=900)
+        results = launch(
+            _worker,
+            world,
+            args=(folder, args.tp, args.pp, method, bucket_mb, args.repeats),
+            timeout_s=900,
+        )
         label = f"stream {bucket_mb} MiB" if method == "stream" else method
         print(_row(label, results), flush=True)
         if method == "stream":
             stream_gbps[label] = _throughput(results)
         elif method.startswith("raw_"):
             raw_gbps[method] = _throughput(results)
-    print("held (own): full_gather = the state dict rank 0 ends up holding; stream = the "
-          "exporter's high-water mark on its worst rank (bound: one bucket + one gathered tensor)")
+    print(
+        "held (own): full_gather = the state dict rank 0 ends up holding; stream = the "
+        "exporter's high-water mark on its worst rank (bound: one bucket + one gathered tensor)"
+    )
     if raw_gbps:
         print(_verdict(stream_gbps, raw_gbps))
-        print("bytes: stream = HF tensors delivered to rank 0; raw_* = the TP-sharded parameters' "
-              "full bytes (the norms, replicated, are the only difference)")
+        print(
+            "bytes: stream = HF tensors delivered to rank 0; raw_* = the TP-sharded parameters' "
+            "full bytes (the norms, replicated, are the only difference)"
+        )
 
 
 if __name__ == "__main__":

@@ -24,9 +24,12 @@ import tempfile
 # A Llama-style ~0.93B config (random weights; SmolLM2's tokenizer and vocabulary):
 # 16 layers, hidden 2048, FFN 5632, 16 heads of 128 with 4 KV heads, untied embeddings.
 ONE_B = {
-    "model.hf_config.hidden_size": 2048, "model.hf_config.intermediate_size": 5632,
-    "model.hf_config.num_hidden_layers": 16, "model.hf_config.num_attention_heads": 16,
-    "model.hf_config.num_key_value_heads": 4, "model.hf_config.max_position_embeddings": 4096,
+    "model.hf_config.hidden_size": 2048,
+    "model.hf_config.intermediate_size": 5632,
+    "model.hf_config.num_hidden_layers": 16,
+    "model.hf_config.num_attention_heads": 16,
+    "model.hf_config.num_key_value_heads": 4,
+    "model.hf_config.max_position_embeddings": 4096,
 }
 MODELS = {
     "smollm2": ("SmolLM2-135M-Instruct", {}),
@@ -37,11 +40,17 @@ PHASES = ("gen", "old_log_prob", "ref", "update_actor", "update_weights", "step"
 
 def _overrides(args, model_overrides: dict, packed: bool, run_dir: str) -> list[str]:
     base = {
-        "trainer.device": "cuda", "trainer.total_steps": args.steps, "trainer.run_dir": run_dir,
-        "trainer.log_console": "false", "trainer.tensorboard": "false",
-        "rollout.engine": args.engine, "rollout.n": args.n,
-        "data.prompts_per_step": args.prompts, "rollout.max_new_tokens": args.max_new_tokens,
-        "actor.pack_sequences": str(packed).lower(), "actor.lr": 1e-6,
+        "trainer.device": "cuda",
+        "trainer.total_steps": args.steps,
+        "trainer.run_dir": run_dir,
+        "trainer.log_console": "false",
+        "trainer.tensorboard": "false",
+        "rollout.engine": args.engine,
+        "rollout.n": args.n,
+        "data.prompts_per_step": args.prompts,
+        "rollout.max_new_tokens": args.max_new_tokens,
+        "actor.pack_sequences": str(packed).lower(),
+        "actor.lr": 1e-6,
         "actor.micro_batch_tokens": args.micro_batch_tokens,
         "actor.logprob_micro_batch_tokens": 2 * args.micro_batch_tokens,
         "planner.old_log_prob": "always",
@@ -58,11 +67,13 @@ def _mean(history: list[dict], key: str) -> float:
 def _report(label: str, history: list[dict]) -> None:
     phases = "  ".join(f"{p} {_mean(history, f'timing_s/{p}'):.2f}s" for p in PHASES)
     print(f"{label}\n  {phases}")
-    print(f"  tokens/step {_mean(history, 'perf/total_num_tokens'):.0f} | perf/throughput "
-          f"{_mean(history, 'perf/throughput'):.0f} tok/s | update: "
-          f"{_mean(history, 'perf/actor_tokens_per_s'):.0f} tok/s, "
-          f"{_mean(history, 'perf/actor_tflops'):.1f} TFLOP, perf/mfu/actor "
-          f"{_mean(history, 'perf/mfu/actor'):.3f} ({history[-1].get('perf/mfu_note', '')})")
+    print(
+        f"  tokens/step {_mean(history, 'perf/total_num_tokens'):.0f} | perf/throughput "
+        f"{_mean(history, 'perf/throughput'):.0f} tok/s | update: "
+        f"{_mean(history, 'perf/actor_tokens_per_s'):.0f} tok/s, "
+        f"{_mean(history, 'perf/actor_tflops'):.1f} TFLOP, perf/mfu/actor "
+        f"{_mean(history, 'perf/mfu/actor'):.3f} ({history[-1].get('perf/mfu_note', '')})"
+    )
 
 
 def main() -> int:
@@ -80,8 +91,11 @@ def main() -> int:
     import torch
 
     if not torch.cuda.is_available():
-        print("bench_gpu.py: error: needs a CUDA device (torch.cuda.is_available() is False); "
-              "run it on a GPU machine", file=sys.stderr)
+        print(
+            "bench_gpu.py: error: needs a CUDA device (torch.cuda.is_available() is False); "
+            "run it on a GPU machine",
+            file=sys.stderr,
+        )
         return 2
     from megarl.train import StartupError, run
 
@@ -97,9 +111,12 @@ def main() -> int:
                 except StartupError as exc:
                     print(f"bench_gpu.py: error: {exc}", file=sys.stderr)
                     return 2
-            _report(f"{label} | pack_sequences={packed} | {args.prompts}x{args.n} sequences, "
-                    f"<= {args.max_new_tokens} new tokens | "
-                    f"megarl-train {' '.join(overrides)}", result.history)
+            _report(
+                f"{label} | pack_sequences={packed} | {args.prompts}x{args.n} sequences, "
+                f"<= {args.max_new_tokens} new tokens | "
+                f"megarl-train {' '.join(overrides)}",
+                result.history,
+            )
     return 0
 
 

@@ -44,8 +44,11 @@ def time_run(launcher: str, ranks: int, steps: int, tp: int) -> LaunchTiming:
     from megarl.train import run
 
     with tempfile.TemporaryDirectory(prefix=f"bench-{launcher}-") as tmp:
-        overrides = tiny_overrides(Path(tmp) / "run", steps=steps, **{
-            "trainer.launcher": launcher, "trainer.n_gpus_per_node": ranks, "actor.tp": tp})
+        overrides = tiny_overrides(
+            Path(tmp) / "run",
+            steps=steps,
+            **{"trainer.launcher": launcher, "trainer.n_gpus_per_node": ranks, "actor.tp": tp},
+        )
         start = time.perf_counter()
         result = run(overrides)
         wall = time.perf_counter() - start
@@ -63,10 +66,14 @@ def main() -> None:
     print(f"{'launcher':<8} {'wall s':>8} {'start-up s':>11} {'step s (2..)':>13} {'steps':>24}")
     for t in timings:
         steps = " ".join(f"{s:.2f}" for s in t.step_s)
-        print(f"{t.launcher:<8} {t.wall_s:8.2f} {t.startup_s:11.2f} {t.mean_step_s:13.2f} {steps:>24}")
+        print(
+            f"{t.launcher:<8} {t.wall_s:8.2f} {t.startup_s:11.2f} {t.mean_step_s:13.2f} {steps:>24}"
+        )
     local, ray = timings
-    print(f"ray - local: start-up {ray.startup_s - local.startup_s:+.2f} s, "
-          f"per step {ray.mean_step_s - local.mean_step_s:+.3f} s")
+    print(
+        f"ray - local: start-up {ray.startup_s - local.startup_s:+.2f} s, "
+        f"per step {ray.mean_step_s - local.mean_step_s:+.3f} s"
+    )
 
 
 if __name__ == "__main__":

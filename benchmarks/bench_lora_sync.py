@@ -76,8 +76,12 @@ def _worker(ctx, model_dir: str, rank: int, tp: int, repeats: int):
     base_params = sum(p.numel() for _, _, p in actor.local_params())
     adapter_params = sum(t.numel() for t in (actor.gather_lora_adapter() or {}).values())
     parallel.destroy()
-    return {"full_s": full_s, "adapter_s": adapter_s, "base_params": base_params,
-            "adapter_params": adapter_params}
+    return {
+        "full_s": full_s,
+        "adapter_s": adapter_s,
+        "base_params": base_params,
+        "adapter_params": adapter_params,
+    }
 
 
 def main() -> None:
@@ -93,10 +97,14 @@ def main() -> None:
     result = launch(_worker, args.tp, args=(model_dir, args.rank, args.tp, args.repeats))[0]
     ratio = result["adapter_s"] / result["full_s"]
     print(f"model {model_dir} | TP={args.tp} | LoRA rank {args.rank} on q,k,v,o,gate,up,down")
-    print(f"full sync     : {result['full_s']:.3f} s  ({result['base_params'] / 1e6:.1f}M "
-          f"params on rank 0's shard)")
-    print(f"adapter only  : {result['adapter_s']:.3f} s  ({result['adapter_params'] / 1e6:.2f}M "
-          f"peft tensor elements)")
+    print(
+        f"full sync     : {result['full_s']:.3f} s  ({result['base_params'] / 1e6:.1f}M "
+        f"params on rank 0's shard)"
+    )
+    print(
+        f"adapter only  : {result['adapter_s']:.3f} s  ({result['adapter_params'] / 1e6:.2f}M "
+        f"peft tensor elements)"
+    )
     verdict = "PASS" if ratio < TARGET_RATIO else "FAIL"
     print(f"adapter / full: {ratio:.1%}  (target < {TARGET_RATIO:.0%}: {verdict})")
 

@@ -32,9 +32,13 @@ def _batch(num: int, min_len: int, max_len: int, vocab: int, seed: int):
     prompts = [max(1, n // 3) for n in lens]
     tokens = tuple(torch.randint(10, vocab, (n,), generator=gen) for n in lens)
     return RolloutBatch(
-        tokens=tokens, prompt_lens=tuple(prompts), group_ids=torch.arange(num) // 4,
-        rewards=torch.zeros(num), advantages=torch.randn(num, generator=gen),
-        engine_logprobs=tuple(torch.zeros(n - p) for n, p in zip(lens, prompts, strict=True)))
+        tokens=tokens,
+        prompt_lens=tuple(prompts),
+        group_ids=torch.arange(num) // 4,
+        rewards=torch.zeros(num),
+        advantages=torch.randn(num, generator=gen),
+        engine_logprobs=tuple(torch.zeros(n - p) for n, p in zip(lens, prompts, strict=True)),
+    )
 
 
 def _bench(ctx, args):
@@ -56,32 +60,53 @@ def _bench(ctx, args):
         OptimizerStepWork,
     )
 
-    plans = {packed: decide_execution(
-        ExecutionRequest(device=args.device, pack_sequences=packed, model_dtype=args.dtype),
-        detect_environment()) for packed in (False, True)}
+    plans = {
+        packed: decide_execution(
+            ExecutionRequest(device=args.device, pack_sequences=packed, model_dtype=args.dtype),
+            detect_environment(),
+        )
+        for packed in (False, True)
+    }
     if plans[True].cpu_shims:
         enter_cpu_shims()
         torch.set_num_threads(args.threads)
-    parallel.init_process_group(args.device, ctx.rank, ctx.world_size, ctx.master_addr,
-                                ctx.master_port)
+    parallel.init_process_group(
+        args.device, ctx.rank, ctx.world_size, ctx.master_addr, ctx.master_port
+    )
     parallel.init_model_parallel(1, 1)
     model_dir = resolve_model_path(None)
     spec = spec_from_hf_config(load_hf_config(model_dir))
     batch = _batch(args.seqs, args.min_len, args.max_len, spec.vocab_size, args.seed)
-    groups = plan_forward_micro_batches(list(range(batch.num_seqs)), batch.seq_lens,
-                                        args.micro_batch_tokens)
+    groups = plan_forward_micro_batches(
+        list(range(batch.num_seqs)), batch.seq_lens, args.micro_batch_tokens
+    )
     work = OptimizerStepWork(
         micro_batches=tuple(MicroBatchWork(g, (1.0,) * len(g)) for g in groups),
-        normaliser=float(sum(batch.response_lens)))
-    loss = LossSettings(temperature=1.0, clip_low=0.2, clip_high=0.2, agg="token-mean",
-                        kl_coef=0.0, kl_estimator="low_var_kl", entropy_coef=0.0)
+        normaliser=float(sum(batch.response_lens)),
+    )
+    loss = LossSettings(
+        temperature=1.0,
+        clip_low=0.2,
+        clip_high=0.2,
+        agg="token-mean",
+        kl_coef=0.0,
+        kl_estimator="low_var_kl",
+        entropy_coef=0.0,
+    )
     dtype = getattr(torch, plans[True].params_dtype)
     rows = {}
     logprobs = {}
     for packed in (False, True):
         cfg = ActorConfig(lr=1e-7, pack_sequences=packed)
-        actor = MegatronActor(spec, cfg, args.device, dtype, open_hf_tensors(model_dir),
-                              pad_id=0, execution=plans[packed])
+        actor = MegatronActor(
+            spec,
+            cfg,
+            args.device,
+            dtype,
+            open_hf_tensors(model_dir),
+            pad_id=0,
+            execution=plans[packed],
+        )
         logprobs[packed] = actor.compute_logprobs(batch, groups, temperature=1.0)
         walls, cpus = [], []
         for _ in range(args.repeats + 1):
@@ -91,16 +116,28 @@ def _bench(ctx, args):
             _sync(args.device)
             walls.append(time.perf_counter() - start)
             cpus.append(time.process_time() - cpu_start)
-            print(f"  {'packed' if packed else 'padded'}: {walls[-1]:.2f} s wall, "
-                  f"{cpus[-1]:.2f} s cpu", file=sys.stderr, flush=True)
+            print(
+                f"  {'packed' if packed else 'padded'}: {walls[-1]:.2f} s wall, "
+                f"{cpus[-1]:.2f} s cpu",
+                file=sys.stderr,
+                flush=True,
+            )
         computed = sum(actor._micro_batch(batch, g).num_tokens for g in groups)
         rows[packed] = (computed, min(walls[1:]), min(cpus[1:]))
         del actor
-    diff = max((logprobs[False][i].float() - logprobs[True][i].float()).abs().max().item()
-               for i in logprobs[False])
+    diff = max(
+        (logprobs[False][i].float() - logprobs[True][i].float()).abs().max().item()
+        for i in logprobs[False]
+    )
     parallel.destroy()
-    return {"rows": rows, "real_tokens": sum(batch.seq_lens), "num_mbs": len(groups),
-            "lens": batch.seq_lens, "logprob_diff": diff, "plan": plans[True].summary()}
+    return {
+        "rows": rows,
+        "real_tokens": sum(batch.seq_lens),
+        "num_mbs": len(groups),
+        "lens": batch.seq_lens,
+        "logprob_diff": diff,
+        "plan": plans[True].summary(),
+    }
 
 
 def _sync(device: str) -> None:
@@ -125,19 +162,25 @@ def main() -> None:
 
     [out] = launch(_bench, 1, args=(args,))
     lens = sorted(out["lens"])
-    print(f"SmolLM2-135M-Instruct, {args.seqs} sequences, lengths {lens[0]}..{lens[-1]} "
-          f"(median {lens[len(lens) // 2]}), {out['real_tokens']} real tokens, "
-          f"{out['num_mbs']} micro-batches of <= {args.micro_batch_tokens} tokens")
+    print(
+        f"SmolLM2-135M-Instruct, {args.seqs} sequences, lengths {lens[0]}..{lens[-1]} "
+        f"(median {lens[len(lens) // 2]}), {out['real_tokens']} real tokens, "
+        f"{out['num_mbs']} micro-batches of <= {args.micro_batch_tokens} tokens"
+    )
     print(f"execution: {out['plan']}")
     print("one training step (forward + backward + optimizer):")
     print(f"{'layout':<8} {'tokens computed':>16} {'wall s':>8} {'cpu s':>8}")
-    (pad_tokens, pad_s, pad_cpu), (pack_tokens, pack_s, pack_cpu) = \
-        out["rows"][False], out["rows"][True]
+    (pad_tokens, pad_s, pad_cpu), (pack_tokens, pack_s, pack_cpu) = (
+        out["rows"][False],
+        out["rows"][True],
+    )
     print(f"{'padded':<8} {pad_tokens:>16} {pad_s:>8.2f} {pad_cpu:>8.2f}")
     print(f"{'packed':<8} {pack_tokens:>16} {pack_s:>8.2f} {pack_cpu:>8.2f}")
-    print(f"speed-up padded/packed: wall {pad_s / pack_s:.2f}x, cpu {pad_cpu / pack_cpu:.2f}x "
-          f"(token ratio {pad_tokens / pack_tokens:.2f}x); max |logprob diff| "
-          f"{out['logprob_diff']:.2e}")
+    print(
+        f"speed-up padded/packed: wall {pad_s / pack_s:.2f}x, cpu {pad_cpu / pack_cpu:.2f}x "
+        f"(token ratio {pad_tokens / pack_tokens:.2f}x); max |logprob diff| "
+        f"{out['logprob_diff']:.2e}"
+    )
 
 
 if __name__ == "__main__":

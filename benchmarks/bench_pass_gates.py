@@ -56,17 +56,26 @@ def time_gates(overrides: list[str], repeats: int) -> bool:
                 summaries[name] = gates.summary()
     finally:
         close_harness(harness)
-    t_always, t_auto, t_skipped = (median_of(steps["always"]), median_of(steps["auto"]),
-                                   median_of(skipped))
+    t_always, t_auto, t_skipped = (
+        median_of(steps["always"]),
+        median_of(steps["auto"]),
+        median_of(skipped),
+    )
     saved = (t_always - t_auto) / t_skipped
-    print(f"batch: {harness.batch.num_seqs} sequences, {sum(harness.batch.seq_lens)} tokens; "
-          f"{repeats} repeats, modes interleaved")
+    print(
+        f"batch: {harness.batch.num_seqs} sequences, {sum(harness.batch.seq_lens)} tokens; "
+        f"{repeats} repeats, modes interleaved"
+    )
     for name in modes:
-        print(f"  gates {name:<7} step (logprob passes + update) {median_of(steps[name]):7.2f} s"
-              f"   [{summaries[name]}]")
+        print(
+            f"  gates {name:<7} step (logprob passes + update) {median_of(steps[name]):7.2f} s"
+            f"   [{summaries[name]}]"
+        )
     print(f"  skipped passes (old + ref, measured under always): {t_skipped:.2f} s")
-    print(f"  saved: {t_always - t_auto:.2f} s = {saved:.1%} of the skipped passes' time "
-          f"(target >= {TARGET_SAVED:.0%}): {'ok' if saved >= TARGET_SAVED else 'MISS'}")
+    print(
+        f"  saved: {t_always - t_auto:.2f} s = {saved:.1%} of the skipped passes' time "
+        f"(target >= {TARGET_SAVED:.0%}): {'ok' if saved >= TARGET_SAVED else 'MISS'}"
+    )
     return saved >= TARGET_SAVED
 
 
@@ -81,8 +90,13 @@ def measure_rss(overrides: list[str], kl_coef: float) -> dict:
         "print(json.dumps({'rss_mb': rss / 1024, 'reference': rt.reference is not None,"
         " 'actor_params': n}))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         cwd=Path(__file__).resolve().parent, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parent,
+        check=True,
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -90,11 +104,13 @@ def compare_memory(overrides: list[str]) -> None:
     without = measure_rss(DEFAULT_OVERRIDES + overrides, 0.0)
     with_ref = measure_rss(DEFAULT_OVERRIDES + overrides, 0.001)
     model_mb = without["actor_params"] * 4 / 2**20
-    print(f"resident memory after start-up: kl_coef=0 -> {without['rss_mb']:.0f} MiB "
-          f"(reference built: {without['reference']}); kl_coef=0.001 -> "
-          f"{with_ref['rss_mb']:.0f} MiB (reference built: {with_ref['reference']}); "
-          f"difference {with_ref['rss_mb'] - without['rss_mb']:.0f} MiB, one fp32 model copy is "
-          f"{model_mb:.0f} MiB")
+    print(
+        f"resident memory after start-up: kl_coef=0 -> {without['rss_mb']:.0f} MiB "
+        f"(reference built: {without['reference']}); kl_coef=0.001 -> "
+        f"{with_ref['rss_mb']:.0f} MiB (reference built: {with_ref['reference']}); "
+        f"difference {with_ref['rss_mb'] - without['rss_mb']:.0f} MiB, one fp32 model copy is "
+        f"{model_mb:.0f} MiB"
+    )
 
 
 def main() -> int:

@@ -49,12 +49,16 @@ def main() -> int:
         close_harness(harness)
 
     batch = harness.batch
-    print(f"batch: {batch.num_seqs} sequences, {sum(batch.seq_lens)} tokens, "
-          f"zero-advantage fraction {float((batch.advantages == 0).float().mean()):.2f}; "
-          f"{args.repeats} repeats, modes interleaved")
+    print(
+        f"batch: {batch.num_seqs} sequences, {sum(batch.seq_lens)} tokens, "
+        f"zero-advantage fraction {float((batch.advantages == 0).float().mean()):.2f}; "
+        f"{args.repeats} repeats, modes interleaved"
+    )
     base = median_of(times["off"])
-    print(f"{'mode':<18}{'update_s':>10}{'kept_tok':>10}{'ratio':>8}{'target':>8}"
-          f"{'verdict':>9}{'max|dW| vs off':>16}")
+    print(
+        f"{'mode':<18}{'update_s':>10}{'kept_tok':>10}{'ratio':>8}{'target':>8}"
+        f"{'verdict':>9}{'max|dW| vs off':>16}"
+    )
     ok = True
     for mode in MODES:
         t = median_of(times[mode])
@@ -62,10 +66,13 @@ def main() -> int:
         target = 1.15 * kept[mode] + 0.05 if mode != "off" else 1.0
         passed = mode == "off" or ratio <= target
         ok &= passed
-        diff = max((a - b).abs().max().item() for a, b in zip(params[mode], params["off"],
-                                                               strict=True))
-        print(f"{mode:<18}{t:>10.2f}{kept[mode]:>10.3f}{ratio:>8.3f}{target:>8.3f}"
-              f"{'ok' if passed else 'MISS':>9}{diff:>16.2e}")
+        diff = max(
+            (a - b).abs().max().item() for a, b in zip(params[mode], params["off"], strict=True)
+        )
+        print(
+            f"{mode:<18}{t:>10.2f}{kept[mode]:>10.3f}{ratio:>8.3f}{target:>8.3f}"
+            f"{'ok' if passed else 'MISS':>9}{diff:>16.2e}"
+        )
     return 0 if ok else 1
 
 

@@ -45,13 +45,17 @@ class Harness:
         return self.runtime.cfg
 
     def with_planner(self, **changes) -> RunConfig:
-        return dataclasses.replace(self.cfg, planner=dataclasses.replace(self.cfg.planner,
-                                                                        **changes))
+        return dataclasses.replace(
+            self.cfg, planner=dataclasses.replace(self.cfg.planner, **changes)
+        )
 
     def plan(self, cfg: RunConfig) -> tuple[StepPlan, StepGates]:
         b = self.batch
-        plan = plan_step(from_config.planner_inputs(cfg, b.seq_lens, b.response_lens,
-                                                    b.advantages.tolist(), b.group_ids.tolist()))
+        plan = plan_step(
+            from_config.planner_inputs(
+                cfg, b.seq_lens, b.response_lens, b.advantages.tolist(), b.group_ids.tolist()
+            )
+        )
         return plan, decide_gates(from_config.step_facts(cfg, 1, b.num_seqs))
 
     def reset_weights(self) -> None:
@@ -82,12 +86,19 @@ def build_runtime_only(overrides: list[str]) -> worker._Runtime:
     from megarl.train import compose_config, resolve_device, resolve_model_dir
 
     run_dir = tempfile.mkdtemp(prefix="megarl-bench-")
-    cfg = compose_config([f"trainer.run_dir={run_dir}", "trainer.log_console=false",
-                          "trainer.tensorboard=false", *overrides])
+    cfg = compose_config(
+        [
+            f"trainer.run_dir={run_dir}",
+            "trainer.log_console=false",
+            "trainer.tensorboard=false",
+            *overrides,
+        ]
+    )
     if cfg.trainer.world_size != 1:
         raise SystemExit("benchmark harness: one rank only (trainer.n_gpus_per_node=1)")
-    inputs = worker.RunInputs(cfg=cfg, model_dir=resolve_model_dir(cfg),
-                              device=resolve_device(cfg.trainer.device))
+    inputs = worker.RunInputs(
+        cfg=cfg, model_dir=resolve_model_dir(cfg), device=resolve_device(cfg.trainer.device)
+    )
     worker._quiet_third_party_warnings()
     return worker._setup(WorkerContext(0, 1, "127.0.0.1", find_free_port()), inputs)
 

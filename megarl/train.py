@@ -146,10 +146,17 @@ def validate_against_model(cfg, model_dir: str, device: str = "cpu") -> None:
         if cfg.rollout.engine == "vllm":
             check_vllm(cfg, model_dir, device)
         validate_gate_config(run_facts(cfg))
-        check_pruning_config(prune_mode(cfg)[0], cfg.actor.kl_coef,
-                             cfg.actor.entropy_coef, cfg.planner.allow_approx)
-        build_prompt_source(cfg.data.task, cfg.data.path, cfg.trainer.seed, cfg.data.max_operand,
-                            cfg.data.instruction, ops=cfg.data.ops)
+        check_pruning_config(
+            prune_mode(cfg)[0], cfg.actor.kl_coef, cfg.actor.entropy_coef, cfg.planner.allow_approx
+        )
+        build_prompt_source(
+            cfg.data.task,
+            cfg.data.path,
+            cfg.trainer.seed,
+            cfg.data.max_operand,
+            cfg.data.instruction,
+            ops=cfg.data.ops,
+        )
         get_reward_fn(cfg.data.reward_fn_name)
     except (ModelSpecError, GateConfigError, PlannerError, DatasetError, ValueError) as exc:
         raise StartupError(str(exc).splitlines()[0]) from None
@@ -171,20 +178,25 @@ def check_vllm(cfg, model_dir: str, device: str) -> None:
     if importlib.util.find_spec("vllm") is None:
         raise StartupError(VLLM_MISSING_MESSAGE)
     if cfg.export.checksum_interval and cfg.rollout.tp > 1:
-        raise StartupError(f"export.checksum_interval={cfg.export.checksum_interval} needs "
-                           f"rollout.tp=1 with vLLM (got {cfg.rollout.tp}); set it to 0")
+        raise StartupError(
+            f"export.checksum_interval={cfg.export.checksum_interval} needs "
+            f"rollout.tp=1 with vLLM (got {cfg.rollout.tp}); set it to 0"
+        )
     try:
         settings = vllm_settings(cfg, model_dir, device)
     except VLLMSettingsError as exc:
         raise StartupError(str(exc)) from None
-    architectures = json.loads((Path(model_dir) / "config.json").read_text()).get(
-        "architectures") or []
+    architectures = (
+        json.loads((Path(model_dir) / "config.json").read_text()).get("architectures") or []
+    )
     from vllm import ModelRegistry
 
     supported = ModelRegistry.get_supported_archs()
     if architectures and not any(arch in supported for arch in architectures):
-        raise StartupError(f"rollout.engine=vllm: vLLM cannot serve {', '.join(architectures)} "
-                           f"({model_dir}); use rollout.engine=hf")
+        raise StartupError(
+            f"rollout.engine=vllm: vLLM cannot serve {', '.join(architectures)} "
+            f"({model_dir}); use rollout.engine=hf"
+        )
     for note in settings.notes:
         print(f"megarl-train: warning: {note}", file=sys.stderr)
 
@@ -221,8 +233,13 @@ def run(overrides: list[str], return_final_state: bool = False):
         resume_from = resolve_resume(cfg, model_dir, device)
         model_dir = place_model_dir(cfg, model_dir, staging)
     Path(cfg.trainer.run_dir).mkdir(parents=True, exist_ok=True)
-    inputs = RunInputs(cfg=cfg, model_dir=model_dir, device=device,
-                       return_final_state=return_final_state, resume_from=resume_from)
+    inputs = RunInputs(
+        cfg=cfg,
+        model_dir=model_dir,
+        device=device,
+        return_final_state=return_final_state,
+        resume_from=resume_from,
+    )
     return _launch(cfg, device, run_worker, inputs)[0]
 
 
@@ -252,9 +269,12 @@ def _split_rollout(cfg, inputs):
     from megarl.trainer.split_rollout import RolloutWorker
 
     return SideActor(
-        role="rollout", cls=RolloutWorker, n_gpus=cfg.rollout.n_gpus,
+        role="rollout",
+        cls=RolloutWorker,
+        n_gpus=cfg.rollout.n_gpus,
         init_args=(cfg, inputs.model_dir, inputs.device, forwarded_env(), list(sys.path)),
-        attach=lambda handle, args: (dataclasses.replace(args[0], rollout_actor=handle),))
+        attach=lambda handle, args: (dataclasses.replace(args[0], rollout_actor=handle),),
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -263,7 +283,9 @@ def main(argv: list[str] | None = None) -> int:
 
     args = sys.argv[1:] if argv is None else argv
     if any(a in ("-h", "--help") for a in args):
-        print(__doc__.strip() + "\n\nusage: megarl-train [key=value ...]   (see configs/config.yaml)")
+        print(
+            __doc__.strip() + "\n\nusage: megarl-train [key=value ...]   (see configs/config.yaml)"
+        )
         return 0
     try:
         run(args)

@@ -34,8 +34,11 @@ def _log_tail(path: str | None, lines: int = 5) -> str:
 
 
 def _fail(args: argparse.Namespace, why: str) -> int:
-    print(f"megarl.sbatch: error: Slurm node {args.node} {why}{_log_tail(args.log)}",
-          file=sys.stderr, flush=True)
+    print(
+        f"megarl.sbatch: error: Slurm node {args.node} {why}{_log_tail(args.log)}",
+        file=sys.stderr,
+        flush=True,
+    )
     return 3
 
 
@@ -73,17 +76,24 @@ def main() -> int:
     deadline = start + args.timeout
     for live in _live_nodes(args.address, deadline, args):
         if live is not None and live >= args.nodes:
-            print(f"megarl.sbatch: {args.node} joined ({live} Ray node(s), "
-                  f"{time.monotonic() - start:.1f} s)", flush=True)
+            print(
+                f"megarl.sbatch: {args.node} joined ({live} Ray node(s), "
+                f"{time.monotonic() - start:.1f} s)",
+                flush=True,
+            )
             return 0
         if not _step_alive(args.step_pid):
             return _fail(args, "stopped before joining the Ray cluster (its ray start exited)")
         if time.monotonic() > deadline:
-            return _fail(args, f"did not join the Ray cluster at {args.address} within "
-                               f"{args.timeout:.0f} s (live nodes: {live or 0} of {args.nodes})")
+            return _fail(
+                args,
+                f"did not join the Ray cluster at {args.address} within "
+                f"{args.timeout:.0f} s (live nodes: {live or 0} of {args.nodes})",
+            )
         time.sleep(POLL_S)
-    return _fail(args, f"did not join: no Ray head answered at {args.address} within "
-                       f"{args.timeout:.0f} s")
+    return _fail(
+        args, f"did not join: no Ray head answered at {args.address} within {args.timeout:.0f} s"
+    )
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """HF <-> Megatron checkpoint conversion; the same command as the ``megarl-convert`` script.
 
-    python tools/convert.py hf-to-mcore --hf PATH --out DIR --tp N --pp M
-    python tools/convert.py mcore-to-hf --ckpt DIR --out DIR
+python tools/convert.py hf-to-mcore --hf PATH --out DIR --tp N --pp M
+python tools/convert.py mcore-to-hf --ckpt DIR --out DIR
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Print the summary of a run from its metrics.jsonl: reward first vs last steps, time by phase.
 
-    python tools/summarize_run.py runs/default
+python tools/summarize_run.py runs/default
 """
 
 from __future__ import annotations

@@ -60,24 +60,32 @@ def hf_to_mcore(hf: str, out: str, tp: int, pp: int, progress: bool = True) -> P
         raise ConvertError(str(exc).replace("model.path=", "--hf ")) from None
     _check_layout(spec, tp, pp)
     jobs = [(t, p, list(stage_params(spec, p, pp))) for p in range(pp) for t in range(tp)]
-    with _staging(target) as staging, _progress_bar(progress, "hf-to-mcore",
-                                                    sum(len(j[2]) for j in jobs)) as advance:
+    with (
+        _staging(target) as staging,
+        _progress_bar(progress, "hf-to-mcore", sum(len(j[2]) for j in jobs)) as advance,
+    ):
         for tp_rank, pp_rank, params in jobs:
             shards = {}
             for rule, layer in params:
                 try:
                     hf_tensors = [read(name) for name in rule.hf_names(layer)]
                     shards[rule.mcore_name(layer)] = mapping.to_mcore_shard(
-                        rule, hf_tensors, spec, tp_rank, tp)
+                        rule, hf_tensors, spec, tp_rank, tp
+                    )
                 except (ModelPathError, ModelSpecError) as exc:
                     raise ConvertError(str(exc).replace("model.path=", "--hf ")) from None
                 advance()
             save_tensors(shards, staging / layout.model_file(tp_rank, pp_rank))
         copy_model_side_files(folder, staging)
-        marker = {"format": layout.FORMAT_VERSION, "kind": "converted", "step": 0,
-                  "layout": {"tp": tp, "pp": pp}, "spec": dataclasses.asdict(spec),
-                  "source": str(Path(hf).expanduser().resolve()),
-                  "files": sorted(p.name for p in staging.iterdir())}
+        marker = {
+            "format": layout.FORMAT_VERSION,
+            "kind": "converted",
+            "step": 0,
+            "layout": {"tp": tp, "pp": pp},
+            "spec": dataclasses.asdict(spec),
+            "source": str(Path(hf).expanduser().resolve()),
+            "files": sorted(p.name for p in staging.iterdir()),
+        }
         layout.write_json_durably(staging / layout.MARKER, marker)
     return target
 
@@ -100,8 +108,9 @@ def _check_layout(spec, tp: int, pp: int) -> None:
     try:
         spec.check_parallelism(tp, pp)
     except ModelSpecError as exc:
-        raise ConvertError(str(exc).replace("actor.tp=", "--tp ").replace("actor.pp=", "--pp ")
-                           ) from None
+        raise ConvertError(
+            str(exc).replace("actor.tp=", "--tp ").replace("actor.pp=", "--pp ")
+        ) from None
 
 
 # --- mcore-to-hf ---------------------------------------------------------------------------
@@ -121,8 +130,9 @@ def find_checkpoint(path: str | os.PathLike) -> layout.CheckpointInfo:
         raise ConvertError(str(exc)) from None
 
 
-def mcore_to_hf(ckpt: str, out: str, progress: bool = True, lora: bool = False,
-                merge_lora: bool = False) -> list[Path]:
+def mcore_to_hf(
+    ckpt: str, out: str, progress: bool = True, lora: bool = False, merge_lora: bool = False
+) -> list[Path]:
     """Reassemble a checkpoint's shards into a plain HF folder; returns the written folders.
 
     ``lora``: also a PEFT adapter folder ``<out>-lora`` beside it (base weights in ``out``,
@@ -130,8 +140,9 @@ def mcore_to_hf(ckpt: str, out: str, progress: bool = True, lora: bool = False,
     weights with the adapter merged in (``W + alpha/r * B @ A``).
     """
     if lora and merge_lora:
-        raise ConvertError("--lora and --merge-lora: choose one (an adapter on merged weights "
-                           "would apply twice)")
+        raise ConvertError(
+            "--lora and --merge-lora: choose one (an adapter on merged weights would apply twice)"
+        )
     target = _fresh_output(out)
     info = find_checkpoint(ckpt)
     adapter = settings = None
@@ -147,8 +158,13 @@ def mcore_to_hf(ckpt: str, out: str, progress: bool = True, lora: bool = False,
             from megarl.export.lora import save_peft_adapter
 
             with _staging(adapter_target) as adapter_staging:
-                save_peft_adapter(adapter_staging, adapter, settings, _spec_of(info.path),
-                                  base_model=str(target.resolve()))
+                save_peft_adapter(
+                    adapter_staging,
+                    adapter,
+                    settings,
+                    _spec_of(info.path),
+                    base_model=str(target.resolve()),
+                )
     return [target, adapter_target] if lora else [target]
 
 
@@ -160,23 +176,30 @@ def read_lora_adapter(info: layout.CheckpointInfo):
 
     lora_cfg = info.marker.get("config", {}).get("actor", {}).get("lora", {})
     if int(lora_cfg.get("rank", 0)) < 1:
-        raise ConvertError(f"--ckpt {info.path}: checkpoint holds no LoRA adapter (saved "
-                           "without actor.lora.rank > 0); drop --lora/--merge-lora")
-    settings = LoraSettings(rank=int(lora_cfg["rank"]), alpha=float(lora_cfg["alpha"]),
-                            dropout=float(lora_cfg.get("dropout", 0.0)),
-                            target_modules=tuple(lora_cfg["target_modules"]))
+        raise ConvertError(
+            f"--ckpt {info.path}: checkpoint holds no LoRA adapter (saved "
+            "without actor.lora.rank > 0); drop --lora/--merge-lora"
+        )
+    settings = LoraSettings(
+        rank=int(lora_cfg["rank"]),
+        alpha=float(lora_cfg["alpha"]),
+        dropout=float(lora_cfg.get("dropout", 0.0)),
+        target_modules=tuple(lora_cfg["target_modules"]),
+    )
     spec = _spec_of(info.path)
     try:
         reader = ShardReader(info, spec)
-        adapter = peft_adapter_from_checkpoint(reader.read, reader.saved_tp, spec,
-                                               settings.target_modules)
+        adapter = peft_adapter_from_checkpoint(
+            reader.read, reader.saved_tp, spec, settings.target_modules
+        )
     except layout.CheckpointError as exc:
         raise ConvertError(str(exc)) from None
     return adapter, settings
 
 
-def write_hf_folder(info: layout.CheckpointInfo, out: Path, progress: bool = True,
-                    merge: tuple | None = None) -> None:
+def write_hf_folder(
+    info: layout.CheckpointInfo, out: Path, progress: bool = True, merge: tuple | None = None
+) -> None:
     """``model.safetensors`` + config + tokenizer of ``info`` into the existing folder ``out``.
 
     ``merge``: ``(peft-named adapter, scaling)`` to merge into the weights before writing.
@@ -186,8 +209,11 @@ def write_hf_folder(info: layout.CheckpointInfo, out: Path, progress: bool = Tru
     from megarl.models import mapping
 
     spec = _spec_of(info.path)
-    num_rules = sum(spec.num_layers if r.per_layer else 1 for r in mapping.rules_for(spec)
-                    if not (r.mcore == "output_layer.weight" and spec.tie_embeddings))
+    num_rules = sum(
+        spec.num_layers if r.per_layer else 1
+        for r in mapping.rules_for(spec)
+        if not (r.mcore == "output_layer.weight" and spec.tie_embeddings)
+    )
     try:
         reader = ShardReader(info, spec)
         with _progress_bar(progress, "mcore-to-hf", num_rules) as advance:
@@ -218,13 +244,17 @@ def hf_folder_for_training(path: str | os.PathLike, out: Path) -> Path:
 def is_training_folder_current(path: str | os.PathLike, out: Path) -> bool:
     """``out`` already holds the HF folder of the checkpoint ``path`` names (same step, same save)."""
     stamp_path = Path(out) / SOURCE_STAMP
-    return (stamp_path.is_file()
-            and json.loads(stamp_path.read_text()) == _source_stamp(find_checkpoint(path)))
+    return stamp_path.is_file() and json.loads(stamp_path.read_text()) == _source_stamp(
+        find_checkpoint(path)
+    )
 
 
 def _source_stamp(info: layout.CheckpointInfo) -> dict:
-    return {"source": str(info.path.resolve()), "step": info.step,
-            "marker_mtime": (info.path / layout.MARKER).stat().st_mtime}
+    return {
+        "source": str(info.path.resolve()),
+        "step": info.step,
+        "marker_mtime": (info.path / layout.MARKER).stat().st_mtime,
+    }
 
 
 # --- shared plumbing -------------------------------------------------------------------------
@@ -272,8 +302,12 @@ class _progress_bar:
         from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-        self._progress = Progress(TextColumn(f"[bold]{self.label}"), BarColumn(),
-                                  MofNCompleteColumn(), console=Console(file=sys.stderr))
+        self._progress = Progress(
+            TextColumn(f"[bold]{self.label}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            console=Console(file=sys.stderr),
+        )
         task = self._progress.add_task(self.label, total=self.total)
         self._progress.start()
         return lambda: self._progress.advance(task)
@@ -295,10 +329,13 @@ def _parser() -> argparse.ArgumentParser:
     to_mcore.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     to_mcore.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
     to_hf = commands.add_parser("mcore-to-hf", help="megarl checkpoint -> HF folder")
-    to_hf.add_argument("--ckpt", required=True,
-                       help="converted or training checkpoint, or a run directory")
+    to_hf.add_argument(
+        "--ckpt", required=True, help="converted or training checkpoint, or a run directory"
+    )
     to_hf.add_argument("--out", required=True, help="new folder to write")
-    to_hf.add_argument("--lora", action="store_true", help="also write a PEFT adapter folder <out>-lora")
+    to_hf.add_argument(
+        "--lora", action="store_true", help="also write a PEFT adapter folder <out>-lora"
+    )
     to_hf.add_argument("--merge-lora", action="store_true", help="merge LoRA into the weights")
     for sub in (to_mcore, to_hf):
         sub.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -311,12 +348,17 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "hf-to-mcore":
             out = hf_to_mcore(args.hf, args.out, args.tp, args.pp, not args.no_progress)
         else:
-            out = mcore_to_hf(args.ckpt, args.out, not args.no_progress, lora=args.lora,
-                              merge_lora=args.merge_lora)
+            out = mcore_to_hf(
+                args.ckpt,
+                args.out,
+                not args.no_progress,
+                lora=args.lora,
+                merge_lora=args.merge_lora,
+            )
     except ConvertError as exc:
         print(f"megarl-convert: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    for folder in (out if isinstance(out, list) else [out]):
+    for folder in out if isinstance(out, list) else [out]:
         print(f"megarl-convert: wrote {folder}")
     return 0
 

@@ -81,15 +81,17 @@ def read_checkpoint(path: str | os.PathLike) -> CheckpointInfo:
         raise CheckpointError(f"checkpoint {path}: no such directory")
     marker_path = path / MARKER
     if not marker_path.is_file():
-        raise CheckpointError(f"checkpoint {path}: no {MARKER} (incomplete or not a megarl "
-                              "checkpoint)")
+        raise CheckpointError(
+            f"checkpoint {path}: no {MARKER} (incomplete or not a megarl checkpoint)"
+        )
     try:
         marker = json.loads(marker_path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"checkpoint {path}: unreadable {MARKER} ({exc})") from None
     if marker.get("format") != FORMAT_VERSION:
-        raise CheckpointError(f"checkpoint {path}: format {marker.get('format')!r} is not "
-                              f"{FORMAT_VERSION}")
+        raise CheckpointError(
+            f"checkpoint {path}: format {marker.get('format')!r} is not {FORMAT_VERSION}"
+        )
     missing = [name for name in marker.get("files", []) if not (path / name).is_file()]
     if missing:
         raise CheckpointError(f"checkpoint {path}: missing file(s) {', '.join(missing[:3])}")

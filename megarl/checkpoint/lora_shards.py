@@ -48,15 +48,24 @@ def is_split(parallel: str, factor: str) -> bool:
     return (parallel, factor) in (("column", "lora_B"), ("row", "lora_A"))
 
 
-def site_tensors(site: SavedSite, a: torch.Tensor, b: torch.Tensor, prefix: str = ""
-                 ) -> dict[str, torch.Tensor]:
+def site_tensors(
+    site: SavedSite, a: torch.Tensor, b: torch.Tensor, prefix: str = ""
+) -> dict[str, torch.Tensor]:
     """``{prefix + key: tensor}`` of one rank's adapter factors (or their optimizer states)."""
-    return {prefix + adapter_key(site.rule, site.layer, "lora_A"): a,
-            prefix + adapter_key(site.rule, site.layer, "lora_B"): b}
+    return {
+        prefix + adapter_key(site.rule, site.layer, "lora_A"): a,
+        prefix + adapter_key(site.rule, site.layer, "lora_B"): b,
+    }
 
 
-def reshard_factor(site: SavedSite, factor: str, saved: list[torch.Tensor],
-                   spec: TransformerSpec, tp_rank: int, tp: int) -> torch.Tensor:
+def reshard_factor(
+    site: SavedSite,
+    factor: str,
+    saved: list[torch.Tensor],
+    spec: TransformerSpec,
+    tp_rank: int,
+    tp: int,
+) -> torch.Tensor:
     """What TP rank ``tp_rank`` of ``tp`` holds of a factor, from all saved TP shards of it."""
     if not is_split(site.parallel, factor):
         return saved[0].clone()
@@ -74,8 +83,9 @@ def saved_sites(spec: TransformerSpec, targets: Iterable[str]) -> Iterator[Saved
                 yield SavedSite(rules[weight_template(target)], layer, parallel)
 
 
-def peft_adapter_from_checkpoint(read, saved_tp: int, spec: TransformerSpec,
-                                 targets: Iterable[str]) -> dict[str, torch.Tensor]:
+def peft_adapter_from_checkpoint(
+    read, saved_tp: int, spec: TransformerSpec, targets: Iterable[str]
+) -> dict[str, torch.Tensor]:
     """The whole adapter under peft's names, fp32, assembled from saved shards.
 
     ``read(key, tp_rank)`` returns one saved tensor (:meth:`ShardReader.read`).
@@ -89,7 +99,8 @@ def peft_adapter_from_checkpoint(read, saved_tp: int, spec: TransformerSpec,
             key = adapter_key(site.rule, site.layer, factor)
             ranks = range(saved_tp) if is_split(site.parallel, factor) else [0]
             shards[factor] = [read(key, t) for t in ranks]
-        tensors = adapter_to_hf(site.rule, site.layer, site.parallel, shards["lora_A"],
-                                shards["lora_B"], spec)
+        tensors = adapter_to_hf(
+            site.rule, site.layer, site.parallel, shards["lora_A"], shards["lora_B"], spec
+        )
         out.update({name: t.float().clone() for name, t in tensors.items()})  # A is shared
     return out

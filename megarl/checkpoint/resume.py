@@ -42,8 +42,16 @@ from megarl.checkpoint.layout import (
 )
 
 MUST_MATCH = (
-    "model.path", "model.hf_config", "model.init_seed", "model.dtype", "trainer.seed",
-    "data.task", "data.path", "data.max_operand", "data.ops", "actor.lora.rank",
+    "model.path",
+    "model.hf_config",
+    "model.init_seed",
+    "model.dtype",
+    "trainer.seed",
+    "data.task",
+    "data.path",
+    "data.max_operand",
+    "data.ops",
+    "actor.lora.rank",
     "actor.lora.target_modules",
 )
 NOT_REPORTED = ("trainer.resume",)
@@ -78,9 +86,12 @@ def _matches(key: str, patterns: tuple[str, ...]) -> bool:
     return any(key == p or key.startswith(p + ".") for p in patterns)
 
 
-def compare_configs(saved: Mapping[str, Any], current: Mapping[str, Any],
-                    saved_spec: Mapping[str, Any] | None = None,
-                    current_spec: Mapping[str, Any] | None = None) -> ConfigDiff:
+def compare_configs(
+    saved: Mapping[str, Any],
+    current: Mapping[str, Any],
+    saved_spec: Mapping[str, Any] | None = None,
+    current_spec: Mapping[str, Any] | None = None,
+) -> ConfigDiff:
     """Differences between a checkpoint's run config (and model spec) and this run's."""
     old, new = flatten(saved), flatten(current)
     errors, changes = [], []
@@ -104,19 +115,24 @@ def find_resume_checkpoint(resume: str, run_dir: str) -> CheckpointInfo | None:
         return latest_checkpoint(run_dir)
     info = read_checkpoint(resume)
     if info.kind != "training":
-        raise CheckpointError(f"trainer.resume={resume}: a converted checkpoint holds no "
-                              "training state; use it as model.path instead")
+        raise CheckpointError(
+            f"trainer.resume={resume}: a converted checkpoint holds no "
+            "training state; use it as model.path instead"
+        )
     return info
 
 
-def check_compatible(info: CheckpointInfo, current_config: Mapping[str, Any],
-                     current_spec: Mapping[str, Any]) -> tuple[str, ...]:
+def check_compatible(
+    info: CheckpointInfo, current_config: Mapping[str, Any], current_spec: Mapping[str, Any]
+) -> tuple[str, ...]:
     """Raise :class:`CheckpointError` naming the fields that must match; return allowed changes."""
-    diff = compare_configs(info.marker.get("config", {}), current_config,
-                           info.marker.get("spec"), current_spec)
+    diff = compare_configs(
+        info.marker.get("config", {}), current_config, info.marker.get("spec"), current_spec
+    )
     if diff.errors:
-        raise CheckpointError(f"checkpoint {info.path} does not match this run: "
-                              + "; ".join(diff.errors))
+        raise CheckpointError(
+            f"checkpoint {info.path} does not match this run: " + "; ".join(diff.errors)
+        )
     return diff.changes
 
 
@@ -130,15 +146,18 @@ def prepare_resume(cfg, device: str, model_spec: Callable[[], Mapping[str, Any]]
     """
     run_dir = cfg.trainer.run_dir
     if device == "cuda" and cfg.trainer.save_interval > 0:
-        raise CheckpointError("trainer.save_interval > 0: training checkpoints of Megatron's CUDA "
-                              "optimizer are not implemented yet (CPU only)")
+        raise CheckpointError(
+            "trainer.save_interval > 0: training checkpoints of Megatron's CUDA "
+            "optimizer are not implemented yet (CPU only)"
+        )
     info = find_resume_checkpoint(cfg.trainer.resume, run_dir)
     if info is None:
         _start_fresh(run_dir)
         return None
     if device == "cuda":
-        raise CheckpointError("trainer.resume: resuming on CUDA is not implemented yet; "
-                              "use trainer.resume=never")
+        raise CheckpointError(
+            "trainer.resume: resuming on CUDA is not implemented yet; use trainer.resume=never"
+        )
     changes = check_compatible(info, config_tree(cfg), model_spec())
     truncate_metrics(Path(run_dir) / "metrics.jsonl", info.step)
     moved = set_aside_later(run_dir, info.step)
@@ -153,5 +172,6 @@ def _start_fresh(run_dir: str) -> None:
     rotated = rotate_metrics(Path(run_dir) / "metrics.jsonl")
     moved += [rotated.name] if rotated else []
     if moved:
-        print(f"megarl-train: starting fresh in {run_dir}; set aside: {', '.join(moved)}",
-              flush=True)
+        print(
+            f"megarl-train: starting fresh in {run_dir}; set aside: {', '.join(moved)}", flush=True
+        )

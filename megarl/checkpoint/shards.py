@@ -31,8 +31,11 @@ def save_tensors(tensors: Mapping[str, torch.Tensor], path: Path) -> None:
     """safetensors file, fsynced (the marker that follows must not outlive the data)."""
     from safetensors.torch import save_file
 
-    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(path),
-              metadata=SAFETENSORS_METADATA)
+    save_file(
+        {k: v.detach().contiguous().cpu() for k, v in tensors.items()},
+        str(path),
+        metadata=SAFETENSORS_METADATA,
+    )
     with open(path, "rb") as handle:
         os.fsync(handle.fileno())
 
@@ -87,30 +90,35 @@ class ShardReader:
 
         path = self._file_of[tp_rank].get(key)
         if path is None:
-            raise CheckpointError(f"checkpoint {self.info.path}: no tensor {key} for TP rank "
-                                  f"{tp_rank}")
+            raise CheckpointError(
+                f"checkpoint {self.info.path}: no tensor {key} for TP rank {tp_rank}"
+            )
         if path not in self._handles:  # memory-mapped; only the tensors read are paged in
             self._handles[path] = safe_open(str(path), framework="pt")
         return self._handles[path].get_tensor(key)
 
-    def saved_shards(self, rule: mapping.ParamRule, layer: int | None,
-                     prefix: str = "") -> list[torch.Tensor]:
+    def saved_shards(
+        self, rule: mapping.ParamRule, layer: int | None, prefix: str = ""
+    ) -> list[torch.Tensor]:
         key = prefix + rule.mcore_name(layer)
         if rule.layout == "replicated":
             return [self.read(key, 0)]
         return [self.read(key, t) for t in range(self.saved_tp)]
 
-    def hf_tensors(self, rule: mapping.ParamRule, layer: int | None,
-                   prefix: str = "") -> tuple[torch.Tensor, ...]:
+    def hf_tensors(
+        self, rule: mapping.ParamRule, layer: int | None, prefix: str = ""
+    ) -> tuple[torch.Tensor, ...]:
         return mapping.to_hf(rule, self.saved_shards(rule, layer, prefix), self.spec)
 
-    def shard(self, rule: mapping.ParamRule, layer: int | None, tp_rank: int, tp: int,
-              prefix: str = "") -> torch.Tensor:
+    def shard(
+        self, rule: mapping.ParamRule, layer: int | None, tp_rank: int, tp: int, prefix: str = ""
+    ) -> torch.Tensor:
         """What TP rank ``tp_rank`` of ``tp`` holds of this parameter (or its optimizer state)."""
         if tp == self.saved_tp:
             return self.read(prefix + rule.mcore_name(layer), tp_rank)
-        return mapping.to_mcore_shard(rule, self.hf_tensors(rule, layer, prefix), self.spec,
-                                      tp_rank, tp)
+        return mapping.to_mcore_shard(
+            rule, self.hf_tensors(rule, layer, prefix), self.spec, tp_rank, tp
+        )
 
 
 @torch.no_grad()
@@ -125,8 +133,9 @@ def load_rank_shards(reader: ShardReader, local_params: Iterable, tp_rank: int, 
     return count
 
 
-def load_rank_optimizer_state(reader: ShardReader, local_params: Iterable, optimizer,
-                              tp_rank: int, tp: int) -> int:
+def load_rank_optimizer_state(
+    reader: ShardReader, local_params: Iterable, optimizer, tp_rank: int, tp: int
+) -> int:
     """Restore this rank's optimizer state from the checkpoint; returns params restored."""
     count = 0
     for rule, layer, param in local_params:
@@ -152,8 +161,7 @@ def rank_adapter_shards(sites: Iterable) -> dict[str, torch.Tensor]:
     """``{adapter key: this rank's factor}`` for every adapter this rank holds."""
     out: dict[str, torch.Tensor] = {}
     for site, adapter in sites:
-        out.update(lora_shards.site_tensors(site, adapter.lora_A.detach(),
-                                            adapter.lora_B.detach()))
+        out.update(lora_shards.site_tensors(site, adapter.lora_A.detach(), adapter.lora_B.detach()))
     return out
 
 
@@ -168,8 +176,9 @@ def rank_adapter_optimizer_state(sites: Iterable, optimizer) -> dict[str, torch.
     return out
 
 
-def _adapter_factor(reader: ShardReader, site, factor: str, tp_rank: int, tp: int,
-                    prefix: str = "") -> torch.Tensor:
+def _adapter_factor(
+    reader: ShardReader, site, factor: str, tp_rank: int, tp: int, prefix: str = ""
+) -> torch.Tensor:
     key = prefix + lora_shards.adapter_key(site.rule, site.layer, factor)
     if tp == reader.saved_tp:
         return reader.read(key, tp_rank)
@@ -179,8 +188,9 @@ def _adapter_factor(reader: ShardReader, site, factor: str, tp_rank: int, tp: in
 
 
 @torch.no_grad()
-def load_rank_adapters(reader: ShardReader, sites: Iterable, optimizer, tp_rank: int,
-                       tp: int) -> int:
+def load_rank_adapters(
+    reader: ShardReader, sites: Iterable, optimizer, tp_rank: int, tp: int
+) -> int:
     """Copy this rank's adapter factors and their AdamW state in; returns factors loaded."""
     count = 0
     for site, adapter in sites:
@@ -188,8 +198,10 @@ def load_rank_adapters(reader: ShardReader, sites: Iterable, optimizer, tp_rank:
             param = getattr(adapter, factor)
             key = lora_shards.adapter_key(site.rule, site.layer, factor)
             if not reader.has(key):
-                raise CheckpointError(f"checkpoint {reader.info.path} holds no LoRA adapter "
-                                      f"tensor {key} (saved without actor.lora?)")
+                raise CheckpointError(
+                    f"checkpoint {reader.info.path} holds no LoRA adapter "
+                    f"tensor {key} (saved without actor.lora?)"
+                )
             value = _adapter_factor(reader, site, factor, tp_rank, tp)
             _check_shape(value, param, key)
             param.copy_(value.to(param.dtype))
@@ -206,15 +218,18 @@ def load_rank_adapters(reader: ShardReader, sites: Iterable, optimizer, tp_rank:
 
 def _check_shape(tensor: torch.Tensor, param: torch.Tensor, name: str) -> None:
     if tuple(tensor.shape) != tuple(param.shape):
-        raise CheckpointError(f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, the "
-                              f"model's is {tuple(param.shape)}")
+        raise CheckpointError(
+            f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, the "
+            f"model's is {tuple(param.shape)}"
+        )
 
 
 # --- offline (converter) side: all virtual ranks of a layout --------------------------------
 
 
-def stage_params(spec: TransformerSpec, pp_rank: int, pp: int
-                 ) -> Iterator[tuple[mapping.ParamRule, int | None]]:
+def stage_params(
+    spec: TransformerSpec, pp_rank: int, pp: int
+) -> Iterator[tuple[mapping.ParamRule, int | None]]:
     """``(rule, global layer)`` of every parameter Megatron puts on pipeline stage ``pp_rank``."""
     per_stage = spec.num_layers // pp
     layers = range(pp_rank * per_stage, (pp_rank + 1) * per_stage)
@@ -240,9 +255,10 @@ def hf_state_from_checkpoint(reader: ShardReader, progress=None) -> dict[str, to
     for rule in mapping.rules_for(spec):
         if rule.mcore == "output_layer.weight" and spec.tie_embeddings:
             continue
-        for layer in (range(spec.num_layers) if rule.per_layer else [None]):
-            for name, tensor in zip(rule.hf_names(layer), reader.hf_tensors(rule, layer),
-                                    strict=True):
+        for layer in range(spec.num_layers) if rule.per_layer else [None]:
+            for name, tensor in zip(
+                rule.hf_names(layer), reader.hf_tensors(rule, layer), strict=True
+            ):
                 out[name] = tensor.contiguous()
             if progress is not None:
                 progress()

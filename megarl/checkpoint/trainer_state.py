@@ -46,9 +46,17 @@ from megarl.checkpoint.shards import (
 )
 
 DRIVER_STATE = "driver.json"
-MODEL_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json",
-                    "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                    "vocab.json", "merges.txt", "tokenizer.model")
+MODEL_SIDE_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+)
 
 
 def copy_model_side_files(model_dir: str | Path, out: Path) -> list[str]:
@@ -65,9 +73,13 @@ def copy_model_side_files(model_dir: str | Path, out: Path) -> list[str]:
 def _parallel_ranks() -> tuple[int, int, int, int, int]:
     from megatron.core import parallel_state as ps
 
-    return (ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size(),
-            ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size(),
-            ps.get_data_parallel_rank())
+    return (
+        ps.get_tensor_model_parallel_rank(),
+        ps.get_tensor_model_parallel_world_size(),
+        ps.get_pipeline_model_parallel_rank(),
+        ps.get_pipeline_model_parallel_world_size(),
+        ps.get_data_parallel_rank(),
+    )
 
 
 def save_training_checkpoint(cfg, step: int, actor, spec, driver, model_dir: str) -> float:
@@ -83,11 +95,17 @@ def save_training_checkpoint(cfg, step: int, actor, spec, driver, model_dir: str
     tp_rank, tp, pp_rank, pp, dp_rank = _parallel_ranks()
     sites = _adapter_sites(actor, spec)
     if dp_rank == 0:
-        save_tensors({**rank_shards(actor.local_params()), **rank_adapter_shards(sites)},
-                     staging / layout.model_file(tp_rank, pp_rank))
-        save_tensors({**rank_optimizer_state(actor.local_params(), actor.optimizer),
-                      **rank_adapter_optimizer_state(sites, actor.optimizer)},
-                     staging / layout.optim_file(tp_rank, pp_rank))
+        save_tensors(
+            {**rank_shards(actor.local_params()), **rank_adapter_shards(sites)},
+            staging / layout.model_file(tp_rank, pp_rank),
+        )
+        save_tensors(
+            {
+                **rank_optimizer_state(actor.local_params(), actor.optimizer),
+                **rank_adapter_optimizer_state(sites, actor.optimizer),
+            },
+            staging / layout.optim_file(tp_rank, pp_rank),
+        )
     torch.save({**_rng_state(), **_adapter_rng_state(sites)}, staging / layout.rng_file(rank))
     if rank == 0:
         (staging / DRIVER_STATE).write_text(json.dumps(driver.state_dict()), encoding="utf-8")
@@ -95,9 +113,12 @@ def save_training_checkpoint(cfg, step: int, actor, spec, driver, model_dir: str
     dist.barrier()
     if rank == 0:
         marker = {
-            "format": layout.FORMAT_VERSION, "kind": "training", "step": step,
+            "format": layout.FORMAT_VERSION,
+            "kind": "training",
+            "step": step,
             "layout": {"tp": tp, "pp": pp, "world_size": dist.get_world_size()},
-            "config": config_tree(cfg), "spec": dataclasses.asdict(spec),
+            "config": config_tree(cfg),
+            "spec": dataclasses.asdict(spec),
             "files": sorted(p.name for p in staging.iterdir()),
         }
         layout.publish(staging, root / name, marker)
@@ -138,8 +159,10 @@ def _adapter_sites(actor, spec) -> list:
     from megarl.checkpoint.lora_shards import SavedSite
     from megarl.models.lora import iter_adapters
 
-    return [(SavedSite(s.rule, s.layer, s.adapter.parallel), s.adapter)
-            for s in iter_adapters(actor.model, spec)]
+    return [
+        (SavedSite(s.rule, s.layer, s.adapter.parallel), s.adapter)
+        for s in iter_adapters(actor.model, spec)
+    ]
 
 
 def _adapter_rng_state(sites) -> dict:
@@ -148,8 +171,11 @@ def _adapter_rng_state(sites) -> dict:
 
     if not sites:
         return {}
-    return {"lora_dropout": {adapter_key(s.rule, s.layer, "lora_A"): a.dropout_rng_state()
-                             for s, a in sites}}
+    return {
+        "lora_dropout": {
+            adapter_key(s.rule, s.layer, "lora_A"): a.dropout_rng_state() for s, a in sites
+        }
+    }
 
 
 def _set_adapter_rng_state(sites, state: dict) -> None:
@@ -163,8 +189,11 @@ def _set_adapter_rng_state(sites, state: dict) -> None:
 
 
 def _rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(),
-             "torch": torch.get_rng_state()}
+    state = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 

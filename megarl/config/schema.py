@@ -33,8 +33,10 @@ def _positive(key: str, value: float) -> None:
 def _optional_positive(key: str, value: object) -> None:
     """None (automatic) or a number > 0."""
     is_number = isinstance(value, int | float) and not isinstance(value, bool)
-    _require(value is None or (is_number and value > 0),
-             f"{key}={value!r}: must be a number > 0, or null for automatic")
+    _require(
+        value is None or (is_number and value > 0),
+        f"{key}={value!r}: must be a number > 0, or null for automatic",
+    )
 
 
 @dataclass(frozen=True)
@@ -64,17 +66,21 @@ class TrainerConfig:
 
     def __post_init__(self) -> None:
         _positive("trainer.total_steps", self.total_steps)
-        _require(self.save_interval >= 0,
-                 f"trainer.save_interval={self.save_interval}: must be >= 0 (0 = never)")
+        _require(
+            self.save_interval >= 0,
+            f"trainer.save_interval={self.save_interval}: must be >= 0 (0 = never)",
+        )
         _positive("trainer.keep_last", self.keep_last)
         _require(bool(self.resume), "trainer.resume: must be auto, never or a checkpoint path")
         _choice("trainer.device", self.device, ("auto", "cpu", "cuda"))
         _choice("trainer.launcher", self.launcher, ("local", "ray"))
         _positive("trainer.nnodes", self.nnodes)
         _positive("trainer.n_gpus_per_node", self.n_gpus_per_node)
-        _require(self.launcher != "local" or self.nnodes == 1,
-                 f"trainer.nnodes={self.nnodes}: trainer.launcher=local runs on one machine; "
-                 "use trainer.launcher=ray for several nodes")
+        _require(
+            self.launcher != "local" or self.nnodes == 1,
+            f"trainer.nnodes={self.nnodes}: trainer.launcher=local runs on one machine; "
+            "use trainer.launcher=ray for several nodes",
+        )
 
     @property
     def world_size(self) -> int:
@@ -112,8 +118,10 @@ class LoraConfig:
         known = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
         for name in self.target_modules:
             _choice("actor.lora.target_modules", name, known)
-        _require(self.rank == 0 or bool(self.target_modules),
-                 "actor.lora.target_modules: empty; name at least one layer")
+        _require(
+            self.rank == 0 or bool(self.target_modules),
+            "actor.lora.target_modules: empty; name at least one layer",
+        )
 
     @property
     def enabled(self) -> bool:
@@ -168,8 +176,10 @@ class ActorConfig:
         _positive("actor.logprob_micro_batch_tokens", self.logprob_micro_batch_tokens)
         _positive("actor.logprob_chunk_tokens", self.logprob_chunk_tokens)
         _positive("actor.vpp", self.vpp)
-        _require(self.vpp == 1 or self.pp > 1,
-                 f"actor.vpp={self.vpp}: virtual pipeline stages need actor.pp > 1")
+        _require(
+            self.vpp == 1 or self.pp > 1,
+            f"actor.vpp={self.vpp}: virtual pipeline stages need actor.pp > 1",
+        )
         _choice("actor.recompute", self.recompute, ("none", "selective", "full"))
 
 
@@ -212,14 +222,20 @@ class RolloutConfig:
         _choice("rollout.engine", self.engine, ("hf", "vllm"))
         _require(self.n_gpus >= 0, f"rollout.n_gpus={self.n_gpus}: must be >= 0 (0 = colocated)")
         _positive("rollout.tp", self.tp)
-        _require(self.sleep_level in (0, 1, 2),
-                 f"rollout.sleep_level={self.sleep_level}: must be 0, 1 or 2")
-        _require(0 < self.gpu_memory_utilization <= 1,
-                 f"rollout.gpu_memory_utilization={self.gpu_memory_utilization}: must be in (0, 1]")
+        _require(
+            self.sleep_level in (0, 1, 2),
+            f"rollout.sleep_level={self.sleep_level}: must be 0, 1 or 2",
+        )
+        _require(
+            0 < self.gpu_memory_utilization <= 1,
+            f"rollout.gpu_memory_utilization={self.gpu_memory_utilization}: must be in (0, 1]",
+        )
         _optional_positive("rollout.kv_cache_gb", self.kv_cache_gb)
         _optional_positive("rollout.max_model_len", self.max_model_len)
-        _require(self.enforce_eager is None or isinstance(self.enforce_eager, bool),
-                 f"rollout.enforce_eager={self.enforce_eager!r}: must be true, false or null")
+        _require(
+            self.enforce_eager is None or isinstance(self.enforce_eager, bool),
+            f"rollout.enforce_eager={self.enforce_eager!r}: must be true, false or null",
+        )
         _positive("rollout.max_num_seqs", self.max_num_seqs)
         _positive("rollout.max_num_batched_tokens", self.max_num_batched_tokens)
         _require(self.n >= 2, f"rollout.n={self.n}: GRPO needs at least 2 samples per prompt")
@@ -246,7 +262,9 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         _choice("data.task", self.task, ("arithmetic", "jsonl"))
-        _require(self.task != "jsonl" or bool(self.path), "data.path must be set for data.task=jsonl")
+        _require(
+            self.task != "jsonl" or bool(self.path), "data.path must be set for data.task=jsonl"
+        )
         _positive("data.prompts_per_step", self.prompts_per_step)
         if ":" not in self.reward:
             _choice("data.reward", self.reward, ("auto", "exact_last_number", "gsm8k"))
@@ -289,9 +307,11 @@ class AlgoConfig:
         from megarl.algo.advantages import ADVANTAGE_ESTIMATOR_NAMES
 
         _choice("algo.adv_estimator", self.adv_estimator, ADVANTAGE_ESTIMATOR_NAMES)
-        _require(isinstance(self.norm_adv_by_std_in_grpo, bool),
-                 f"algo.norm_adv_by_std_in_grpo={self.norm_adv_by_std_in_grpo!r}: "
-                 "expected true or false")
+        _require(
+            isinstance(self.norm_adv_by_std_in_grpo, bool),
+            f"algo.norm_adv_by_std_in_grpo={self.norm_adv_by_std_in_grpo!r}: "
+            "expected true or false",
+        )
 
     @property
     def estimator(self) -> str:
@@ -313,8 +333,11 @@ class PlannerConfig:
     """auto | always | never."""
 
     def __post_init__(self) -> None:
-        _choice("planner.prune_zero_adv", self.prune_zero_adv,
-                ("auto", "off", "match_loss_curve", "fast"))
+        _choice(
+            "planner.prune_zero_adv",
+            self.prune_zero_adv,
+            ("auto", "off", "match_loss_curve", "fast"),
+        )
         _choice("planner.old_log_prob", self.old_log_prob, ("auto", "always", "rollout", "never"))
         _choice("planner.ref_log_prob", self.ref_log_prob, ("auto", "always", "never"))
 
@@ -328,8 +351,10 @@ class ExportConfig:
 
     def __post_init__(self) -> None:
         _positive("export.bucket_mb", self.bucket_mb)
-        _require(self.checksum_interval >= 0,
-                 f"export.checksum_interval={self.checksum_interval}: must be >= 0 (0 = off)")
+        _require(
+            self.checksum_interval >= 0,
+            f"export.checksum_interval={self.checksum_interval}: must be >= 0 (0 = off)",
+        )
 
 
 @dataclass(frozen=True)
@@ -346,16 +371,22 @@ class RunConfig:
     def __post_init__(self) -> None:
         model_parallel = self.actor.tp * self.actor.pp
         world = self.trainer.world_size
-        _require(world % model_parallel == 0,
-                 f"actor.tp={self.actor.tp} x actor.pp={self.actor.pp} does not divide "
-                 f"trainer.nnodes x trainer.n_gpus_per_node = {world} ranks")
-        _require(self.rollout.n_gpus == 0 or self.trainer.launcher == "ray",
-                 f"rollout.n_gpus={self.rollout.n_gpus}: a split rollout placement needs "
-                 "trainer.launcher=ray")
+        _require(
+            world % model_parallel == 0,
+            f"actor.tp={self.actor.tp} x actor.pp={self.actor.pp} does not divide "
+            f"trainer.nnodes x trainer.n_gpus_per_node = {world} ranks",
+        )
+        _require(
+            self.rollout.n_gpus == 0 or self.trainer.launcher == "ray",
+            f"rollout.n_gpus={self.rollout.n_gpus}: a split rollout placement needs "
+            "trainer.launcher=ray",
+        )
         num_seqs = self.data.prompts_per_step * self.rollout.n
-        _require(num_seqs % self.actor.ppo_mini_batches == 0,
-                 f"data.prompts_per_step x rollout.n = {num_seqs} sequences is not divisible by "
-                 f"actor.ppo_mini_batches={self.actor.ppo_mini_batches}")
+        _require(
+            num_seqs % self.actor.ppo_mini_batches == 0,
+            f"data.prompts_per_step x rollout.n = {num_seqs} sequences is not divisible by "
+            f"actor.ppo_mini_batches={self.actor.ppo_mini_batches}",
+        )
 
     @property
     def dp(self) -> int:
@@ -378,15 +409,20 @@ def _coerce(cls, key: str, value: Any) -> Any:
         unknown = sorted(set(value) - set(names))
         if unknown:
             prefix = f"{key}." if key else ""
-            raise ConfigError(f"unknown config key {prefix}{unknown[0]} "
-                              f"(valid keys under {key or 'the root'}: {', '.join(names)})")
+            raise ConfigError(
+                f"unknown config key {prefix}{unknown[0]} "
+                f"(valid keys under {key or 'the root'}: {', '.join(names)})"
+            )
         kwargs = {}
         for name, fld in names.items():
             if name in value:
                 sub_cls = _field_class(fld)
                 child = f"{key}.{name}" if key else name
-                kwargs[name] = _coerce(sub_cls, child, value[name]) if sub_cls else \
-                    _convert_leaf(fld, child, value[name])
+                kwargs[name] = (
+                    _coerce(sub_cls, child, value[name])
+                    if sub_cls
+                    else _convert_leaf(fld, child, value[name])
+                )
         try:
             return cls(**kwargs)
         except TypeError as exc:
@@ -407,12 +443,16 @@ def _convert_leaf(fld: dataclasses.Field, key: str, value: Any) -> Any:
         _require(isinstance(value, bool), f"{key}={value!r}: expected true or false")
         return value
     if isinstance(default, int) and not isinstance(default, bool):
-        _require(isinstance(value, int) and not isinstance(value, bool),
-                 f"{key}={value!r}: expected an integer")
+        _require(
+            isinstance(value, int) and not isinstance(value, bool),
+            f"{key}={value!r}: expected an integer",
+        )
         return value
     if isinstance(default, float):
-        _require(isinstance(value, int | float) and not isinstance(value, bool),
-                 f"{key}={value!r}: expected a number")
+        _require(
+            isinstance(value, int | float) and not isinstance(value, bool),
+            f"{key}={value!r}: expected a number",
+        )
         return float(value)
     if isinstance(default, tuple):
         _require(isinstance(value, list | tuple), f"{key}={value!r}: expected a list")

@@ -60,10 +60,15 @@ class ExecutionRequest:
     def from_config(cls, cfg) -> ExecutionRequest:
         """From a :class:`megarl.config.schema.RunConfig`."""
         a = cfg.actor
-        return cls(device=cfg.trainer.device, model_dtype=cfg.model.dtype,
-                   pack_sequences=a.pack_sequences, distributed_optimizer=a.optim.distributed,
-                   overlap_grad_reduce=a.optim.overlap_grad_reduce,
-                   overlap_param_gather=a.optim.overlap_param_gather, recompute=a.recompute)
+        return cls(
+            device=cfg.trainer.device,
+            model_dtype=cfg.model.dtype,
+            pack_sequences=a.pack_sequences,
+            distributed_optimizer=a.optim.distributed,
+            overlap_grad_reduce=a.optim.overlap_grad_reduce,
+            overlap_param_gather=a.optim.overlap_param_gather,
+            recompute=a.recompute,
+        )
 
 
 @dataclass(frozen=True)
@@ -103,10 +108,12 @@ class ExecutionPlan:
 
     def summary(self) -> str:
         """One line for the start-up log."""
-        return (f"{self.device}/{self.backend} {self.params_dtype} | optim {self.optimizer}"
-                f"{' (distributed)' if self.distributed_optimizer else ''} | spec {self.layer_spec}"
-                f" + {self.attention_core} | packing {self.packed_attention} | recompute "
-                f"{self.recompute or 'none'}")
+        return (
+            f"{self.device}/{self.backend} {self.params_dtype} | optim {self.optimizer}"
+            f"{' (distributed)' if self.distributed_optimizer else ''} | spec {self.layer_spec}"
+            f" + {self.attention_core} | packing {self.packed_attention} | recompute "
+            f"{self.recompute or 'none'}"
+        )
 
 
 def detect_environment() -> Environment:
@@ -135,8 +142,10 @@ def resolve_device(requested: str, env: Environment) -> str:
 def decide_execution(request: ExecutionRequest, env: Environment) -> ExecutionPlan:
     """The execution plan for ``request`` on a machine like ``env`` (pure)."""
     if request.overlap_param_gather and not request.distributed_optimizer:
-        raise ExecutionError("actor.optim.overlap_param_gather=true needs "
-                             "actor.optim.distributed=true (params are gathered from DP shards)")
+        raise ExecutionError(
+            "actor.optim.overlap_param_gather=true needs "
+            "actor.optim.distributed=true (params are gathered from DP shards)"
+        )
     device = resolve_device(request.device, env)
     if device == "cpu":
         return _cpu_plan(request)
@@ -154,23 +163,44 @@ def execution_plan_for(cfg, device: str) -> ExecutionPlan:
 
 def _cpu_plan(request: ExecutionRequest) -> ExecutionPlan:
     reasons = ["cpu: gloo, fp32, Megatron CPU shims, torch AdamW (Megatron optimizers need CUDA)"]
-    ignored = [name for name, on in (
-        ("actor.optim.distributed", request.distributed_optimizer),
-        ("actor.optim.overlap_grad_reduce", request.overlap_grad_reduce),
-        ("actor.optim.overlap_param_gather", request.overlap_param_gather),
-        ("actor.recompute", request.recompute != "none")) if on]
+    ignored = [
+        name
+        for name, on in (
+            ("actor.optim.distributed", request.distributed_optimizer),
+            ("actor.optim.overlap_grad_reduce", request.overlap_grad_reduce),
+            ("actor.optim.overlap_param_gather", request.overlap_param_gather),
+            ("actor.recompute", request.recompute != "none"),
+        )
+        if on
+    ]
     if ignored:
         reasons.append(f"ignored on cpu (CUDA-only): {', '.join(ignored)}")
     dtype = "float32" if request.model_dtype == "auto" else request.model_dtype
     packed = "sdpa_blocks" if request.pack_sequences else "none"
-    reasons.append("packing: " + ("one row per micro-batch, SDPA per sequence block"
-                                  if request.pack_sequences else "off (right-padded rows)"))
+    reasons.append(
+        "packing: "
+        + (
+            "one row per micro-batch, SDPA per sequence block"
+            if request.pack_sequences
+            else "off (right-padded rows)"
+        )
+    )
     return ExecutionPlan(
-        device="cpu", backend="gloo", cpu_shims=True, params_dtype=dtype,
-        grad_reduce_in_fp32=True, optimizer="torch_adamw", distributed_optimizer=False,
-        overlap_grad_reduce=False, overlap_param_gather=False, recompute=None,
-        layer_spec="local", attention_core="sdpa", packed_attention=packed,
-        reasons=tuple(reasons))
+        device="cpu",
+        backend="gloo",
+        cpu_shims=True,
+        params_dtype=dtype,
+        grad_reduce_in_fp32=True,
+        optimizer="torch_adamw",
+        distributed_optimizer=False,
+        overlap_grad_reduce=False,
+        overlap_param_gather=False,
+        recompute=None,
+        layer_spec="local",
+        attention_core="sdpa",
+        packed_attention=packed,
+        reasons=tuple(reasons),
+    )
 
 
 def _cuda_plan(request: ExecutionRequest, env: Environment) -> ExecutionPlan:
@@ -184,14 +214,23 @@ def _cuda_plan(request: ExecutionRequest, env: Environment) -> ExecutionPlan:
     else:
         spec, core = "local", "sdpa"
         packed = "sdpa_blocks" if request.pack_sequences else "none"
-        reasons.append("transformer-engine not installed: local spec with SDPA core attention"
-                       + (" (packed batches attend per sequence block)"
-                          if request.pack_sequences else ""))
+        reasons.append(
+            "transformer-engine not installed: local spec with SDPA core attention"
+            + (" (packed batches attend per sequence block)" if request.pack_sequences else "")
+        )
     return ExecutionPlan(
-        device="cuda", backend="nccl", cpu_shims=False, params_dtype=dtype,
-        grad_reduce_in_fp32=True, optimizer="megatron",
+        device="cuda",
+        backend="nccl",
+        cpu_shims=False,
+        params_dtype=dtype,
+        grad_reduce_in_fp32=True,
+        optimizer="megatron",
         distributed_optimizer=request.distributed_optimizer,
         overlap_grad_reduce=request.overlap_grad_reduce,
         overlap_param_gather=request.overlap_param_gather,
         recompute=None if request.recompute == "none" else request.recompute,
-        layer_spec=spec, attention_core=core, packed_attention=packed, reasons=tuple(reasons))
+        layer_spec=spec,
+        attention_core=core,
+        packed_attention=packed,
+        reasons=tuple(reasons),
+    )

@@ -35,6 +35,9 @@ def maybe_die(who: int | str, step: int) -> None:
         with open(mark, "w") as handle:
             handle.write(f"{time.time():.3f}\n")
     name = who if who == ROLLOUT else f"rank {who}"
-    print(f"fault injection: {name} exits with {EXIT_CODE} at step {step}", file=sys.stderr,
-          flush=True)
+    print(
+        f"fault injection: {name} exits with {EXIT_CODE} at step {step}",
+        file=sys.stderr,
+        flush=True,
+    )
     os._exit(EXIT_CODE)

@@ -27,8 +27,9 @@ CAUSE_GRACE_S = 1.0  # how long a peer's error waits for a killed rank to be see
 class WorkerFailed(RuntimeError):
     """A worker process exited abnormally; ``exit_code`` is what the command line returns."""
 
-    def __init__(self, rank: int, exitcode: int | None, detail: str = "", where: str = "",
-                 exit_code: int = 1):
+    def __init__(
+        self, rank: int, exitcode: int | None, detail: str = "", where: str = "", exit_code: int = 1
+    ):
         self.rank, self.exitcode, self.exit_code = rank, exitcode, exit_code
         # `where` names role, rank and node (Ray launcher); the local launcher has one node.
         who = where or f"{role_of(rank)} rank {rank} on node {socket.gethostname()}"
@@ -57,11 +58,11 @@ def find_free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _worker_entry(rank: int, fn: Callable, world_size: int, port: int, args: tuple,
-                  error_queue) -> None:
+def _worker_entry(
+    rank: int, fn: Callable, world_size: int, port: int, args: tuple, error_queue
+) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", os.environ.get("MEGARL_WORKER_THREADS", "1"))
-    ctx = WorkerContext(rank=rank, world_size=world_size, master_addr="127.0.0.1",
-                        master_port=port)
+    ctx = WorkerContext(rank=rank, world_size=world_size, master_addr="127.0.0.1", master_port=port)
     try:
         result = fn(ctx, *args)
         # Plain pickle bytes: torch's queue reductions would pass tensors as shared-memory
@@ -78,8 +79,9 @@ def _worker_entry(rank: int, fn: Callable, world_size: int, port: int, args: tup
         raise
 
 
-def launch(fn: Callable[..., Any], world_size: int, args: tuple = (),
-           timeout_s: float | None = None) -> list[Any]:
+def launch(
+    fn: Callable[..., Any], world_size: int, args: tuple = (), timeout_s: float | None = None
+) -> list[Any]:
     """Run ``fn(WorkerContext, *args)`` on ``world_size`` ranks; return each rank's result.
 
     ``fn`` must be importable (a module-level function): workers are spawned, not forked, because
@@ -91,8 +93,9 @@ def launch(fn: Callable[..., Any], world_size: int, args: tuple = (),
     queue = ctx.SimpleQueue()
     port = find_free_port()
     procs = [
-        ctx.Process(target=_worker_entry, args=(rank, fn, world_size, port, args, queue),
-                    daemon=False)
+        ctx.Process(
+            target=_worker_entry, args=(rank, fn, world_size, port, args, queue), daemon=False
+        )
         for rank in range(world_size)
     ]
     for proc in procs:
@@ -135,8 +138,11 @@ def _drain(queue, results: dict[int, Any], errors: dict[int, Any]) -> None:
 
 def _silently_dead(procs, results, errors) -> list[tuple[int, int]]:
     """Ranks that exited abnormally without reporting anything: killed or crashed natively."""
-    return [(r, p.exitcode) for r, p in enumerate(procs)
-            if p.exitcode not in (None, 0) and r not in results and r not in errors]
+    return [
+        (r, p.exitcode)
+        for r, p in enumerate(procs)
+        if p.exitcode not in (None, 0) and r not in results and r not in errors
+    ]
 
 
 def _raise_root_cause(procs, queue, results, errors) -> None:

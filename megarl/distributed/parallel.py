@@ -31,12 +31,14 @@ class ParallelLayout:
 
 
 def collective_timeout() -> datetime.timedelta:
-    return datetime.timedelta(seconds=float(os.environ.get("MEGARL_COLLECTIVE_TIMEOUT_S",
-                                                           DEFAULT_TIMEOUT_S)))
+    return datetime.timedelta(
+        seconds=float(os.environ.get("MEGARL_COLLECTIVE_TIMEOUT_S", DEFAULT_TIMEOUT_S))
+    )
 
 
-def init_process_group(device: str, rank: int, world_size: int, master_addr: str,
-                       master_port: int) -> None:
+def init_process_group(
+    device: str, rank: int, world_size: int, master_addr: str, master_port: int
+) -> None:
     """Join the global group: gloo on CPU, NCCL on CUDA (with a gloo-free default)."""
     backend = "nccl" if device == "cuda" else "gloo"
     if device == "cuda":

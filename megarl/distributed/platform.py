@@ -122,16 +122,34 @@ class SDPACoreAttention(torch.nn.Module):
     per sequence in Megatron's own THD rotary path, driven by the same ``cu_seqlens``.
     """
 
-    def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
-                 attention_dropout: float | None = None, softmax_scale: float | None = None,
-                 cp_comm_type: str | None = None, pg_collection=None):
+    def __init__(
+        self,
+        config,
+        layer_number: int,
+        attn_mask_type,
+        attention_type: str,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection=None,
+    ):
         super().__init__()
         self.config = config
         self.softmax_scale = softmax_scale
-        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.dropout_p = (
+            config.attention_dropout if attention_dropout is None else attention_dropout
+        )
 
-    def forward(self, query, key, value, attention_mask=None, attn_mask_type=None,
-                attention_bias=None, packed_seq_params=None):
+    def forward(
+        self,
+        query,
+        key,
+        value,
+        attention_mask=None,
+        attn_mask_type=None,
+        attention_bias=None,
+        packed_seq_params=None,
+    ):
         if packed_seq_params is not None:
             return self._packed_forward(query, key, value, packed_seq_params)
         return self._attend(query, key, value, attention_mask)
@@ -139,7 +157,8 @@ class SDPACoreAttention(torch.nn.Module):
     def _packed_forward(self, query, key, value, packed_seq_params):
         if packed_seq_params.qkv_format != "thd":
             raise NotImplementedError(
-                f"SDPACoreAttention: packed format {packed_seq_params.qkv_format!r} (only thd)")
+                f"SDPACoreAttention: packed format {packed_seq_params.qkv_format!r} (only thd)"
+            )
         bounds = packed_seq_params.cu_seqlens_q.tolist()
         blocks = [
             self._attend(query[a:b].unsqueeze(1), key[a:b].unsqueeze(1), value[a:b].unsqueeze(1))

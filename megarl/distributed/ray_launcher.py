@@ -76,8 +76,13 @@ class ActorPlacement:
     @classmethod
     def here(cls, role: str) -> ActorPlacement:
         """The calling process's placement (call it inside the actor)."""
-        return cls(role=role, node_ip=node_ip(), hostname=socket.gethostname(),
-                   node_id=ray_node_id(), pid=os.getpid())
+        return cls(
+            role=role,
+            node_ip=node_ip(),
+            hostname=socket.gethostname(),
+            node_id=ray_node_id(),
+            pid=os.getpid(),
+        )
 
     def describe(self) -> str:
         return f"{self.role} actor on {_node_text(self)}"
@@ -163,9 +168,14 @@ class RankWorker:
         sys.path.extend(p for p in sys_path if p not in sys.path)
 
     def placement(self) -> RankPlacement:
-        return RankPlacement(rank=self.rank, role=role_of(self.rank), node_ip=node_ip(),
-                             hostname=socket.gethostname(), node_id=ray_node_id(),
-                             pid=os.getpid())
+        return RankPlacement(
+            rank=self.rank,
+            role=role_of(self.rank),
+            node_ip=node_ip(),
+            hostname=socket.gethostname(),
+            node_id=ray_node_id(),
+            pid=os.getpid(),
+        )
 
     def free_port(self) -> int:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -211,11 +221,14 @@ class SideActor:
     attach: Callable[[Any, tuple], tuple]
 
     def bundle(self, device: str) -> dict[str, float]:
-        return {"CPU": 1.0, "GPU": float(self.n_gpus)} if device == "cuda" else {"CPU": CPU_PER_RANK}
+        return (
+            {"CPU": 1.0, "GPU": float(self.n_gpus)} if device == "cuda" else {"CPU": CPU_PER_RANK}
+        )
 
 
-def launch_on_ray(fn: Callable[..., Any], layout: RayLayout, args: tuple = (),
-                  side: SideActor | None = None) -> list[Any]:
+def launch_on_ray(
+    fn: Callable[..., Any], layout: RayLayout, args: tuple = (), side: SideActor | None = None
+) -> list[Any]:
     """Run ``fn(WorkerContext, *args)`` on every rank of ``layout``; return each rank's result."""
     import ray
 
@@ -235,8 +248,11 @@ def launch_on_ray(fn: Callable[..., Any], layout: RayLayout, args: tuple = (),
         return run_ranks(actors, placements, fn, master_addr, master_port, args)
     finally:
         release_group(side_group)  # before `release`, which may disconnect from Ray
-        release(actors + ([side_actor] if side_actor is not None else []), group,
-                disconnect=connected_here)
+        release(
+            actors + ([side_actor] if side_actor is not None else []),
+            group,
+            disconnect=connected_here,
+        )
 
 
 def connect() -> bool:
@@ -246,8 +262,12 @@ def connect() -> bool:
 
     if ray.is_initialized():
         return False
-    quiet = {"include_dashboard": False, "log_to_driver": True,
-             "logging_level": "WARNING", "configure_logging": True}
+    quiet = {
+        "include_dashboard": False,
+        "log_to_driver": True,
+        "logging_level": "WARNING",
+        "configure_logging": True,
+    }
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address="auto", **{k: v for k, v in quiet.items() if k != "include_dashboard"})
         return True
@@ -257,7 +277,7 @@ def connect() -> bool:
             ray.init(**quiet)
             return True
         except Exception as exc:  # Ray waits a fixed 30 s for its raylet; an overloaded host
-            ray.shutdown()        # can miss it once, so retry before giving up.
+            ray.shutdown()  # can miss it once, so retry before giving up.
             if "timed out during startup" not in str(exc) or attempt + 1 == LOCAL_START_ATTEMPTS:
                 raise
     return False  # unreachable: the last attempt returns or raises
@@ -270,14 +290,16 @@ def reserve(layout: RayLayout):
 
     alive = [n for n in ray.nodes() if n.get("Alive")]
     if layout.nnodes > len(alive):
-        raise PlacementError(f"trainer.nnodes={layout.nnodes} but the Ray cluster has "
-                           f"{len(alive)} node(s)")
+        raise PlacementError(
+            f"trainer.nnodes={layout.nnodes} but the Ray cluster has {len(alive)} node(s)"
+        )
     group = placement_group(layout.bundles(), strategy=layout.strategy())
     ready, _ = ray.wait([group.ready()], timeout=RESERVE_TIMEOUT_S)
     if not ready:
         raise PlacementError(
             f"Ray could not reserve {layout.nnodes} node(s) x {layout.bundle()} within "
-            f"{RESERVE_TIMEOUT_S:.0f} s (cluster resources: {ray.cluster_resources()})")
+            f"{RESERVE_TIMEOUT_S:.0f} s (cluster resources: {ray.cluster_resources()})"
+        )
     return group
 
 
@@ -291,12 +313,19 @@ def start_side_actor(side: SideActor, device: str):
     group = placement_group([bundle], strategy="PACK")
     ready, _ = ray.wait([group.ready()], timeout=RESERVE_TIMEOUT_S)
     if not ready:
-        raise PlacementError(f"Ray could not reserve {bundle} for the {side.role} within "
-                             f"{RESERVE_TIMEOUT_S:.0f} s")
-    actor = ray.remote(side.cls).options(
-        num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), max_restarts=0,
-        scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=group),
-    ).remote(*side.init_args)
+        raise PlacementError(
+            f"Ray could not reserve {bundle} for the {side.role} within {RESERVE_TIMEOUT_S:.0f} s"
+        )
+    actor = (
+        ray.remote(side.cls)
+        .options(
+            num_cpus=bundle["CPU"],
+            num_gpus=bundle.get("GPU", 0),
+            max_restarts=0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=group),
+        )
+        .remote(*side.init_args)
+    )
     try:
         placement = ray.get(actor.placement.remote())  # also waits until it is built
     except ray.exceptions.RayActorError as exc:
@@ -314,9 +343,12 @@ def start_ranks(layout: RayLayout, group) -> list:
     env, path = forwarded_env(), list(sys.path)
     return [
         shell.options(
-            num_cpus=resources["CPU"], num_gpus=resources.get("GPU", 0), max_restarts=0,
+            num_cpus=resources["CPU"],
+            num_gpus=resources.get("GPU", 0),
+            max_restarts=0,
             scheduling_strategy=PlacementGroupSchedulingStrategy(
-                placement_group=group, placement_group_bundle_index=layout.node_index(rank)),
+                placement_group=group, placement_group_bundle_index=layout.node_index(rank)
+            ),
         ).remote(rank, env, path)
         for rank in range(layout.world_size)
     ]
@@ -324,8 +356,12 @@ def start_ranks(layout: RayLayout, group) -> list:
 
 def report_placements(placements: list[RankPlacement]) -> None:
     nodes = {p.node_id for p in placements}
-    print(f"megarl ray: {len(placements)} rank(s) on {len(nodes)} node(s): "
-          + "; ".join(p.describe() for p in placements), file=sys.stderr, flush=True)
+    print(
+        f"megarl ray: {len(placements)} rank(s) on {len(nodes)} node(s): "
+        + "; ".join(p.describe() for p in placements),
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def rendezvous(rank0_actor, rank0: RankPlacement) -> tuple[str, int]:
@@ -334,8 +370,14 @@ def rendezvous(rank0_actor, rank0: RankPlacement) -> tuple[str, int]:
     return rank0.node_ip, int(ray.get(rank0_actor.free_port.remote()))
 
 
-def run_ranks(actors: list, placements: list[RankPlacement], fn: Callable, master_addr: str,
-              master_port: int, args: tuple) -> list[Any]:
+def run_ranks(
+    actors: list,
+    placements: list[RankPlacement],
+    fn: Callable,
+    master_addr: str,
+    master_port: int,
+    args: tuple,
+) -> list[Any]:
     """Start every rank and wait; the first failure (death or exception) ends the run."""
     import ray
 
@@ -352,8 +394,9 @@ def run_ranks(actors: list, placements: list[RankPlacement], fn: Callable, maste
             try:
                 results[rank] = ray.get(ref)
             except ray.exceptions.RayActorError as exc:
-                raise WorkerFailed(rank, None, _death_cause(exc),
-                                   where=placements[rank].describe()) from None
+                raise WorkerFailed(
+                    rank, None, _death_cause(exc), where=placements[rank].describe()
+                ) from None
             except ray.exceptions.RayTaskError as exc:
                 cause = exc.cause if isinstance(exc.cause, BaseException) else exc
                 if isinstance(cause, SideActorFailed):  # the rollout actor, not this rank
@@ -361,8 +404,12 @@ def run_ranks(actors: list, placements: list[RankPlacement], fn: Callable, maste
                 _raise_if_a_rank_died(pending, placements)  # the cause, not this symptom
                 if isinstance(cause, SystemExit):
                     raise SystemExit(cause.code) from None
-                raise WorkerFailed(rank, None, f"{type(cause).__name__}: {cause}",
-                                   where=placements[rank].describe()) from None
+                raise WorkerFailed(
+                    rank,
+                    None,
+                    f"{type(cause).__name__}: {cause}",
+                    where=placements[rank].describe(),
+                ) from None
     return [results[r] for r in range(world)]
 
 
@@ -379,8 +426,12 @@ def _raise_if_a_rank_died(pending: dict, placements: list[RankPlacement]) -> Non
             ray.get(ref)
         except ray.exceptions.RayActorError as exc:
             rank = pending[ref]
-            raise WorkerFailed(rank, None, _death_cause(exc) + "; then other rank(s) failed",
-                               where=placements[rank].describe()) from None
+            raise WorkerFailed(
+                rank,
+                None,
+                _death_cause(exc) + "; then other rank(s) failed",
+                where=placements[rank].describe(),
+            ) from None
         except ray.exceptions.RayTaskError:
             continue
 

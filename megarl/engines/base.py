@@ -117,8 +117,9 @@ class RolloutEngine(abc.ABC):
         """
 
     @abc.abstractmethod
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
-                       record_checksums: bool = False) -> int:
+    def update_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], record_checksums: bool = False
+    ) -> int:
         """Copy base weights in by HF parameter name; return how many tensors were applied.
 
         Names are those of the HF model's ``state_dict()`` (e.g.

@@ -348,8 +348,9 @@ class HFEngine(RolloutEngine):
 
     # -- weights --
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
-                       record_checksums: bool = False) -> int:
+    def update_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], record_checksums: bool = False
+    ) -> int:
         """Copies into the model's own parameters, so checksums are read from them on demand."""
         self._sleep.require_awake("update_weights")
         num_applied = 0
@@ -364,8 +365,10 @@ class HFEngine(RolloutEngine):
     def weight_checksums(self, dtype: torch.dtype) -> dict[str, tuple[int, int]]:
         from megarl.export.checksum import tensor_checksum
 
-        return {name: tensor_checksum(param.detach().to(dtype))
-                for name, param in self._params_by_name.items()}
+        return {
+            name: tensor_checksum(param.detach().to(dtype))
+            for name, param in self._params_by_name.items()
+        }
 
     def _param_for(self, name: str, tensor: torch.Tensor) -> torch.nn.Parameter:
         """The base parameter ``name`` refers to, checked against ``tensor``'s shape."""
@@ -470,4 +473,3 @@ class HFEngine(RolloutEngine):
         gc.collect()
         if self._device.type == "cuda":
             torch.cuda.empty_cache()
-

@@ -78,8 +78,9 @@ class SharedTensorFile:
             self._capacity = max(nbytes, 2 * self._capacity)
             with open(self.path, "r+b") as handle:
                 handle.truncate(self._capacity)
-            self._buffer = torch.from_file(self.path, shared=True, size=self._capacity,
-                                           dtype=torch.uint8)
+            self._buffer = torch.from_file(
+                self.path, shared=True, size=self._capacity, dtype=torch.uint8
+            )
         return self._buffer
 
     def write(self, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> list[TensorMeta]:
@@ -90,9 +91,16 @@ class SharedTensorFile:
         for name, tensor in named_tensors:
             nbytes = tensor_nbytes(tensor)
             flat = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
-            buffer[offset:offset + nbytes].copy_(flat)
-            records.append(TensorMeta(name, str(tensor.dtype).removeprefix("torch."),
-                                      tuple(tensor.shape), offset, nbytes))
+            buffer[offset : offset + nbytes].copy_(flat)
+            records.append(
+                TensorMeta(
+                    name,
+                    str(tensor.dtype).removeprefix("torch."),
+                    tuple(tensor.shape),
+                    offset,
+                    nbytes,
+                )
+            )
             offset = _aligned(offset + nbytes)
         return records
 
@@ -109,5 +117,5 @@ def read_tensors(path: str, records: Sequence[TensorMeta]) -> Iterator[tuple[str
     size = max(r.offset + r.nbytes for r in records)
     buffer = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
     for record in records:
-        raw = buffer[record.offset:record.offset + record.nbytes]
+        raw = buffer[record.offset : record.offset + record.nbytes]
         yield record.name, raw.view(getattr(torch, record.dtype)).view(record.shape)

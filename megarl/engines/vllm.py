@@ -152,8 +152,9 @@ def check_weight(
         )
 
 
-def fused_group(name: str, packed_modules: Mapping[str, Sequence[str]]
-                ) -> tuple[str, str, str] | None:
+def fused_group(
+    name: str, packed_modules: Mapping[str, Sequence[str]]
+) -> tuple[str, str, str] | None:
     """``(group key, fused module, part)`` when ``name`` is part of a fused vLLM parameter.
 
     ``model.layers.0.self_attn.k_proj.weight`` with ``{"qkv_proj": ["q_proj", "k_proj",
@@ -164,7 +165,7 @@ def fused_group(name: str, packed_modules: Mapping[str, Sequence[str]]
     for index, part in enumerate(parts):
         for fused, members in packed_modules.items():
             if part in members:
-                return ".".join([*parts[:index], fused, *parts[index + 1:]]), fused, part
+                return ".".join([*parts[:index], fused, *parts[index + 1 :]]), fused, part
     return None
 
 
@@ -183,8 +184,9 @@ class FusedGroupBatcher:
         self.pending: dict[str, dict[str, tuple[str, torch.Tensor]]] = {}
         """Group key -> part -> (name, tensor), for groups not yet complete."""
 
-    def buckets(self, named_tensors: Iterable[tuple[str, torch.Tensor]]
-                ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    def buckets(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
         bucket: list[tuple[str, torch.Tensor]] = []
         size = 0
         for name, tensor in named_tensors:
@@ -267,7 +269,6 @@ def _set_process_environment() -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # one console line per step
 
 
-
 class VLLMEngine(RolloutEngine):
     """Rollouts from vLLM's offline engine, with weights pushed from the trainer."""
 
@@ -313,16 +314,27 @@ class VLLMEngine(RolloutEngine):
         lora_kwargs = {"max_lora_rank": max_lora_rank, "max_loras": 1} if enable_lora else {}
         try:
             self._llm: LLM = LLM(
-                model=model, tensor_parallel_size=tensor_parallel_size, dtype=dtype,
+                model=model,
+                tensor_parallel_size=tensor_parallel_size,
+                dtype=dtype,
                 gpu_memory_utilization=gpu_memory_utilization,
-                kv_cache_memory_bytes=kv_cache_memory_bytes, max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-                enforce_eager=enforce_eager, enable_sleep_mode=enable_sleep_mode,
-                enable_lora=enable_lora, seed=seed, logprobs_mode=logprobs_mode,
-                worker_extension_cls=WORKER_EXTENSION, **lora_kwargs, **llm_kwargs)
+                kv_cache_memory_bytes=kv_cache_memory_bytes,
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_model_len=max_model_len,
+                enforce_eager=enforce_eager,
+                enable_sleep_mode=enable_sleep_mode,
+                enable_lora=enable_lora,
+                seed=seed,
+                logprobs_mode=logprobs_mode,
+                worker_extension_cls=WORKER_EXTENSION,
+                **lora_kwargs,
+                **llm_kwargs,
+            )
         except Exception as error:  # noqa: BLE001 - vLLM raises many types; one line for all
-            reason = str(error).strip().splitlines()[-1] if str(error).strip() else \
-                type(error).__name__
+            reason = (
+                str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
+            )
             raise EngineStartupError(
                 f"vLLM could not start on {model}: {reason} (vLLM's log above has the details)"
             ) from error
@@ -335,7 +347,8 @@ class VLLMEngine(RolloutEngine):
         self.weight_bucket_bytes = weight_bucket_bytes
         self._expected_shapes = read_checkpoint_shapes(model)
         self._all_names = set(self._expected_shapes or ()) - (
-            {TIED_LM_HEAD} if self._tied_embeddings else set())
+            {TIED_LM_HEAD} if self._tied_embeddings else set()
+        )
         self._shared = SharedTensorFile()
         self._checksums: dict[str, tuple[int, int]] = {}
         self._sleep = SleepState()
@@ -394,11 +407,13 @@ class VLLMEngine(RolloutEngine):
         if self._logprobs_mode == "raw_logprobs" and params.temperature != 1.0:
             raise ValueError(
                 f"this vLLM engine reports raw logprobs (temperature 1); a request at "
-                f"temperature {params.temperature} needs logprobs_mode='processed_logprobs'")
+                f"temperature {params.temperature} needs logprobs_mode='processed_logprobs'"
+            )
         if self._logprobs_mode == "processed_logprobs" and params.top_p < 1.0:
             raise ValueError(
                 "with processed logprobs vLLM renormalises after top-p; top_p < 1 would report "
-                "a different quantity than log_softmax(logits / T)")
+                "a different quantity than log_softmax(logits / T)"
+            )
 
     def _vllm_sampling_params(self, params: SamplingParams, index: int) -> Any:
         from vllm import SamplingParams as VLLMSamplingParams
@@ -428,8 +443,9 @@ class VLLMEngine(RolloutEngine):
 
     # -- weights --
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
-                       record_checksums: bool = False) -> int:
+    def update_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], record_checksums: bool = False
+    ) -> int:
         self._sleep.require_awake("update_weights")
         num_applied = 0
         self._batcher.max_bytes = self.weight_bucket_bytes
@@ -437,7 +453,8 @@ class VLLMEngine(RolloutEngine):
             records = [r.to_wire() for r in self._shared.write(bucket)]
             dtype = str(bucket[0][1].dtype).removeprefix("torch.") if record_checksums else None
             results = self._llm.collective_rpc(
-                "megarl_reload", args=(self._shared.path, records, dtype, self._load_method))
+                "megarl_reload", args=(self._shared.path, records, dtype, self._load_method)
+            )
             if record_checksums:
                 self._checksums.update({n: tuple(c) for n, c in results[0].items()})
             self._sleep.mark_reloaded(name for name, _ in bucket)
@@ -457,12 +474,14 @@ class VLLMEngine(RolloutEngine):
             names = self._batcher.pending_names()
             raise RuntimeError(
                 f"cannot generate: fused weights were sent in part ({', '.join(names[:3])}"
-                f"{', ...' if len(names) > 3 else ''}) and the rest never arrived")
+                f"{', ...' if len(names) > 3 else ''}) and the rest never arrived"
+            )
 
     def weight_checksums(self, dtype: torch.dtype) -> dict[str, tuple[int, int]]:
         if not self._checksums:
-            raise RuntimeError("no checksums recorded: call update_weights(..., "
-                               "record_checksums=True) first")
+            raise RuntimeError(
+                "no checksums recorded: call update_weights(..., record_checksums=True) first"
+            )
         checksums, self._checksums = self._checksums, {}
         return checksums
 
@@ -501,8 +520,10 @@ class VLLMEngine(RolloutEngine):
 
     def sleep(self, level: int) -> None:
         if level > self.max_sleep_level:
-            raise RuntimeError(f"this vLLM engine cannot sleep at level {level} (built with "
-                               f"enable_sleep_mode={self._enable_sleep_mode})")
+            raise RuntimeError(
+                f"this vLLM engine cannot sleep at level {level} (built with "
+                f"enable_sleep_mode={self._enable_sleep_mode})"
+            )
         self._sleep.fall_asleep(level, freed=self._all_names)
         self._llm.sleep(level=level)
 

@@ -100,7 +100,8 @@ def logprobs_mode(temperature: float, top_p: float) -> str:
             f"rollout.top_p={top_p} with rollout.temperature={temperature}: vLLM reports "
             "logprobs after top-p renormalisation at T != 1, not the untruncated "
             "log_softmax(logits / T) the trainer compares against; use rollout.top_p=1.0 or "
-            "rollout.temperature=1.0")
+            "rollout.temperature=1.0"
+        )
     return "processed_logprobs"
 
 
@@ -119,18 +120,21 @@ def cpu_kv_cache_bytes(request: VLLMRequest, model: ModelFacts, available_bytes:
         if wanted > available_bytes:
             raise VLLMSettingsError(
                 f"rollout.kv_cache_gb={request.kv_cache_gb}: only "
-                f"{available_bytes / GIB:.1f} GiB of memory is available")
+                f"{available_bytes / GIB:.1f} GiB of memory is available"
+            )
         if wanted < minimum:
             raise VLLMSettingsError(
                 f"rollout.kv_cache_gb={request.kv_cache_gb}: one sequence of max_model_len="
                 f"{max_len} tokens needs {minimum / GIB:.2f} GiB; raise it or lower "
-                "rollout.max_model_len")
+                "rollout.max_model_len"
+            )
         return wanted
     if minimum > available_bytes // 2:
         raise VLLMSettingsError(
             f"rollout.max_model_len={max_len}: one sequence needs {minimum / GIB:.2f} GiB of KV "
             f"cache but only {available_bytes / GIB:.1f} GiB of memory is available; "
-            "set rollout.max_model_len lower")
+            "set rollout.max_model_len lower"
+        )
     return max(minimum, min(int(available_bytes * CPU_KV_SHARE), CPU_KV_MAX_BYTES))
 
 
@@ -139,12 +143,14 @@ def vllm_max_lora_rank(rank: int) -> int:
     for allowed in VLLM_MAX_LORA_RANKS:
         if allowed >= rank:
             return allowed
-    raise VLLMSettingsError(f"actor.lora.rank={rank} exceeds vLLM's largest max_lora_rank "
-                            f"{VLLM_MAX_LORA_RANKS[-1]}")
+    raise VLLMSettingsError(
+        f"actor.lora.rank={rank} exceeds vLLM's largest max_lora_rank {VLLM_MAX_LORA_RANKS[-1]}"
+    )
 
 
-def decide_vllm_settings(request: VLLMRequest, model: ModelFacts, model_path: str,
-                         available_bytes: int) -> VLLMSettings:
+def decide_vllm_settings(
+    request: VLLMRequest, model: ModelFacts, model_path: str, available_bytes: int
+) -> VLLMSettings:
     """``VLLMEngine`` arguments for this run, or :class:`VLLMSettingsError` naming the key."""
     on_cpu = request.device == "cpu"
     notes: list[str] = []
@@ -152,16 +158,19 @@ def decide_vllm_settings(request: VLLMRequest, model: ModelFacts, model_path: st
         raise VLLMSettingsError(
             f"rollout.engine=vllm: the model's head size {model.head_dim} is not supported by "
             f"vLLM's CPU attention (supported: {', '.join(map(str, CPU_ATTENTION_HEAD_SIZES))});"
-            " use rollout.engine=hf")
-    if request.max_model_len is not None and request.max_model_len > \
-            model.max_position_embeddings:
+            " use rollout.engine=hf"
+        )
+    if request.max_model_len is not None and request.max_model_len > model.max_position_embeddings:
         raise VLLMSettingsError(
             f"rollout.max_model_len={request.max_model_len}: the model's context is "
-            f"{model.max_position_embeddings} tokens")
+            f"{model.max_position_embeddings} tokens"
+        )
     sleep_level = request.sleep_level
     if on_cpu and sleep_level > 0:
-        notes.append(f"rollout.sleep_level={sleep_level} runs as 0: vLLM's CPU build has no "
-                     "sleep mode (the engine stays resident)")
+        notes.append(
+            f"rollout.sleep_level={sleep_level} runs as 0: vLLM's CPU build has no "
+            "sleep mode (the engine stays resident)"
+        )
         sleep_level = 0
     kwargs: dict[str, Any] = {
         "model": model_path,

@@ -35,8 +35,10 @@ import torch
 from megarl.engines.tensor_transport import TensorMeta, read_tensors
 from megarl.export.checksum import tensor_checksum
 
-RELOAD_LOGGERS = ("vllm.model_executor.model_loader.reload.layerwise",
-                  "vllm.model_executor.model_loader.reload.inplace")
+RELOAD_LOGGERS = (
+    "vllm.model_executor.model_loader.reload.layerwise",
+    "vllm.model_executor.model_loader.reload.inplace",
+)
 """A reload of a subset of layers warns about every layer it did not touch; that is the
 intended use here (one bucket at a time), so those two loggers are kept to errors."""
 
@@ -55,8 +57,13 @@ class WorkerExtension:
             "tied_embeddings": _tied_output_layer(model) is not None,
         }
 
-    def megarl_reload(self, path: str, records: Sequence[Sequence], checksum_dtype: str | None,
-                      method: str = "reload") -> dict[str, list[int]]:
+    def megarl_reload(
+        self,
+        path: str,
+        records: Sequence[Sequence],
+        checksum_dtype: str | None,
+        method: str = "reload",
+    ) -> dict[str, list[int]]:
         """Load one bucket of HF-named tensors from the shared file; checksums if asked.
 
         ``method="load_weights"`` calls the model's loaders directly instead: no layer is
@@ -71,8 +78,11 @@ class WorkerExtension:
             return {}
         for name in RELOAD_LOGGERS:
             logging.getLogger(name).setLevel(logging.ERROR)
-        recorder = (_ChecksumRecorder(model, getattr(torch, checksum_dtype), {m.name for m in metas})
-                    if checksum_dtype else contextlib.nullcontext())
+        recorder = (
+            _ChecksumRecorder(model, getattr(torch, checksum_dtype), {m.name for m in metas})
+            if checksum_dtype
+            else contextlib.nullcontext()
+        )
         with recorder:
             self.model_runner.reload_weights(weights_iterator=read_tensors(path, metas))
         tied = _tied_output_layer(model)
@@ -105,16 +115,22 @@ class _ChecksumRecorder:
     def __init__(self, model: torch.nn.Module, dtype: torch.dtype, loaded: set[str]) -> None:
         self.model, self.dtype, self.loaded = model, dtype, loaded
         # LoRA wraps a layer as ``<name>.base_layer``; its weights keep the layer's own name
-        self.module_names = {id(module): name.replace(".base_layer", "")
-                             for name, module in model.named_modules()}
-        self.packed = {fused: list(parts) for fused, parts in
-                       getattr(model, "packed_modules_mapping", {}).items()}
+        self.module_names = {
+            id(module): name.replace(".base_layer", "") for name, module in model.named_modules()
+        }
+        self.packed = {
+            fused: list(parts)
+            for fused, parts in getattr(model, "packed_modules_mapping", {}).items()
+        }
         self.checksums: dict[str, list[int]] = {}
         self._methods: list[Any] = []
 
     def __enter__(self) -> _ChecksumRecorder:
-        methods = {id(m.quant_method): m.quant_method for m in self.model.modules()
-                   if hasattr(getattr(m, "quant_method", None), "process_weights_after_loading")}
+        methods = {
+            id(m.quant_method): m.quant_method
+            for m in self.model.modules()
+            if hasattr(getattr(m, "quant_method", None), "process_weights_after_loading")
+        }
         for method in methods.values():
             original = method.process_weights_after_loading
 
@@ -144,10 +160,13 @@ class _ChecksumRecorder:
         for param_name, param in layer.named_parameters(recurse=False):
             tensor = param.detach()
             if leaf in self.packed and sizes and tensor.shape[0] == sum(sizes):
-                for part, piece in zip(self.packed[leaf], torch.split(tensor, list(sizes)),
-                                       strict=True):
+                for part, piece in zip(
+                    self.packed[leaf], torch.split(tensor, list(sizes)), strict=True
+                ):
                     self.checksums[f"{prefix}.{part}.{param_name}"] = list(
-                        tensor_checksum(piece.to(self.dtype)))
+                        tensor_checksum(piece.to(self.dtype))
+                    )
             elif tensor.numel():
                 self.checksums[f"{module_name}.{param_name}"] = list(
-                    tensor_checksum(tensor.to(self.dtype)))
+                    tensor_checksum(tensor.to(self.dtype))
+                )

@@ -23,15 +23,16 @@ def tensor_checksum(tensor: torch.Tensor) -> tuple[int, int]:
     plain = torch.zeros((), dtype=torch.int64, device=words.device)
     weighted = torch.zeros((), dtype=torch.int64, device=words.device)
     for start in range(0, words.numel(), _CHUNK):
-        chunk = words[start:start + _CHUNK].to(torch.int64)
+        chunk = words[start : start + _CHUNK].to(torch.int64)
         positions = torch.arange(start, start + chunk.numel(), device=words.device) % _MODULUS + 1
         plain += chunk.sum()
         weighted += (chunk * positions).sum()
     return int(plain), int(weighted)
 
 
-def compare_checksums(sent: Mapping[str, tuple[int, int]],
-                      held: Mapping[str, tuple[int, int]]) -> list[str]:
+def compare_checksums(
+    sent: Mapping[str, tuple[int, int]], held: Mapping[str, tuple[int, int]]
+) -> list[str]:
     """Names the engine does not hold, or holds with other bits than the trainer sent.
 
     ``held`` comes from the engine's ``weight_checksums(dtype)``, read in the dtype the trainer

@@ -37,15 +37,18 @@ def _stage_hf_tensors(local_params: Iterable, spec: TransformerSpec) -> dict[str
         shards = _all_gather_tp(param, tp, group)
         if rule.layout == "replicated":
             shards = shards[:1]
-        for name, tensor in zip(rule.hf_names(layer), mapping.to_hf(rule, shards, spec),
-                                strict=True):
-            out.setdefault(name, tensor.float().clone() if tensor.dtype != torch.float32
-                           else tensor.clone())
+        for name, tensor in zip(
+            rule.hf_names(layer), mapping.to_hf(rule, shards, spec), strict=True
+        ):
+            out.setdefault(
+                name, tensor.float().clone() if tensor.dtype != torch.float32 else tensor.clone()
+            )
     return out
 
 
-def gather_hf_state_dict(local_params: Iterable, spec: TransformerSpec,
-                         dtype: torch.dtype | None = None) -> dict[str, torch.Tensor] | None:
+def gather_hf_state_dict(
+    local_params: Iterable, spec: TransformerSpec, dtype: torch.dtype | None = None
+) -> dict[str, torch.Tensor] | None:
     """Full HF state dict on global rank 0 (``None`` elsewhere). Collective over all ranks."""
     from megatron.core import parallel_state as ps
 

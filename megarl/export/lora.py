@@ -42,9 +42,14 @@ def peft_name(hf_weight_name: str, which: str) -> str:
     return f"{PEFT_PREFIX}{hf_weight_name.removesuffix('.weight')}.{which}.weight"
 
 
-def adapter_to_hf(rule: mapping.ParamRule, layer: int, parallel: str,
-                  a_shards: list[torch.Tensor], b_shards: list[torch.Tensor],
-                  spec: TransformerSpec) -> dict[str, torch.Tensor]:
+def adapter_to_hf(
+    rule: mapping.ParamRule,
+    layer: int,
+    parallel: str,
+    a_shards: list[torch.Tensor],
+    b_shards: list[torch.Tensor],
+    spec: TransformerSpec,
+) -> dict[str, torch.Tensor]:
     """PEFT-named tensors of one adapted linear from all TP shards of its ``A`` and ``B``.
 
     Pure tensor code: for a replicated factor pass one shard (any TP rank's).
@@ -115,8 +120,9 @@ def gather_peft_adapter(model, spec: TransformerSpec) -> dict[str, torch.Tensor]
 # --- peft folder and merging (pure: no torch.distributed) ------------------------------------
 
 
-def peft_adapter_config(settings: LoraSettings, spec: TransformerSpec,
-                        base_model: str | None = None) -> dict:
+def peft_adapter_config(
+    settings: LoraSettings, spec: TransformerSpec, base_model: str | None = None
+) -> dict:
     """``adapter_config.json`` content that ``peft.PeftModel.from_pretrained`` and vLLM accept."""
     return {
         "peft_type": "LORA",
@@ -135,23 +141,30 @@ def peft_adapter_config(settings: LoraSettings, spec: TransformerSpec,
     }
 
 
-def save_peft_adapter(folder: str | Path, tensors: Mapping[str, torch.Tensor],
-                      settings: LoraSettings, spec: TransformerSpec,
-                      base_model: str | None = None) -> Path:
+def save_peft_adapter(
+    folder: str | Path,
+    tensors: Mapping[str, torch.Tensor],
+    settings: LoraSettings,
+    spec: TransformerSpec,
+    base_model: str | None = None,
+) -> Path:
     """Write ``adapter_model.safetensors`` + ``adapter_config.json`` (a peft adapter folder)."""
     from safetensors.torch import save_file
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()},
-              str(folder / ADAPTER_WEIGHTS_FILE))
+    save_file(
+        {k: v.detach().cpu().contiguous() for k, v in tensors.items()},
+        str(folder / ADAPTER_WEIGHTS_FILE),
+    )
     config = peft_adapter_config(settings, spec, base_model)
     (folder / ADAPTER_CONFIG_FILE).write_text(json.dumps(config, indent=2))
     return folder
 
 
-def merge_adapter_into_hf(base: Mapping[str, torch.Tensor], adapter: Mapping[str, torch.Tensor],
-                          scaling: float) -> dict[str, torch.Tensor]:
+def merge_adapter_into_hf(
+    base: Mapping[str, torch.Tensor], adapter: Mapping[str, torch.Tensor], scaling: float
+) -> dict[str, torch.Tensor]:
     """HF state dict with ``W + scaling * B @ A`` for every adapted module (base untouched)."""
     merged = dict(base)
     for name, a in adapter.items():

@@ -80,8 +80,14 @@ def owner_pp_rank(layer: int, num_layers: int, pp: int, vpp: int) -> int:
     return (layer // per_chunk) % pp
 
 
-def _item(rule: ParamRule, layer: int | None, pp_rank: int, spec: TransformerSpec, tp: int,
-          element_size: int) -> ExportItem:
+def _item(
+    rule: ParamRule,
+    layer: int | None,
+    pp_rank: int,
+    spec: TransformerSpec,
+    tp: int,
+    element_size: int,
+) -> ExportItem:
     shapes = mapping.hf_shapes(rule, spec)
     numel = sum(_numel(s) for s in shapes)
     gathered = numel
@@ -89,9 +95,15 @@ def _item(rule: ParamRule, layer: int | None, pp_rank: int, spec: TransformerSpe
         gathered = spec.padded_vocab_size(tp) * spec.hidden_size
     elif rule.layout == "replicated":
         gathered = 0  # never gathered: the leader sends its own copy
-    return ExportItem(rule=rule, layer=layer, pp_rank=pp_rank, hf_names=rule.hf_names(layer),
-                      hf_shapes=shapes, nbytes=numel * element_size,
-                      gathered_nbytes=gathered * element_size)
+    return ExportItem(
+        rule=rule,
+        layer=layer,
+        pp_rank=pp_rank,
+        hf_names=rule.hf_names(layer),
+        hf_shapes=shapes,
+        nbytes=numel * element_size,
+        gathered_nbytes=gathered * element_size,
+    )
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -101,8 +113,9 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-def export_items(spec: TransformerSpec, tp: int, pp: int, vpp: int,
-                 element_size: int) -> list[ExportItem]:
+def export_items(
+    spec: TransformerSpec, tp: int, pp: int, vpp: int, element_size: int
+) -> list[ExportItem]:
     """Every exported parameter in model order, with its owning pipeline rank."""
     head: list[ExportItem] = []
     layers: list[ExportItem] = []
@@ -140,7 +153,8 @@ def plan_buckets(items: list[ExportItem], bucket_bytes: int) -> ExportPlan:
     return ExportPlan(buckets=tuple(buckets), bucket_bytes=bucket_bytes)
 
 
-def plan_export(spec: TransformerSpec, tp: int, pp: int, vpp: int, element_size: int,
-                bucket_bytes: int) -> ExportPlan:
+def plan_export(
+    spec: TransformerSpec, tp: int, pp: int, vpp: int, element_size: int, bucket_bytes: int
+) -> ExportPlan:
     spec.check_parallelism(tp, pp, vpp)
     return plan_buckets(export_items(spec, tp, pp, vpp, element_size), bucket_bytes)

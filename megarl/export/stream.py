@@ -56,11 +56,15 @@ class ExportRanks:
 
         leaders = tuple(dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group()))
         return ExportRanks(
-            rank=dist.get_rank(), pp_rank=ps.get_pipeline_model_parallel_rank(),
-            dp_rank=ps.get_data_parallel_rank(), tp=ps.get_tensor_model_parallel_world_size(),
+            rank=dist.get_rank(),
+            pp_rank=ps.get_pipeline_model_parallel_rank(),
+            dp_rank=ps.get_data_parallel_rank(),
+            tp=ps.get_tensor_model_parallel_world_size(),
             tp_rank=ps.get_tensor_model_parallel_rank(),
             tp_group=ps.get_tensor_model_parallel_group(),
-            tp_leader=ps.get_tensor_model_parallel_src_rank(), stage_leaders=leaders)
+            tp_leader=ps.get_tensor_model_parallel_src_rank(),
+            stage_leaders=leaders,
+        )
 
 
 class MemoryMeter:
@@ -85,8 +89,15 @@ class BucketStream:
     rank 0 receives it with the tensor; :attr:`sent_checksums` maps HF name -> checksum there.
     """
 
-    def __init__(self, plan: ExportPlan, spec: TransformerSpec, local_params: Iterable,
-                 dtype: torch.dtype, ranks: ExportRanks, checksums: bool = False):
+    def __init__(
+        self,
+        plan: ExportPlan,
+        spec: TransformerSpec,
+        local_params: Iterable,
+        dtype: torch.dtype,
+        ranks: ExportRanks,
+        checksums: bool = False,
+    ):
         self.plan, self.spec, self.dtype, self.ranks = plan, spec, dtype, ranks
         self.checksums = checksums
         self.params = {(rule.mcore, layer): param for rule, layer, param in local_params}
@@ -159,7 +170,8 @@ class BucketStream:
         if key not in self.params:
             raise KeyError(
                 f"export plan expects {item.rule.mcore_name(item.layer)} on pipeline rank "
-                f"{item.pp_rank}, but this rank does not hold it")
+                f"{item.pp_rank}, but this rank does not hold it"
+            )
         param = self.params[key].detach()
         if item.rule.layout == "replicated":
             return (param.clone(),) if self.ranks.tp_rank == 0 else ()
@@ -216,9 +228,13 @@ class BucketStream:
         return out
 
 
-
-def open_stream(actor_params: Iterable, spec: TransformerSpec, bucket_bytes: int, vpp: int = 1,
-                checksums: bool = False) -> BucketStream:
+def open_stream(
+    actor_params: Iterable,
+    spec: TransformerSpec,
+    bucket_bytes: int,
+    vpp: int = 1,
+    checksums: bool = False,
+) -> BucketStream:
     """A :class:`BucketStream` for this rank, its plan computed from the parallel layout."""
     from megatron.core import parallel_state as ps
 
@@ -226,9 +242,14 @@ def open_stream(actor_params: Iterable, spec: TransformerSpec, bucket_bytes: int
 
     params = list(actor_params)
     dtype = params[0][2].dtype
-    plan = plan_export(spec, ps.get_tensor_model_parallel_world_size(),
-                       ps.get_pipeline_model_parallel_world_size(), vpp,
-                       torch.empty((), dtype=dtype).element_size(), bucket_bytes)
+    plan = plan_export(
+        spec,
+        ps.get_tensor_model_parallel_world_size(),
+        ps.get_pipeline_model_parallel_world_size(),
+        vpp,
+        torch.empty((), dtype=dtype).element_size(),
+        bucket_bytes,
+    )
     return BucketStream(plan, spec, params, dtype, ExportRanks.from_megatron(), checksums)
 
 

@@ -29,15 +29,23 @@ def is_checksum_step(step: int, interval: int) -> bool:
     return interval > 0 and step % interval == 0
 
 
-def sync_engine_weights(local_params: Iterable, spec: TransformerSpec, bucket_mb: int, vpp: int,
-                        checksum: bool, engine=None) -> dict[str, float]:
+def sync_engine_weights(
+    local_params: Iterable,
+    spec: TransformerSpec,
+    bucket_mb: int,
+    vpp: int,
+    checksum: bool,
+    engine=None,
+) -> dict[str, float]:
     """Stream weights to ``engine`` (rank 0 passes it; other ranks ``None``); metrics on rank 0."""
     stream = open_stream(local_params, spec, bucket_mb * MIB, vpp=vpp, checksums=checksum)
     metrics: dict[str, float] = {}
     if engine is not None:
         engine.update_weights(stream.named_tensors(), record_checksums=checksum)
-        metrics = {"export/bytes": float(stream.num_bytes),
-                   "export/buckets": float(stream.num_buckets)}
+        metrics = {
+            "export/bytes": float(stream.num_bytes),
+            "export/buckets": float(stream.num_buckets),
+        }
         if checksum:
             verify_engine_checksums(stream, engine)
             metrics["export/checksum_ok"] = 1.0
@@ -52,7 +60,8 @@ def verify_engine_checksums(stream: BucketStream, engine) -> None:
     if bad:
         raise ExportChecksumError(
             f"export checksum mismatch: the engine's {bad[0]!r} differs from what the trainer "
-            f"sent ({len(bad)} of {len(stream.sent_checksums)} tensors differ)")
+            f"sent ({len(bad)} of {len(stream.sent_checksums)} tensors differ)"
+        )
 
 
 def _max_over_ranks(value: int) -> int:

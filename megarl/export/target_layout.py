@@ -77,8 +77,9 @@ def _q_heads_of(spec: TransformerSpec, tp: int, rank: int) -> tuple[int, int]:
 # --- the reference: vLLM slicing full HF tensors ----------------------------------------------
 
 
-def vllm_shard_from_hf(rule: ParamRule, hf_tensors: Sequence[torch.Tensor], spec: TransformerSpec,
-                       tp: int, rank: int) -> torch.Tensor:
+def vllm_shard_from_hf(
+    rule: ParamRule, hf_tensors: Sequence[torch.Tensor], spec: TransformerSpec, tp: int, rank: int
+) -> torch.Tensor:
     """What vLLM's weight loaders put in engine rank ``rank``'s parameter, given full HF tensors."""
     layout = rule.layout
     if layout == "replicated":
@@ -101,7 +102,7 @@ def vllm_shard_from_hf(rule: ParamRule, hf_tensors: Sequence[torch.Tensor], spec
     d = spec.head_dim
     q_lo, q_hi = _q_heads_of(spec, tp, rank)
     kv_lo, kv_hi = _kv_heads_of(spec, tp, rank)
-    return torch.cat([q[q_lo * d: q_hi * d], k[kv_lo * d: kv_hi * d], v[kv_lo * d: kv_hi * d]])
+    return torch.cat([q[q_lo * d : q_hi * d], k[kv_lo * d : kv_hi * d], v[kv_lo * d : kv_hi * d]])
 
 
 # --- straight from Megatron shards ------------------------------------------------------------
@@ -111,18 +112,20 @@ def _pieces_for(rows_per_piece: int, lo: int, hi: int) -> range:
     return range(lo // rows_per_piece, -(-hi // rows_per_piece))
 
 
-def _rows(piece: Callable[[int], torch.Tensor], rows_per_piece: int, lo: int,
-          hi: int) -> torch.Tensor:
+def _rows(
+    piece: Callable[[int], torch.Tensor], rows_per_piece: int, lo: int, hi: int
+) -> torch.Tensor:
     """Rows ``[lo, hi)`` of the dim-0 concatenation of equal pieces, touching only those needed."""
     parts = []
     for m in _pieces_for(rows_per_piece, lo, hi):
         base = m * rows_per_piece
-        parts.append(piece(m)[max(lo, base) - base: min(hi, base + rows_per_piece) - base])
+        parts.append(piece(m)[max(lo, base) - base : min(hi, base + rows_per_piece) - base])
     return torch.cat(parts) if len(parts) > 1 else parts[0].clone()
 
 
-def _row_ranges(rule: ParamRule, spec: TransformerSpec, mcore_tp: int, tp: int,
-                rank: int) -> list[tuple[int, int, int]]:
+def _row_ranges(
+    rule: ParamRule, spec: TransformerSpec, mcore_tp: int, tp: int, rank: int
+) -> list[tuple[int, int, int]]:
     """``(rows_per_megatron_piece, lo, hi)`` intervals this engine rank reads, per HF part."""
     layout = rule.layout
     if layout == "replicated":
@@ -153,8 +156,9 @@ def spec_dim(rule: ParamRule, spec: TransformerSpec, dim: int) -> int:
     return hf_shapes(rule, spec)[0][dim]
 
 
-def needed_mcore_ranks(rule: ParamRule, spec: TransformerSpec, mcore_tp: int, tp: int,
-                       rank: int) -> tuple[int, ...]:
+def needed_mcore_ranks(
+    rule: ParamRule, spec: TransformerSpec, mcore_tp: int, tp: int, rank: int
+) -> tuple[int, ...]:
     """Megatron TP ranks whose shards engine rank ``rank`` reads (replicated: its own peer)."""
     spans = _row_ranges(rule, spec, mcore_tp, tp, rank)
     if not spans:
@@ -165,8 +169,9 @@ def needed_mcore_ranks(rule: ParamRule, spec: TransformerSpec, mcore_tp: int, tp
     return tuple(sorted(needed)) or (rank % mcore_tp,)  # all padding: any shard gives the dtype
 
 
-def _hf_parts_of_shard(rule: ParamRule, shard: torch.Tensor,
-                       spec: TransformerSpec) -> tuple[torch.Tensor, ...]:
+def _hf_parts_of_shard(
+    rule: ParamRule, shard: torch.Tensor, spec: TransformerSpec
+) -> tuple[torch.Tensor, ...]:
     """One Megatron shard seen as its pieces of each HF tensor (views, no copy)."""
     layout = rule.layout
     if layout in ("column", "vocab", "replicated"):
@@ -182,9 +187,14 @@ def _hf_parts_of_shard(rule: ParamRule, shard: torch.Tensor,
     return q, grouped[:, hpg].reshape(-1, *trailing), grouped[:, hpg + 1].reshape(-1, *trailing)
 
 
-def vllm_shard_from_mcore(rule: ParamRule, mcore_shards: Mapping[int, torch.Tensor],
-                          spec: TransformerSpec, mcore_tp: int, tp: int,
-                          rank: int) -> torch.Tensor:
+def vllm_shard_from_mcore(
+    rule: ParamRule,
+    mcore_shards: Mapping[int, torch.Tensor],
+    spec: TransformerSpec,
+    mcore_tp: int,
+    tp: int,
+    rank: int,
+) -> torch.Tensor:
     """Engine rank ``rank``'s vLLM parameter from the Megatron shards it needs (a mapping from
     Megatron TP rank to shard; only :func:`needed_mcore_ranks` must be present)."""
     spans = _row_ranges(rule, spec, mcore_tp, tp, rank)
@@ -194,8 +204,9 @@ def vllm_shard_from_mcore(rule: ParamRule, mcore_shards: Mapping[int, torch.Tens
     def part(index: int) -> Callable[[int], torch.Tensor]:
         return lambda m: _hf_parts_of_shard(rule, mcore_shards[m], spec)[index]
 
-    pieces = [_rows(part(i), rpp, lo, hi) if hi > lo else None
-              for i, (rpp, lo, hi) in enumerate(spans)]
+    pieces = [
+        _rows(part(i), rpp, lo, hi) if hi > lo else None for i, (rpp, lo, hi) in enumerate(spans)
+    ]
     if rule.layout == "row":
         return pieces[0].transpose(0, 1).contiguous()
     if rule.layout == "vocab":
@@ -207,8 +218,9 @@ def vllm_shard_from_mcore(rule: ParamRule, mcore_shards: Mapping[int, torch.Tens
     return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
 
 
-def local_engine_shards(local_params, spec: TransformerSpec, mcore_tp: int, mcore_rank: int,
-                        engine_tp: int):
+def local_engine_shards(
+    local_params, spec: TransformerSpec, mcore_tp: int, mcore_rank: int, engine_tp: int
+):
     """``(vLLM name, shard)`` for engine rank ``mcore_rank``, from this Megatron rank's own shards.
 
     The colocated case (engine rank r on Megatron TP rank r's device, equal TP): no communication
@@ -226,7 +238,13 @@ def local_engine_shards(local_params, spec: TransformerSpec, mcore_tp: int, mcor
         seen.add(name)
         needed = needed_mcore_ranks(rule, spec, mcore_tp, engine_tp, mcore_rank)
         if needed != (mcore_rank,):
-            raise ValueError(f"{name} for engine rank {mcore_rank} needs Megatron TP ranks "
-                             f"{list(needed)} (vocabulary padded differently)")
-        yield name, vllm_shard_from_mcore(rule, {mcore_rank: param.detach()}, spec, mcore_tp,
-                                          engine_tp, mcore_rank)
+            raise ValueError(
+                f"{name} for engine rank {mcore_rank} needs Megatron TP ranks "
+                f"{list(needed)} (vocabulary padded differently)"
+            )
+        yield (
+            name,
+            vllm_shard_from_mcore(
+                rule, {mcore_rank: param.detach()}, spec, mcore_tp, engine_tp, mcore_rank
+            ),
+        )

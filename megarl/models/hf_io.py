@@ -100,8 +100,9 @@ def _cached_hf_folder_from_gguf(gguf_path: Path, name: str) -> Path:
     except GGUF_PARSE_ERRORS as exc:
         text = str(exc).replace(str(gguf_path), gguf_path.name).strip()
         reason = text.splitlines()[0] if text else type(exc).__name__
-        raise ModelPathError(f"model.path={gguf_path}: not a readable .gguf model ({reason})"
-                             ) from None
+        raise ModelPathError(
+            f"model.path={gguf_path}: not a readable .gguf model ({reason})"
+        ) from None
     staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
     try:
         model.save_pretrained(staging, safe_serialization=True)

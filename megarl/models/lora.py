@@ -73,8 +73,10 @@ class LoraSettings:
             raise ValueError(f"LoRA rank must be >= 1, got {self.rank}")
         unknown = [t for t in self.target_modules if t not in TARGET_PARALLELISM]
         if unknown or not self.target_modules:
-            raise ValueError(f"LoRA target_modules must be a non-empty subset of "
-                             f"{list(TARGET_PARALLELISM)}, got {list(self.target_modules)}")
+            raise ValueError(
+                f"LoRA target_modules must be a non-empty subset of "
+                f"{list(TARGET_PARALLELISM)}, got {list(self.target_modules)}"
+            )
 
     @property
     def scaling(self) -> float:
@@ -82,8 +84,13 @@ class LoraSettings:
 
     @classmethod
     def from_config(cls, lora_cfg, seed: int) -> LoraSettings:
-        return cls(rank=lora_cfg.rank, alpha=lora_cfg.alpha, dropout=lora_cfg.dropout,
-                   target_modules=tuple(lora_cfg.target_modules), seed=seed)
+        return cls(
+            rank=lora_cfg.rank,
+            alpha=lora_cfg.alpha,
+            dropout=lora_cfg.dropout,
+            target_modules=tuple(lora_cfg.target_modules),
+            seed=seed,
+        )
 
 
 # --- pure naming helpers ---------------------------------------------------------------------
@@ -123,8 +130,16 @@ def init_seed(seed: int, layer: int, target: str) -> int:
 class LoraAdapter(torch.nn.Module):
     """The ``s * B A`` delta beside one Megatron parallel linear (see the module docstring)."""
 
-    def __init__(self, parallel: str, base_weight: torch.Tensor, layer: int, target: str,
-                 settings: LoraSettings, tp_rank: int, tp: int):
+    def __init__(
+        self,
+        parallel: str,
+        base_weight: torch.Tensor,
+        layer: int,
+        target: str,
+        settings: LoraSettings,
+        tp_rank: int,
+        tp: int,
+    ):
         super().__init__()
         self.parallel, self.layer, self.target = parallel, layer, target
         self.scaling, self.dropout = settings.scaling, settings.dropout
@@ -188,8 +203,9 @@ def _mark_tp(param: torch.nn.Parameter, parallel: str, tp: int) -> None:
     """Mark the TP-split factor so grad norms count it on every rank (replicas count once)."""
     from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
-    set_tensor_model_parallel_attributes(param, is_parallel=tp > 1,
-                                         dim=1 if parallel == "row" else 0, stride=1)
+    set_tensor_model_parallel_attributes(
+        param, is_parallel=tp > 1, dim=1 if parallel == "row" else 0, stride=1
+    )
 
 
 def _lora_sharded_state_dict(module, parallel: str):
@@ -200,14 +216,21 @@ def _lora_sharded_state_dict(module, parallel: str):
     """
     from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
-    axis_map = ({"weight": 0, "bias": 0, f"{ADAPTER_ATTR}.lora_B": 0} if parallel == "column"
-                else {"weight": 1, f"{ADAPTER_ATTR}.lora_A": 1})
+    axis_map = (
+        {"weight": 0, "bias": 0, f"{ADAPTER_ATTR}.lora_B": 0}
+        if parallel == "column"
+        else {"weight": 1, f"{ADAPTER_ATTR}.lora_A": 1}
+    )
 
     def sharded_state_dict(prefix="", sharded_offsets=(), metadata=None):
         return make_sharded_tensors_for_checkpoint(
-            module.state_dict(prefix="", keep_vars=True), prefix, axis_map, sharded_offsets,
+            module.state_dict(prefix="", keep_vars=True),
+            prefix,
+            axis_map,
+            sharded_offsets,
             tp_group=getattr(module, "tp_group", None),
-            dp_cp_group=(metadata or {}).get("dp_cp_group"))
+            dp_cp_group=(metadata or {}).get("dp_cp_group"),
+        )
 
     return sharded_state_dict
 
@@ -266,8 +289,9 @@ def apply_lora(model, spec: TransformerSpec, settings: LoraSettings) -> int:
         parallel = TARGET_PARALLELISM[target]
         _require_local_linear(name, module, parallel)
         _, local_layer = mapping.split_layer_name(name)
-        adapter = LoraAdapter(parallel, module.weight, local_layer + offset, target, settings,
-                              tp_rank, tp)
+        adapter = LoraAdapter(
+            parallel, module.weight, local_layer + offset, target, settings, tp_rank, tp
+        )
         module.add_module(ADAPTER_ATTR, adapter)
         module.register_forward_hook(_add_lora_delta)
         module.sharded_state_dict = _lora_sharded_state_dict(module, parallel)
@@ -284,8 +308,10 @@ def _require_local_linear(name: str, module, parallel: str) -> None:
 
     expected = ColumnParallelLinear if parallel == "column" else RowParallelLinear
     if type(module) is not expected:
-        raise TypeError(f"LoRA supports Megatron's local {expected.__name__} for {name}, "
-                        f"got {type(module).__name__} (transformer-engine spec?)")
+        raise TypeError(
+            f"LoRA supports Megatron's local {expected.__name__} for {name}, "
+            f"got {type(module).__name__} (transformer-engine spec?)"
+        )
 
 
 @dataclass(frozen=True)

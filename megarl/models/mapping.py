@@ -70,21 +70,30 @@ _H = "model.layers.{layer}."
 _VH, _H1 = ("vocab", "hidden"), ("hidden",)
 
 LLAMA_RULES: tuple[ParamRule, ...] = (
-    ParamRule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab",
-              (_VH,)),
-    ParamRule(_L + "input_layernorm.weight", (_H + "input_layernorm.weight",), "replicated",
-              (_H1,)),
+    ParamRule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab", (_VH,)),
+    ParamRule(
+        _L + "input_layernorm.weight", (_H + "input_layernorm.weight",), "replicated", (_H1,)
+    ),
     ParamRule(
         _L + "self_attention.linear_qkv.weight",
-        (_H + "self_attn.q_proj.weight", _H + "self_attn.k_proj.weight",
-         _H + "self_attn.v_proj.weight"),
+        (
+            _H + "self_attn.q_proj.weight",
+            _H + "self_attn.k_proj.weight",
+            _H + "self_attn.v_proj.weight",
+        ),
         "qkv",
         (("q", "hidden"), ("kv", "hidden"), ("kv", "hidden")),
     ),
-    ParamRule(_L + "self_attention.linear_proj.weight", (_H + "self_attn.o_proj.weight",), "row",
-              (("hidden", "q"),)),
     ParamRule(
-        _L + "pre_mlp_layernorm.weight", (_H + "post_attention_layernorm.weight",), "replicated",
+        _L + "self_attention.linear_proj.weight",
+        (_H + "self_attn.o_proj.weight",),
+        "row",
+        (("hidden", "q"),),
+    ),
+    ParamRule(
+        _L + "pre_mlp_layernorm.weight",
+        (_H + "post_attention_layernorm.weight",),
+        "replicated",
         (_H1,),
     ),
     ParamRule(
@@ -93,8 +102,9 @@ LLAMA_RULES: tuple[ParamRule, ...] = (
         "gate_up",
         (("ffn", "hidden"), ("ffn", "hidden")),
     ),
-    ParamRule(_L + "mlp.linear_fc2.weight", (_H + "mlp.down_proj.weight",), "row",
-              (("hidden", "ffn"),)),
+    ParamRule(
+        _L + "mlp.linear_fc2.weight", (_H + "mlp.down_proj.weight",), "row", (("hidden", "ffn"),)
+    ),
     ParamRule("decoder.final_layernorm.weight", ("model.norm.weight",), "replicated", (_H1,)),
     ParamRule("output_layer.weight", ("lm_head.weight",), "vocab", (_VH,)),
 )
@@ -123,8 +133,13 @@ def rules_for(spec: TransformerSpec) -> tuple[ParamRule, ...]:
 
 def hf_shapes(rule: ParamRule, spec: TransformerSpec) -> tuple[tuple[int, ...], ...]:
     """Concrete shapes of ``rule``'s HF tensors for this model."""
-    sizes = {"vocab": spec.vocab_size, "hidden": spec.hidden_size, "ffn": spec.ffn_hidden_size,
-             "q": spec.num_heads * spec.head_dim, "kv": spec.num_kv_heads * spec.head_dim}
+    sizes = {
+        "vocab": spec.vocab_size,
+        "hidden": spec.hidden_size,
+        "ffn": spec.ffn_hidden_size,
+        "q": spec.num_heads * spec.head_dim,
+        "kv": spec.num_kv_heads * spec.head_dim,
+    }
     return tuple(tuple(sizes[d] for d in shape) for shape in rule.shapes)
 
 
@@ -132,7 +147,11 @@ def hf_shapes(rule: ParamRule, spec: TransformerSpec) -> tuple[tuple[int, ...], 
 
 
 def to_mcore_shard(
-    rule: ParamRule, hf_tensors: Sequence[torch.Tensor], spec: TransformerSpec, tp_rank: int, tp: int
+    rule: ParamRule,
+    hf_tensors: Sequence[torch.Tensor],
+    spec: TransformerSpec,
+    tp_rank: int,
+    tp: int,
 ) -> torch.Tensor:
     """The slice of ``rule``'s Megatron parameter that TP rank ``tp_rank`` of ``tp`` holds."""
     layout = rule.layout
@@ -159,8 +178,10 @@ def _pad_vocab(name: str, weight: torch.Tensor, spec: TransformerSpec, tp: int) 
     it is refused.
     """
     if weight.shape[0] != spec.vocab_size:
-        raise ModelSpecError(f"{name} has {weight.shape[0]} rows but vocab_size="
-                             f"{spec.vocab_size}: the config and the weights disagree")
+        raise ModelSpecError(
+            f"{name} has {weight.shape[0]} rows but vocab_size="
+            f"{spec.vocab_size}: the config and the weights disagree"
+        )
     padded_rows = spec.padded_vocab_size(tp)
     if weight.shape[0] == padded_rows:
         return weight
@@ -237,7 +258,7 @@ def split_layer_name(mcore_name: str) -> tuple[str, int | None]:
     prefix = "decoder.layers."
     if not mcore_name.startswith(prefix):
         return mcore_name, None
-    index, rest = mcore_name[len(prefix):].split(".", 1)
+    index, rest = mcore_name[len(prefix) :].split(".", 1)
     return f"{prefix}{{layer}}.{rest}", int(index)
 
 

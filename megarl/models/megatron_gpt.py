@@ -17,9 +17,15 @@ from megarl.models.lora import is_adapter_param_name
 from megarl.models.spec import TransformerSpec
 
 
-def transformer_config(spec: TransformerSpec, tp: int, pp: int, dtype: torch.dtype,
-                       use_cpu_initialization: bool, vpp: int | None = None,
-                       recompute: str | None = None):
+def transformer_config(
+    spec: TransformerSpec,
+    tp: int,
+    pp: int,
+    dtype: torch.dtype,
+    use_cpu_initialization: bool,
+    vpp: int | None = None,
+    recompute: str | None = None,
+):
     """Megatron ``TransformerConfig`` for a Llama-style block; fusions off so CPU can run it."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -75,9 +81,17 @@ def layer_spec(use_transformer_engine: bool = False):
     return spec
 
 
-def build_gpt_model(spec: TransformerSpec, tp: int, pp: int, dtype: torch.dtype = torch.float32,
-                    device: str = "cpu", vp_stage: int | None = None, vpp: int | None = None,
-                    use_transformer_engine: bool = False, recompute: str | None = None):
+def build_gpt_model(
+    spec: TransformerSpec,
+    tp: int,
+    pp: int,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    vp_stage: int | None = None,
+    vpp: int | None = None,
+    use_transformer_engine: bool = False,
+    recompute: str | None = None,
+):
     """A ``GPTModel`` holding this rank's TP shard of this rank's PP stage.
 
     Must be called after :func:`megarl.distributed.parallel.init_model_parallel`.
@@ -85,8 +99,9 @@ def build_gpt_model(spec: TransformerSpec, tp: int, pp: int, dtype: torch.dtype 
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
-    config = transformer_config(spec, tp, pp, dtype, use_cpu_initialization=device == "cpu",
-                                vpp=vpp, recompute=recompute)
+    config = transformer_config(
+        spec, tp, pp, dtype, use_cpu_initialization=device == "cpu", vpp=vpp, recompute=recompute
+    )
     pre = parallel_state.is_pipeline_first_stage(ignore_virtual=vpp is None, vp_stage=vp_stage)
     post = parallel_state.is_pipeline_last_stage(ignore_virtual=vpp is None, vp_stage=vp_stage)
     model = GPTModel(
@@ -107,9 +122,16 @@ def build_gpt_model(spec: TransformerSpec, tp: int, pp: int, dtype: torch.dtype 
     return model
 
 
-def build_model_chunks(spec: TransformerSpec, tp: int, pp: int, vpp: int = 1,
-                       dtype: torch.dtype = torch.float32, device: str = "cpu",
-                       use_transformer_engine: bool = False, recompute: str | None = None) -> list:
+def build_model_chunks(
+    spec: TransformerSpec,
+    tp: int,
+    pp: int,
+    vpp: int = 1,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    use_transformer_engine: bool = False,
+    recompute: str | None = None,
+) -> list:
     """This rank's model chunks: one ``GPTModel`` without a virtual pipeline, else ``vpp`` of them.
 
     With a virtual pipeline, chunk ``v`` of pipeline rank ``p`` holds Megatron's interleaved
@@ -117,11 +139,31 @@ def build_model_chunks(spec: TransformerSpec, tp: int, pp: int, vpp: int = 1,
     chunk of the last rank has the output layer.
     """
     if vpp == 1:
-        return [build_gpt_model(spec, tp, pp, dtype, device,
-                                use_transformer_engine=use_transformer_engine, recompute=recompute)]
-    return [build_gpt_model(spec, tp, pp, dtype, device, vp_stage=v, vpp=vpp,
-                            use_transformer_engine=use_transformer_engine, recompute=recompute)
-            for v in range(vpp)]
+        return [
+            build_gpt_model(
+                spec,
+                tp,
+                pp,
+                dtype,
+                device,
+                use_transformer_engine=use_transformer_engine,
+                recompute=recompute,
+            )
+        ]
+    return [
+        build_gpt_model(
+            spec,
+            tp,
+            pp,
+            dtype,
+            device,
+            vp_stage=v,
+            vpp=vpp,
+            use_transformer_engine=use_transformer_engine,
+            recompute=recompute,
+        )
+        for v in range(vpp)
+    ]
 
 
 def layer_offset(model) -> int:
@@ -182,8 +224,9 @@ def unwrap(model):
 
 
 @torch.no_grad()
-def load_hf_weights(model, spec: TransformerSpec, get_hf: Callable[[str], torch.Tensor] |
-                    Mapping[str, torch.Tensor]) -> int:
+def load_hf_weights(
+    model, spec: TransformerSpec, get_hf: Callable[[str], torch.Tensor] | Mapping[str, torch.Tensor]
+) -> int:
     """Copy HF tensors into this rank's Megatron shards; returns the number of params loaded.
 
     ``get_hf`` maps a HF name to its full tensor (a dict, or a lazy loader for large checkpoints).

@@ -27,8 +27,9 @@ def build_random_hf_model(hf_config: Mapping[str, Any], seed: int):
     return model
 
 
-def save_random_hf_model(hf_config: Mapping[str, Any], seed: int, out_dir: Path,
-                         tokenizer_from: str | None = None) -> Path:
+def save_random_hf_model(
+    hf_config: Mapping[str, Any], seed: int, out_dir: Path, tokenizer_from: str | None = None
+) -> Path:
     """Write ``out_dir`` (config + safetensors + tokenizer) once; reuse it if already complete."""
     out_dir = Path(out_dir)
     if is_saved(hf_config, seed, out_dir):

@@ -16,7 +16,8 @@ SUPPORTED_FAMILIES = ("llama", "qwen2", "mistral")
 VOCAB_DIVISIBLE_BY = 128
 VPP_TRAINING_UNSUPPORTED = (
     "actor.vpp > 1 is supported for loading, forward logprobs and export, not for training yet "
-    "(the interleaved schedule needs micro-batch counts in multiples of actor.pp); use actor.vpp=1")
+    "(the interleaved schedule needs micro-batch counts in multiples of actor.pp); use actor.vpp=1"
+)
 
 
 class ModelSpecError(ValueError):
@@ -86,7 +87,8 @@ class TransformerSpec:
             )
         if self.num_layers % (pp * vpp):
             raise ModelSpecError(
-                f"actor.pp={pp}" + (f" x actor.vpp={vpp}" if vpp > 1 else "")
+                f"actor.pp={pp}"
+                + (f" x actor.vpp={vpp}" if vpp > 1 else "")
                 + f" does not divide the model's {self.num_layers} layers"
             )
 
@@ -121,7 +123,8 @@ def _reject_unmapped_features(family: str, config: Mapping[str, Any]) -> None:
     if window and uses_window and int(window) < int(config.get("max_position_embeddings", 0)):
         raise ModelSpecError(
             f"sliding_window={window} < max_position_embeddings: windowed attention is not "
-            "supported")
+            "supported"
+        )
 
 
 def spec_from_hf_config(config: Mapping[str, Any] | Any) -> TransformerSpec:
@@ -134,7 +137,9 @@ def spec_from_hf_config(config: Mapping[str, Any] | Any) -> TransformerSpec:
             f"model_type={family!r} is not supported (supported: {', '.join(SUPPORTED_FAMILIES)})"
         )
     if config.get("hidden_act", "silu") != "silu":
-        raise ModelSpecError(f"hidden_act={config['hidden_act']!r}: only SwiGLU (silu) is supported")
+        raise ModelSpecError(
+            f"hidden_act={config['hidden_act']!r}: only SwiGLU (silu) is supported"
+        )
     _reject_unmapped_features(family, config)
     num_heads = int(config["num_attention_heads"])
     hidden = int(config["hidden_size"])

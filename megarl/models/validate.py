@@ -37,9 +37,11 @@ def check_hf_folder(folder: Path, tokenizer: bool = True) -> TransformerSpec:
     shapes = read_weight_shapes(folder, where)
     check_weights_match_config(spec, shapes, where)
     if tokenizer and not any((folder / name).is_file() for name in TOKENIZER_FILES):
-        raise ModelPathError(f"{where}: folder has no tokenizer (none of "
-                             f"{', '.join(TOKENIZER_FILES)}); copy the base model's tokenizer "
-                             "files into it")
+        raise ModelPathError(
+            f"{where}: folder has no tokenizer (none of "
+            f"{', '.join(TOKENIZER_FILES)}); copy the base model's tokenizer "
+            "files into it"
+        )
     return spec
 
 
@@ -61,7 +63,9 @@ def spec_of_config(folder: Path, where: str) -> TransformerSpec:
     except ModelSpecError as exc:
         raise ModelPathError(f"{where}: config.json: {exc}") from None
     except (TypeError, ValueError) as exc:  # e.g. "hidden_size": "large"
-        raise ModelPathError(f"{where}: config.json has a value of the wrong type ({exc})") from None
+        raise ModelPathError(
+            f"{where}: config.json has a value of the wrong type ({exc})"
+        ) from None
 
 
 def read_weight_shapes(folder: Path, where: str) -> dict[str, tuple[int, ...]]:
@@ -84,8 +88,10 @@ def read_weight_shapes(folder: Path, where: str) -> dict[str, tuple[int, ...]]:
                 for name in names:
                     shapes[name] = tuple(handle.get_slice(name).get_shape())
         except (SafetensorError, OSError) as exc:
-            raise ModelPathError(f"{where}: {file.name} is not a readable safetensors file "
-                                 f"({str(exc).strip().splitlines()[0]})") from None
+            raise ModelPathError(
+                f"{where}: {file.name} is not a readable safetensors file "
+                f"({str(exc).strip().splitlines()[0]})"
+            ) from None
     if not shapes:
         raise ModelPathError(f"{where}: no tensors in *.safetensors")
     return shapes
@@ -95,10 +101,12 @@ def _no_safetensors_message(folder: Path, where: str) -> str:
     pickled = sorted(p.name for p in folder.glob("*.bin"))
     if not pickled:
         return f"{where}: folder has no *.safetensors weights"
-    return (f"{where}: only {pickled[0]} weights; megarl reads safetensors only: convert with "
-            f"`python -c \"from transformers import AutoModelForCausalLM as M; "
-            f"M.from_pretrained('{folder}').save_pretrained('{folder}')\"` "
-            "(save_pretrained writes model.safetensors)")
+    return (
+        f"{where}: only {pickled[0]} weights; megarl reads safetensors only: convert with "
+        f'`python -c "from transformers import AutoModelForCausalLM as M; '
+        f"M.from_pretrained('{folder}').save_pretrained('{folder}')\"` "
+        "(save_pretrained writes model.safetensors)"
+    )
 
 
 def _check_shard_index(folder: Path, where: str) -> None:
@@ -116,8 +124,9 @@ def _check_shard_index(folder: Path, where: str) -> None:
         raise ModelPathError(f"{where}: {index.name} names {missing[0]}, which is missing")
 
 
-def check_weights_match_config(spec: TransformerSpec, shapes: Mapping[str, tuple[int, ...]],
-                               where: str) -> None:
+def check_weights_match_config(
+    spec: TransformerSpec, shapes: Mapping[str, tuple[int, ...]], where: str
+) -> None:
     """The config describes these weights: vocabulary, layer count, every tensor and its shape.
 
     The vocabulary and layer count come first with their own message, since they are the usual
@@ -128,25 +137,30 @@ def check_weights_match_config(spec: TransformerSpec, shapes: Mapping[str, tuple
     for name in (EMBEDDING, LM_HEAD):
         rows = shapes.get(name, (None,))[0]
         if rows is not None and rows != spec.vocab_size:
-            raise ModelPathError(f"{where}: config.json vocab_size={spec.vocab_size} but {name} "
-                                 f"has {rows} rows")
+            raise ModelPathError(
+                f"{where}: config.json vocab_size={spec.vocab_size} but {name} has {rows} rows"
+            )
     layers = {int(m.group(1)) for name in shapes if (m := _LAYER.match(name))}
     if layers and max(layers) + 1 != spec.num_layers:
-        raise ModelPathError(f"{where}: config.json num_hidden_layers={spec.num_layers} but the "
-                             f"weights have model.layers.0 to model.layers.{max(layers)}")
+        raise ModelPathError(
+            f"{where}: config.json num_hidden_layers={spec.num_layers} but the "
+            f"weights have model.layers.0 to model.layers.{max(layers)}"
+        )
     expected = {}
     for rule in mapping.rules_for(spec):
         if rule.mcore == "output_layer.weight" and spec.tie_embeddings:
             continue
         for layer in range(spec.num_layers) if rule.per_layer else [None]:
-            expected.update(zip(rule.hf_names(layer), mapping.hf_shapes(rule, spec),
-                                strict=True))
+            expected.update(zip(rule.hf_names(layer), mapping.hf_shapes(rule, spec), strict=True))
     missing = [name for name in expected if name not in shapes]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise ModelPathError(f"{where}: the weights have no tensor {missing[0]}{more}, which "
-                             "config.json implies")
+        raise ModelPathError(
+            f"{where}: the weights have no tensor {missing[0]}{more}, which config.json implies"
+        )
     for name, shape in expected.items():
         if shapes[name] != shape:
-            raise ModelPathError(f"{where}: {name} has shape {list(shapes[name])} but config.json "
-                                 f"implies {list(shape)}")
+            raise ModelPathError(
+                f"{where}: {name} has shape {list(shapes[name])} but config.json "
+                f"implies {list(shape)}"
+            )

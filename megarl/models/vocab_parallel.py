@@ -68,8 +68,13 @@ def _padding_mask(num_local: int, shard: VocabShard, device) -> torch.Tensor | N
     return idx >= pad_from
 
 
-def _chunk_logprobs_entropy(logits_NV: torch.Tensor, targets_N: torch.Tensor,
-                            shard: VocabShard, temperature: float, with_entropy: bool):
+def _chunk_logprobs_entropy(
+    logits_NV: torch.Tensor,
+    targets_N: torch.Tensor,
+    shard: VocabShard,
+    temperature: float,
+    with_entropy: bool,
+):
     logits = logits_NV.float()
     if temperature != 1.0:
         logits = logits / temperature
@@ -115,14 +120,16 @@ def token_logprobs_and_entropy(
     logps, entropies = [], []
     # split (not slicing): its backward concatenates the chunk gradients once, where each
     # slice's backward would build a zero-filled full-size gradient per chunk
-    for logits_chunk, targets_chunk in zip(flat_logits.split(chunk_tokens),
-                                           flat_targets.split(chunk_tokens), strict=True):
+    for logits_chunk, targets_chunk in zip(
+        flat_logits.split(chunk_tokens), flat_targets.split(chunk_tokens), strict=True
+    ):
         args = (logits_chunk, targets_chunk, shard, temperature, with_entropy)
         if checkpointed:
             from torch.utils.checkpoint import checkpoint
 
-            logp, ent = checkpoint(_chunk_logprobs_entropy, *args, use_reentrant=False,
-                                   preserve_rng_state=False)
+            logp, ent = checkpoint(
+                _chunk_logprobs_entropy, *args, use_reentrant=False, preserve_rng_state=False
+            )
         else:
             logp, ent = _chunk_logprobs_entropy(*args)
         logps.append(logp)

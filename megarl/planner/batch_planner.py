@@ -122,14 +122,17 @@ def resolve_prune_mode(setting: str, kl_coef: float, entropy_coef: float) -> tup
     ``fast`` and ``allow_approx`` must be asked for by name.
     """
     if setting not in PRUNE_SETTINGS:
-        raise PlannerError(f"planner.prune_zero_adv must be one of {PRUNE_SETTINGS}, "
-                           f"got {setting!r}")
+        raise PlannerError(
+            f"planner.prune_zero_adv must be one of {PRUNE_SETTINGS}, got {setting!r}"
+        )
     if setting != "auto":
         return setting, f"planner.prune_zero_adv={setting}"
     if kl_coef == 0 and entropy_coef == 0:
         return "match_loss_curve", "auto: exact (kl_coef=0, entropy_coef=0)"
-    return "off", (f"auto: no pruning, actor.kl_coef={kl_coef} / actor.entropy_coef="
-                   f"{entropy_coef} act on zero-advantage sequences")
+    return "off", (
+        f"auto: no pruning, actor.kl_coef={kl_coef} / actor.entropy_coef="
+        f"{entropy_coef} act on zero-advantage sequences"
+    )
 
 
 def check_pruning_config(
@@ -562,8 +565,9 @@ def mini_batch_slices(num_sequences: int, ppo_mini_batches: int) -> tuple[tuple[
     return tuple(tuple(range(m * size, (m + 1) * size)) for m in range(ppo_mini_batches))
 
 
-def plan_forward_micro_batches(seq_indices: Sequence[int], seq_tokens: Sequence[int],
-                               budget: int) -> tuple[tuple[int, ...], ...]:
+def plan_forward_micro_batches(
+    seq_indices: Sequence[int], seq_tokens: Sequence[int], budget: int
+) -> tuple[tuple[int, ...], ...]:
     """Micro-batches of a forward-only (logprob) pass: first-fit-decreasing under ``budget``."""
     bins = first_fit_decreasing([seq_tokens[i] for i in seq_indices], budget)
     return tuple(tuple(seq_indices[p] for p in b) for b in bins)

@@ -25,8 +25,7 @@ def schedule(cfg: RunConfig) -> Schedule:
 def prune_mode(cfg: RunConfig) -> tuple[str, str]:
     """The planner mode ``planner.prune_zero_adv`` resolves to, and why (``auto``: see
     :func:`~megarl.planner.batch_planner.resolve_prune_mode`)."""
-    return resolve_prune_mode(cfg.planner.prune_zero_adv, cfg.actor.kl_coef,
-                              cfg.actor.entropy_coef)
+    return resolve_prune_mode(cfg.planner.prune_zero_adv, cfg.actor.kl_coef, cfg.actor.entropy_coef)
 
 
 def gate_config(cfg: RunConfig) -> GateConfig:
@@ -35,14 +34,22 @@ def gate_config(cfg: RunConfig) -> GateConfig:
 
 def run_facts(cfg: RunConfig) -> RunFacts:
     """What is known at start-up: validates forced gate choices, decides the reference model."""
-    return RunFacts(modes=gate_config(cfg), schedule=schedule(cfg),
-                    num_steps=cfg.trainer.total_steps, kl_coef=cfg.actor.kl_coef,
-                    lora_enabled=cfg.actor.lora.enabled)
+    return RunFacts(
+        modes=gate_config(cfg),
+        schedule=schedule(cfg),
+        num_steps=cfg.trainer.total_steps,
+        kl_coef=cfg.actor.kl_coef,
+        lora_enabled=cfg.actor.lora.enabled,
+    )
 
 
-def step_facts(cfg: RunConfig, step: int, num_sequences: int,
-               engine_base_weights_resident: bool | None = None,
-               plan: StepPlan | None = None) -> StepFacts:
+def step_facts(
+    cfg: RunConfig,
+    step: int,
+    num_sequences: int,
+    engine_base_weights_resident: bool | None = None,
+    plan: StepPlan | None = None,
+) -> StepFacts:
     """The gates' view of one step: the slices are what each optimizer step consumes.
 
     Those are the baseline mini-batches, unless ``plan`` (this step's :class:`StepPlan`) merged
@@ -52,14 +59,21 @@ def step_facts(cfg: RunConfig, step: int, num_sequences: int,
     """
     consumption, slices = executed_schedule(cfg, num_sequences, plan)
     return StepFacts(
-        step=step, schedule=consumption, slices=slices,
-        modes=gate_config(cfg), kl_coef=cfg.actor.kl_coef, lora_enabled=cfg.actor.lora.enabled,
+        step=step,
+        schedule=consumption,
+        slices=slices,
+        modes=gate_config(cfg),
+        kl_coef=cfg.actor.kl_coef,
+        lora_enabled=cfg.actor.lora.enabled,
         engine_base_weights_resident=engine_base_weights_resident,
     )
 
 
-def executed_schedule(cfg: RunConfig, num_sequences: int, plan: StepPlan | None = None,
-                      ) -> tuple[Schedule, tuple[tuple[int, ...], ...]]:
+def executed_schedule(
+    cfg: RunConfig,
+    num_sequences: int,
+    plan: StepPlan | None = None,
+) -> tuple[Schedule, tuple[tuple[int, ...], ...]]:
     """(schedule, slices) of the optimizer steps as the plan executes them (see step_facts)."""
     mini_batches = mini_batch_slices(num_sequences, cfg.actor.ppo_mini_batches)
     runs = _merged_runs(plan)
@@ -84,13 +98,26 @@ def _merged_runs(plan: StepPlan | None) -> tuple[tuple[int, ...], ...] | None:
     return only if any(len(run) > 1 for run in only) else None
 
 
-def planner_inputs(cfg: RunConfig, seq_tokens: Sequence[int], response_tokens: Sequence[int],
-                   advantages: Sequence[float], group_ids: Sequence[int]) -> PlannerInputs:
+def planner_inputs(
+    cfg: RunConfig,
+    seq_tokens: Sequence[int],
+    response_tokens: Sequence[int],
+    advantages: Sequence[float],
+    group_ids: Sequence[int],
+) -> PlannerInputs:
     a = cfg.actor
     return PlannerInputs(
-        seq_tokens=seq_tokens, response_tokens=response_tokens, advantages=advantages,
-        group_ids=group_ids, loss_agg=a.loss_agg, kl_coef=a.kl_coef,
-        entropy_coef=a.entropy_coef, dp_size=cfg.dp, ppo_mini_batches=a.ppo_mini_batches,
-        ppo_epochs=a.ppo_epochs, micro_batch_tokens=a.micro_batch_tokens,
-        mode=prune_mode(cfg)[0], allow_approx=cfg.planner.allow_approx,
+        seq_tokens=seq_tokens,
+        response_tokens=response_tokens,
+        advantages=advantages,
+        group_ids=group_ids,
+        loss_agg=a.loss_agg,
+        kl_coef=a.kl_coef,
+        entropy_coef=a.entropy_coef,
+        dp_size=cfg.dp,
+        ppo_mini_batches=a.ppo_mini_batches,
+        ppo_epochs=a.ppo_epochs,
+        micro_batch_tokens=a.micro_batch_tokens,
+        mode=prune_mode(cfg)[0],
+        allow_approx=cfg.planner.allow_approx,
     )

@@ -550,8 +550,10 @@ def decide_reference(run: RunFacts) -> ReferencePlan:
     if not needed.run:
         return ReferencePlan(ReferenceSource.NONE, f"no reference model: {needed.reason}")
     if run.lora_enabled:
-        return ReferencePlan(ReferenceSource.ACTOR_WITHOUT_ADAPTERS,
-                             f"reference = actor with LoRA adapters disabled ({needed.reason})")
+        return ReferencePlan(
+            ReferenceSource.ACTOR_WITHOUT_ADAPTERS,
+            f"reference = actor with LoRA adapters disabled ({needed.reason})",
+        )
     return ReferencePlan(ReferenceSource.MODEL, f"reference model built ({needed.reason})")
 
 

@@ -44,15 +44,22 @@ class RolloutBatch:
 
     def __post_init__(self) -> None:
         n = len(self.tokens)
-        sizes = {len(self.prompt_lens), len(self.group_ids), len(self.rewards),
-                 len(self.advantages), len(self.engine_logprobs)}
+        sizes = {
+            len(self.prompt_lens),
+            len(self.group_ids),
+            len(self.rewards),
+            len(self.advantages),
+            len(self.engine_logprobs),
+        }
         if sizes != {n}:
             raise ValueError(f"RolloutBatch fields disagree on the number of sequences: {sizes}")
-        for i, (toks, plen, lp) in enumerate(zip(self.tokens, self.prompt_lens,
-                                                 self.engine_logprobs, strict=True)):
+        for i, (toks, plen, lp) in enumerate(
+            zip(self.tokens, self.prompt_lens, self.engine_logprobs, strict=True)
+        ):
             if len(toks) - plen != len(lp) or len(lp) < 1:
-                raise ValueError(f"sequence {i}: {len(toks)} tokens, prompt {plen}, "
-                                 f"{len(lp)} response logprobs")
+                raise ValueError(
+                    f"sequence {i}: {len(toks)} tokens, prompt {plen}, {len(lp)} response logprobs"
+                )
 
     @property
     def num_seqs(self) -> int:
@@ -106,8 +113,7 @@ class MicroBatchTensors:
         """
         if not self.is_packed:
             return values_BL
-        index_BL, valid_BL = _row_gather_index(self.cu_seqlens, self.max_seqlen,
-                                               values_BL.device)
+        index_BL, valid_BL = _row_gather_index(self.cu_seqlens, self.max_seqlen, values_BL.device)
         flat = values_BL.reshape(-1)
         return flat[index_BL] * valid_BL.to(flat.dtype)
 
@@ -117,12 +123,19 @@ class MicroBatchTensors:
         return dataclasses.replace(self, **moved)
 
 
-_TENSOR_FIELDS = ("tokens_BL", "position_ids_BL", "labels_BL", "loss_mask_BL",
-                  "response_mask_BL", "advantages_B")
+_TENSOR_FIELDS = (
+    "tokens_BL",
+    "position_ids_BL",
+    "labels_BL",
+    "loss_mask_BL",
+    "response_mask_BL",
+    "advantages_B",
+)
 
 
-def _row_gather_index(cu_seqlens: Sequence[int], max_len: int,
-                      device) -> tuple[torch.Tensor, torch.Tensor]:
+def _row_gather_index(
+    cu_seqlens: Sequence[int], max_len: int, device
+) -> tuple[torch.Tensor, torch.Tensor]:
     starts_B = torch.tensor(cu_seqlens[:-1], device=device)
     lens_B = torch.tensor(cu_seqlens[1:], device=device) - starts_B
     offs_L = torch.arange(max_len, device=device)
@@ -131,8 +144,12 @@ def _row_gather_index(cu_seqlens: Sequence[int], max_len: int,
     return index_BL, valid_BL
 
 
-def collate(batch: RolloutBatch, seq_indices: Sequence[int], pad_id: int,
-            loss_weights: Sequence[float] | None = None) -> MicroBatchTensors:
+def collate(
+    batch: RolloutBatch,
+    seq_indices: Sequence[int],
+    pad_id: int,
+    loss_weights: Sequence[float] | None = None,
+) -> MicroBatchTensors:
     """Pad the chosen sequences to a common length and build labels and masks."""
     seq_indices = tuple(int(i) for i in seq_indices)
     length = max(len(batch.tokens[i]) for i in seq_indices)
@@ -152,8 +169,9 @@ def collate(batch: RolloutBatch, seq_indices: Sequence[int], pad_id: int,
     )
 
 
-def pack(batch: RolloutBatch, seq_indices: Sequence[int],
-         loss_weights: Sequence[float] | None = None) -> MicroBatchTensors:
+def pack(
+    batch: RolloutBatch, seq_indices: Sequence[int], loss_weights: Sequence[float] | None = None
+) -> MicroBatchTensors:
     """Concatenate the chosen sequences into one ``[1, T]`` row (no pad tokens at all).
 
     Positions restart at 0 per sequence and the boundaries go to ``cu_seqlens``; each
@@ -170,34 +188,50 @@ def pack(batch: RolloutBatch, seq_indices: Sequence[int],
     labels = torch.cat([torch.cat([s[1:], s[-1:]]) for s in seqs])
     positions = torch.cat([torch.arange(size) for size in lens])
     rows = _loss_side(batch, seq_indices, max(lens), loss_weights)
-    return MicroBatchTensors(seq_indices=seq_indices, tokens_BL=tokens.unsqueeze(0),
-                             position_ids_BL=positions.unsqueeze(0), labels_BL=labels.unsqueeze(0),
-                             cu_seqlens=tuple(cu), **rows)
+    return MicroBatchTensors(
+        seq_indices=seq_indices,
+        tokens_BL=tokens.unsqueeze(0),
+        position_ids_BL=positions.unsqueeze(0),
+        labels_BL=labels.unsqueeze(0),
+        cu_seqlens=tuple(cu),
+        **rows,
+    )
 
 
-def _loss_side(batch: RolloutBatch, seq_indices: tuple[int, ...], length: int,
-               loss_weights: Sequence[float] | None) -> dict[str, torch.Tensor]:
+def _loss_side(
+    batch: RolloutBatch,
+    seq_indices: tuple[int, ...],
+    length: int,
+    loss_weights: Sequence[float] | None,
+) -> dict[str, torch.Tensor]:
     weights = loss_weights if loss_weights is not None else [1.0] * len(seq_indices)
     response_mask = torch.zeros((len(seq_indices), length), dtype=torch.float32)
     for row, i in enumerate(seq_indices):
         response_mask[row, batch.prompt_lens[i] - 1 : len(batch.tokens[i]) - 1] = 1.0
     weight_B = torch.tensor(list(weights), dtype=torch.float32)
-    return {"loss_mask_BL": response_mask * weight_B.unsqueeze(1),
-            "response_mask_BL": response_mask,
-            "advantages_B": batch.advantages[list(seq_indices)].float()}
+    return {
+        "loss_mask_BL": response_mask * weight_B.unsqueeze(1),
+        "response_mask_BL": response_mask,
+        "advantages_B": batch.advantages[list(seq_indices)].float(),
+    }
 
 
-def build_micro_batch(batch: RolloutBatch, seq_indices: Sequence[int], pad_id: int,
-                      loss_weights: Sequence[float] | None = None,
-                      packed: bool = False) -> MicroBatchTensors:
+def build_micro_batch(
+    batch: RolloutBatch,
+    seq_indices: Sequence[int],
+    pad_id: int,
+    loss_weights: Sequence[float] | None = None,
+    packed: bool = False,
+) -> MicroBatchTensors:
     """:func:`pack` or :func:`collate`: the one place the layout is chosen."""
     if packed:
         return pack(batch, seq_indices, loss_weights)
     return collate(batch, seq_indices, pad_id, loss_weights)
 
 
-def per_token_to_response(values_BL: torch.Tensor, mb: MicroBatchTensors,
-                          batch: RolloutBatch) -> dict[int, torch.Tensor]:
+def per_token_to_response(
+    values_BL: torch.Tensor, mb: MicroBatchTensors, batch: RolloutBatch
+) -> dict[int, torch.Tensor]:
     """Cut each row's response part out of a [B, L] per-token tensor, keyed by sequence index."""
     values_BL = values_BL.detach().cpu()  # one device->host copy; results live on the CPU
     out: dict[int, torch.Tensor] = {}
@@ -207,8 +241,9 @@ def per_token_to_response(values_BL: torch.Tensor, mb: MicroBatchTensors,
     return out
 
 
-def response_values_to_BL(values: dict[int, torch.Tensor], mb: MicroBatchTensors,
-                          batch: RolloutBatch) -> torch.Tensor:
+def response_values_to_BL(
+    values: dict[int, torch.Tensor], mb: MicroBatchTensors, batch: RolloutBatch
+) -> torch.Tensor:
     """Inverse of :func:`per_token_to_response`: place per-sequence response values in [B, L]."""
     out = torch.zeros_like(mb.loss_mask_BL)
     for row, i in enumerate(mb.seq_indices):

@@ -29,16 +29,31 @@ class Driver:
         self.cfg = cfg
         self.spec = spec
         self.engine, self.sleep_level = _build_engine(cfg, tokenizer, device, model_dir)
-        source = build_prompt_source(cfg.data.task, cfg.data.path, cfg.trainer.seed,
-                                     cfg.data.max_operand, cfg.data.instruction, ops=cfg.data.ops)
+        source = build_prompt_source(
+            cfg.data.task,
+            cfg.data.path,
+            cfg.trainer.seed,
+            cfg.data.max_operand,
+            cfg.data.instruction,
+            ops=cfg.data.ops,
+        )
         self.stream = PromptStream(source, cfg.data.prompts_per_step, cfg.trainer.seed)
         settings = RolloutSettings(
-            group_size=cfg.rollout.n, max_new_tokens=cfg.rollout.max_new_tokens,
-            temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-            adv_estimator=cfg.algo.estimator, system_prompt=cfg.data.system_prompt)
-        self.producer = RolloutProducer(self.engine, tokenizer, self.stream,
-                                        get_reward_fn(cfg.data.reward_fn_name), settings,
-                                        cfg.trainer.seed)
+            group_size=cfg.rollout.n,
+            max_new_tokens=cfg.rollout.max_new_tokens,
+            temperature=cfg.rollout.temperature,
+            top_p=cfg.rollout.top_p,
+            adv_estimator=cfg.algo.estimator,
+            system_prompt=cfg.data.system_prompt,
+        )
+        self.producer = RolloutProducer(
+            self.engine,
+            tokenizer,
+            self.stream,
+            get_reward_fn(cfg.data.reward_fn_name),
+            settings,
+            cfg.trainer.seed,
+        )
         self.writer = MetricsWriter(Path(cfg.trainer.run_dir), cfg.trainer.tensorboard)
         self.history: list[dict] = []
         self._export_metrics: dict[str, float] = {}
@@ -65,8 +80,10 @@ class Driver:
 
     def engine_metrics(self, state: EngineMemoryState) -> dict[str, float]:
         """What the engine reported after its sleep (the base-weight gate's input)."""
-        return {"engine/sleep_level": float(self.sleep_level),
-                "engine/base_weights_resident": float(state.base_weights_resident)}
+        return {
+            "engine/sleep_level": float(self.sleep_level),
+            "engine/base_weights_resident": float(state.base_weights_resident),
+        }
 
     def wake_engine(self) -> EngineMemoryState:
         """Re-acquire the engine's memory after training; what it reports it must be sent."""
@@ -79,9 +96,12 @@ class Driver:
         from megarl.models.lora import hf_target_modules
 
         lora = self.cfg.actor.lora
-        self.engine.load_lora_adapter(adapter.items(), rank=lora.rank, alpha=lora.alpha,
-                                      target_modules=hf_target_modules(self.spec,
-                                                                       lora.target_modules))
+        self.engine.load_lora_adapter(
+            adapter.items(),
+            rank=lora.rank,
+            alpha=lora.alpha,
+            target_modules=hf_target_modules(self.spec, lora.target_modules),
+        )
 
     def record_step(self, step, timer: PhaseTimer, rollout_metrics, plan, gates, stats, batch):
         metrics: dict = {"step": step}
@@ -139,8 +159,9 @@ class _PerfContext:
 
     def update_metrics(self, plan, batch, times: dict[str, float]) -> dict:
         seconds = times.get("timing_s/update_actor", 0.0)
-        return perf.update_metrics(self.spec, plan, batch.seq_lens, seconds, self.num_devices,
-                                   self.peak)
+        return perf.update_metrics(
+            self.spec, plan, batch.seq_lens, seconds, self.num_devices, self.peak
+        )
 
 
 def vllm_request(cfg: RunConfig, device: str, params_dtype: str):
@@ -149,11 +170,22 @@ def vllm_request(cfg: RunConfig, device: str, params_dtype: str):
 
     r = cfg.rollout
     return VLLMRequest(
-        device=device, params_dtype=params_dtype, temperature=r.temperature, top_p=r.top_p,
-        tp=r.tp, sleep_level=r.sleep_level, gpu_memory_utilization=r.gpu_memory_utilization,
-        kv_cache_gb=r.kv_cache_gb, max_model_len=r.max_model_len, max_num_seqs=r.max_num_seqs,
-        max_num_batched_tokens=r.max_num_batched_tokens, enforce_eager=r.enforce_eager,
-        lora_rank=cfg.actor.lora.rank, seed=cfg.trainer.seed, bucket_mb=cfg.export.bucket_mb)
+        device=device,
+        params_dtype=params_dtype,
+        temperature=r.temperature,
+        top_p=r.top_p,
+        tp=r.tp,
+        sleep_level=r.sleep_level,
+        gpu_memory_utilization=r.gpu_memory_utilization,
+        kv_cache_gb=r.kv_cache_gb,
+        max_model_len=r.max_model_len,
+        max_num_seqs=r.max_num_seqs,
+        max_num_batched_tokens=r.max_num_batched_tokens,
+        enforce_eager=r.enforce_eager,
+        lora_rank=cfg.actor.lora.rank,
+        seed=cfg.trainer.seed,
+        bucket_mb=cfg.export.bucket_mb,
+    )
 
 
 def vllm_settings(cfg: RunConfig, model_dir: str, device: str):
@@ -167,11 +199,18 @@ def vllm_settings(cfg: RunConfig, model_dir: str, device: str):
 
     spec = spec_from_hf_config(load_hf_config(model_dir))
     execution = execution_plan_for(cfg, device)
-    facts = ModelFacts(num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads,
-                       head_dim=spec.head_dim,
-                       max_position_embeddings=spec.max_position_embeddings)
-    return decide_vllm_settings(vllm_request(cfg, device, execution.params_dtype), facts,
-                                model_dir, psutil.virtual_memory().available)
+    facts = ModelFacts(
+        num_layers=spec.num_layers,
+        num_kv_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        max_position_embeddings=spec.max_position_embeddings,
+    )
+    return decide_vllm_settings(
+        vllm_request(cfg, device, execution.params_dtype),
+        facts,
+        model_dir,
+        psutil.virtual_memory().available,
+    )
 
 
 def _build_engine(cfg: RunConfig, tokenizer, device: str, model_dir: str):
@@ -192,14 +231,14 @@ def _actor_metrics(stats: dict[str, float]) -> dict[str, float]:
     return {
         "actor/pg_loss": stats.get("pg_loss", 0.0),
         "actor/kl_loss": stats.get("kl_loss", 0.0),
-        "actor/entropy": safe_div(stats.get("entropy_sum", 0.0),
-                                  stats.get("response_tokens", 0.0)),
+        "actor/entropy": safe_div(stats.get("entropy_sum", 0.0), stats.get("response_tokens", 0.0)),
         "actor/pg_clipfrac": safe_div(stats.get("clipfrac_sum", 0.0), tokens),
         "actor/ppo_kl": safe_div(stats.get("ppo_kl_sum", 0.0), tokens),
         "actor/grad_norm": stats.get("grad_norm", 0.0),
         "actor/num_optimizer_steps": stats.get("num_optimizer_steps", 0),
-        "rollout/logprob_abs_diff": safe_div(stats.get("lp_diff_sum", 0.0),
-                                             stats.get("lp_diff_count", 0.0)),
+        "rollout/logprob_abs_diff": safe_div(
+            stats.get("lp_diff_sum", 0.0), stats.get("lp_diff_count", 0.0)
+        ),
     }
 
 
@@ -213,11 +252,17 @@ class Console:
             from rich.console import Console as RichConsole
             from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-            self._rich = RichConsole(file=sys.stdout, highlight=False,
-                                     width=None if sys.stdout.isatty() else 140)
-            self._progress = Progress(TextColumn("[bold]GRPO"), BarColumn(),
-                                      TextColumn("{task.completed}/{task.total} steps"),
-                                      TimeRemainingColumn(), console=self._rich, transient=True)
+            self._rich = RichConsole(
+                file=sys.stdout, highlight=False, width=None if sys.stdout.isatty() else 140
+            )
+            self._progress = Progress(
+                TextColumn("[bold]GRPO"),
+                BarColumn(),
+                TextColumn("{task.completed}/{task.total} steps"),
+                TimeRemainingColumn(),
+                console=self._rich,
+                transient=True,
+            )
             self._task = self._progress.add_task("train", total=total_steps)
             self._progress.start()
 
@@ -228,7 +273,8 @@ class Console:
         if samples:
             prompt, text, reward = samples[0]
             self._progress.console.print(
-                f"         sample: {prompt!r} -> {text.strip()[:60]!r} (reward {reward:g})")
+                f"         sample: {prompt!r} -> {text.strip()[:60]!r} (reward {reward:g})"
+            )
         self._progress.advance(self._task)
 
     def skip(self, steps: int) -> None:

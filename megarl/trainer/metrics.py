@@ -50,8 +50,9 @@ class MetricsWriter:
             except ImportError:  # tensorboard is optional at run time
                 self._tensorboard = False
                 return None
-            self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"),
-                                     purge_step=first_step)
+            self._tb = SummaryWriter(
+                log_dir=str(self.run_dir / "tensorboard"), purge_step=first_step
+            )
         return self._tb
 
     def close(self) -> None:
@@ -120,8 +121,9 @@ def _weight_sync_summary(history: list[Mapping[str, Any]]) -> str:
     seconds = sum(r.get("timing_s/update_weights", 0.0) for r in history)
     skipped = len(history) - base
     detail = f", adapter only on {skipped}" if skipped else ""
-    return (f"weight sync: base/full weights on {base} of {len(history)} steps{detail} "
-            f"({seconds:.2f}s)")
+    return (
+        f"weight sync: base/full weights on {base} of {len(history)} steps{detail} ({seconds:.2f}s)"
+    )
 
 
 class PhaseTimer:

@@ -90,15 +90,24 @@ def mfu(flops: float, seconds: float, num_devices: int, peak: PeakFlops) -> floa
 def trained_seq_lens(plan, seq_lens: list[int]) -> list[int]:
     """Lengths of every sequence the plan's optimizer steps run, over all DP ranks and epochs
     (fillers included: they cost a forward and backward like any other)."""
-    return [seq_lens[i]
-            for step in plan.optimizer_steps if not step.is_ghost
-            for rank in step.ranks
-            for mb in rank.micro_batches
-            for i in mb.seq_indices]
+    return [
+        seq_lens[i]
+        for step in plan.optimizer_steps
+        if not step.is_ghost
+        for rank in step.ranks
+        for mb in rank.micro_batches
+        for i in mb.seq_indices
+    ]
 
 
-def update_metrics(spec: TransformerSpec, plan, seq_lens: list[int], update_seconds: float,
-                   num_devices: int, peak: PeakFlops) -> dict[str, float | str]:
+def update_metrics(
+    spec: TransformerSpec,
+    plan,
+    seq_lens: list[int],
+    update_seconds: float,
+    num_devices: int,
+    peak: PeakFlops,
+) -> dict[str, float | str]:
     """``perf/mfu/actor`` of the update phase, its FLOPs and trained tokens per second."""
     lens = trained_seq_lens(plan, seq_lens)
     flops = training_flops(spec, lens)

@@ -39,8 +39,15 @@ class RolloutSettings:
 class RolloutProducer:
     """Prompts -> engine samples -> rewards -> group-relative advantages."""
 
-    def __init__(self, engine: RolloutEngine, tokenizer, stream: PromptStream,
-                 reward_fn: Callable[[str, str], float], settings: RolloutSettings, run_seed: int):
+    def __init__(
+        self,
+        engine: RolloutEngine,
+        tokenizer,
+        stream: PromptStream,
+        reward_fn: Callable[[str, str], float],
+        settings: RolloutSettings,
+        run_seed: int,
+    ):
         self.engine, self.tokenizer, self.stream = engine, tokenizer, stream
         self.reward_fn, self.settings, self.run_seed = reward_fn, settings, run_seed
         self.advantage_fn = get_advantage_estimator(settings.adv_estimator)
@@ -51,8 +58,9 @@ class RolloutProducer:
         if self.settings.system_prompt is not None:
             messages.insert(0, {"role": "system", "content": self.settings.system_prompt})
         if getattr(self.tokenizer, "chat_template", None):
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                      add_generation_prompt=True)
+            text = self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True
+            )
         else:
             text = problem.prompt
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -67,36 +75,45 @@ class RolloutProducer:
         problems = self.stream.next_batch()
         n = self.settings.group_size
         prompt_ids = [self.encode_prompt(p) for p in problems]
-        params = SamplingParams(temperature=self.settings.temperature, top_p=self.settings.top_p,
-                                max_new_tokens=self.settings.max_new_tokens,
-                                seed=sampling_seed(self.run_seed, step))
+        params = SamplingParams(
+            temperature=self.settings.temperature,
+            top_p=self.settings.top_p,
+            max_new_tokens=self.settings.max_new_tokens,
+            seed=sampling_seed(self.run_seed, step),
+        )
         gens = self.engine.generate([ids for ids in prompt_ids for _ in range(n)], params)
         t_generated = time.perf_counter()
         texts = [self.tokenizer.decode(g.response_ids, skip_special_tokens=True) for g in gens]
         answers = [p.answer for p in problems for _ in range(n)]
-        rewards = torch.tensor([self.reward_fn(t, a) for t, a in zip(texts, answers, strict=True)],
-                               dtype=torch.float32)
+        rewards = torch.tensor(
+            [self.reward_fn(t, a) for t, a in zip(texts, answers, strict=True)], dtype=torch.float32
+        )
         group_ids = torch.arange(len(problems)).repeat_interleave(n)
         advantages = self.advantage_fn(rewards, group_ids)
         batch = RolloutBatch(
-            tokens=tuple(torch.tensor(list(g.prompt_ids) + list(g.response_ids), dtype=torch.long)
-                         for g in gens),
+            tokens=tuple(
+                torch.tensor(list(g.prompt_ids) + list(g.response_ids), dtype=torch.long)
+                for g in gens
+            ),
             prompt_lens=tuple(len(g.prompt_ids) for g in gens),
             group_ids=group_ids,
             rewards=rewards,
             advantages=advantages,
-            engine_logprobs=tuple(torch.tensor(g.response_logprobs, dtype=torch.float32)
-                                  for g in gens),
+            engine_logprobs=tuple(
+                torch.tensor(g.response_logprobs, dtype=torch.float32) for g in gens
+            ),
         )
-        self.last_samples = [(problems[i // n].prompt, texts[i], float(rewards[i]))
-                             for i in range(0, len(gens), n)]
+        self.last_samples = [
+            (problems[i // n].prompt, texts[i], float(rewards[i])) for i in range(0, len(gens), n)
+        ]
         metrics = rollout_metrics(batch, [g.finished for g in gens], self.settings.max_new_tokens)
         phase_seconds = {"gen": t_generated - t_start, "adv": time.perf_counter() - t_generated}
         return batch, metrics, phase_seconds
 
 
-def rollout_metrics(batch: RolloutBatch, finished: Sequence[bool], max_new_tokens: int
-                    ) -> dict[str, float]:
+def rollout_metrics(
+    batch: RolloutBatch, finished: Sequence[bool], max_new_tokens: int
+) -> dict[str, float]:
     adv, rewards = batch.advantages, batch.rewards
     lengths = torch.tensor(batch.response_lens, dtype=torch.float32)
     return {
@@ -110,7 +127,12 @@ def rollout_metrics(batch: RolloutBatch, finished: Sequence[bool], max_new_token
         "response_length/mean": float(lengths.mean()),
         "response_length/max": float(lengths.max()),
         "response_length/clip_ratio": float(
-            sum(1 for f, n in zip(finished, batch.response_lens, strict=True)
-                if not f and n >= max_new_tokens) / max(1, batch.num_seqs)),
+            sum(
+                1
+                for f, n in zip(finished, batch.response_lens, strict=True)
+                if not f and n >= max_new_tokens
+            )
+            / max(1, batch.num_seqs)
+        ),
         "prompt_length/mean": float(sum(batch.prompt_lens) / batch.num_seqs),
     }

@@ -128,11 +128,14 @@ class RemoteEngine:
         return loaded
 
     def _send(self, bucket: list, record_checksums: bool) -> int:
-        return self._get(self._actor.engine_update_weights.remote(bucket, record_checksums),
-                         "engine update_weights")
+        return self._get(
+            self._actor.engine_update_weights.remote(bucket, record_checksums),
+            "engine update_weights",
+        )
 
     def weight_checksums(self, dtype) -> dict:
-        return self._get(self._actor.engine_weight_checksums.remote(dtype),
-                         "engine weight_checksums")
+        return self._get(
+            self._actor.engine_weight_checksums.remote(dtype), "engine weight_checksums"
+        )
 
     TENSORS_PER_CALL = 16

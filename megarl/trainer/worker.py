@@ -41,8 +41,17 @@ from megarl.workers.megatron_actor import (
     reduce_stats_to_all,
 )
 
-STAT_KEYS = ("pg_loss", "kl_loss", "entropy_sum", "clipfrac_sum", "ppo_kl_sum", "num_tokens",
-             "response_tokens", "lp_diff_sum", "lp_diff_count")
+STAT_KEYS = (
+    "pg_loss",
+    "kl_loss",
+    "entropy_sum",
+    "clipfrac_sum",
+    "ppo_kl_sum",
+    "num_tokens",
+    "response_tokens",
+    "lp_diff_sum",
+    "lp_diff_count",
+)
 
 
 @dataclass(frozen=True)
@@ -83,9 +92,14 @@ def run_worker(ctx: WorkerContext, inputs: RunInputs) -> RunResult | None:
         if inputs.return_final_state:  # streamed: never the whole model on one rank
             from megarl.export.stream import collect_state_dict, open_stream
 
-            final_state = collect_state_dict(open_stream(
-                runtime.actor.local_params(), runtime.spec,
-                runtime.cfg.export.bucket_mb << 20, vpp=runtime.cfg.actor.vpp))
+            final_state = collect_state_dict(
+                open_stream(
+                    runtime.actor.local_params(),
+                    runtime.spec,
+                    runtime.cfg.export.bucket_mb << 20,
+                    vpp=runtime.cfg.actor.vpp,
+                )
+            )
             if runtime.actor.lora is not None:  # LoRA: base weights + peft-named adapter
                 adapter = runtime.actor.gather_lora_adapter()
                 if final_state is not None:
@@ -134,35 +148,62 @@ def _setup(ctx: WorkerContext, inputs: RunInputs) -> _Runtime:
     cfg = inputs.cfg
     execution = execution_plan_for(cfg, inputs.device)
     if ctx.rank == 0 and cfg.trainer.log_console:
-        print(f"execution: {execution.summary()}\n  " + "\n  ".join(execution.reasons),
-              flush=True)
+        print(f"execution: {execution.summary()}\n  " + "\n  ".join(execution.reasons), flush=True)
     if execution.cpu_shims:
         enter_cpu_shims()
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // ctx.world_size))
-    parallel.init_process_group(inputs.device, ctx.rank, ctx.world_size, ctx.master_addr,
-                                ctx.master_port)
-    parallel.init_model_parallel(cfg.actor.tp, cfg.actor.pp,
-                                 cfg.actor.vpp if cfg.actor.vpp > 1 else None)
+    parallel.init_process_group(
+        inputs.device, ctx.rank, ctx.world_size, ctx.master_addr, ctx.master_port
+    )
+    parallel.init_model_parallel(
+        cfg.actor.tp, cfg.actor.pp, cfg.actor.vpp if cfg.actor.vpp > 1 else None
+    )
     spec = spec_from_hf_config(load_hf_config(inputs.model_dir))
     tokenizer = load_hf_tokenizer(inputs.model_dir)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     driver = _build_driver(ctx, inputs, tokenizer, spec)  # engine first: its errors come early
     hf_tensors = open_hf_tensors(inputs.model_dir)
     dtype = getattr(torch, execution.params_dtype)
-    actor = MegatronActor(spec, cfg.actor, inputs.device, dtype, hf_tensors, pad_id,
-                          trainable=True, init_seed=cfg.trainer.seed, execution=execution)
+    actor = MegatronActor(
+        spec,
+        cfg.actor,
+        inputs.device,
+        dtype,
+        hf_tensors,
+        pad_id,
+        trainable=True,
+        init_seed=cfg.trainer.seed,
+        execution=execution,
+    )
     reference_plan = decide_reference(from_config.run_facts(cfg))
     if ctx.rank == 0 and cfg.trainer.log_console:
-        print(f"pruning: {from_config.prune_mode(cfg)[1]}\nreference: {reference_plan.reason}",
-              flush=True)
+        print(
+            f"pruning: {from_config.prune_mode(cfg)[1]}\nreference: {reference_plan.reason}",
+            flush=True,
+        )
     reference = None
     if reference_plan.source is ReferenceSource.MODEL:
-        reference = MegatronActor(spec, cfg.actor, inputs.device, dtype, hf_tensors, pad_id,
-                                  trainable=False, execution=execution)
-    return _Runtime(cfg=cfg, dp_rank=ps.get_data_parallel_rank(), actor=actor,
-                    reference=reference, reference_source=reference_plan.source,
-                    driver=driver, spec=spec,
-                    model_dir=inputs.model_dir, resume_from=inputs.resume_from)
+        reference = MegatronActor(
+            spec,
+            cfg.actor,
+            inputs.device,
+            dtype,
+            hf_tensors,
+            pad_id,
+            trainable=False,
+            execution=execution,
+        )
+    return _Runtime(
+        cfg=cfg,
+        dp_rank=ps.get_data_parallel_rank(),
+        actor=actor,
+        reference=reference,
+        reference_source=reference_plan.source,
+        driver=driver,
+        spec=spec,
+        model_dir=inputs.model_dir,
+        resume_from=inputs.resume_from,
+    )
 
 
 def _build_driver(ctx: WorkerContext, inputs: RunInputs, tokenizer, spec):
@@ -187,12 +228,24 @@ def _train(rt: _Runtime) -> None:
         maybe_die(dist.get_rank(), step)
         timer = PhaseTimer()
         batch, rollout_metrics, engine_state = _broadcast_rollout(rt, step, timer)
-        plan = plan_step(from_config.planner_inputs(
-            rt.cfg, batch.seq_lens, batch.response_lens, batch.advantages.tolist(),
-            batch.group_ids.tolist()))
-        gates = decide_gates(from_config.step_facts(
-            rt.cfg, step, batch.num_seqs,
-            engine_base_weights_resident=engine_state.base_weights_resident, plan=plan))
+        plan = plan_step(
+            from_config.planner_inputs(
+                rt.cfg,
+                batch.seq_lens,
+                batch.response_lens,
+                batch.advantages.tolist(),
+                batch.group_ids.tolist(),
+            )
+        )
+        gates = decide_gates(
+            from_config.step_facts(
+                rt.cfg,
+                step,
+                batch.num_seqs,
+                engine_base_weights_resident=engine_state.base_weights_resident,
+                plan=plan,
+            )
+        )
         old, recomputed, ref = _logprob_passes(rt, batch, plan, gates, timer)
         stats = _update_actor(rt, batch, plan, old, recomputed, ref, timer)
         _sync_weights(rt, gates, timer, step)
@@ -241,8 +294,9 @@ def _broadcast_rollout(rt: _Runtime, step: int, timer: PhaseTimer):
     return batch, metrics, engine_state
 
 
-def _logprob_passes(rt: _Runtime, batch: RolloutBatch, plan: StepPlan, gates: StepGates,
-                    timer: PhaseTimer):
+def _logprob_passes(
+    rt: _Runtime, batch: RolloutBatch, plan: StepPlan, gates: StepGates, timer: PhaseTimer
+):
     """Run the forwards the gates asked for, over the sequences this DP rank trains."""
     mine = plan.trained_sequences(rt.dp_rank)
     temperature = rt.cfg.rollout.temperature
@@ -253,8 +307,9 @@ def _logprob_passes(rt: _Runtime, batch: RolloutBatch, plan: StepPlan, gates: St
     else:
         if gates.old_log_prob.run:
             wanted = set(gates.old_log_prob.seq_indices)
-            groups = plan_forward_micro_batches([i for i in mine if i in wanted],
-                                                batch.seq_lens, budget)
+            groups = plan_forward_micro_batches(
+                [i for i in mine if i in wanted], batch.seq_lens, budget
+            )
             with timer.phase("old_log_prob"):
                 recomputed = rt.actor.compute_logprobs(batch, groups, temperature)
         old = recomputed
@@ -271,31 +326,43 @@ def _reference_logprobs(rt: _Runtime, batch: RolloutBatch, groups, temperature: 
     if rt.reference_source is ReferenceSource.ACTOR_WITHOUT_ADAPTERS:
         return rt.actor.compute_logprobs(batch, groups, temperature, without_adapters=True)
     if rt.reference is None:
-        raise RuntimeError("the gates run the reference pass, but start-up decided no step "
-                           "needs one (decide_reference and decide_ref_log_prob disagree)")
+        raise RuntimeError(
+            "the gates run the reference pass, but start-up decided no step "
+            "needs one (decide_reference and decide_ref_log_prob disagree)"
+        )
     return rt.reference.compute_logprobs(batch, groups, temperature)
 
 
 def _loss_settings(cfg: RunConfig) -> LossSettings:
     a = cfg.actor
-    return LossSettings(temperature=cfg.rollout.temperature, clip_low=a.clip_ratio_low,
-                        clip_high=a.clip_ratio_high, agg=a.loss_agg, kl_coef=a.kl_coef,
-                        kl_estimator=a.kl_estimator, entropy_coef=a.entropy_coef)
+    return LossSettings(
+        temperature=cfg.rollout.temperature,
+        clip_low=a.clip_ratio_low,
+        clip_high=a.clip_ratio_high,
+        agg=a.loss_agg,
+        kl_coef=a.kl_coef,
+        kl_estimator=a.kl_estimator,
+        entropy_coef=a.entropy_coef,
+    )
 
 
-def _update_actor(rt: _Runtime, batch: RolloutBatch, plan: StepPlan, old, recomputed, ref,
-                  timer: PhaseTimer) -> dict[str, float]:
+def _update_actor(
+    rt: _Runtime, batch: RolloutBatch, plan: StepPlan, old, recomputed, ref, timer: PhaseTimer
+) -> dict[str, float]:
     loss = _loss_settings(rt.cfg)
     totals: dict[str, float] = {}
     grad_norms: list[float] = []
     with timer.phase("update_actor"):
         for index, opt_step in enumerate(plan.optimizer_steps):
             work = OptimizerStepWork(
-                micro_batches=tuple(MicroBatchWork(mb.seq_indices, mb.loss_weights)
-                                    for mb in opt_step.ranks[rt.dp_rank].micro_batches),
-                normaliser=opt_step.normaliser, is_ghost=opt_step.is_ghost)
-            stats = rt.actor.train_step(batch, work, old, ref, loss,
-                                        capture_logprobs=index == 0)
+                micro_batches=tuple(
+                    MicroBatchWork(mb.seq_indices, mb.loss_weights)
+                    for mb in opt_step.ranks[rt.dp_rank].micro_batches
+                ),
+                normaliser=opt_step.normaliser,
+                is_ghost=opt_step.is_ghost,
+            )
+            stats = rt.actor.train_step(batch, work, old, ref, loss, capture_logprobs=index == 0)
             grad_norms.append(stats.pop("grad_norm"))
             captured = stats.pop("train_logprobs", {})
             _add_logprob_diff(stats, batch, {**captured, **recomputed} if index == 0 else {})
@@ -327,15 +394,19 @@ def _sync_weights(rt: _Runtime, gates: StepGates, timer: PhaseTimer, step: int) 
         with timer.phase("engine_wake"):
             _check_wake_report(rt.driver.wake_engine(), gates)
     with timer.phase("update_weights"):
-        metrics = _push_weights(rt, base=gates.base_weight_sync.run,
-                                adapter=gates.adapter_sync.run,
-                                checksum=is_checksum_step(step, rt.cfg.export.checksum_interval))
+        metrics = _push_weights(
+            rt,
+            base=gates.base_weight_sync.run,
+            adapter=gates.adapter_sync.run,
+            checksum=is_checksum_step(step, rt.cfg.export.checksum_interval),
+        )
     if rt.driver is not None:
         rt.driver.record_export_metrics(metrics)
 
 
-def _push_weights(rt: _Runtime, base: bool, adapter: bool,
-                  checksum: bool = False) -> dict[str, float]:
+def _push_weights(
+    rt: _Runtime, base: bool, adapter: bool, checksum: bool = False
+) -> dict[str, float]:
     """Collective: stream the base (or full) weights to the engine on rank 0 in bounded buckets
     and/or gather the LoRA adapter into it; the export metrics (on rank 0)."""
     from megarl.export.sync import sync_engine_weights
@@ -343,8 +414,14 @@ def _push_weights(rt: _Runtime, base: bool, adapter: bool,
     metrics: dict[str, float] = {}
     if base:
         engine = rt.driver.engine if rt.driver is not None else None
-        metrics = sync_engine_weights(rt.actor.local_params(), rt.spec, rt.cfg.export.bucket_mb,
-                                      rt.cfg.actor.vpp, checksum, engine)
+        metrics = sync_engine_weights(
+            rt.actor.local_params(),
+            rt.spec,
+            rt.cfg.export.bucket_mb,
+            rt.cfg.actor.vpp,
+            checksum,
+            engine,
+        )
     if adapter:
         lora = rt.actor.gather_lora_adapter()
         if rt.driver is not None:
@@ -358,6 +435,5 @@ def _check_wake_report(state, gates: StepGates) -> None:
         raise RuntimeError(
             "rollout engine reports freed base weights after wake-up, but the base-weight gate "
             f"skipped the base sync ({gates.base_weight_sync.reason}): the engine's sleep "
-            "report was wrong")
-
-
+            "report was wrong"
+        )

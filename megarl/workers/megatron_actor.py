@@ -62,10 +62,18 @@ class LossSettings:
 class MegatronActor:
     """A Megatron ``GPTModel`` shard with optional DDP + optimizer (``trainable``)."""
 
-    def __init__(self, spec: TransformerSpec, cfg: ActorConfig, device: str, dtype: torch.dtype,
-                 hf_weights: Callable[[str], torch.Tensor] | Mapping[str, torch.Tensor],
-                 pad_id: int, trainable: bool = True, init_seed: int = 0,
-                 execution: ExecutionPlan | None = None):
+    def __init__(
+        self,
+        spec: TransformerSpec,
+        cfg: ActorConfig,
+        device: str,
+        dtype: torch.dtype,
+        hf_weights: Callable[[str], torch.Tensor] | Mapping[str, torch.Tensor],
+        pad_id: int,
+        trainable: bool = True,
+        init_seed: int = 0,
+        execution: ExecutionPlan | None = None,
+    ):
         from megatron.core import parallel_state as ps
 
         self.spec, self.cfg, self.device, self.pad_id = spec, cfg, device, pad_id
@@ -73,9 +81,15 @@ class MegatronActor:
         torch.manual_seed(init_seed)
         # --- virtual pipeline: the model is a list of chunks -------------------
         chunks = megatron_gpt.build_model_chunks(
-            spec, cfg.tp, cfg.pp, cfg.vpp, dtype=dtype, device=device,
+            spec,
+            cfg.tp,
+            cfg.pp,
+            cfg.vpp,
+            dtype=dtype,
+            device=device,
             use_transformer_engine=self.execution.use_transformer_engine,
-            recompute=self.execution.recompute)
+            recompute=self.execution.recompute,
+        )
         if hf_weights is not None:
             megatron_gpt.load_hf_weights(chunks, spec, hf_weights)
         if trainable and cfg.vpp > 1:
@@ -120,7 +134,8 @@ class MegatronActor:
             grad_reduce_in_fp32=plan.grad_reduce_in_fp32,
             overlap_grad_reduce=plan.overlap_grad_reduce,
             overlap_param_gather=plan.overlap_param_gather,
-            use_distributed_optimizer=plan.distributed_optimizer)
+            use_distributed_optimizer=plan.distributed_optimizer,
+        )
         ddp = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
         if plan.overlap_grad_reduce:
             # Megatron's schedules only defer the bucketed reduce to the last micro-batch
@@ -134,26 +149,42 @@ class MegatronActor:
 
         return build_optimizer(self.model, self.cfg, self.execution)
 
-    def _micro_batch(self, batch: RolloutBatch, seq_indices: Sequence[int],
-                     loss_weights: Sequence[float] | None = None) -> MicroBatchTensors:
+    def _micro_batch(
+        self,
+        batch: RolloutBatch,
+        seq_indices: Sequence[int],
+        loss_weights: Sequence[float] | None = None,
+    ) -> MicroBatchTensors:
         """Packed or padded per the execution plan, on this rank's device."""
-        mb = build_micro_batch(batch, seq_indices, self.pad_id, loss_weights,
-                               packed=self.execution.pack_sequences)
+        mb = build_micro_batch(
+            batch, seq_indices, self.pad_id, loss_weights, packed=self.execution.pack_sequences
+        )
         return mb.to(self.device)
 
-    def _logprobs_and_entropy(self, logits, mb: MicroBatchTensors, temperature: float,
-                              with_entropy: bool):
+    def _logprobs_and_entropy(
+        self, logits, mb: MicroBatchTensors, temperature: float, with_entropy: bool
+    ):
         """Chunked vocab-parallel logprobs/entropy, mapped to per-sequence rows ``[B, L]``."""
         logp, entropy = token_logprobs_and_entropy(
-            logits, mb.labels_BL, self.vocab_shard, temperature, with_entropy=with_entropy,
-            chunk_tokens=self.cfg.logprob_chunk_tokens)
+            logits,
+            mb.labels_BL,
+            self.vocab_shard,
+            temperature,
+            with_entropy=with_entropy,
+            chunk_tokens=self.cfg.logprob_chunk_tokens,
+        )
         return mb.to_rows(logp), (mb.to_rows(entropy) if entropy is not None else None)
 
     # --- forward-only logprobs ---------------------------------------------------------------
 
-    def compute_logprobs(self, batch: RolloutBatch, micro_batches: Sequence[Sequence[int]],
-                         temperature: float, *, without_adapters: bool = False,
-                         ) -> dict[int, torch.Tensor]:
+    def compute_logprobs(
+        self,
+        batch: RolloutBatch,
+        micro_batches: Sequence[Sequence[int]],
+        temperature: float,
+        *,
+        without_adapters: bool = False,
+    ) -> dict[int, torch.Tensor]:
         """Per-token response logprobs of the planned micro-batches; empty off the last stage.
 
         ``without_adapters``: the LoRA actor's frozen base model (the reference policy)."""
@@ -184,10 +215,15 @@ class MegatronActor:
 
     # --- training ----------------------------------------------------------------------------
 
-    def train_step(self, batch: RolloutBatch, work: OptimizerStepWork,
-                   old_logprobs: Mapping[int, torch.Tensor] | None,
-                   ref_logprobs: Mapping[int, torch.Tensor] | None,
-                   loss: LossSettings, capture_logprobs: bool = False) -> dict:
+    def train_step(
+        self,
+        batch: RolloutBatch,
+        work: OptimizerStepWork,
+        old_logprobs: Mapping[int, torch.Tensor] | None,
+        ref_logprobs: Mapping[int, torch.Tensor] | None,
+        loss: LossSettings,
+        capture_logprobs: bool = False,
+    ) -> dict:
         """One optimizer step over this rank's micro-batches; returns summed loss statistics.
 
         ``old_logprobs`` missing a sequence means "on-policy": the training forward's own
@@ -199,11 +235,18 @@ class MegatronActor:
         self.optimizer.zero_grad()
         stats: list[dict[str, torch.Tensor]] = []
         if not work.is_ghost and work.micro_batches:
-            mbs = [self._micro_batch(batch, m.seq_indices, m.loss_weights)
-                   for m in work.micro_batches]
-            loss_fn = partial(self._training_loss, batch=batch, old=old_logprobs or {},
-                              ref=ref_logprobs, loss=loss, denom=work.normaliser,
-                              capture=capture_logprobs)
+            mbs = [
+                self._micro_batch(batch, m.seq_indices, m.loss_weights) for m in work.micro_batches
+            ]
+            loss_fn = partial(
+                self._training_loss,
+                batch=batch,
+                old=old_logprobs or {},
+                ref=ref_logprobs,
+                loss=loss,
+                denom=work.normaliser,
+                capture=capture_logprobs,
+            )
             stats = self._run_schedule(mbs, loss_fn, forward_only=False)
         self._finalize_grads()
         grad_norm = self.optimizer.step()
@@ -211,20 +254,40 @@ class MegatronActor:
         totals["grad_norm"] = grad_norm
         return totals
 
-    def _training_loss(self, mb: MicroBatchTensors, logits, *, batch, old, ref, loss: LossSettings,
-                       denom: float, capture: bool):
-        logp_BL, entropy_BL = self._logprobs_and_entropy(logits, mb, loss.temperature,
-                                                         with_entropy=True)
+    def _training_loss(
+        self,
+        mb: MicroBatchTensors,
+        logits,
+        *,
+        batch,
+        old,
+        ref,
+        loss: LossSettings,
+        denom: float,
+        capture: bool,
+    ):
+        logp_BL, entropy_BL = self._logprobs_and_entropy(
+            logits, mb, loss.temperature, with_entropy=True
+        )
         old_BL = self._old_logprobs_BL(logp_BL, mb, batch, old)
         mask_BL = mb.loss_mask_BL
-        pg = policy_loss(logp_BL, old_BL, mb.advantages_B, mask_BL, loss.clip_low, loss.clip_high,
-                         loss.agg, denom=denom)
+        pg = policy_loss(
+            logp_BL,
+            old_BL,
+            mb.advantages_B,
+            mask_BL,
+            loss.clip_low,
+            loss.clip_high,
+            loss.agg,
+            denom=denom,
+        )
         total = pg.loss
         kl_value = logp_BL.new_zeros(())
         if ref is not None and loss.kl_coef > 0:
             ref_BL = response_values_to_BL(ref, mb, batch)
-            kl_value = aggregate(kl_penalty(logp_BL, ref_BL, loss.kl_estimator), mask_BL,
-                                 loss.agg, denom=denom)
+            kl_value = aggregate(
+                kl_penalty(logp_BL, ref_BL, loss.kl_estimator), mask_BL, loss.agg, denom=denom
+            )
             total = total + loss.kl_coef * kl_value
         entropy_value = aggregate(entropy_BL, mask_BL, loss.agg, denom=denom)
         if loss.entropy_coef > 0:
@@ -240,8 +303,11 @@ class MegatronActor:
             "response_tokens": mb.response_mask_BL.sum(),
         }
         if capture:
-            trained = [i for i, w in zip(mb.seq_indices, mb.loss_mask_BL.amax(dim=1).tolist(),
-                                         strict=True) if w > 0]
+            trained = [
+                i
+                for i, w in zip(mb.seq_indices, mb.loss_mask_BL.amax(dim=1).tolist(), strict=True)
+                if w > 0
+            ]
             captured = per_token_to_response(logp_BL, mb, batch)
             stats["train_logprobs"] = {i: captured[i] for i in trained}
         return total, num_tokens, stats
@@ -267,23 +333,27 @@ class MegatronActor:
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
-            output = model(mb.tokens_BL, mb.position_ids_BL, None,
-                           packed_seq_params=packed_seq_params(mb))
+            output = model(
+                mb.tokens_BL, mb.position_ids_BL, None, packed_seq_params=packed_seq_params(mb)
+            )
             return output, partial(loss_fn, mb)
 
         max_len = max(mb.tokens_BL.shape[1] for mb in mbs)
         max_b = max(mb.tokens_BL.shape[0] for mb in mbs)
         # each virtual-pipeline chunk walks the micro-batches on its own
         data = iter(mbs) if len(self.chunks) == 1 else [iter(mbs) for _ in self.chunks]
-        return get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=data,
-            model=self.chunks,
-            num_microbatches=len(mbs),
-            seq_length=max_len,
-            micro_batch_size=max_b,
-            forward_only=forward_only,
-        ) or []
+        return (
+            get_forward_backward_func()(
+                forward_step_func=forward_step,
+                data_iterator=data,
+                model=self.chunks,
+                num_microbatches=len(mbs),
+                seq_length=max_len,
+                micro_batch_size=max_b,
+                forward_only=forward_only,
+            )
+            or []
+        )
 
     # --- weights -----------------------------------------------------------------------------
 
@@ -307,10 +377,13 @@ def default_execution(cfg: ActorConfig, device: str) -> ExecutionPlan:
     )
 
     request = ExecutionRequest(
-        device=device, pack_sequences=cfg.pack_sequences,
+        device=device,
+        pack_sequences=cfg.pack_sequences,
         distributed_optimizer=cfg.optim.distributed,
         overlap_grad_reduce=cfg.optim.overlap_grad_reduce,
-        overlap_param_gather=cfg.optim.overlap_param_gather, recompute=cfg.recompute)
+        overlap_param_gather=cfg.optim.overlap_param_gather,
+        recompute=cfg.recompute,
+    )
     return decide_execution(request, detect_environment())
 
 
@@ -325,8 +398,13 @@ def packed_seq_params(mb: MicroBatchTensors):
     from megatron.core.packed_seq_params import PackedSeqParams
 
     cu = torch.tensor(mb.cu_seqlens, dtype=torch.int32, device=mb.tokens_BL.device)
-    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                           max_seqlen_q=mb.max_seqlen, max_seqlen_kv=mb.max_seqlen)
+    return PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        max_seqlen_q=mb.max_seqlen,
+        max_seqlen_kv=mb.max_seqlen,
+    )
 
 
 def _sum_stats(stats: list[dict]) -> dict:
@@ -347,4 +425,3 @@ def reduce_stats_to_all(values: dict[str, float], keys: Sequence[str], tp: int) 
     tensor = torch.tensor([values.get(k, 0.0) for k in keys], dtype=torch.float64, device=device)
     dist.all_reduce(tensor)
     return {k: float(v) / tp for k, v in zip(keys, tensor.tolist(), strict=True)}
-

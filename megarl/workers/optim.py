@@ -23,8 +23,13 @@ class CpuAdamW:
     def __init__(self, model, cfg: ActorConfig):
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.cfg = cfg
-        self.inner = torch.optim.AdamW(self.params, lr=cfg.lr, betas=tuple(cfg.optim.betas),
-                                       eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay)
+        self.inner = torch.optim.AdamW(
+            self.params,
+            lr=cfg.lr,
+            betas=tuple(cfg.optim.betas),
+            eps=cfg.optim.eps,
+            weight_decay=cfg.optim.weight_decay,
+        )
 
     def zero_grad(self) -> None:
         for p in self.params:
@@ -57,8 +62,9 @@ class CpuAdamW:
         return dict(self.inner.state.get(param, {}))
 
     def load_param_state(self, param, state: dict[str, torch.Tensor]) -> None:
-        self.inner.state[param] = {key: value.to(param.device).clone()
-                                   for key, value in state.items()}
+        self.inner.state[param] = {
+            key: value.to(param.device).clone() for key, value in state.items()
+        }
 
 
 def _counts_for_norm(param) -> bool:
@@ -66,7 +72,8 @@ def _counts_for_norm(param) -> bool:
     from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
     if getattr(param, "shared_embedding", False) and not ps.is_pipeline_first_stage(
-            ignore_virtual=True):
+        ignore_virtual=True
+    ):
         return False  # the tied output layer on the last stage copies the first stage's embedding
     return param_is_not_tensor_parallel_duplicate(param)
 
@@ -93,17 +100,24 @@ class MegatronOptimizer:
     parameters). The flag then only changes *when* the gather's buckets are issued.
     """
 
-    def __init__(self, model, cfg: ActorConfig, distributed: bool = False,
-                 overlap_param_gather: bool = False):
+    def __init__(
+        self, model, cfg: ActorConfig, distributed: bool = False, overlap_param_gather: bool = False
+    ):
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         self.model = model
         self.force_param_sync = distributed and overlap_param_gather
         config = OptimizerConfig(
-            optimizer="adam", lr=cfg.lr, weight_decay=cfg.optim.weight_decay,
-            adam_beta1=cfg.optim.betas[0], adam_beta2=cfg.optim.betas[1], adam_eps=cfg.optim.eps,
-            clip_grad=cfg.optim.grad_clip, bf16=model.config.bf16,
-            params_dtype=model.config.params_dtype, use_distributed_optimizer=distributed,
+            optimizer="adam",
+            lr=cfg.lr,
+            weight_decay=cfg.optim.weight_decay,
+            adam_beta1=cfg.optim.betas[0],
+            adam_beta2=cfg.optim.betas[1],
+            adam_eps=cfg.optim.eps,
+            clip_grad=cfg.optim.grad_clip,
+            bf16=model.config.bf16,
+            params_dtype=model.config.params_dtype,
+            use_distributed_optimizer=distributed,
         )
         self.inner = get_megatron_optimizer(config, [model])
 
@@ -128,6 +142,10 @@ def build_optimizer(model, cfg: ActorConfig, plan):
     if isinstance(plan, str):  # older call sites pass the device
         return MegatronOptimizer(model, cfg) if plan == "cuda" else CpuAdamW(model, cfg)
     if plan.optimizer == "megatron":
-        return MegatronOptimizer(model, cfg, distributed=plan.distributed_optimizer,
-                                 overlap_param_gather=plan.overlap_param_gather)
+        return MegatronOptimizer(
+            model,
+            cfg,
+            distributed=plan.distributed_optimizer,
+            overlap_param_gather=plan.overlap_param_gather,
+        )
     return CpuAdamW(model, cfg)

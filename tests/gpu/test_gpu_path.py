@@ -34,9 +34,16 @@ def require_transformer_engine() -> None:
 BF16_MEAN_LOGP_TOL = 2e-2
 BF16_MAX_LOGP_TOL = 0.25
 TINY = {
-    "model_type": "llama", "vocab_size": 1024, "hidden_size": 256, "intermediate_size": 512,
-    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 512,
+    "model_type": "llama",
+    "vocab_size": 1024,
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 512,
     "tie_word_embeddings": False,
 }
 SEQ_LENS = (37, 120, 9, 64, 200)
@@ -45,17 +52,18 @@ SEQ_LENS = (37, 120, 9, 64, 200)
 def _plan(packed: bool, te: bool, dtype: str):
     from megarl.distributed.execution import Environment, ExecutionRequest, decide_execution
 
-    env = Environment(cuda_available=True, transformer_engine=te,
-                      device_name=torch.cuda.get_device_name())
-    return decide_execution(ExecutionRequest(device="cuda", pack_sequences=packed,
-                                             model_dtype=dtype), env)
+    env = Environment(
+        cuda_available=True, transformer_engine=te, device_name=torch.cuda.get_device_name()
+    )
+    return decide_execution(
+        ExecutionRequest(device="cuda", pack_sequences=packed, model_dtype=dtype), env
+    )
 
 
 def _init(ctx):
     from megarl.distributed import parallel
 
-    parallel.init_process_group("cuda", ctx.rank, ctx.world_size, ctx.master_addr,
-                                ctx.master_port)
+    parallel.init_process_group("cuda", ctx.rank, ctx.world_size, ctx.master_addr, ctx.master_port)
     parallel.init_model_parallel(1, 1)
 
 
@@ -66,10 +74,14 @@ def _batch(vocab: int):
     tokens = tuple(torch.randint(3, vocab, (n,), generator=gen) for n in SEQ_LENS)
     prompts = tuple(max(1, n // 3) for n in SEQ_LENS)
     num = len(SEQ_LENS)
-    return RolloutBatch(tokens=tokens, prompt_lens=prompts, group_ids=torch.zeros(num),
-                        rewards=torch.zeros(num), advantages=torch.linspace(-1, 1, num),
-                        engine_logprobs=tuple(torch.zeros(n - p)
-                                              for n, p in zip(SEQ_LENS, prompts, strict=True)))
+    return RolloutBatch(
+        tokens=tokens,
+        prompt_lens=prompts,
+        group_ids=torch.zeros(num),
+        rewards=torch.zeros(num),
+        advantages=torch.linspace(-1, 1, num),
+        engine_logprobs=tuple(torch.zeros(n - p) for n, p in zip(SEQ_LENS, prompts, strict=True)),
+    )
 
 
 def _actor(spec, state, plan):
@@ -77,8 +89,9 @@ def _actor(spec, state, plan):
     from megarl.workers.megatron_actor import MegatronActor
 
     cfg = ActorConfig(lr=1e-4, pack_sequences=plan.pack_sequences, logprob_chunk_tokens=128)
-    return MegatronActor(spec, cfg, "cuda", getattr(torch, plan.params_dtype), state, pad_id=0,
-                         execution=plan)
+    return MegatronActor(
+        spec, cfg, "cuda", getattr(torch, plan.params_dtype), state, pad_id=0, execution=plan
+    )
 
 
 # --- Megatron vs HF in bf16 ----------------------------------------------------------------
@@ -102,8 +115,11 @@ def _megatron_vs_hf_worker(ctx, te: bool):
     with torch.no_grad():
         for i, toks in enumerate(batch.tokens):
             logits = hf(toks.unsqueeze(0).cuda()).logits.float()[0]
-            ref = torch.log_softmax(logits, -1)[:-1].gather(
-                -1, toks[1:].cuda().unsqueeze(-1)).squeeze(-1)[batch.prompt_lens[i] - 1:]
+            ref = (
+                torch.log_softmax(logits, -1)[:-1]
+                .gather(-1, toks[1:].cuda().unsqueeze(-1))
+                .squeeze(-1)[batch.prompt_lens[i] - 1 :]
+            )
             diffs.append((got[i].cuda().float() - ref).abs())
     parallel.destroy()
     flat = torch.cat(diffs)
@@ -182,8 +198,12 @@ def test_chunked_logprobs_equal_unchunked_and_bound_memory_on_cuda():
         logp, ent = token_logprobs_and_entropy(x, targets, shard, chunk_tokens=size)
         (logp.sum() + ent.sum()).backward()
         torch.cuda.synchronize()
-        results[size] = (logp.detach(), ent.detach(), x.grad, torch.cuda.max_memory_allocated()
-                         - base)
+        results[size] = (
+            logp.detach(),
+            ent.detach(),
+            x.grad,
+            torch.cuda.max_memory_allocated() - base,
+        )
     (lp_full, ent_full, g_full, peak_full), (lp_c, ent_c, g_c, peak_c) = results.values()
     assert torch.allclose(lp_full, lp_c, atol=1e-5) and torch.allclose(ent_full, ent_c, atol=1e-5)
     assert torch.allclose(g_full.float(), g_c.float(), atol=1e-6)
@@ -200,12 +220,20 @@ def test_grpo_smollm2_three_steps_on_one_gpu(tmp_path):
     require_cuda()
     from megarl.train import run
 
-    result = run([
-        "trainer.device=cuda", "trainer.total_steps=3", f"trainer.run_dir={tmp_path}",
-        "trainer.log_console=false", "trainer.tensorboard=false", "rollout.engine=hf",
-        "rollout.n=8", "data.prompts_per_step=4", "rollout.max_new_tokens=32",
-        "planner.prune_zero_adv=off",  # every step trains, so every step has the checks below
-    ])
+    result = run(
+        [
+            "trainer.device=cuda",
+            "trainer.total_steps=3",
+            f"trainer.run_dir={tmp_path}",
+            "trainer.log_console=false",
+            "trainer.tensorboard=false",
+            "rollout.engine=hf",
+            "rollout.n=8",
+            "data.prompts_per_step=4",
+            "rollout.max_new_tokens=32",
+            "planner.prune_zero_adv=off",  # every step trains, so every step has the checks below
+        ]
+    )
     history = result.history
     assert len(history) == 3
     for m in history:

@@ -5,29 +5,56 @@ from __future__ import annotations
 import pytest
 
 TINY_HF_CONFIG = {
-    "model_type": "llama", "vocab_size": 384, "hidden_size": 64, "intermediate_size": 96,
-    "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 128,
+    "model_type": "llama",
+    "vocab_size": 384,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 128,
     "tie_word_embeddings": False,
 }
 """The tiny Llama the export, LoRA and equivalence tests build with random weights."""
 
 REQUIRED_METRICS = (
-    "step", "timing_s/gen", "timing_s/old_log_prob", "timing_s/ref", "timing_s/adv",
-    "timing_s/update_actor", "timing_s/update_weights", "timing_s/step", "critic/rewards/mean",
-    "critic/advantages/zero_adv_ratio", "actor/pg_loss", "actor/kl_loss", "actor/entropy",
-    "actor/grad_norm", "actor/pg_clipfrac", "actor/ppo_kl", "response_length/mean",
-    "rollout/logprob_abs_diff", "perf/throughput",
+    "step",
+    "timing_s/gen",
+    "timing_s/old_log_prob",
+    "timing_s/ref",
+    "timing_s/adv",
+    "timing_s/update_actor",
+    "timing_s/update_weights",
+    "timing_s/step",
+    "critic/rewards/mean",
+    "critic/advantages/zero_adv_ratio",
+    "actor/pg_loss",
+    "actor/kl_loss",
+    "actor/entropy",
+    "actor/grad_norm",
+    "actor/pg_clipfrac",
+    "actor/ppo_kl",
+    "response_length/mean",
+    "rollout/logprob_abs_diff",
+    "perf/throughput",
 )
 
 
 def tiny_overrides(run_dir, steps: int = 2, **extra: object) -> list[str]:
     """A fast tiny-model run: 2 prompts x 4 samples, short responses, synthetic mixed rewards."""
     base = {
-        "model": "tiny_llama", "trainer.total_steps": steps, "trainer.run_dir": str(run_dir),
-        "trainer.log_console": "false", "trainer.tensorboard": "false", "rollout.n": 4,
-        "data.prompts_per_step": 2, "rollout.max_new_tokens": 6,
-        "data.reward": "synthetic_rewards:char_parity", "actor.lr": 1e-3,
+        "model": "tiny_llama",
+        "trainer.total_steps": steps,
+        "trainer.run_dir": str(run_dir),
+        "trainer.log_console": "false",
+        "trainer.tensorboard": "false",
+        "rollout.n": 4,
+        "data.prompts_per_step": 2,
+        "rollout.max_new_tokens": 6,
+        "data.reward": "synthetic_rewards:char_parity",
+        "actor.lr": 1e-3,
     }
     base.update(extra)
     return [f"{k}={v}" for k, v in base.items()]
@@ -38,7 +65,8 @@ def tiny_run(tmp_path):
     from megarl.train import run
 
     def _run(steps: int = 2, return_final_state: bool = False, **extra):
-        return run(tiny_overrides(tmp_path / "run", steps, **extra),
-                   return_final_state=return_final_state)
+        return run(
+            tiny_overrides(tmp_path / "run", steps, **extra), return_final_state=return_final_state
+        )
 
     return _run

@@ -16,9 +16,13 @@ def probe_batch(ids: torch.Tensor, prompt_len: int = 4):
 
     num = ids.shape[0]
     return RolloutBatch(
-        tokens=tuple(ids), prompt_lens=(prompt_len,) * num, group_ids=torch.zeros(num),
-        rewards=torch.zeros(num), advantages=torch.zeros(num),
-        engine_logprobs=tuple(torch.zeros(ids.shape[1] - prompt_len) for _ in range(num)))
+        tokens=tuple(ids),
+        prompt_lens=(prompt_len,) * num,
+        group_ids=torch.zeros(num),
+        rewards=torch.zeros(num),
+        advantages=torch.zeros(num),
+        engine_logprobs=tuple(torch.zeros(ids.shape[1] - prompt_len) for _ in range(num)),
+    )
 
 
 def full_logits(actor, batch, tp: int, vocab_size: int | None = None) -> torch.Tensor | None:
@@ -31,8 +35,9 @@ def full_logits(actor, batch, tp: int, vocab_size: int | None = None) -> torch.T
 
     def gather_logits(mb, logits):
         shards = [torch.empty_like(logits) for _ in range(tp)]
-        torch.distributed.all_gather(shards, logits.contiguous(),
-                                     group=ps.get_tensor_model_parallel_group())
+        torch.distributed.all_gather(
+            shards, logits.contiguous(), group=ps.get_tensor_model_parallel_group()
+        )
         return logits.new_zeros(()), torch.tensor(1), {"logits": torch.cat(shards, -1)}
 
     with torch.no_grad():

@@ -19,4 +19,3 @@ def mixed_groups(response: str, answer: str) -> float:
     if int(answer) % 2 == 0:
         return 1.0
     return float(len(response) % 2 == 0)
-

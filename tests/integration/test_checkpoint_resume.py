@@ -58,11 +58,15 @@ def straight(tmp_path_factory):
 
 def _stop_and_resume(tmp_path, first: dict, second: dict, steps=6, stop_at=3):
     run_dir = tmp_path / "resumed"
-    stopped = run(tiny_overrides(run_dir, stop_at, **{**COMMON, "trainer.save_interval": stop_at,
-                                                      **first}), return_final_state=True)
+    stopped = run(
+        tiny_overrides(run_dir, stop_at, **{**COMMON, "trainer.save_interval": stop_at, **first}),
+        return_final_state=True,
+    )
     assert [c.step for c in complete_checkpoints(run_dir)] == [stop_at]
-    result = run(tiny_overrides(run_dir, steps, **{**COMMON, "trainer.save_interval": stop_at,
-                                                   **second}), return_final_state=True)
+    result = run(
+        tiny_overrides(run_dir, steps, **{**COMMON, "trainer.save_interval": stop_at, **second}),
+        return_final_state=True,
+    )
     return stopped.final_state, result, _metrics(run_dir)
 
 
@@ -91,20 +95,40 @@ def test_resume_at_another_layout(straight, tmp_path):
     resharded = load_hf_state_dict(tmp_path)
     assert all(torch.equal(stopped_state[k], resharded[k]) for k in stopped_state)
     assert [r["critic/rewards/mean"] for r in rows] == [
-        r["critic/rewards/mean"] for r in straight_rows]
+        r["critic/rewards/mean"] for r in straight_rows
+    ]
     assert _max_diff(straight_state, result.final_state) <= 1e-6
 
 
 def test_keep_last_and_mismatched_resume(tmp_path):
     """keep_last prunes older checkpoints; a resume that changes what matters is one line."""
     run_dir = tmp_path / "run"
-    run(tiny_overrides(run_dir, 4, **{"trainer.save_interval": 1, "trainer.keep_last": 2,
-                                      "rollout.n": 2, "data.prompts_per_step": 1}))
+    run(
+        tiny_overrides(
+            run_dir,
+            4,
+            **{
+                "trainer.save_interval": 1,
+                "trainer.keep_last": 2,
+                "rollout.n": 2,
+                "data.prompts_per_step": 1,
+            },
+        )
+    )
     names = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     assert names == ["step_000003", "step_000004"]
     with pytest.raises(StartupError) as err:
-        run(tiny_overrides(run_dir, 6, **{"trainer.save_interval": 1, "trainer.seed": 7,
-                                          "model.hf_config.num_hidden_layers": 2}))
+        run(
+            tiny_overrides(
+                run_dir,
+                6,
+                **{
+                    "trainer.save_interval": 1,
+                    "trainer.seed": 7,
+                    "model.hf_config.num_hidden_layers": 2,
+                },
+            )
+        )
     message = str(err.value)
     assert "\n" not in message
     assert "trainer.seed: 1234 -> 7" in message
@@ -121,10 +145,24 @@ def _tmp_saves(run_dir) -> list:
 
 def _start_training(run_dir, steps: int, log) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(Path(__file__).parent)])}
-    args = tiny_overrides(run_dir, steps, **{"trainer.save_interval": 1, "trainer.keep_last": 2,
-                                             "rollout.n": 2, "data.prompts_per_step": 1})
-    return subprocess.Popen([sys.executable, "-m", "megarl.train", *args], cwd=REPO, env=env,
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    args = tiny_overrides(
+        run_dir,
+        steps,
+        **{
+            "trainer.save_interval": 1,
+            "trainer.keep_last": 2,
+            "rollout.n": 2,
+            "data.prompts_per_step": 1,
+        },
+    )
+    return subprocess.Popen(
+        [sys.executable, "-m", "megarl.train", *args],
+        cwd=REPO,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
 
 
 def _kill_during_save(proc: subprocess.Popen, run_dir, step: int, delay_s: float) -> bool:

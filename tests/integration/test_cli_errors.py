@@ -13,17 +13,35 @@ import pytest
 
 
 def _train(*args: str, cwd) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "megarl.train", *args], cwd=cwd,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "megarl.train", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
-_VLLM_CASES = [] if importlib.util.find_spec("vllm") is None else [
-    (["rollout.engine=vllm", "model=tiny_llama", "model.hf_config.num_attention_heads=8",
-      "model.hf_config.num_key_value_heads=4"], "head size 16 is not supported"),
-    (["rollout.engine=vllm", "rollout.kv_cache_gb=100000"], "rollout.kv_cache_gb=100000"),
-    (["rollout.engine=vllm", "rollout.temperature=0.7", "rollout.top_p=0.9"],
-     "rollout.top_p=0.9 with rollout.temperature=0.7"),
-]
+_VLLM_CASES = (
+    []
+    if importlib.util.find_spec("vllm") is None
+    else [
+        (
+            [
+                "rollout.engine=vllm",
+                "model=tiny_llama",
+                "model.hf_config.num_attention_heads=8",
+                "model.hf_config.num_key_value_heads=4",
+            ],
+            "head size 16 is not supported",
+        ),
+        (["rollout.engine=vllm", "rollout.kv_cache_gb=100000"], "rollout.kv_cache_gb=100000"),
+        (
+            ["rollout.engine=vllm", "rollout.temperature=0.7", "rollout.top_p=0.9"],
+            "rollout.top_p=0.9 with rollout.temperature=0.7",
+        ),
+    ]
+)
 """vLLM settings it cannot honour (where vLLM is installed; without it, a test below)."""
 
 
@@ -32,10 +50,14 @@ _VLLM_CASES = [] if importlib.util.find_spec("vllm") is None else [
     [
         (["actor.tpp=2"], "actor.tpp"),
         (["actor.tp=0"], "actor.tp=0"),
-        (["model=tiny_llama", "actor.tp=3", "trainer.n_gpus_per_node=3"],
-         "actor.tp=3 does not divide the model's 4 attention heads"),
-        (["model=tiny_llama", "actor.pp=3", "trainer.n_gpus_per_node=3"],
-         "actor.pp=3 does not divide the model's 4 layers"),
+        (
+            ["model=tiny_llama", "actor.tp=3", "trainer.n_gpus_per_node=3"],
+            "actor.tp=3 does not divide the model's 4 attention heads",
+        ),
+        (
+            ["model=tiny_llama", "actor.pp=3", "trainer.n_gpus_per_node=3"],
+            "actor.pp=3 does not divide the model's 4 layers",
+        ),
         (["actor.ppo_mini_batches=5"], "actor.ppo_mini_batches=5"),
         (["model.path=/nonexistent/model"], "model.path=/nonexistent/model"),
         (["data.task=jsonl", "data.path=/nonexistent/data.jsonl"], "/nonexistent/data.jsonl"),
@@ -62,8 +84,15 @@ def _tiny_hf_folder(folder: Path) -> Path:
 
     from megarl.models.hf_io import resolve_model_path
 
-    config = LlamaConfig(vocab_size=384, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=384,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    )
     LlamaForCausalLM(config).save_pretrained(folder, safe_serialization=True)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(resolve_model_path(None) / name, folder / name)
@@ -79,13 +108,18 @@ def _set_config(folder: Path, key: str, value) -> None:
 _BAD_MODELS = {
     "truncated weights": (
         lambda f: (f / "model.safetensors").write_bytes(
-            (f / "model.safetensors").read_bytes()[:1000]),
-        "model.safetensors is not a readable safetensors file"),
-    "config not json": (lambda f: (f / "config.json").write_text("{not json"),
-                        "config.json is not valid JSON"),
+            (f / "model.safetensors").read_bytes()[:1000]
+        ),
+        "model.safetensors is not a readable safetensors file",
+    ),
+    "config not json": (
+        lambda f: (f / "config.json").write_text("{not json"),
+        "config.json is not valid JSON",
+    ),
     "vocab disagreeing with the weights": (
         lambda f: _set_config(f, "vocab_size", 400),
-        "config.json vocab_size=400 but model.embed_tokens.weight has 384 rows"),
+        "config.json vocab_size=400 but model.embed_tokens.weight has 384 rows",
+    ),
     "no tokenizer": (lambda f: (f / "tokenizer.json").unlink(), "folder has no tokenizer"),
 }
 
@@ -113,22 +147,29 @@ def test_unparsable_gguf_is_one_line(tmp_path):
     gguf.write_bytes(bytes(range(256)) * 64)
     run_dir = tmp_path / "run"
     proc = _train(f"trainer.run_dir={run_dir}", f"model.path={gguf}", cwd=tmp_path)
-    _assert_one_line_exit_2_nothing_written(proc, f"model.path={gguf}: not a readable .gguf",
-                                            run_dir)
+    _assert_one_line_exit_2_nothing_written(
+        proc, f"model.path={gguf}: not a readable .gguf", run_dir
+    )
 
 
 def test_random_init_refused_by_a_later_check_leaves_run_dir_untouched(tmp_path):
     """The init model is written to a staging folder and moved in only once every check passed."""
     run_dir = tmp_path / "run"
-    proc = _train(f"trainer.run_dir={run_dir}", "model=tiny_llama", "actor.pp=3",
-                  "trainer.n_gpus_per_node=3", cwd=tmp_path)
+    proc = _train(
+        f"trainer.run_dir={run_dir}",
+        "model=tiny_llama",
+        "actor.pp=3",
+        "trainer.n_gpus_per_node=3",
+        cwd=tmp_path,
+    )
     _assert_one_line_exit_2_nothing_written(proc, "actor.pp=3 does not divide", run_dir)
 
 
 def test_malformed_dataset_row_names_file_and_line(tmp_path):
     data = tmp_path / "bad.jsonl"
     data.write_text('{"question": "1+1?", "answer": "#### 2"}\n{"question": "no answer"}\n')
-    proc = _train(f"trainer.run_dir={tmp_path / 'run'}", "data.task=jsonl", f"data.path={data}",
-                  cwd=tmp_path)
+    proc = _train(
+        f"trainer.run_dir={tmp_path / 'run'}", "data.task=jsonl", f"data.path={data}", cwd=tmp_path
+    )
     assert proc.returncode == 2
     assert f"{data}:2:" in proc.stderr and "Traceback" not in proc.stderr

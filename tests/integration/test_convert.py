@@ -33,8 +33,23 @@ def tiny_hf(tmp_path_factory) -> Path:
 def _convert_both_ways(hf: Path, tmp_path: Path, tp: int, pp: int) -> Path:
     mcore, back = tmp_path / "mcore", tmp_path / "back"
     argv = ["--no-progress"]
-    assert main(["hf-to-mcore", "--hf", str(hf), "--out", str(mcore), "--tp", str(tp),
-                 "--pp", str(pp), *argv]) == 0
+    assert (
+        main(
+            [
+                "hf-to-mcore",
+                "--hf",
+                str(hf),
+                "--out",
+                str(mcore),
+                "--tp",
+                str(tp),
+                "--pp",
+                str(pp),
+                *argv,
+            ]
+        )
+        == 0
+    )
     info = read_checkpoint(mcore)
     assert (info.tp, info.pp, info.kind) == (tp, pp, "converted")
     assert len(list(mcore.glob("model_tp*_pp*.safetensors"))) == tp * pp
@@ -86,8 +101,7 @@ def test_bad_inputs_are_one_line_and_write_nothing(tiny_hf, tmp_path, capsys):
     smollm2 = str(resolve_model_path(None))
     err = _error_line(capsys, ["hf-to-mcore", "--hf", smollm2, "--out", str(out), "--tp", "2"])
     assert "--tp 2 does not divide the model's 9 attention heads" in err
-    err = _error_line(capsys, ["hf-to-mcore", "--hf", str(tiny_hf), "--out", str(out),
-                               "--pp", "3"])
+    err = _error_line(capsys, ["hf-to-mcore", "--hf", str(tiny_hf), "--out", str(out), "--pp", "3"])
     assert "--pp 3 does not divide the model's 4 layers" in err
     err = _error_line(capsys, ["hf-to-mcore", "--hf", str(tmp_path / "nope"), "--out", str(out)])
     assert "no such file" in err
@@ -99,8 +113,9 @@ def test_bad_inputs_are_one_line_and_write_nothing(tiny_hf, tmp_path, capsys):
     assert "model_type='gpt2' is not supported" in err
     err = _error_line(capsys, ["mcore-to-hf", "--ckpt", str(tiny_hf), "--out", str(out)])
     assert "no megarl_checkpoint.json" in err
-    err = _error_line(capsys, ["mcore-to-hf", "--ckpt", str(tiny_hf), "--out", str(out),
-                               "--lora", "--merge-lora"])
+    err = _error_line(
+        capsys, ["mcore-to-hf", "--ckpt", str(tiny_hf), "--out", str(out), "--lora", "--merge-lora"]
+    )
     assert "--lora and --merge-lora: choose one" in err
     assert not out.exists()
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".tmp")] == []
@@ -109,9 +124,20 @@ def test_bad_inputs_are_one_line_and_write_nothing(tiny_hf, tmp_path, capsys):
 
 
 def test_tools_script_runs_the_same_main(tmp_path):
-    proc = subprocess.run([sys.executable, str(REPO / "tools" / "convert.py"), "mcore-to-hf",
-                           "--ckpt", str(tmp_path), "--out", str(tmp_path / "x")],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "tools" / "convert.py"),
+            "mcore-to-hf",
+            "--ckpt",
+            str(tmp_path),
+            "--out",
+            str(tmp_path / "x"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert proc.stderr.strip().startswith("megarl-convert: error: checkpoint")
 
@@ -122,10 +148,15 @@ def test_training_starts_from_a_converted_checkpoint(tiny_hf, tmp_path):
     from megarl.train import run
 
     mcore = tmp_path / "mcore"
-    assert main(["hf-to-mcore", "--hf", str(tiny_hf), "--out", str(mcore), "--tp", "2",
-                 "--no-progress"]) == 0
+    assert (
+        main(
+            ["hf-to-mcore", "--hf", str(tiny_hf), "--out", str(mcore), "--tp", "2", "--no-progress"]
+        )
+        == 0
+    )
     run_dir = tmp_path / "run"
-    result = run(tiny_overrides(run_dir, 1, **{"model.hf_config": "null",
-                                               "model.path": str(mcore)}))
+    result = run(
+        tiny_overrides(run_dir, 1, **{"model.hf_config": "null", "model.path": str(mcore)})
+    )
     assert len(result.history) == 1
     _assert_bitwise(tiny_hf, run_dir / "init_model")

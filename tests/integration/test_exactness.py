@@ -106,9 +106,17 @@ def test_dp4_with_few_kept_sequences_completes(tiny_run):
     parities (mixed rewards) at step 1 with ``model=tiny_llama``; step 2 samples from the
     trained weights, so only its completion is asserted.
     """
-    result = tiny_run(steps=2, **{**COMMON, "trainer.n_gpus_per_node": 4, "rollout.n": 2,
-                                  "data.prompts_per_step": 2, "trainer.seed": 1242,
-                                  "planner.prune_zero_adv": "match_loss_curve"})
+    result = tiny_run(
+        steps=2,
+        **{
+            **COMMON,
+            "trainer.n_gpus_per_node": 4,
+            "rollout.n": 2,
+            "data.prompts_per_step": 2,
+            "trainer.seed": 1242,
+            "planner.prune_zero_adv": "match_loss_curve",
+        },
+    )
     assert len(result.history) == 2
     first = result.history[0]
     assert first["planner/kept_seq_frac"] == 0.5
@@ -132,8 +140,11 @@ def test_match_loss_curve_equals_off_with_mixed_mini_batches(tiny_run, tmp_path)
     token count while its micro-batches are packed differently from the baseline's. (The tiny
     model collapses to one response after that step; later steps are ghost steps.)
     """
-    batching = {"actor.ppo_mini_batches": 2, "data.prompts_per_step": 4,
-                "actor.micro_batch_tokens": 160}
+    batching = {
+        "actor.ppo_mini_batches": 2,
+        "data.prompts_per_step": 4,
+        "actor.micro_batch_tokens": 160,
+    }
     kept_groups = [answer % 2 == 1 for answer in _first_step_answers(4)]
     mini_batches = [kept_groups[:2], kept_groups[2:]]
     assert any(any(mb) and not all(mb) for mb in mini_batches), "no mixed mini-batch to test"

@@ -46,25 +46,33 @@ def _worker(ctx, tp, pp, vpp, hf_config, state, ids, ref_logits, engine_seed):
     parallel.init_process_group("cpu", ctx.rank, ctx.world_size, ctx.master_addr, ctx.master_port)
     parallel.init_model_parallel(tp, pp, vpp if vpp > 1 else None)
     spec = spec_from_hf_config(hf_config)
-    actor = MegatronActor(spec, ActorConfig(tp=tp, pp=pp, vpp=vpp), "cpu", torch.float32, state,
-                          pad_id=0, trainable=False)
+    actor = MegatronActor(
+        spec,
+        ActorConfig(tp=tp, pp=pp, vpp=vpp),
+        "cpu",
+        torch.float32,
+        state,
+        pad_id=0,
+        trainable=False,
+    )
     result: dict = {"rank": ctx.rank, "num_chunks": len(actor.chunks)}
     if ids is not None:
         logits = _vocab_logits(actor, ids, tp)
         if logits is not None:
             result["logits_diff"] = (logits[..., : spec.vocab_size] - ref_logits).abs().max().item()
-    stream = open_stream(actor.local_params(), spec, BUCKET_BYTES, vpp=vpp,
-                         checksums=True)
+    stream = open_stream(actor.local_params(), spec, BUCKET_BYTES, vpp=vpp, checksums=True)
     if ctx.rank == 0:
         engine = _engine(hf_config, engine_seed)
         engine.update_weights(stream.named_tensors(), record_checksums=True)
         held = dict(engine.model.named_parameters())
         result["export_equal"] = sorted(stream.sent_checksums) == sorted(state) and all(
-            torch.equal(held[k], state[k]) for k in state)
+            torch.equal(held[k], state[k]) for k in state
+        )
         from megarl.export.checksum import compare_checksums
 
         result["checksum_mismatches"] = compare_checksums(
-            stream.sent_checksums, engine.weight_checksums(torch.float32))
+            stream.sent_checksums, engine.weight_checksums(torch.float32)
+        )
         result["greedy"] = _greedy(engine)
         result["num_buckets"] = stream.num_buckets
         result["num_bytes"] = stream.num_bytes

@@ -23,8 +23,11 @@ def _tiny_llama_bytes() -> int:
 
 
 def test_run_streams_buckets_and_checksums(tmp_path):
-    result = run(tiny_overrides(tmp_path / "run", steps=2, **{
-        "export.bucket_mb": 4, "export.checksum_interval": 2}))
+    result = run(
+        tiny_overrides(
+            tmp_path / "run", steps=2, **{"export.bucket_mb": 4, "export.checksum_interval": 2}
+        )
+    )
     first, second = result.history
     for row in result.history:
         assert row["rollout/logprob_abs_diff"] <= 1e-3, row
@@ -39,13 +42,20 @@ def test_run_streams_buckets_and_checksums(tmp_path):
 
 def test_vpp_training_is_refused_at_start_up(tmp_path):
     with pytest.raises(StartupError, match="actor.vpp > 1"):
-        run(tiny_overrides(tmp_path / "run", **{"actor.pp": 2, "actor.vpp": 2,
-                                                "trainer.n_gpus_per_node": 2}))
+        run(
+            tiny_overrides(
+                tmp_path / "run", **{"actor.pp": 2, "actor.vpp": 2, "trainer.n_gpus_per_node": 2}
+            )
+        )
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM")
 def test_checksum_with_a_tensor_parallel_vllm_is_refused_at_start_up(tmp_path):
     """vLLM checksums whole HF tensors; an engine split over rollout.tp ranks holds slices."""
     with pytest.raises(StartupError, match="export.checksum_interval=1 needs rollout.tp=1"):
-        run(tiny_overrides(tmp_path / "run", **{"export.checksum_interval": 1,
-                                                "rollout.engine": "vllm", "rollout.tp": 2}))
+        run(
+            tiny_overrides(
+                tmp_path / "run",
+                **{"export.checksum_interval": 1, "rollout.engine": "vllm", "rollout.tp": 2},
+            )
+        )

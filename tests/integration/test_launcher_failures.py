@@ -24,13 +24,22 @@ def _run_killed(tmp_path, fault: str, steps: int, **overrides) -> tuple[list[str
     """Run ``megarl-train`` with ``MEGARL_FAULT_INJECT=fault``; assert it exits 1 with exactly
     one error line. Returns that line (in a list) and seconds from the death to the exit."""
     mark = tmp_path / "killed_at"
-    env = {**os.environ,
-           "PYTHONPATH": os.pathsep.join([str(REPO), str(Path(__file__).parent)]),
-           "MEGARL_FAULT_INJECT": fault, "MEGARL_FAULT_INJECT_MARK": str(mark),
-           "MEGARL_COLLECTIVE_TIMEOUT_S": "120"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO), str(Path(__file__).parent)]),
+        "MEGARL_FAULT_INJECT": fault,
+        "MEGARL_FAULT_INJECT_MARK": str(mark),
+        "MEGARL_COLLECTIVE_TIMEOUT_S": "120",
+    }
     args = tiny_overrides(tmp_path / "run", steps=steps, **overrides)
-    done = subprocess.run([sys.executable, "-m", "megarl.train", *args], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-m", "megarl.train", *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     exited = time.time()
     errors = [line for line in done.stderr.splitlines() if line.startswith("megarl-train: error")]
     assert done.returncode == 1, done.stderr[-3000:]
@@ -40,14 +49,20 @@ def _run_killed(tmp_path, fault: str, steps: int, **overrides) -> tuple[list[str
 
 @pytest.mark.parametrize("launcher", ["local", "ray"])
 def test_killed_rank_is_named_and_run_exits_nonzero(tmp_path, launcher):
-    errors, detect_s = _run_killed(tmp_path, "1:2", steps=3, **{
-        "trainer.launcher": launcher, "trainer.n_gpus_per_node": 2, "actor.tp": 2})
+    errors, detect_s = _run_killed(
+        tmp_path,
+        "1:2",
+        steps=3,
+        **{"trainer.launcher": launcher, "trainer.n_gpus_per_node": 2, "actor.tp": 2},
+    )
     assert "actor rank 1 on node" in errors[0] and "failed" in errors[0], errors[0]
     print(f"{launcher}: rank 1 killed -> exit in {detect_s:.1f} s: {errors[0]}")
     assert detect_s < DETECT_BOUND_S
     # whatever was recorded is whole lines (rank 0 may be stopped before it records step 1)
     metrics = tmp_path / "run" / "metrics.jsonl"
-    rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+    rows = (
+        [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+    )
     assert [r["step"] for r in rows] in ([], [1])
 
 
@@ -55,9 +70,17 @@ def test_killed_rollout_actor_is_named_not_rank_0(tmp_path):
     """Split placement: the rollout actor dies as it starts step 2's rollout. Rank 0 notices (its
     Ray call fails) but the one error line names the rollout actor and its node, within the bound;
     the other rank, blocked in the broadcast, does not make the run hang."""
-    errors, detect_s = _run_killed(tmp_path, "rollout:2", steps=2, **{
-        "trainer.launcher": "ray", "rollout.n_gpus": 1, "trainer.n_gpus_per_node": 2,
-        "actor.tp": 2})
+    errors, detect_s = _run_killed(
+        tmp_path,
+        "rollout:2",
+        steps=2,
+        **{
+            "trainer.launcher": "ray",
+            "rollout.n_gpus": 1,
+            "trainer.n_gpus_per_node": 2,
+            "actor.tp": 2,
+        },
+    )
     assert "rollout actor on node" in errors[0] and "the process died" in errors[0], errors[0]
     assert "during rollout" in errors[0], errors[0]
     assert "rank 0" not in errors[0], errors[0]
@@ -71,16 +94,40 @@ def test_killed_rank_then_resume_auto_completes_the_run(tmp_path):
     again, without the fault, resumes from step 2 and finishes with every step recorded once."""
     total, die_at, run_dir = 3, 3, tmp_path / "run"
     mark = tmp_path / "killed_at"
-    base_env = {**os.environ,
-                "PYTHONPATH": os.pathsep.join([str(REPO), str(Path(__file__).parent)]),
-                "MEGARL_COLLECTIVE_TIMEOUT_S": "120"}
-    command = [sys.executable, "-m", "megarl.train", *tiny_overrides(run_dir, steps=total, **{
-        "trainer.launcher": "local", "trainer.n_gpus_per_node": 2, "actor.tp": 2,
-        "trainer.save_interval": 1, "trainer.resume": "auto"})]
+    base_env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO), str(Path(__file__).parent)]),
+        "MEGARL_COLLECTIVE_TIMEOUT_S": "120",
+    }
+    command = [
+        sys.executable,
+        "-m",
+        "megarl.train",
+        *tiny_overrides(
+            run_dir,
+            steps=total,
+            **{
+                "trainer.launcher": "local",
+                "trainer.n_gpus_per_node": 2,
+                "actor.tp": 2,
+                "trainer.save_interval": 1,
+                "trainer.resume": "auto",
+            },
+        ),
+    ]
 
-    killed = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                            env={**base_env, "MEGARL_FAULT_INJECT": f"1:{die_at}",
-                                 "MEGARL_FAULT_INJECT_MARK": str(mark)})
+    killed = subprocess.run(
+        command,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={
+            **base_env,
+            "MEGARL_FAULT_INJECT": f"1:{die_at}",
+            "MEGARL_FAULT_INJECT_MARK": str(mark),
+        },
+    )
     detect_s = time.time() - float(mark.read_text())
     errors = [line for line in killed.stderr.splitlines() if line.startswith("megarl-train: error")]
     assert killed.returncode != 0, killed.stderr[-3000:]
@@ -88,10 +135,13 @@ def test_killed_rank_then_resume_auto_completes_the_run(tmp_path):
     assert detect_s < DETECT_BOUND_S, f"rank 1 died {detect_s:.1f} s before the run exited"
     assert [r["step"] for r in _metric_rows(run_dir)] == [1, 2]
     assert sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) == [
-        "step_000001", "step_000002"]
+        "step_000001",
+        "step_000002",
+    ]
 
-    resumed = subprocess.run(command, cwd=tmp_path, env=base_env, capture_output=True, text=True,
-                             timeout=300)
+    resumed = subprocess.run(
+        command, cwd=tmp_path, env=base_env, capture_output=True, text=True, timeout=300
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     said = [line for line in resumed.stdout.splitlines() if "megarl-train: resuming from" in line]
     assert len(said) == 1 and "step_000002 (step 2)" in said[0], resumed.stdout[-3000:]

@@ -27,9 +27,13 @@ def _batch(ids):
 
     num, prompt = ids.shape[0], 4
     return RolloutBatch(
-        tokens=tuple(ids), prompt_lens=(prompt,) * num, group_ids=torch.zeros(num),
-        rewards=torch.zeros(num), advantages=torch.tensor([1.0, -1.0, 0.5]),
-        engine_logprobs=tuple(torch.full((ids.shape[1] - prompt,), -2.0) for _ in range(num)))
+        tokens=tuple(ids),
+        prompt_lens=(prompt,) * num,
+        group_ids=torch.zeros(num),
+        rewards=torch.zeros(num),
+        advantages=torch.tensor([1.0, -1.0, 0.5]),
+        engine_logprobs=tuple(torch.full((ids.shape[1] - prompt,), -2.0) for _ in range(num)),
+    )
 
 
 def _full_logits(actor, batch, tp: int):
@@ -60,30 +64,48 @@ def _worker(ctx, tp: int, pp: int, ids, state):
     cfg = ActorConfig(tp=tp, pp=pp, lr=1e-2, lora=LoraConfig(rank=RANK, alpha=ALPHA))
     actor = MegatronActor(spec, cfg, "cpu", torch.float32, state, pad_id=0, init_seed=5)
     batch = _batch(ids)
-    base_before = {n: p.detach().clone() for n, p in unwrap(actor.model).named_parameters()
-                   if not p.requires_grad}
+    base_before = {
+        n: p.detach().clone()
+        for n, p in unwrap(actor.model).named_parameters()
+        if not p.requires_grad
+    }
     trainable = [n for n, p in unwrap(actor.model).named_parameters() if p.requires_grad]
     initial_logits = _full_logits(actor, batch, tp)
     initial_adapter = actor.gather_lora_adapter()
 
-    loss = LossSettings(temperature=1.0, clip_low=0.2, clip_high=0.2, agg="token-mean",
-                        kl_coef=0.0, kl_estimator="k1", entropy_coef=0.0)
-    work = OptimizerStepWork(micro_batches=(MicroBatchWork((0, 1, 2), (1.0, 1.0, 1.0)),),
-                             normaliser=float(batch.num_seqs * (ids.shape[1] - 4)))
+    loss = LossSettings(
+        temperature=1.0,
+        clip_low=0.2,
+        clip_high=0.2,
+        agg="token-mean",
+        kl_coef=0.0,
+        kl_estimator="k1",
+        entropy_coef=0.0,
+    )
+    work = OptimizerStepWork(
+        micro_batches=(MicroBatchWork((0, 1, 2), (1.0, 1.0, 1.0)),),
+        normaliser=float(batch.num_seqs * (ids.shape[1] - 4)),
+    )
     actor.train_step(batch, work, None, None, loss)
 
-    base_after = {n: p.detach() for n, p in unwrap(actor.model).named_parameters()
-                  if not p.requires_grad}
+    base_after = {
+        n: p.detach() for n, p in unwrap(actor.model).named_parameters() if not p.requires_grad
+    }
     sharded = unwrap(actor.model).sharded_state_dict(metadata={})
     lora_shapes = {k: tuple(v.global_shape) for k, v in sharded.items() if ".lora." in k}
     base_unchanged = all(torch.equal(base_before[n], base_after[n]) for n in base_before)
     optim_params = {id(p) for p in actor.optimizer.params}
     optim_is_adapters = optim_params == {id(p) for p in adapter_parameters(actor.model)}
     result = {
-        "rank": ctx.rank, "base_unchanged": base_unchanged, "trainable": trainable,
-        "optim_is_adapters": optim_is_adapters, "lora_shapes": lora_shapes,
-        "initial_logits": initial_logits, "logits": _full_logits(actor, batch, tp),
-        "initial_adapter": initial_adapter, "adapter": actor.gather_lora_adapter(),
+        "rank": ctx.rank,
+        "base_unchanged": base_unchanged,
+        "trainable": trainable,
+        "optim_is_adapters": optim_is_adapters,
+        "lora_shapes": lora_shapes,
+        "initial_logits": initial_logits,
+        "logits": _full_logits(actor, batch, tp),
+        "initial_adapter": initial_adapter,
+        "adapter": actor.gather_lora_adapter(),
         **_reference_vs_adapters_disabled(actor, batch, spec, cfg, state),
     }
     parallel.destroy()
@@ -151,8 +173,7 @@ def test_lora_tp2_pp2_trains_adapters_and_exports_what_peft_loads(tmp_path):
     assert adapter[q_b].abs().max() > 1e-4, "lora_B did not train"
 
     settings = LoraSettings(rank=RANK, alpha=ALPHA)
-    folder = save_peft_adapter(tmp_path / "adapter", adapter, settings,
-                               spec_from_hf_config(TINY))
+    folder = save_peft_adapter(tmp_path / "adapter", adapter, settings, spec_from_hf_config(TINY))
     peft_model = PeftModel.from_pretrained(build_random_hf_model(TINY, 3), str(folder)).eval()
     loaded = {k: v for k, v in peft_model.state_dict().items() if "lora_" in k}
     assert len(loaded) == len(adapter)

@@ -20,8 +20,15 @@ from megarl.train import run
 
 pytestmark = pytest.mark.slow
 
-LORA = {"actor.lora.rank": 4, "actor.lora.alpha": 8, "actor.lora.dropout": 0.1,
-        "actor.lr": 5e-2, "actor.tp": 2, "trainer.n_gpus_per_node": 2, "rollout.n": 2}
+LORA = {
+    "actor.lora.rank": 4,
+    "actor.lora.alpha": 8,
+    "actor.lora.dropout": 0.1,
+    "actor.lr": 5e-2,
+    "actor.tp": 2,
+    "trainer.n_gpus_per_node": 2,
+    "rollout.n": 2,
+}
 
 
 def _adapter(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -34,19 +41,22 @@ def resumed(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora_ckpt")
     straight = run(tiny_overrides(root / "straight", 4, **LORA), return_final_state=True)
     run_dir = root / "resumed"
-    stopped = run(tiny_overrides(run_dir, 2, **LORA, **{"trainer.save_interval": 2}),
-                  return_final_state=True)
+    stopped = run(
+        tiny_overrides(run_dir, 2, **LORA, **{"trainer.save_interval": 2}), return_final_state=True
+    )
     assert [c.step for c in complete_checkpoints(run_dir)] == [2]
-    result = run(tiny_overrides(run_dir, 4, **LORA, **{"trainer.save_interval": 2}),
-                 return_final_state=True)
+    result = run(
+        tiny_overrides(run_dir, 4, **LORA, **{"trainer.save_interval": 2}), return_final_state=True
+    )
     return straight.final_state, result.final_state, run_dir, stopped.final_state
 
 
 def test_lora_resume_is_bitwise_exact(resumed):
     straight, result, _, _ = resumed
     adapter = _adapter(straight)
-    assert adapter and any(k.endswith("lora_B.weight") and v.abs().max() > 0
-                           for k, v in adapter.items()), "adapters did not train"
+    assert adapter and any(
+        k.endswith("lora_B.weight") and v.abs().max() > 0 for k, v in adapter.items()
+    ), "adapters did not train"
     assert sorted(straight) == sorted(result)
     for name, tensor in straight.items():
         assert torch.equal(tensor, result[name]), name
@@ -84,16 +94,32 @@ def test_convert_lora_checkpoint_to_peft_and_merged(resumed, tmp_path, capsys):
     run_dir = resumed[2]
     [ckpt] = [c.path for c in complete_checkpoints(run_dir) if c.step == 2]
     hf, merged = tmp_path / "hf", tmp_path / "merged"
-    assert convert_main(["mcore-to-hf", "--ckpt", str(ckpt), "--out", str(hf), "--lora",
-                         "--no-progress"]) == 0
+    assert (
+        convert_main(
+            ["mcore-to-hf", "--ckpt", str(ckpt), "--out", str(hf), "--lora", "--no-progress"]
+        )
+        == 0
+    )
     adapter_dir = tmp_path / "hf-lora"
     saved = load_file(str(adapter_dir / "adapter_model.safetensors"))
     assert any(k.endswith("lora_B.weight") and v.abs().max() > 0 for k, v in saved.items())
     with_adapter = _logits(hf, adapter_dir)
     assert (with_adapter - _logits(hf)).abs().max() > 1e-4, "adapter changes nothing"
 
-    assert convert_main(["mcore-to-hf", "--ckpt", str(ckpt), "--out", str(merged),
-                         "--merge-lora", "--no-progress"]) == 0
+    assert (
+        convert_main(
+            [
+                "mcore-to-hf",
+                "--ckpt",
+                str(ckpt),
+                "--out",
+                str(merged),
+                "--merge-lora",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     base = AutoModelForCausalLM.from_pretrained(str(hf), dtype=torch.float32)
     reference = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload().state_dict()
     ours = load_hf_state_dict(merged)
@@ -104,10 +130,23 @@ def test_convert_lora_checkpoint_to_peft_and_merged(resumed, tmp_path, capsys):
     # a checkpoint without adapters: one line, exit 2, nothing written
     capsys.readouterr()
     no_lora = tmp_path / "no_lora"
-    assert convert_main(["hf-to-mcore", "--hf", str(hf), "--out", str(no_lora),
-                         "--no-progress"]) == 0
-    assert convert_main(["mcore-to-hf", "--ckpt", str(no_lora), "--out", str(tmp_path / "x"),
-                         "--lora", "--no-progress"]) == 2
+    assert (
+        convert_main(["hf-to-mcore", "--hf", str(hf), "--out", str(no_lora), "--no-progress"]) == 0
+    )
+    assert (
+        convert_main(
+            [
+                "mcore-to-hf",
+                "--ckpt",
+                str(no_lora),
+                "--out",
+                str(tmp_path / "x"),
+                "--lora",
+                "--no-progress",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no LoRA adapter" in err[0], err
     assert not (tmp_path / "x").exists() and not (tmp_path / "x-lora").exists()

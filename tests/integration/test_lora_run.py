@@ -42,13 +42,22 @@ def _adapter_effect(run_dir, final_state) -> float:
     return (after - before).abs().max().item()
 
 
-@pytest.mark.parametrize(("sleep_level", "base_resent"), [(1, False), (2, True)],
-                         ids=["sleep1-adapter-only", "sleep2-base-resent"])
+@pytest.mark.parametrize(
+    ("sleep_level", "base_resent"),
+    [(1, False), (2, True)],
+    ids=["sleep1-adapter-only", "sleep2-base-resent"],
+)
 def test_lora_tp2_run_syncs_what_the_engine_lost(tmp_path, sleep_level, base_resent):
     run_dir = tmp_path / "run"
-    result = run(tiny_overrides(run_dir, steps=2, **LORA, **{
-        "actor.tp": 2, "trainer.n_gpus_per_node": 2, "rollout.sleep_level": sleep_level}),
-        return_final_state=True)
+    result = run(
+        tiny_overrides(
+            run_dir,
+            steps=2,
+            **LORA,
+            **{"actor.tp": 2, "trainer.n_gpus_per_node": 2, "rollout.sleep_level": sleep_level},
+        ),
+        return_final_state=True,
+    )
     rows = result.history
     assert [r["step"] for r in rows] == [1, 2]
     for row in rows:
@@ -71,8 +80,14 @@ def test_lora_tp2_run_syncs_what_the_engine_lost(tmp_path, sleep_level, base_res
 def test_lora_single_process_sleep0_adapter_only_kl_from_the_actor(tmp_path):
     """Engine kept its base: adapter-only sync. With a KL term, the reference is the actor with
     its adapters disabled (no second model); the KL is 0 at step 1 (B = 0) and then grows."""
-    result = run(tiny_overrides(tmp_path / "run", steps=2, **LORA, **{
-        "actor.kl_coef": 0.05, "planner.prune_zero_adv": "off"}))
+    result = run(
+        tiny_overrides(
+            tmp_path / "run",
+            steps=2,
+            **LORA,
+            **{"actor.kl_coef": 0.05, "planner.prune_zero_adv": "off"},
+        )
+    )
     rows = result.history
     for row in rows:
         assert row["rollout/logprob_abs_diff"] < 1e-3, row

@@ -42,8 +42,9 @@ def _worker(ctx, tp: int, pp: int, hf_config: dict, ids, ref_logits, state):
     parallel.init_process_group("cpu", ctx.rank, ctx.world_size, ctx.master_addr, ctx.master_port)
     parallel.init_model_parallel(tp, pp)
     spec = spec_from_hf_config(hf_config)
-    actor = MegatronActor(spec, ActorConfig(tp=tp, pp=pp), "cpu", torch.float32, state,
-                          pad_id=0, trainable=True)
+    actor = MegatronActor(
+        spec, ActorConfig(tp=tp, pp=pp), "cpu", torch.float32, state, pad_id=0, trainable=True
+    )
     from logits_probe import full_logits, probe_batch
 
     num, batch = ids.shape[0], probe_batch(ids)
@@ -52,14 +53,18 @@ def _worker(ctx, tp: int, pp: int, hf_config: dict, ids, ref_logits, state):
     logp = actor.compute_logprobs(batch, [list(range(num))], temperature=0.7)
     logp_diff = None
     if actor.is_last_stage:
-        ref_logp = torch.log_softmax(ref_logits.double() / 0.7, -1).gather(
-            -1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)[:, 3:]
+        ref_logp = (
+            torch.log_softmax(ref_logits.double() / 0.7, -1)
+            .gather(-1, ids[:, 1:].unsqueeze(-1))
+            .squeeze(-1)[:, 3:]
+        )
         logp_diff = max((logp[i].double() - ref_logp[i]).abs().max().item() for i in range(num))
     exported = gather_hf_state_dict(actor.local_params(), spec)
     export_equal = None
     if exported is not None:
         export_equal = sorted(exported) == sorted(state) and all(
-            torch.equal(exported[k], state[k]) for k in state)
+            torch.equal(exported[k], state[k]) for k in state
+        )
     parallel.destroy()
     return {"logits_diff": logits_diff, "logp_diff": logp_diff, "export_equal": export_equal}
 

@@ -17,9 +17,16 @@ from megarl.distributed.launcher import launch
 pytestmark = pytest.mark.slow
 
 TINY = {
-    "model_type": "llama", "vocab_size": 384, "hidden_size": 64, "intermediate_size": 96,
-    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 128,
+    "model_type": "llama",
+    "vocab_size": 384,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 128,
     "tie_word_embeddings": False,
 }
 SEQ_LENS = (7, 19, 4, 12, 9)
@@ -34,10 +41,15 @@ def _batch():
     tokens = tuple(torch.randint(3, TINY["vocab_size"], (n,), generator=gen) for n in SEQ_LENS)
     num = len(SEQ_LENS)
     return RolloutBatch(
-        tokens=tokens, prompt_lens=PROMPT_LENS, group_ids=torch.zeros(num),
-        rewards=torch.zeros(num), advantages=torch.tensor([1.0, -0.5, 0.75, -1.0, 0.25]),
-        engine_logprobs=tuple(torch.zeros(n - p) for n, p in zip(SEQ_LENS, PROMPT_LENS,
-                                                                  strict=True)))
+        tokens=tokens,
+        prompt_lens=PROMPT_LENS,
+        group_ids=torch.zeros(num),
+        rewards=torch.zeros(num),
+        advantages=torch.tensor([1.0, -0.5, 0.75, -1.0, 0.25]),
+        engine_logprobs=tuple(
+            torch.zeros(n - p) for n, p in zip(SEQ_LENS, PROMPT_LENS, strict=True)
+        ),
+    )
 
 
 def _actor(spec, tp: int, state, packed: bool):
@@ -45,11 +57,22 @@ def _actor(spec, tp: int, state, packed: bool):
     from megarl.distributed.execution import Environment, ExecutionRequest, decide_execution
     from megarl.workers.megatron_actor import MegatronActor
 
-    plan = decide_execution(ExecutionRequest(device="cpu", pack_sequences=packed),
-                            Environment(cuda_available=False, transformer_engine=False))
+    plan = decide_execution(
+        ExecutionRequest(device="cpu", pack_sequences=packed),
+        Environment(cuda_available=False, transformer_engine=False),
+    )
     cfg = ActorConfig(tp=tp, lr=1e-4, logprob_chunk_tokens=16, pack_sequences=packed)
-    return MegatronActor(spec, cfg, "cpu", torch.float32, state, pad_id=0, trainable=True,
-                         init_seed=0, execution=plan)
+    return MegatronActor(
+        spec,
+        cfg,
+        "cpu",
+        torch.float32,
+        state,
+        pad_id=0,
+        trainable=True,
+        init_seed=0,
+        execution=plan,
+    )
 
 
 def _captured_queries(actor, mb):
@@ -61,8 +84,11 @@ def _captured_queries(actor, mb):
     handle = core.register_forward_pre_hook(lambda _m, args, _kw=None: seen.append(args[0]))
     try:
         with torch.no_grad():
-            actor._run_schedule([mb], lambda _mb, logits: (logits.new_zeros(()), torch.tensor(1),
-                                                           {}), forward_only=True)
+            actor._run_schedule(
+                [mb],
+                lambda _mb, logits: (logits.new_zeros(()), torch.tensor(1), {}),
+                forward_only=True,
+            )
     finally:
         handle.remove()
     query = seen[0]
@@ -102,33 +128,53 @@ def _worker(ctx, tp: int, hf_config: dict, state):
     q_pack = _captured_queries(packed, mb_pack)
     query_diff = max((a - b).abs().max().item() for a, b in zip(q_pad, q_pack, strict=True))
     total = mb_pack.num_tokens  # control: the whole row as one sequence (positions 0..T-1)
-    one_long = dataclasses.replace(mb_pack, cu_seqlens=(0, total),
-                                   loss_mask_BL=torch.zeros(1, total),
-                                   response_mask_BL=torch.zeros(1, total),
-                                   advantages_B=torch.zeros(1))
+    one_long = dataclasses.replace(
+        mb_pack,
+        cu_seqlens=(0, total),
+        loss_mask_BL=torch.zeros(1, total),
+        response_mask_BL=torch.zeros(1, total),
+        advantages_B=torch.zeros(1),
+    )
     q_wrong = _captured_queries(packed, one_long)
     no_restart_diff = (q_pad[1] - q_wrong[1]).abs().max().item()
 
-    loss = LossSettings(temperature=1.0, clip_low=0.2, clip_high=0.2, agg="token-mean",
-                        kl_coef=0.0, kl_estimator="low_var_kl", entropy_coef=0.01)
+    loss = LossSettings(
+        temperature=1.0,
+        clip_low=0.2,
+        clip_high=0.2,
+        agg="token-mean",
+        kl_coef=0.0,
+        kl_estimator="low_var_kl",
+        entropy_coef=0.01,
+    )
     work = OptimizerStepWork(
         micro_batches=tuple(MicroBatchWork(g, (1.0,) * len(g)) for g in MICRO_BATCHES),
-        normaliser=float(sum(n - p for n, p in zip(SEQ_LENS, PROMPT_LENS, strict=True))))
+        normaliser=float(sum(n - p for n, p in zip(SEQ_LENS, PROMPT_LENS, strict=True))),
+    )
     before = [p.detach().clone() for p in padded.model.parameters()]
     losses = []
     for _ in range(2):
         s_pad = padded.train_step(batch, work, None, None, loss)
         s_pack = packed.train_step(batch, work, None, None, loss)
-        losses.append((s_pad["pg_loss"], s_pack["pg_loss"], s_pad["grad_norm"],
-                       s_pack["grad_norm"]))
-    param_diff = max((a - b).abs().max().item() for a, b in
-                     zip(padded.model.parameters(), packed.model.parameters(), strict=True))
-    moved = max((a - b).abs().max().item() for a, b in
-                zip(padded.model.parameters(), before, strict=True))
+        losses.append(
+            (s_pad["pg_loss"], s_pack["pg_loss"], s_pad["grad_norm"], s_pack["grad_norm"])
+        )
+    param_diff = max(
+        (a - b).abs().max().item()
+        for a, b in zip(padded.model.parameters(), packed.model.parameters(), strict=True)
+    )
+    moved = max(
+        (a - b).abs().max().item() for a, b in zip(padded.model.parameters(), before, strict=True)
+    )
     parallel.destroy()
-    return {"logprob_diff": logprob_diff, "query_diff": query_diff,
-            "no_restart_diff": no_restart_diff, "param_diff": param_diff, "moved": moved,
-            "losses": losses}
+    return {
+        "logprob_diff": logprob_diff,
+        "query_diff": query_diff,
+        "no_restart_diff": no_restart_diff,
+        "param_diff": param_diff,
+        "moved": moved,
+        "losses": losses,
+    }
 
 
 def _state(hf_config: dict):

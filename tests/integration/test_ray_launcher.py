@@ -32,8 +32,9 @@ def _assert_same_metrics(a_rows: list[dict], b_rows: list[dict]) -> None:
 def test_ray_matches_local_tp2_dp2(tmp_path):
     layout = {"actor.tp": 2, "trainer.n_gpus_per_node": 4}
     local = run(tiny_overrides(tmp_path / "local", steps=2, **layout))
-    ray_run = run(tiny_overrides(tmp_path / "ray", steps=2, **layout,
-                                 **{"trainer.launcher": "ray"}))
+    ray_run = run(
+        tiny_overrides(tmp_path / "ray", steps=2, **layout, **{"trainer.launcher": "ray"})
+    )
     assert len(local.history) == 2
     _assert_same_metrics(local.history, ray_run.history)
     assert ray_run.history[0]["actor/grad_norm"] > 0
@@ -43,8 +44,14 @@ def test_split_rollout_placement_matches_colocated(tmp_path):
     """rollout.n_gpus=1: the engine in its own Ray actor gives the colocated run's metrics."""
     layout = {"actor.tp": 2, "trainer.n_gpus_per_node": 2}
     colocated = run(tiny_overrides(tmp_path / "local", steps=2, **layout))
-    split = run(tiny_overrides(tmp_path / "split", steps=2, **layout, **{
-        "trainer.launcher": "ray", "rollout.n_gpus": 1}))
+    split = run(
+        tiny_overrides(
+            tmp_path / "split",
+            steps=2,
+            **layout,
+            **{"trainer.launcher": "ray", "rollout.n_gpus": 1},
+        )
+    )
     _assert_same_metrics(colocated.history, split.history)
     assert split.history[1]["rollout/logprob_abs_diff"] <= 1e-3  # weights reached the engine
     assert (tmp_path / "split" / "metrics.jsonl").read_text().count("\n") == 2

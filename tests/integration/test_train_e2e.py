@@ -32,8 +32,13 @@ def test_single_process_run_writes_every_metric(tmp_path):
 
 def test_tp2_pp2_four_processes_engine_agrees_with_trainer(tmp_path):
     """The 4-process TP=2 x PP=2 run: after every weight sync the engine matches the trainer."""
-    result = run(tiny_overrides(tmp_path / "run", steps=2, **{
-        "actor.tp": 2, "actor.pp": 2, "trainer.n_gpus_per_node": 4}))
+    result = run(
+        tiny_overrides(
+            tmp_path / "run",
+            steps=2,
+            **{"actor.tp": 2, "actor.pp": 2, "trainer.n_gpus_per_node": 4},
+        )
+    )
     for row in result.history:
         assert row["rollout/logprob_abs_diff"] <= 1e-3, row
     # the second step's rollout used weights synced after step 1's update
@@ -43,8 +48,9 @@ def test_tp2_pp2_four_processes_engine_agrees_with_trainer(tmp_path):
 def test_weights_reach_the_engine(tmp_path):
     """A trained step changes the engine's weights: step-2 logprobs still match the trainer
     while the policy moved (a sync that silently failed would show a large diff)."""
-    result = run(tiny_overrides(tmp_path / "run", steps=2, **{"actor.lr": 5e-2}),
-                 return_final_state=True)
+    result = run(
+        tiny_overrides(tmp_path / "run", steps=2, **{"actor.lr": 5e-2}), return_final_state=True
+    )
     assert result.history[0]["actor/grad_norm"] > 0
     assert result.history[1]["rollout/logprob_abs_diff"] <= 1e-3
 

@@ -33,9 +33,17 @@ LORA_TARGETS = ["q_proj", "v_proj", "gate_proj", "down_proj"]
 def random_llama(seed: int) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        tie_word_embeddings=True, eos_token_id=EOS, bos_token_id=1)
+        vocab_size=VOCAB,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        eos_token_id=EOS,
+        bos_token_id=1,
+    )
     model = LlamaForCausalLM(config).eval()
     with torch.no_grad():  # sharper distributions than the default init: stable argmax
         model.model.embed_tokens.weight.mul_(2.0)
@@ -53,10 +61,19 @@ def reference(tmp_path_factory) -> tuple[str, LlamaForCausalLM]:
 @pytest.fixture(scope="module")
 def engine(reference):
     path, _ = reference
-    built = VLLMEngine(path, dtype="float32", logprobs_mode="raw_logprobs", enforce_eager=True,
-                       kv_cache_memory_bytes=64 << 20, max_model_len=256, max_num_seqs=16,
-                       enable_lora=True, max_lora_rank=8, eos_token_ids=[EOS],
-                       skip_tokenizer_init=True)
+    built = VLLMEngine(
+        path,
+        dtype="float32",
+        logprobs_mode="raw_logprobs",
+        enforce_eager=True,
+        kv_cache_memory_bytes=64 << 20,
+        max_model_len=256,
+        max_num_seqs=16,
+        enable_lora=True,
+        max_lora_rank=8,
+        eos_token_ids=[EOS],
+        skip_tokenizer_init=True,
+    )
     yield built
     built.close()
 
@@ -69,7 +86,7 @@ def mean_abs_logprob_diff(model: torch.nn.Module, generations) -> float:
         ids_T = torch.tensor(generation.prompt_ids + generation.response_ids)
         logprobs_TV = torch.log_softmax(model(ids_T.unsqueeze(0)).logits[0].float(), dim=-1)
         num_prompt = len(generation.prompt_ids)
-        expected = logprobs_TV[num_prompt - 1:-1].gather(-1, ids_T[num_prompt:, None])
+        expected = logprobs_TV[num_prompt - 1 : -1].gather(-1, ids_T[num_prompt:, None])
         got = torch.tensor(generation.response_logprobs)
         diffs.append((expected.squeeze(-1) - got).abs())
     return torch.cat(diffs).mean().item()
@@ -100,8 +117,9 @@ def test_logprobs_are_the_trainers_distribution_and_greedy_matches_hf(engine, re
         assert generation.finished == (generation.response_ids[-1] == EOS)
     assert mean_abs_logprob_diff(model, sampled) < FP32_TOLERANCE
     hf = HFEngine(copy.deepcopy(model), eos_token_ids=[EOS], pad_token_id=0)
-    assert [g.response_ids for g in engine.generate(PROMPTS, GREEDY)] == \
-        [g.response_ids for g in hf.generate(PROMPTS, GREEDY)]
+    assert [g.response_ids for g in engine.generate(PROMPTS, GREEDY)] == [
+        g.response_ids for g in hf.generate(PROMPTS, GREEDY)
+    ]
 
 
 def test_seeds_are_reproducible_and_a_group_differs(engine):
@@ -116,10 +134,12 @@ def test_a_temperature_the_logprob_mode_cannot_report_is_refused(engine):
         engine.generate(PROMPTS, SamplingParams(temperature=0.7))
 
 
-@pytest.mark.parametrize("bucket_bytes", [1, 64 << 10, 1 << 30],
-                         ids=["one-tensor", "64KiB", "whole-model"])
-def test_sync_serves_exactly_the_sent_weights_then_restores_bitwise(engine, reference,
-                                                                    bucket_bytes):
+@pytest.mark.parametrize(
+    "bucket_bytes", [1, 64 << 10, 1 << 30], ids=["one-tensor", "64KiB", "whole-model"]
+)
+def test_sync_serves_exactly_the_sent_weights_then_restores_bitwise(
+    engine, reference, bucket_bytes
+):
     _, model = reference
     before = engine.generate(PROMPTS, GREEDY)
     engine.weight_bucket_bytes = bucket_bytes
@@ -163,14 +183,16 @@ def test_a_fused_group_sent_in_two_calls_waits_for_its_last_part(engine, referen
     other = perturbed(model, seed=7)
     prefix = "model.layers.0.self_attn."
     parts = {p: other.state_dict()[f"{prefix}{p}.weight"] for p in ("q_proj", "k_proj", "v_proj")}
-    engine.update_weights([(f"{prefix}q_proj.weight", parts["q_proj"]),
-                           (f"{prefix}k_proj.weight", parts["k_proj"])])
+    engine.update_weights(
+        [(f"{prefix}q_proj.weight", parts["q_proj"]), (f"{prefix}k_proj.weight", parts["k_proj"])]
+    )
     with pytest.raises(RuntimeError, match="sent in part"):
         engine.generate(PROMPTS, GREEDY)
     engine.update_weights([(f"{prefix}v_proj.weight", parts["v_proj"])])
     expected = copy.deepcopy(model)
-    expected.load_state_dict({**model.state_dict(), **{f"{prefix}{p}.weight": t
-                                                       for p, t in parts.items()}})
+    expected.load_state_dict(
+        {**model.state_dict(), **{f"{prefix}{p}.weight": t for p, t in parts.items()}}
+    )
     try:
         assert mean_abs_logprob_diff(expected, engine.generate(PROMPTS, SAMPLED)) < FP32_TOLERANCE
     finally:
@@ -219,7 +241,13 @@ def test_a_model_vllm_cannot_serve_is_one_line(tmp_path):
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "architectures": ["NoSuchLM"]}))
     with pytest.raises(EngineStartupError) as error:
-        VLLMEngine(str(folder), dtype="float32", enforce_eager=True,
-                   kv_cache_memory_bytes=64 << 20, eos_token_ids=[EOS], skip_tokenizer_init=True)
+        VLLMEngine(
+            str(folder),
+            dtype="float32",
+            enforce_eager=True,
+            kv_cache_memory_bytes=64 << 20,
+            eos_token_ids=[EOS],
+            skip_tokenizer_init=True,
+        )
     message = str(error.value)
     assert "\n" not in message and str(folder) in message

@@ -20,9 +20,19 @@ LP_DIFF_BOUND = 1e-4
 
 def test_colocated_at_actor_tp2_serves_the_trainers_weights_every_step(tmp_path):
     """Inside rank 0 of a 2-rank run: vLLM's own processes keep it off the trainer's group."""
-    result = run(tiny_overrides(tmp_path / "run", steps=3, **{
-        "rollout.engine": "vllm", "actor.tp": 2, "trainer.n_gpus_per_node": 2,
-        "export.checksum_interval": 1, "planner.prune_zero_adv": "off"}))
+    result = run(
+        tiny_overrides(
+            tmp_path / "run",
+            steps=3,
+            **{
+                "rollout.engine": "vllm",
+                "actor.tp": 2,
+                "trainer.n_gpus_per_node": 2,
+                "export.checksum_interval": 1,
+                "planner.prune_zero_adv": "off",
+            },
+        )
+    )
     assert [row["step"] for row in result.history] == [1, 2, 3]
     for row in result.history:
         assert row["rollout/logprob_abs_diff"] <= LP_DIFF_BOUND, row["step"]
@@ -35,9 +45,20 @@ def test_split_lora_syncs_only_the_adapter_and_sleep_runs_at_level_0(tmp_path, c
     """The rollout actor hosts vLLM; LoRA with ``sleep_level=2``, which the CPU build cannot do:
     the run warns, sleeps at 0, and the engine's own report (base weights kept) lets the gate
     send only the adapter."""
-    result = run(tiny_overrides(tmp_path / "run", steps=3, **{
-        "rollout.engine": "vllm", "trainer.launcher": "ray", "rollout.n_gpus": 1,
-        "actor.lora.rank": 8, "rollout.sleep_level": 2, "planner.prune_zero_adv": "off"}))
+    result = run(
+        tiny_overrides(
+            tmp_path / "run",
+            steps=3,
+            **{
+                "rollout.engine": "vllm",
+                "trainer.launcher": "ray",
+                "rollout.n_gpus": 1,
+                "actor.lora.rank": 8,
+                "rollout.sleep_level": 2,
+                "planner.prune_zero_adv": "off",
+            },
+        )
+    )
     assert "rollout.sleep_level=2 runs as 0" in capsys.readouterr().err
     for row in result.history:
         assert row["rollout/logprob_abs_diff"] <= LP_DIFF_BOUND, row["step"]

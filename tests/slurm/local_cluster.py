@@ -45,12 +45,15 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _slurm_conf(root: Path, nodes: list[str], cpus: int, ctld_port: int,
-                node_ports: list[int]) -> str:
+def _slurm_conf(
+    root: Path, nodes: list[str], cpus: int, ctld_port: int, node_ports: list[int]
+) -> str:
     host = socket.gethostname().split(".")[0]
     node_lines = "\n".join(
         f"NodeName={n} NodeHostname={host} NodeAddr=127.0.0.1 Port={p} CPUs={cpus} "
-        "RealMemory=8000 State=UNKNOWN" for n, p in zip(nodes, node_ports, strict=True))
+        "RealMemory=8000 State=UNKNOWN"
+        for n, p in zip(nodes, node_ports, strict=True)
+    )
     return f"""\
 ClusterName=megarltest
 SlurmctldHost={host}(127.0.0.1)
@@ -77,7 +80,7 @@ SlurmdPidFile={root}/slurmd-%n.pid
 SlurmctldLogFile={root}/slurmctld.log
 SlurmdLogFile={root}/slurmd-%n.log
 {node_lines}
-PartitionName=debug Nodes={','.join(nodes)} Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
+PartitionName=debug Nodes={",".join(nodes)} Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
 """
 
 
@@ -104,7 +107,8 @@ class LocalSlurm:
             (self.root / "spool" / node).mkdir(parents=True, exist_ok=True)
         ports = [_free_port() for _ in range(self.num_nodes + 1)]
         (self.root / "slurm.conf").write_text(
-            _slurm_conf(self.root, self.nodes, self.cpus_per_node, ports[0], ports[1:]))
+            _slurm_conf(self.root, self.nodes, self.cpus_per_node, ports[0], ports[1:])
+        )
         self._run(["slurmctld", "-i"])
         for node in self.nodes:
             self._run(["slurmd", "-N", node])
@@ -135,27 +139,39 @@ class LocalSlurm:
         deadline = time.monotonic() + timeout_s
         state = ""
         while time.monotonic() < deadline:
-            out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %T"], env=self.env,
-                                 capture_output=True, text=True)
+            out = subprocess.run(
+                ["sinfo", "-h", "-N", "-o", "%N %T"], env=self.env, capture_output=True, text=True
+            )
             state = out.stdout.strip()
             idle = [line for line in state.splitlines() if line.endswith("idle")]
             if len(idle) == self.num_nodes:
                 return
             time.sleep(0.5)
-        raise RuntimeError(f"Slurm nodes not idle within {timeout_s:.0f} s: {state!r}; "
-                           f"logs in {self.root}")
+        raise RuntimeError(
+            f"Slurm nodes not idle within {timeout_s:.0f} s: {state!r}; logs in {self.root}"
+        )
 
     # ------------------------------------------------------------------ jobs
     def sbatch(self, args: list[str], cwd: Path, env: dict[str, str] | None = None) -> int:
-        done = subprocess.run(["sbatch", "--parsable", *args], cwd=cwd,
-                              env={**self.env, **(env or {})}, capture_output=True, text=True,
-                              timeout=60, check=True)
+        done = subprocess.run(
+            ["sbatch", "--parsable", *args],
+            cwd=cwd,
+            env={**self.env, **(env or {})},
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
         return int(done.stdout.strip().split(";")[0])
 
     def job_state(self, job_id: int) -> str:
         """State from ``scontrol`` (no accounting here); '' once the job is forgotten."""
-        out = subprocess.run(["scontrol", "-o", "show", "job", str(job_id)], env=self.env,
-                             capture_output=True, text=True)
+        out = subprocess.run(
+            ["scontrol", "-o", "show", "job", str(job_id)],
+            env=self.env,
+            capture_output=True,
+            text=True,
+        )
         for token in out.stdout.split():
             if token.startswith("JobState="):
                 return token.split("=", 1)[1]
@@ -217,8 +233,10 @@ if __name__ == "__main__":
         sys.exit(reason)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     cluster = LocalSlurm().start()
-    print(f"export SLURM_CONF={cluster.root / 'slurm.conf'}  # stop: kill -TERM {os.getpid()}",
-          flush=True)
+    print(
+        f"export SLURM_CONF={cluster.root / 'slurm.conf'}  # stop: kill -TERM {os.getpid()}",
+        flush=True,
+    )
     try:
         signal.pause()
     except KeyboardInterrupt:

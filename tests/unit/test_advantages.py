@@ -136,8 +136,13 @@ def test_zero_advantage_mask_is_exact_not_approximate() -> None:
 
 def test_registry_estimators_differ_by_std_normalisation() -> None:
     rewards_B, group_ids_B = _rewards(1, 0, 1, 1), _ids(0, 0, 0, 0)
-    assert set(ADVANTAGE_ESTIMATORS) == {"grpo", "grpo_no_std", "rloo", "reinforce_plus_plus",
-                                         "reinforce_plus_plus_baseline"}
+    assert set(ADVANTAGE_ESTIMATORS) == {
+        "grpo",
+        "grpo_no_std",
+        "rloo",
+        "reinforce_plus_plus",
+        "reinforce_plus_plus_baseline",
+    }
     torch.testing.assert_close(
         get_advantage_estimator("grpo")(rewards_B, group_ids_B),
         _rewards(0.5, -1.5, 0.5, 0.5),
@@ -168,8 +173,9 @@ def _loo_reference(rewards: list[float], groups: list[int]) -> list[float]:
     # A_i = R(y_i) - 1/(k-1) * sum_{j != i} R(y_j) over the k samples of the same prompt.
     out = []
     for i, (r_i, g_i) in enumerate(zip(rewards, groups, strict=True)):
-        others = [r for j, (r, g) in enumerate(zip(rewards, groups, strict=True))
-                  if g == g_i and j != i]
+        others = [
+            r for j, (r, g) in enumerate(zip(rewards, groups, strict=True)) if g == g_i and j != i
+        ]
         out.append(r_i - sum(others) / len(others))
     return out
 
@@ -215,13 +221,15 @@ def test_rloo_is_grpo_no_std_scaled_by_n_over_n_minus_1() -> None:
 
 def test_grpo_no_std_matches_dr_grpo_formula() -> None:
     adv_B = get_advantage_estimator("grpo_no_std")(_rewards(*MIXED_REWARDS), _ids(*MIXED_GROUPS))
-    torch.testing.assert_close(adv_B, _rewards(*_group_centred_reference(MIXED_REWARDS,
-                                                                          MIXED_GROUPS)))
+    torch.testing.assert_close(
+        adv_B, _rewards(*_group_centred_reference(MIXED_REWARDS, MIXED_GROUPS))
+    )
 
 
 def test_reinforce_plus_plus_whitens_rewards_over_the_batch() -> None:
-    adv_B = get_advantage_estimator("reinforce_plus_plus")(_rewards(*MIXED_REWARDS),
-                                                           _ids(*MIXED_GROUPS))
+    adv_B = get_advantage_estimator("reinforce_plus_plus")(
+        _rewards(*MIXED_REWARDS), _ids(*MIXED_GROUPS)
+    )
     expected = _batch_whiten_reference(MIXED_REWARDS)
     torch.testing.assert_close(adv_B, _rewards(*expected))
     # batch mean 0.46875: a reward of 1 scores above it whatever its group did
@@ -232,22 +240,25 @@ def test_reinforce_plus_plus_whitens_rewards_over_the_batch() -> None:
 
 def test_reinforce_plus_plus_gives_a_constant_group_a_signal() -> None:
     """No group baseline: an all-correct prompt is still scored against the other prompts."""
-    adv_B = get_advantage_estimator("reinforce_plus_plus")(_rewards(1, 1, 1, 0, 1, 0),
-                                                           _ids(0, 0, 0, 1, 1, 1))
+    adv_B = get_advantage_estimator("reinforce_plus_plus")(
+        _rewards(1, 1, 1, 0, 1, 0), _ids(0, 0, 0, 1, 1, 1)
+    )
     assert torch.equal(adv_B[0], adv_B[1]) and torch.equal(adv_B[1], adv_B[2])
     assert adv_B[0].item() > 0
     torch.testing.assert_close(adv_B, _rewards(*_batch_whiten_reference([1, 1, 1, 0, 1, 0])))
 
 
 def test_reinforce_plus_plus_baseline_matches_verl_formula() -> None:
-    adv_B = get_advantage_estimator("reinforce_plus_plus_baseline")(_rewards(*MIXED_REWARDS),
-                                                                    _ids(*MIXED_GROUPS))
+    adv_B = get_advantage_estimator("reinforce_plus_plus_baseline")(
+        _rewards(*MIXED_REWARDS), _ids(*MIXED_GROUPS)
+    )
     # verl: group mean subtracted, then masked_whiten over the batch (equal weights here)
     expected = _batch_whiten_reference(_group_centred_reference(MIXED_REWARDS, MIXED_GROUPS))
     torch.testing.assert_close(adv_B, _rewards(*expected))
     # it is Dr.GRPO's advantage divided by one batch-wide std, so ratios within a batch hold
-    centred_B = get_advantage_estimator("grpo_no_std")(_rewards(*MIXED_REWARDS),
-                                                       _ids(*MIXED_GROUPS))
+    centred_B = get_advantage_estimator("grpo_no_std")(
+        _rewards(*MIXED_REWARDS), _ids(*MIXED_GROUPS)
+    )
     torch.testing.assert_close(adv_B / adv_B[0], centred_B / centred_B[0])
 
 
@@ -258,8 +269,9 @@ def test_group_baselined_estimators_give_constant_groups_exactly_zero(
     name: str, value: float, size: int, dtype: torch.dtype
 ) -> None:
     """A constant group next to a non-constant one: the latter keeps a signal, the former none."""
-    rewards_B = torch.cat([torch.full((size,), value, dtype=dtype),
-                           torch.tensor([0.0, 1.0, 0.5], dtype=dtype)])
+    rewards_B = torch.cat(
+        [torch.full((size,), value, dtype=dtype), torch.tensor([0.0, 1.0, 0.5], dtype=dtype)]
+    )
     group_ids_B = torch.cat([torch.zeros(size, dtype=torch.long), torch.ones(3, dtype=torch.long)])
     adv_B = get_advantage_estimator(name)(rewards_B, group_ids_B)
     assert adv_B.dtype == dtype
@@ -321,8 +333,9 @@ def test_whitened_zero_by_coincidence_is_pruned_and_contributes_nothing() -> Non
     assert grad_BT[0].abs().min() > 0 and grad_BT[2].abs().min() > 0
 
     kept = [0, 2]  # the planner trains the rest under the unpruned normaliser
-    pruned = policy_loss(logp_BT[kept], old_logp_BT[kept], adv_B.double()[kept], mask_BT[kept],
-                         denom=12.0).loss
+    pruned = policy_loss(
+        logp_BT[kept], old_logp_BT[kept], adv_B.double()[kept], mask_BT[kept], denom=12.0
+    ).loss
     assert pruned.item() == pytest.approx(full.item(), rel=1e-15, abs=0)
 
 
@@ -335,8 +348,10 @@ def test_norm_adv_by_std_in_grpo_false_is_grpo_no_std() -> None:
     # verl reads the flag only in grpo
     assert AlgoConfig("rloo", norm_adv_by_std_in_grpo=False).estimator == "rloo"
     rewards_B, group_ids_B = _rewards(*MIXED_REWARDS), _ids(*MIXED_GROUPS)
-    assert torch.equal(get_advantage_estimator(switched)(rewards_B, group_ids_B),
-                       group_relative_advantages(rewards_B, group_ids_B, norm_by_std=False))
+    assert torch.equal(
+        get_advantage_estimator(switched)(rewards_B, group_ids_B),
+        group_relative_advantages(rewards_B, group_ids_B, norm_by_std=False),
+    )
 
 
 @pytest.mark.parametrize("name", sorted(ADVANTAGE_ESTIMATORS))
@@ -349,14 +364,20 @@ def test_config_accepts_every_registered_estimator(name: str) -> None:
 @pytest.mark.parametrize(
     ("algo", "needle"),
     [
-        ({"adv_estimator": "gae"},
-         "algo.adv_estimator='gae': must be one of grpo, grpo_no_std, rloo, reinforce_plus_plus, "
-         "reinforce_plus_plus_baseline"),
+        (
+            {"adv_estimator": "gae"},
+            "algo.adv_estimator='gae': must be one of grpo, grpo_no_std, rloo, reinforce_plus_plus, "
+            "reinforce_plus_plus_baseline",
+        ),
         ({"adv_estimator": "RLOO"}, "algo.adv_estimator='RLOO': must be one of"),
-        ({"norm_adv_by_std_in_grpo": "no"},
-         "algo.norm_adv_by_std_in_grpo='no': expected true or false"),
-        ({"norm_adv_by_std_in_grpo_typo": True},
-         "unknown config key algo.norm_adv_by_std_in_grpo_typo"),
+        (
+            {"norm_adv_by_std_in_grpo": "no"},
+            "algo.norm_adv_by_std_in_grpo='no': expected true or false",
+        ),
+        (
+            {"norm_adv_by_std_in_grpo_typo": True},
+            "unknown config key algo.norm_adv_by_std_in_grpo_typo",
+        ),
     ],
 )
 def test_bad_algo_config_is_one_line_naming_the_key(algo: dict, needle: str) -> None:

@@ -21,8 +21,22 @@ def test_bench_gpu_exits_2_with_one_line_without_cuda(monkeypatch, capsys):
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "needs a CUDA device" in err
     overrides = module._overrides(
-        type("A", (), {"steps": 3, "engine": "hf", "n": 8, "prompts": 2, "max_new_tokens": 16,
-                       "micro_batch_tokens": 4096})(), module.MODELS["random-0.9b"][1], True, "/r")
+        type(
+            "A",
+            (),
+            {
+                "steps": 3,
+                "engine": "hf",
+                "n": 8,
+                "prompts": 2,
+                "max_new_tokens": 16,
+                "micro_batch_tokens": 4096,
+            },
+        )(),
+        module.MODELS["random-0.9b"][1],
+        True,
+        "/r",
+    )
     from megarl.train import compose_config
 
     cfg = compose_config(overrides)  # every override is a real key

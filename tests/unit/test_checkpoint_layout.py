@@ -15,9 +15,15 @@ def _save(run_dir, step: int, kind: str = "training") -> None:
     root = layout.checkpoints_dir(run_dir)
     staging = layout.prepare_staging(root, layout.step_dir_name(step))
     (staging / "model_tp0_pp0.safetensors").write_bytes(b"x")
-    marker = {"format": layout.FORMAT_VERSION, "kind": kind, "step": step,
-              "layout": {"tp": 1, "pp": 1}, "files": ["model_tp0_pp0.safetensors"],
-              "config": {"trainer": {"seed": 1, "total_steps": 3}}, "spec": {"vocab_size": 8}}
+    marker = {
+        "format": layout.FORMAT_VERSION,
+        "kind": kind,
+        "step": step,
+        "layout": {"tp": 1, "pp": 1},
+        "files": ["model_tp0_pp0.safetensors"],
+        "config": {"trainer": {"seed": 1, "total_steps": 3}},
+        "spec": {"vocab_size": 8},
+    }
     layout.publish(staging, root / layout.step_dir_name(step), marker)
 
 
@@ -57,15 +63,27 @@ def test_truncate_metrics_drops_later_and_torn_lines(tmp_path):
 
 
 def test_config_policy_separates_errors_from_allowed_changes():
-    saved = {"trainer": {"seed": 1, "total_steps": 3, "resume": "auto"},
-             "model": {"hf_config": {"hidden_size": 8}}, "actor": {"lr": 1.0, "tp": 2}}
-    now = {"trainer": {"seed": 2, "total_steps": 6, "resume": "never"},
-           "model": {"hf_config": {"hidden_size": 16}}, "actor": {"lr": 2.0, "tp": 1}}
+    saved = {
+        "trainer": {"seed": 1, "total_steps": 3, "resume": "auto"},
+        "model": {"hf_config": {"hidden_size": 8}},
+        "actor": {"lr": 1.0, "tp": 2},
+    }
+    now = {
+        "trainer": {"seed": 2, "total_steps": 6, "resume": "never"},
+        "model": {"hf_config": {"hidden_size": 16}},
+        "actor": {"lr": 2.0, "tp": 1},
+    }
     diff = compare_configs(saved, now, {"vocab_size": 8}, {"vocab_size": 9})
-    assert diff.errors == ("model.hf_config: {'hidden_size': 8} -> {'hidden_size': 16}",
-                           "trainer.seed: 1 -> 2", "model vocab_size: 8 -> 9")
-    assert diff.changes == ("actor.lr: 1.0 -> 2.0", "actor.tp: 2 -> 1",
-                            "trainer.total_steps: 3 -> 6")
+    assert diff.errors == (
+        "model.hf_config: {'hidden_size': 8} -> {'hidden_size': 16}",
+        "trainer.seed: 1 -> 2",
+        "model vocab_size: 8 -> 9",
+    )
+    assert diff.changes == (
+        "actor.lr: 1.0 -> 2.0",
+        "actor.tp: 2 -> 1",
+        "trainer.total_steps: 3 -> 6",
+    )
 
 
 def test_resume_modes(tmp_path):
@@ -74,8 +92,9 @@ def test_resume_modes(tmp_path):
     assert find_resume_checkpoint("never", str(tmp_path)) is None
     info = find_resume_checkpoint("auto", str(tmp_path))
     assert info.step == 2
-    assert check_compatible(info, {"trainer": {"seed": 1, "total_steps": 5}},
-                            {"vocab_size": 8}) == ("trainer.total_steps: 3 -> 5",)
+    assert check_compatible(
+        info, {"trainer": {"seed": 1, "total_steps": 5}}, {"vocab_size": 8}
+    ) == ("trainer.total_steps: 3 -> 5",)
     with pytest.raises(CheckpointError, match="trainer.seed: 1 -> 4"):
         check_compatible(info, {"trainer": {"seed": 4, "total_steps": 3}}, {"vocab_size": 8})
     other = tmp_path / "other"

@@ -46,8 +46,9 @@ def test_dp_from_world_and_model_parallel():
 
 
 def test_nested_optim_section_and_tuple_coercion():
-    cfg = build_run_config({"actor": {"optim": {"betas": [0.8, 0.9], "grad_clip": 0.5}},
-                            "data": {"ops": ["+", "-"]}})
+    cfg = build_run_config(
+        {"actor": {"optim": {"betas": [0.8, 0.9], "grad_clip": 0.5}}, "data": {"ops": ["+", "-"]}}
+    )
     assert cfg.actor.optim.betas == (0.8, 0.9)
     assert cfg.data.ops == ("+", "-")
 

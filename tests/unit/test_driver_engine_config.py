@@ -10,19 +10,40 @@ SMOLLM2 = ModelFacts(num_layers=30, num_kv_heads=3, head_dim=64, max_position_em
 
 
 def test_rollout_keys_reach_the_engine_arguments():
-    cfg = build_run_config({"rollout": {"engine": "vllm", "tp": 2, "sleep_level": 2,
-                                        "gpu_memory_utilization": 0.35, "max_num_seqs": 64,
-                                        "max_num_batched_tokens": 4096, "kv_cache_gb": 2.0,
-                                        "max_model_len": 1024, "enforce_eager": False},
-                            "export": {"bucket_mb": 64}, "trainer": {"seed": 7}})
+    cfg = build_run_config(
+        {
+            "rollout": {
+                "engine": "vllm",
+                "tp": 2,
+                "sleep_level": 2,
+                "gpu_memory_utilization": 0.35,
+                "max_num_seqs": 64,
+                "max_num_batched_tokens": 4096,
+                "kv_cache_gb": 2.0,
+                "max_model_len": 1024,
+                "enforce_eager": False,
+            },
+            "export": {"bucket_mb": 64},
+            "trainer": {"seed": 7},
+        }
+    )
     request = vllm_request(cfg, "cuda", "bfloat16")
     kwargs = decide_vllm_settings(request, SMOLLM2, "/models/x", 64 << 30).engine_kwargs
     assert kwargs == {
-        "model": "/models/x", "dtype": "bfloat16", "seed": 7, "tensor_parallel_size": 2,
-        "max_num_seqs": 64, "max_num_batched_tokens": 4096, "max_model_len": 1024,
-        "enforce_eager": False, "enable_sleep_mode": True, "logprobs_mode": "raw_logprobs",
-        "weight_bucket_bytes": 64 << 20, "gpu_memory_utilization": 0.35,
-        "kv_cache_memory_bytes": 2 << 30}
+        "model": "/models/x",
+        "dtype": "bfloat16",
+        "seed": 7,
+        "tensor_parallel_size": 2,
+        "max_num_seqs": 64,
+        "max_num_batched_tokens": 4096,
+        "max_model_len": 1024,
+        "enforce_eager": False,
+        "enable_sleep_mode": True,
+        "logprobs_mode": "raw_logprobs",
+        "weight_bucket_bytes": 64 << 20,
+        "gpu_memory_utilization": 0.35,
+        "kv_cache_memory_bytes": 2 << 30,
+    }
 
 
 def test_engine_dtype_follows_the_trainer_on_cpu():

@@ -92,16 +92,30 @@ PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_pro
 
 def layer_tensors(layer: int) -> list[tuple[str, torch.Tensor]]:
     """One layer's HF tensors in the exporter's order (4 floats each: 16 bytes)."""
-    names = ["input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
-             "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
+    names = [
+        "input_layernorm",
+        "self_attn.q_proj",
+        "self_attn.k_proj",
+        "self_attn.v_proj",
+        "self_attn.o_proj",
+        "mlp.gate_proj",
+        "mlp.up_proj",
+        "mlp.down_proj",
+    ]
     return [(f"model.layers.{layer}.{n}.weight", torch.full((4,), float(layer))) for n in names]
 
 
 def test_fused_group_names_the_vllm_parameter_and_the_part():
     assert fused_group("model.layers.3.self_attn.k_proj.weight", PACKED) == (
-        "model.layers.3.self_attn.qkv_proj.weight", "qkv_proj", "k_proj")
+        "model.layers.3.self_attn.qkv_proj.weight",
+        "qkv_proj",
+        "k_proj",
+    )
     assert fused_group("model.layers.3.mlp.up_proj.bias", PACKED) == (
-        "model.layers.3.mlp.gate_up_proj.bias", "gate_up_proj", "up_proj")
+        "model.layers.3.mlp.gate_up_proj.bias",
+        "gate_up_proj",
+        "up_proj",
+    )
     assert fused_group("model.layers.3.self_attn.o_proj.weight", PACKED) is None
 
 
@@ -127,18 +141,25 @@ def test_a_group_split_across_calls_waits_for_its_last_part():
     stream = layer_tensors(0)
     first = [n for b in batcher.buckets(stream[:3]) for n, _ in b]  # norm, q, k
     assert first == ["model.layers.0.input_layernorm.weight"]
-    assert batcher.pending_names() == ["model.layers.0.self_attn.k_proj.weight",
-                                       "model.layers.0.self_attn.q_proj.weight"]
+    assert batcher.pending_names() == [
+        "model.layers.0.self_attn.k_proj.weight",
+        "model.layers.0.self_attn.q_proj.weight",
+    ]
     second = [n for b in batcher.buckets(stream[3:]) for n, _ in b]
-    assert second[:3] == ["model.layers.0.self_attn.q_proj.weight",
-                          "model.layers.0.self_attn.k_proj.weight",
-                          "model.layers.0.self_attn.v_proj.weight"]
+    assert second[:3] == [
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.0.self_attn.k_proj.weight",
+        "model.layers.0.self_attn.v_proj.weight",
+    ]
     assert not batcher.pending
 
 
 def test_shared_file_hands_tensors_over_bitwise():
-    tensors = [("a", torch.randn(3, 5)), ("b", torch.arange(7, dtype=torch.int64)),
-               ("c", torch.randn(4, 2).to(torch.bfloat16).t())]  # non-contiguous
+    tensors = [
+        ("a", torch.randn(3, 5)),
+        ("b", torch.arange(7, dtype=torch.int64)),
+        ("c", torch.randn(4, 2).to(torch.bfloat16).t()),
+    ]  # non-contiguous
     shared = SharedTensorFile()
     try:
         for _ in range(2):  # the file is reused, and grows for a bigger bucket

@@ -26,10 +26,16 @@ def test_auto_picks_cuda_when_present():
 
 
 def test_cpu_plan_enters_shims_and_ignores_cuda_only_features_with_a_reason():
-    plan = decide_execution(ExecutionRequest(distributed_optimizer=True, overlap_grad_reduce=True,
-                                             recompute="full"), CPU)
-    assert (plan.device, plan.backend, plan.cpu_shims, plan.params_dtype) == \
-        ("cpu", "gloo", True, "float32")
+    plan = decide_execution(
+        ExecutionRequest(distributed_optimizer=True, overlap_grad_reduce=True, recompute="full"),
+        CPU,
+    )
+    assert (plan.device, plan.backend, plan.cpu_shims, plan.params_dtype) == (
+        "cpu",
+        "gloo",
+        True,
+        "float32",
+    )
     assert plan.optimizer == "torch_adamw" and not plan.distributed_optimizer
     assert plan.recompute is None and not plan.overlap_grad_reduce
     assert plan.layer_spec == "local" and plan.attention_core == "sdpa"
@@ -38,8 +44,12 @@ def test_cpu_plan_enters_shims_and_ignores_cuda_only_features_with_a_reason():
 
 
 def test_cuda_plan_with_transformer_engine():
-    request = ExecutionRequest(distributed_optimizer=True, overlap_grad_reduce=True,
-                               overlap_param_gather=True, recompute="selective")
+    request = ExecutionRequest(
+        distributed_optimizer=True,
+        overlap_grad_reduce=True,
+        overlap_param_gather=True,
+        recompute="selective",
+    )
     plan = decide_execution(request, H100_TE)
     assert (plan.device, plan.backend, plan.cpu_shims) == ("cuda", "nccl", False)
     assert plan.params_dtype == "bfloat16" and plan.grad_reduce_in_fp32
@@ -59,8 +69,7 @@ def test_cuda_without_transformer_engine_uses_local_spec_with_sdpa():
 
 
 def test_packing_off_and_explicit_dtype():
-    plan = decide_execution(ExecutionRequest(pack_sequences=False, model_dtype="float32"),
-                            H100_TE)
+    plan = decide_execution(ExecutionRequest(pack_sequences=False, model_dtype="float32"), H100_TE)
     assert plan.packed_attention == "none" and not plan.pack_sequences
     assert plan.params_dtype == "float32"
 
@@ -73,12 +82,16 @@ def test_overlap_param_gather_needs_distributed_optimizer():
 def test_request_from_run_config():
     from megarl.config.schema import build_run_config
 
-    cfg = build_run_config({"trainer": {"device": "cpu"},
-                            "actor": {"recompute": "full", "pack_sequences": False,
-                                      "optim": {"distributed": True}}})
+    cfg = build_run_config(
+        {
+            "trainer": {"device": "cpu"},
+            "actor": {"recompute": "full", "pack_sequences": False, "optim": {"distributed": True}},
+        }
+    )
     request = ExecutionRequest.from_config(cfg)
-    assert request == ExecutionRequest(device="cpu", pack_sequences=False,
-                                       distributed_optimizer=True, recompute="full")
+    assert request == ExecutionRequest(
+        device="cpu", pack_sequences=False, distributed_optimizer=True, recompute="full"
+    )
 
 
 def test_detect_environment_reads_torch(monkeypatch):
@@ -90,19 +103,26 @@ def test_detect_environment_reads_torch(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
     monkeypatch.setattr(execution.importlib.util, "find_spec", lambda name: None)
     env = execution.detect_environment()
-    assert env == Environment(cuda_available=True, transformer_engine=False,
-                              device_name="NVIDIA H200")
+    assert env == Environment(
+        cuda_available=True, transformer_engine=False, device_name="NVIDIA H200"
+    )
 
 
 def test_te_param_names_map_to_local_spec_names():
     from megarl.models.megatron_gpt import canonical_param_name
 
-    assert canonical_param_name("decoder.layers.3.self_attention.linear_qkv.layer_norm_weight") \
+    assert (
+        canonical_param_name("decoder.layers.3.self_attention.linear_qkv.layer_norm_weight")
         == "decoder.layers.3.input_layernorm.weight"
-    assert canonical_param_name("decoder.layers.0.mlp.linear_fc1.layer_norm_weight") \
+    )
+    assert (
+        canonical_param_name("decoder.layers.0.mlp.linear_fc1.layer_norm_weight")
         == "decoder.layers.0.pre_mlp_layernorm.weight"
-    assert canonical_param_name("decoder.layers.0.mlp.linear_fc1.weight") \
+    )
+    assert (
+        canonical_param_name("decoder.layers.0.mlp.linear_fc1.weight")
         == "decoder.layers.0.mlp.linear_fc1.weight"
+    )
 
 
 def test_cli_reports_execution_errors_as_startup_errors(monkeypatch):
@@ -120,9 +140,14 @@ def test_cli_reports_execution_errors_as_startup_errors(monkeypatch):
         resolve_device("auto", bad)
 
 
-@pytest.mark.parametrize(("recompute", "fields"), [
-    (None, (None, None, None)), ("selective", ("selective", None, None)),
-    ("full", ("full", "uniform", 1))])
+@pytest.mark.parametrize(
+    ("recompute", "fields"),
+    [
+        (None, (None, None, None)),
+        ("selective", ("selective", None, None)),
+        ("full", ("full", "uniform", 1)),
+    ],
+)
 def test_plan_recompute_reaches_transformer_config(recompute, fields):
     """actor.recompute -> the plan -> Megatron TransformerConfig's recompute fields."""
     import torch
@@ -130,12 +155,24 @@ def test_plan_recompute_reaches_transformer_config(recompute, fields):
     from megarl.models.megatron_gpt import transformer_config
     from megarl.models.spec import spec_from_hf_config
 
-    spec = spec_from_hf_config({"model_type": "llama", "vocab_size": 384, "hidden_size": 64,
-                                "intermediate_size": 96, "num_hidden_layers": 2,
-                                "num_attention_heads": 4, "num_key_value_heads": 2})
+    spec = spec_from_hf_config(
+        {
+            "model_type": "llama",
+            "vocab_size": 384,
+            "hidden_size": 64,
+            "intermediate_size": 96,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+        }
+    )
     plan = decide_execution(ExecutionRequest(recompute=recompute or "none"), H100_TE)
-    config = transformer_config(spec, 1, 1, torch.bfloat16, use_cpu_initialization=True,
-                                recompute=plan.recompute)
-    assert (config.recompute_granularity, config.recompute_method,
-            config.recompute_num_layers) == fields
+    config = transformer_config(
+        spec, 1, 1, torch.bfloat16, use_cpu_initialization=True, recompute=plan.recompute
+    )
+    assert (
+        config.recompute_granularity,
+        config.recompute_method,
+        config.recompute_num_layers,
+    ) == fields
     assert config.bf16 and config.params_dtype == torch.bfloat16

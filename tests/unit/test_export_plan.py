@@ -11,9 +11,16 @@ from megarl.models import mapping
 from megarl.models.spec import spec_from_hf_config
 
 CFG = {
-    "model_type": "llama", "vocab_size": 100, "hidden_size": 32, "intermediate_size": 48,
-    "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 4,
-    "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False,
+    "model_type": "llama",
+    "vocab_size": 100,
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
 }
 
 
@@ -95,11 +102,16 @@ def test_checksum_steps_and_engine_mismatch_is_an_error_naming_the_tensor():
     assert [s for s in range(1, 7) if is_checksum_step(s, 3)] == [3, 6]
     assert not any(is_checksum_step(s, 0) for s in range(1, 7))
     weights = {"a": torch.randn(4, 4), "b": torch.randn(3)}
-    stream = SimpleNamespace(sent_checksums={k: tensor_checksum(v) for k, v in weights.items()},
-                             dtype=torch.float32)
+    stream = SimpleNamespace(
+        sent_checksums={k: tensor_checksum(v) for k, v in weights.items()}, dtype=torch.float32
+    )
+
     def engine_holding(held: dict) -> SimpleNamespace:
-        return SimpleNamespace(weight_checksums=lambda dtype: {
-            k: tensor_checksum(v.to(dtype)) for k, v in held.items()})
+        return SimpleNamespace(
+            weight_checksums=lambda dtype: {
+                k: tensor_checksum(v.to(dtype)) for k, v in held.items()
+            }
+        )
 
     verify_engine_checksums(stream, engine_holding(weights))
     stale = dict(weights, b=weights["b"] + 1)

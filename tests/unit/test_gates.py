@@ -340,8 +340,9 @@ def test_reference_model_built_when_a_scheduled_kl_turns_on_late() -> None:
 )
 def test_reference_source(kl_coef: float, lora: bool, source: ReferenceSource) -> None:
     """LoRA never builds a second model: its frozen base is the reference."""
-    run = RunFacts(GateConfig(), Schedule.from_ppo(1, 1), num_steps=3, kl_coef=kl_coef,
-                   lora_enabled=lora)
+    run = RunFacts(
+        GateConfig(), Schedule.from_ppo(1, 1), num_steps=3, kl_coef=kl_coef, lora_enabled=lora
+    )
     plan = decide_reference(run)
     assert plan.source is source
     assert ("kl_coef=0.01" in plan.reason) is (kl_coef > 0), plan.reason

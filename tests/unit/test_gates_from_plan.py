@@ -20,10 +20,15 @@ GROUPS = [i // 4 for i in range(16)]
 
 
 def _gates(mode: str, mini_batches: int, advantages: list[float], epochs: int = 1):
-    cfg = build_run_config({"actor": {"ppo_mini_batches": mini_batches, "ppo_epochs": epochs},
-                            "planner": {"prune_zero_adv": mode}})
-    plan = plan_step(from_config.planner_inputs(cfg, SEQ_TOKENS, RESPONSE_TOKENS, advantages,
-                                                GROUPS))
+    cfg = build_run_config(
+        {
+            "actor": {"ppo_mini_batches": mini_batches, "ppo_epochs": epochs},
+            "planner": {"prune_zero_adv": mode},
+        }
+    )
+    plan = plan_step(
+        from_config.planner_inputs(cfg, SEQ_TOKENS, RESPONSE_TOKENS, advantages, GROUPS)
+    )
     facts = from_config.step_facts(cfg, 1, len(SEQ_TOKENS), plan=plan)
     return plan, decide_gates(facts)
 

@@ -58,8 +58,9 @@ def _inputs(dtype=torch.float32):
 def _loss_and_grad(chunk: int, dtype=torch.float32):
     logits, targets = _inputs(dtype)
     logits.requires_grad_(True)
-    logp, ent = token_logprobs_and_entropy(logits, targets, SHARD, temperature=0.7,
-                                           chunk_tokens=chunk)
+    logp, ent = token_logprobs_and_entropy(
+        logits, targets, SHARD, temperature=0.7, chunk_tokens=chunk
+    )
     (logp.sum() * 0.3 + ent.sum() * 0.1).backward()
     return logp.detach(), ent.detach(), logits.grad
 
@@ -70,8 +71,11 @@ def test_chunked_equals_unchunked_values_and_grads():
     assert torch.allclose(lp_full, lp_chunk, atol=1e-6, rtol=0)
     assert torch.allclose(ent_full, ent_chunk, atol=1e-6, rtol=0)
     assert torch.allclose(grad_full, grad_chunk, atol=1e-7, rtol=0)
-    reference = torch.log_softmax(_inputs()[0][..., :990] / 0.7, -1).gather(
-        -1, _inputs()[1].unsqueeze(-1)).squeeze(-1)
+    reference = (
+        torch.log_softmax(_inputs()[0][..., :990] / 0.7, -1)
+        .gather(-1, _inputs()[1].unsqueeze(-1))
+        .squeeze(-1)
+    )
     assert torch.allclose(lp_chunk, reference, atol=1e-5)
 
 

@@ -18,9 +18,16 @@ from megarl.models import mapping
 from megarl.models.spec import spec_from_hf_config
 
 HF = {
-    "model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48,
-    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 64,
+    "model_type": "llama",
+    "vocab_size": 64,
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 64,
     "tie_word_embeddings": False,
 }
 SPEC = spec_from_hf_config(HF)
@@ -46,8 +53,10 @@ def _tp_shards(site: SavedSite, factor: str, full, tp: int) -> list[torch.Tensor
 def test_sites_cover_every_layer_and_target():
     sites = list(saved_sites(SPEC, TARGETS))
     assert len(sites) == SPEC.num_layers * len(TARGETS)
-    assert adapter_key(sites[0].rule, 1, "lora_B") == \
-        "decoder.layers.1.self_attention.linear_qkv.lora.lora_B"
+    assert (
+        adapter_key(sites[0].rule, 1, "lora_B")
+        == "decoder.layers.1.self_attention.linear_qkv.lora.lora_B"
+    )
     assert [s.parallel for s in sites[:4]] == ["column", "column", "row", "row"]
 
 

@@ -21,9 +21,16 @@ from megarl.trainer.metrics import run_summary
 pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")
 
 HF = {
-    "model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48,
-    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 64,
+    "model_type": "llama",
+    "vocab_size": 64,
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 64,
     "tie_word_embeddings": False,
 }
 SPEC = spec_from_hf_config(HF)
@@ -35,8 +42,9 @@ def _cfg(rank: int):
 
 def _gates(rank: int, report: EngineMemoryState | None):
     resident = None if report is None else report.base_weights_resident
-    return decide_gates(from_config.step_facts(_cfg(rank), 0, 8,
-                                               engine_base_weights_resident=resident))
+    return decide_gates(
+        from_config.step_facts(_cfg(rank), 0, 8, engine_base_weights_resident=resident)
+    )
 
 
 # --- config + engine report -> gate ----------------------------------------------------------
@@ -49,8 +57,9 @@ def test_lora_config_turns_the_gate_on_and_requires_the_engines_report():
         _gates(4, None)
 
 
-@pytest.mark.parametrize(("resident", "base", "action"),
-                         [(True, 0.0, "adapter only"), (False, 1.0, "base + adapter")])
+@pytest.mark.parametrize(
+    ("resident", "base", "action"), [(True, 0.0, "adapter only"), (False, 1.0, "base + adapter")]
+)
 def test_engine_report_decides_base_sync(resident, base, action):
     gates = _gates(4, EngineMemoryState(base_weights_resident=resident, adapter_resident=True))
     assert gates.adapter_sync.run
@@ -94,11 +103,17 @@ def test_wake_report_contradicting_the_gate_is_an_error():
 
 
 def test_run_summary_shows_the_sync_decisions():
-    row = {"critic/rewards/mean": 0.5, "timing_s/step": 1.0, "perf/throughput": 10.0,
-           "timing_s/update_weights": 0.25}
+    row = {
+        "critic/rewards/mean": 0.5,
+        "timing_s/step": 1.0,
+        "perf/throughput": 10.0,
+        "timing_s/update_weights": 0.25,
+    }
     history = [{**row, "gates/base_weight_sync": b} for b in (1.0, 0.0, 0.0)]
-    assert "weight sync: base/full weights on 1 of 3 steps, adapter only on 2 (0.75s)" in \
-        run_summary(history)
+    assert (
+        "weight sync: base/full weights on 1 of 3 steps, adapter only on 2 (0.75s)"
+        in run_summary(history)
+    )
 
 
 # --- names and layouts -----------------------------------------------------------------------
@@ -106,9 +121,18 @@ def test_run_summary_shows_the_sync_decisions():
 
 def test_hf_target_modules_and_names():
     assert hf_target_modules(SPEC, ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]) == [
-        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    assert peft_name("model.layers.1.mlp.up_proj.weight", "lora_B") == \
-        "base_model.model.model.layers.1.mlp.up_proj.lora_B.weight"
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    ]
+    assert (
+        peft_name("model.layers.1.mlp.up_proj.weight", "lora_B")
+        == "base_model.model.model.layers.1.mlp.up_proj.lora_B.weight"
+    )
     assert is_adapter_param_name("decoder.layers.0.mlp.linear_fc1.lora.lora_A")
     assert not is_adapter_param_name("decoder.layers.0.mlp.linear_fc1.weight")
 
@@ -134,8 +158,9 @@ def test_column_parallel_adapter_shards_reassemble_to_peft_tensors(target, tp):
     # the fused delta B_fused @ A equals the fused base layout of the per-module deltas
     fused_delta = torch.cat(b_shards, 0) @ a
     per_module = [b @ a for b in b_parts]
-    expected = torch.cat([mapping.to_mcore_shard(rule, per_module, SPEC, k, tp)
-                          for k in range(tp)], 0)
+    expected = torch.cat(
+        [mapping.to_mcore_shard(rule, per_module, SPEC, k, tp) for k in range(tp)], 0
+    )
     assert torch.allclose(fused_delta, expected)
 
 
@@ -165,16 +190,22 @@ def test_merge_adapter_equals_peft_merge_and_unload():
 
     torch.manual_seed(0)
     base = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in HF.items() if k != "model_type"}))
-    peft_model = get_peft_model(copy.deepcopy(base), LoraConfig(
-        r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"], init_lora_weights=False))
+    peft_model = get_peft_model(
+        copy.deepcopy(base),
+        LoraConfig(
+            r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"], init_lora_weights=False
+        ),
+    )
     adapter = {k: v.detach().clone() for k, v in get_peft_model_state_dict(peft_model).items()}
     expected = peft_model.merge_and_unload().state_dict()
     merged = merge_adapter_into_hf(base.state_dict(), adapter, LoraSettings(4, 8.0).scaling)
     assert sorted(merged) == sorted(expected)
     for name, tensor in expected.items():
         torch.testing.assert_close(merged[name], tensor, atol=1e-6, rtol=0)
-    assert not torch.equal(merged["model.layers.0.self_attn.q_proj.weight"],
-                           base.state_dict()["model.layers.0.self_attn.q_proj.weight"])
+    assert not torch.equal(
+        merged["model.layers.0.self_attn.q_proj.weight"],
+        base.state_dict()["model.layers.0.self_attn.q_proj.weight"],
+    )
 
 
 def test_hf_engine_second_load_is_an_adapter_only_update():
@@ -187,8 +218,10 @@ def test_hf_engine_second_load_is_an_adapter_only_update():
     torch.manual_seed(0)
     base = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in HF.items() if k != "model_type"}))
     engine = HFEngine(copy.deepcopy(base), eos_token_ids=[2], pad_token_id=0)
-    peft_model = get_peft_model(copy.deepcopy(base), LoraConfig(
-        r=4, lora_alpha=8, target_modules=["q_proj"], init_lora_weights=False))
+    peft_model = get_peft_model(
+        copy.deepcopy(base),
+        LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], init_lora_weights=False),
+    )
     adapter = {k: v.detach().clone() for k, v in get_peft_model_state_dict(peft_model).items()}
     engine.load_lora_adapter(adapter.items(), rank=4, alpha=8, target_modules=["q_proj"])
     layer = engine.model.model.layers[0].self_attn.q_proj

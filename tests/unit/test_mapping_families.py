@@ -12,9 +12,15 @@ from megarl.models import mapping
 from megarl.models.spec import ModelSpecError, spec_from_hf_config
 
 TINY = {
-    "vocab_size": 96, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5,
-    "rope_theta": 10000.0, "max_position_embeddings": 64,
+    "vocab_size": 96,
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 64,
 }
 
 
@@ -42,19 +48,23 @@ def test_table_matches_transformers_state_dict(family, tied):
     assert spec.qkv_bias == (family == "qwen2")
 
 
-@pytest.mark.parametrize(("extra", "words"), [
-    ({"model_type": "llama", "attention_bias": True}, "attention_bias"),
-    ({"model_type": "llama", "mlp_bias": True}, "mlp_bias"),
-    ({"model_type": "mistral", "sliding_window": 16}, "sliding_window"),
-])
+@pytest.mark.parametrize(
+    ("extra", "words"),
+    [
+        ({"model_type": "llama", "attention_bias": True}, "attention_bias"),
+        ({"model_type": "llama", "mlp_bias": True}, "mlp_bias"),
+        ({"model_type": "mistral", "sliding_window": 16}, "sliding_window"),
+    ],
+)
 def test_unmapped_features_are_refused(extra, words):
     with pytest.raises(ModelSpecError, match=words):
         spec_from_hf_config(dict(TINY, **extra))
 
 
 def test_qwen2_sliding_window_off_by_default_is_accepted():
-    spec = spec_from_hf_config(dict(TINY, model_type="qwen2", sliding_window=16,
-                                    use_sliding_window=False))
+    spec = spec_from_hf_config(
+        dict(TINY, model_type="qwen2", sliding_window=16, use_sliding_window=False)
+    )
     assert spec.qkv_bias
 
 

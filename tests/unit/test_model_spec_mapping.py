@@ -9,9 +9,16 @@ from megarl.models import mapping
 from megarl.models.spec import ModelSpecError, spec_from_hf_config
 
 LLAMA = {
-    "model_type": "llama", "vocab_size": 100, "hidden_size": 32, "intermediate_size": 48,
-    "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 4,
-    "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False,
+    "model_type": "llama",
+    "vocab_size": 100,
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
 }
 
 
@@ -19,25 +26,33 @@ def _random_hf_tensors(spec):
     gen = torch.Generator().manual_seed(0)
     h, d = spec.hidden_size, spec.head_dim
     shapes = {
-        "model.embed_tokens.weight": (spec.vocab_size, h), "lm_head.weight": (spec.vocab_size, h),
+        "model.embed_tokens.weight": (spec.vocab_size, h),
+        "lm_head.weight": (spec.vocab_size, h),
         "model.norm.weight": (h,),
     }
     for i in range(spec.num_layers):
         p = f"model.layers.{i}."
-        shapes.update({
-            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (spec.num_heads * d, h),
-            p + "self_attn.k_proj.weight": (spec.num_kv_heads * d, h),
-            p + "self_attn.v_proj.weight": (spec.num_kv_heads * d, h),
-            p + "self_attn.o_proj.weight": (h, spec.num_heads * d),
-            p + "mlp.gate_proj.weight": (spec.ffn_hidden_size, h),
-            p + "mlp.up_proj.weight": (spec.ffn_hidden_size, h),
-            p + "mlp.down_proj.weight": (h, spec.ffn_hidden_size),
-        })
+        shapes.update(
+            {
+                p + "input_layernorm.weight": (h,),
+                p + "post_attention_layernorm.weight": (h,),
+                p + "self_attn.q_proj.weight": (spec.num_heads * d, h),
+                p + "self_attn.k_proj.weight": (spec.num_kv_heads * d, h),
+                p + "self_attn.v_proj.weight": (spec.num_kv_heads * d, h),
+                p + "self_attn.o_proj.weight": (h, spec.num_heads * d),
+                p + "mlp.gate_proj.weight": (spec.ffn_hidden_size, h),
+                p + "mlp.up_proj.weight": (spec.ffn_hidden_size, h),
+                p + "mlp.down_proj.weight": (h, spec.ffn_hidden_size),
+            }
+        )
         if spec.qkv_bias:
-            shapes.update({p + "self_attn.q_proj.bias": (spec.num_heads * d,),
-                           p + "self_attn.k_proj.bias": (spec.num_kv_heads * d,),
-                           p + "self_attn.v_proj.bias": (spec.num_kv_heads * d,)})
+            shapes.update(
+                {
+                    p + "self_attn.q_proj.bias": (spec.num_heads * d,),
+                    p + "self_attn.k_proj.bias": (spec.num_kv_heads * d,),
+                    p + "self_attn.v_proj.bias": (spec.num_kv_heads * d,),
+                }
+            )
     return {k: torch.randn(s, generator=gen) for k, s in shapes.items()}
 
 
@@ -48,10 +63,11 @@ def test_round_trip_bitwise(family, tp):
     hf = _random_hf_tensors(spec)
     assert sorted(mapping.expected_hf_names(spec)) == sorted(hf)
     for rule in mapping.rules_for(spec):
-        for layer in (range(spec.num_layers) if rule.per_layer else [None]):
+        for layer in range(spec.num_layers) if rule.per_layer else [None]:
             names = rule.hf_names(layer)
-            shards = [mapping.to_mcore_shard(rule, [hf[n] for n in names], spec, r, tp)
-                      for r in range(tp)]
+            shards = [
+                mapping.to_mcore_shard(rule, [hf[n] for n in names], spec, r, tp) for r in range(tp)
+            ]
             assert len({s.shape for s in shards}) == 1
             for name, tensor in zip(names, mapping.to_hf(rule, shards, spec), strict=True):
                 assert torch.equal(tensor, hf[name]), (name, tp)
@@ -66,7 +82,9 @@ def test_qkv_shard_holds_whole_groups_in_megatron_order():
     rule = next(r for r in mapping.rules_for(spec) if r.layout == "qkv")
     shard1 = mapping.to_mcore_shard(rule, [q, k, v], spec, tp_rank=1, tp=2).squeeze(1)
     # rank 1 holds groups 2 and 3: [q heads 4,5 | k head 2 | v head 2 | q heads 6,7 | k3 | v3]
-    expected_first_group = torch.cat([q[4 * d: 6 * d], k[2 * d: 3 * d], v[2 * d: 3 * d]]).squeeze(1)
+    expected_first_group = torch.cat(
+        [q[4 * d : 6 * d], k[2 * d : 3 * d], v[2 * d : 3 * d]]
+    ).squeeze(1)
     assert torch.equal(shard1[: 4 * d], expected_first_group)
 
 
@@ -76,7 +94,7 @@ def test_vocab_padding_is_zero_and_dropped_on_export():
     emb = torch.randn(100, 32)
     rule = mapping.rules_for(spec)[0]
     shards = [mapping.to_mcore_shard(rule, [emb], spec, r, 2) for r in range(2)]
-    assert shards[1].shape == (128, 32) and torch.all(shards[1][100 - 128:] == 0)
+    assert shards[1].shape == (128, 32) and torch.all(shards[1][100 - 128 :] == 0)
     assert torch.equal(mapping.to_hf(rule, shards, spec)[0], emb)
 
 
@@ -84,16 +102,19 @@ def test_vocab_padding_is_zero_and_dropped_on_export():
 def test_vocab_rows_disagreeing_with_the_config_are_refused_not_padded(rows):
     spec = spec_from_hf_config(LLAMA)
     rule = mapping.rules_for(spec)[0]
-    with pytest.raises(ModelSpecError, match=f"model.embed_tokens.weight has {rows} rows but "
-                                             "vocab_size=100"):
+    with pytest.raises(
+        ModelSpecError, match=f"model.embed_tokens.weight has {rows} rows but vocab_size=100"
+    ):
         mapping.to_mcore_shard(rule, [torch.randn(rows, 32)], spec, 0, 2)
 
 
 @pytest.mark.parametrize(
     ("tp", "pp", "needle"),
-    [(3, 1, "actor.tp=3 does not divide the model's 8 attention heads"),
-     (8, 1, "actor.tp=8 does not divide the model's 4 key/value heads"),
-     (1, 3, "actor.pp=3 does not divide the model's 2 layers")],
+    [
+        (3, 1, "actor.tp=3 does not divide the model's 8 attention heads"),
+        (8, 1, "actor.tp=8 does not divide the model's 4 key/value heads"),
+        (1, 3, "actor.pp=3 does not divide the model's 2 layers"),
+    ],
 )
 def test_parallel_layout_errors(tp, pp, needle):
     spec = spec_from_hf_config(LLAMA)
@@ -109,6 +130,7 @@ def test_unsupported_family_and_rope():
 
 
 def test_transformers5_rope_parameters():
-    spec = spec_from_hf_config(dict(LLAMA, rope_parameters={"rope_type": "default",
-                                                            "rope_theta": 100000.0}))
+    spec = spec_from_hf_config(
+        dict(LLAMA, rope_parameters={"rope_type": "default", "rope_theta": 100000.0})
+    )
     assert spec.rope_theta == 100000.0

@@ -18,9 +18,16 @@ import torch
 from megarl.models.hf_io import ModelPathError, resolve_model_path
 from megarl.models.validate import TOKENIZER_FILES, check_hf_folder
 
-TINY = {"vocab_size": 384, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
-        "tie_word_embeddings": False}
+TINY = {
+    "vocab_size": 384,
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+    "tie_word_embeddings": False,
+}
 
 
 @pytest.fixture(scope="module")
@@ -76,40 +83,66 @@ def _pickle_only(folder: Path) -> None:
 
 
 CORRUPTIONS: dict[str, tuple[Callable[[Path], None], str]] = {
-    "header cut short": (lambda f: _cut(f, lambda n: 6),
-                         "model.safetensors is not a readable safetensors file"),
-    "tensor data cut short": (lambda f: _cut(f, lambda n: n // 2),
-                              "model.safetensors is not a readable safetensors file"),
-    "garbage bytes": (lambda f: (f / "model.safetensors").write_bytes(b"\x07" * 4096),
-                      "model.safetensors is not a readable safetensors file"),
-    "config not json": (lambda f: (f / "config.json").write_text("{not json"),
-                        "config.json is not valid JSON"),
-    "config a list": (lambda f: (f / "config.json").write_text("[1, 2]"),
-                      "config.json is not a JSON object"),
-    "config without layers": (lambda f: _edit_config(f, num_hidden_layers=None),
-                              "config.json has no num_hidden_layers"),
-    "config without hidden size": (lambda f: _edit_config(f, hidden_size=None),
-                                   "config.json has no hidden_size"),
-    "config of an unsupported family": (lambda f: _edit_config(f, model_type="gpt2"),
-                                        "config.json: model_type='gpt2' is not supported"),
+    "header cut short": (
+        lambda f: _cut(f, lambda n: 6),
+        "model.safetensors is not a readable safetensors file",
+    ),
+    "tensor data cut short": (
+        lambda f: _cut(f, lambda n: n // 2),
+        "model.safetensors is not a readable safetensors file",
+    ),
+    "garbage bytes": (
+        lambda f: (f / "model.safetensors").write_bytes(b"\x07" * 4096),
+        "model.safetensors is not a readable safetensors file",
+    ),
+    "config not json": (
+        lambda f: (f / "config.json").write_text("{not json"),
+        "config.json is not valid JSON",
+    ),
+    "config a list": (
+        lambda f: (f / "config.json").write_text("[1, 2]"),
+        "config.json is not a JSON object",
+    ),
+    "config without layers": (
+        lambda f: _edit_config(f, num_hidden_layers=None),
+        "config.json has no num_hidden_layers",
+    ),
+    "config without hidden size": (
+        lambda f: _edit_config(f, hidden_size=None),
+        "config.json has no hidden_size",
+    ),
+    "config of an unsupported family": (
+        lambda f: _edit_config(f, model_type="gpt2"),
+        "config.json: model_type='gpt2' is not supported",
+    ),
     "vocab larger than the weights": (
         lambda f: _edit_config(f, vocab_size=400),
-        "config.json vocab_size=400 but model.embed_tokens.weight has 384 rows"),
+        "config.json vocab_size=400 but model.embed_tokens.weight has 384 rows",
+    ),
     "more layers than the weights": (
         lambda f: _edit_config(f, num_hidden_layers=4),
-        "num_hidden_layers=4 but the weights have model.layers.0 to model.layers.1"),
+        "num_hidden_layers=4 but the weights have model.layers.0 to model.layers.1",
+    ),
     "fewer layers than the weights": (
         lambda f: _edit_config(f, num_hidden_layers=1),
-        "num_hidden_layers=1 but the weights have model.layers.0 to model.layers.1"),
-    "a tensor missing": (lambda f: _drop_tensor(f, "model.layers.1.mlp.up_proj.weight"),
-                         "the weights have no tensor model.layers.1.mlp.up_proj.weight"),
+        "num_hidden_layers=1 but the weights have model.layers.0 to model.layers.1",
+    ),
+    "a tensor missing": (
+        lambda f: _drop_tensor(f, "model.layers.1.mlp.up_proj.weight"),
+        "the weights have no tensor model.layers.1.mlp.up_proj.weight",
+    ),
     "ffn size disagreeing": (
         lambda f: _edit_config(f, intermediate_size=64),
-        "model.layers.0.mlp.gate_proj.weight has shape [48, 32] but config.json implies [64, 32]"),
-    "no tokenizer": (lambda f: [(f / n).unlink(missing_ok=True) for n in TOKENIZER_FILES],
-                     "folder has no tokenizer"),
-    "pytorch_model.bin only": (_pickle_only,
-                               "only pytorch_model.bin weights; megarl reads safetensors only"),
+        "model.layers.0.mlp.gate_proj.weight has shape [48, 32] but config.json implies [64, 32]",
+    ),
+    "no tokenizer": (
+        lambda f: [(f / n).unlink(missing_ok=True) for n in TOKENIZER_FILES],
+        "folder has no tokenizer",
+    ),
+    "pytorch_model.bin only": (
+        _pickle_only,
+        "only pytorch_model.bin weights; megarl reads safetensors only",
+    ),
 }
 
 
@@ -144,10 +177,14 @@ def test_pickle_message_says_how_to_convert(folder):
 
 
 def test_a_sharded_index_naming_a_missing_file(folder):
-    index = {"metadata": {}, "weight_map": {"model.norm.weight": "model-00002-of-00002.safetensors"}}
+    index = {
+        "metadata": {},
+        "weight_map": {"model.norm.weight": "model-00002-of-00002.safetensors"},
+    }
     (folder / "model.safetensors.index.json").write_text(json.dumps(index))
-    with pytest.raises(ModelPathError, match="names model-00002-of-00002.safetensors, which is "
-                                             "missing"):
+    with pytest.raises(
+        ModelPathError, match="names model-00002-of-00002.safetensors, which is missing"
+    ):
         resolve_model_path(folder)
 
 

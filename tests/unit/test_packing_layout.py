@@ -15,13 +15,22 @@ from megarl.trainer.batch import (
 
 
 def _batch() -> RolloutBatch:
-    tokens = (torch.tensor([10, 11, 12, 13]), torch.tensor([20, 21, 22, 23, 24, 25]),
-              torch.tensor([30, 31, 32]))
+    tokens = (
+        torch.tensor([10, 11, 12, 13]),
+        torch.tensor([20, 21, 22, 23, 24, 25]),
+        torch.tensor([30, 31, 32]),
+    )
     prompts = (2, 3, 1)
-    return RolloutBatch(tokens=tokens, prompt_lens=prompts, group_ids=torch.zeros(3),
-                        rewards=torch.zeros(3), advantages=torch.tensor([0.5, -1.0, 2.0]),
-                        engine_logprobs=tuple(torch.zeros(len(t) - p)
-                                              for t, p in zip(tokens, prompts, strict=True)))
+    return RolloutBatch(
+        tokens=tokens,
+        prompt_lens=prompts,
+        group_ids=torch.zeros(3),
+        rewards=torch.zeros(3),
+        advantages=torch.tensor([0.5, -1.0, 2.0]),
+        engine_logprobs=tuple(
+            torch.zeros(len(t) - p) for t, p in zip(tokens, prompts, strict=True)
+        ),
+    )
 
 
 def test_pack_concatenates_with_restarting_positions():

@@ -11,17 +11,28 @@ from megarl.models.spec import TransformerSpec
 from megarl.trainer import perf
 
 # h=64, f=96, d=16, n=4 query heads, g=2 KV heads, L=2 layers, V=100
-SPEC = TransformerSpec(family="llama", vocab_size=100, hidden_size=64, ffn_hidden_size=96,
-                       num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5,
-                       rope_theta=1e4, tie_embeddings=False, qkv_bias=False,
-                       max_position_embeddings=128)
+SPEC = TransformerSpec(
+    family="llama",
+    vocab_size=100,
+    hidden_size=64,
+    ffn_hidden_size=96,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    rms_norm_eps=1e-5,
+    rope_theta=1e4,
+    tie_embeddings=False,
+    qkv_bias=False,
+    max_position_embeddings=128,
+)
 
 
 def test_dense_flops_per_token_by_hand():
-    qkv = 2 * 64 * 16 * (4 + 2 * 2)        # 16384
-    proj = 2 * 4 * 16 * 64                 # 8192
-    mlp = 2 * 3 * 64 * 96                  # 36864
-    head = 2 * 64 * 100                    # 12800
+    qkv = 2 * 64 * 16 * (4 + 2 * 2)  # 16384
+    proj = 2 * 4 * 16 * 64  # 8192
+    mlp = 2 * 3 * 64 * 96  # 36864
+    head = 2 * 64 * 100  # 12800
     assert perf.dense_forward_flops_per_token(SPEC) == 2 * (qkv + proj + mlp) + head == 135680
 
 
@@ -29,8 +40,9 @@ def test_attention_term_is_causal_and_per_sequence():
     # S=3: token t attends to t keys -> 1+2+3 = 6 (query, key) pairs; 4 n d FLOPs per pair/layer
     assert perf.attention_forward_flops(SPEC, 3) == 2 * 4 * 4 * 16 * 6 == 3072
     packed = perf.forward_flops(SPEC, [3, 5])
-    assert packed == 135680 * 8 + perf.attention_forward_flops(SPEC, 3) + \
-        perf.attention_forward_flops(SPEC, 5)
+    assert packed == 135680 * 8 + perf.attention_forward_flops(
+        SPEC, 3
+    ) + perf.attention_forward_flops(SPEC, 5)
     assert packed < perf.forward_flops(SPEC, [8])  # two sequences attend less than one long one
     assert perf.training_flops(SPEC, [3, 5]) == 3 * packed
 
@@ -42,10 +54,17 @@ def test_dense_term_matches_six_n_for_matmul_parameters():
     assert 3 * perf.dense_forward_flops_per_token(SPEC) == 6 * matmul_params
 
 
-@pytest.mark.parametrize(("name", "peak"), [
-    ("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12), ("NVIDIA H100 NVL", 835e12),
-    ("NVIDIA H200", 989e12), ("NVIDIA GH200 480GB", 989e12), ("NVIDIA A100-SXM4-80GB", 312e12),
-])
+@pytest.mark.parametrize(
+    ("name", "peak"),
+    [
+        ("NVIDIA H100 80GB HBM3", 989e12),
+        ("NVIDIA H100 PCIe", 756e12),
+        ("NVIDIA H100 NVL", 835e12),
+        ("NVIDIA H200", 989e12),
+        ("NVIDIA GH200 480GB", 989e12),
+        ("NVIDIA A100-SXM4-80GB", 312e12),
+    ],
+)
 def test_peak_table(name, peak):
     assert perf.peak_flops(name).flops_per_s == peak
 
@@ -60,11 +79,14 @@ def test_unknown_device_gives_nan_with_a_note():
 def test_update_metrics_from_a_plan():
     mb = lambda *idx: SimpleNamespace(seq_indices=idx)  # noqa: E731
     step = lambda ghost, *ranks: SimpleNamespace(  # noqa: E731
-        is_ghost=ghost, ranks=[SimpleNamespace(micro_batches=r) for r in ranks])
-    plan = SimpleNamespace(optimizer_steps=[
-        step(False, [mb(0, 1)], [mb(2)]),
-        step(True, [mb(3)], [mb(3)]),  # a ghost step trains nothing
-    ])
+        is_ghost=ghost, ranks=[SimpleNamespace(micro_batches=r) for r in ranks]
+    )
+    plan = SimpleNamespace(
+        optimizer_steps=[
+            step(False, [mb(0, 1)], [mb(2)]),
+            step(True, [mb(3)], [mb(3)]),  # a ghost step trains nothing
+        ]
+    )
     seq_lens = [3, 5, 4, 7]
     peak = perf.PeakFlops(1e12, "test")
     out = perf.update_metrics(SPEC, plan, seq_lens, update_seconds=2.0, num_devices=2, peak=peak)

@@ -49,7 +49,8 @@ def test_worker_failed_names_role_rank_and_node():
     assert text.startswith("actor rank 1 on node ") and "exit code 137" in text
     where = "actor rank 3 on node gpu7 (10.0.0.7, ray node abcd1234, pid 42)"
     assert str(WorkerFailed(3, None, "the process died", where=where)) == (
-        where + " failed: the process died")
+        where + " failed: the process died"
+    )
 
 
 def test_fault_injection_only_fires_for_its_rank_and_step(monkeypatch):
@@ -77,26 +78,31 @@ def test_side_actor_failure_names_the_actor_and_survives_pickling():
 
     from megarl.distributed.ray_launcher import ActorPlacement, SideActorFailed
 
-    where = ActorPlacement(role="rollout", node_ip="10.0.0.9", hostname="gpu9",
-                           node_id="abcd1234ffff", pid=7).describe()
+    where = ActorPlacement(
+        role="rollout", node_ip="10.0.0.9", hostname="gpu9", node_id="abcd1234ffff", pid=7
+    ).describe()
     assert where == "rollout actor on node gpu9 (10.0.0.9, ray node abcd1234, pid 7)"
     failure = pickle.loads(pickle.dumps(SideActorFailed(where, "the process died during rollout")))
     assert (failure.where, failure.detail) == (where, "the process died during rollout")
     assert str(WorkerFailed(-1, None, failure.detail, where=failure.where)) == (
-        where + " failed: the process died during rollout")
+        where + " failed: the process died during rollout"
+    )
     assert "rollout actor on node" in ActorPlacement.here("rollout").describe()  # outside Ray
 
 
 def test_actor_death_text_is_cut_to_exit_type_and_detail():
     from megarl.distributed.ray_launcher import _death_cause
 
-    ray_text = ("The actor is dead because its worker process has died. Worker exit type: "
-                "SYSTEM_ERROR Worker exit detail: Worker unexpectedly exits with a connection "
-                "error code 2. End of file. Some common causes include: (1) the process was "
-                "killed by the OOM killer ...")
+    ray_text = (
+        "The actor is dead because its worker process has died. Worker exit type: "
+        "SYSTEM_ERROR Worker exit detail: Worker unexpectedly exits with a connection "
+        "error code 2. End of file. Some common causes include: (1) the process was "
+        "killed by the OOM killer ..."
+    )
     assert _death_cause(RuntimeError(ray_text)) == (
         "the process died (killed, OOM or crashed: exit type SYSTEM_ERROR; Worker unexpectedly "
-        "exits with a connection error code 2.)")
+        "exits with a connection error code 2.)"
+    )
     assert "no Python error" in _death_cause(RuntimeError("gone"))
 
 
@@ -115,7 +121,8 @@ def test_split_rollout_key_is_validated():
 def test_side_actor_bundle_cpu_token_or_whole_gpus():
     from megarl.distributed.ray_launcher import SideActor
 
-    side = SideActor(role="rollout", cls=object, init_args=(), n_gpus=2,
-                     attach=lambda handle, args: args)
+    side = SideActor(
+        role="rollout", cls=object, init_args=(), n_gpus=2, attach=lambda handle, args: args
+    )
     assert side.bundle("cuda") == {"CPU": 1.0, "GPU": 2.0}
     assert side.bundle("cpu") == {"CPU": CPU_PER_RANK}

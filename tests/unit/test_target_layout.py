@@ -16,9 +16,16 @@ from megarl.models import mapping
 from megarl.models.spec import spec_from_hf_config
 
 BASE = {
-    "model_type": "llama", "vocab_size": 100, "hidden_size": 32, "intermediate_size": 48,
-    "num_hidden_layers": 1, "num_attention_heads": 8, "num_key_value_heads": 4,
-    "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False,
+    "model_type": "llama",
+    "vocab_size": 100,
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
 }
 
 
@@ -27,8 +34,9 @@ def _hf(spec):
     out = {}
     for rule in mapping.rules_for(spec):
         for layer in range(spec.num_layers) if rule.per_layer else [None]:
-            for name, shape in zip(rule.hf_names(layer), mapping.hf_shapes(rule, spec),
-                                   strict=True):
+            for name, shape in zip(
+                rule.hf_names(layer), mapping.hf_shapes(rule, spec), strict=True
+            ):
                 out[name] = torch.randn(shape, generator=gen)
     return out
 
@@ -37,28 +45,41 @@ def _cases(spec, hf, mcore_tp):
     for rule in mapping.rules_for(spec):
         for layer in range(spec.num_layers) if rule.per_layer else [None]:
             tensors = [hf[n] for n in rule.hf_names(layer)]
-            shards = [mapping.to_mcore_shard(rule, tensors, spec, m, mcore_tp)
-                      for m in range(mcore_tp)]
+            shards = [
+                mapping.to_mcore_shard(rule, tensors, spec, m, mcore_tp) for m in range(mcore_tp)
+            ]
             yield rule, layer, tensors, shards
 
 
-@pytest.mark.parametrize(("family", "kv_heads", "mcore_tp", "engine_tp"), [
-    ("llama", 4, 1, 2), ("llama", 4, 2, 2), ("llama", 4, 4, 2), ("llama", 4, 2, 4),
-    ("llama", 4, 2, 1), ("qwen2", 4, 2, 2), ("qwen2", 4, 4, 1),
-    ("llama", 2, 2, 4), ("qwen2", 2, 1, 8), ("llama", 2, 2, 8),  # KV heads replicated
-])
+@pytest.mark.parametrize(
+    ("family", "kv_heads", "mcore_tp", "engine_tp"),
+    [
+        ("llama", 4, 1, 2),
+        ("llama", 4, 2, 2),
+        ("llama", 4, 4, 2),
+        ("llama", 4, 2, 4),
+        ("llama", 4, 2, 1),
+        ("qwen2", 4, 2, 2),
+        ("qwen2", 4, 4, 1),
+        ("llama", 2, 2, 4),
+        ("qwen2", 2, 1, 8),
+        ("llama", 2, 2, 8),  # KV heads replicated
+    ],
+)
 def test_from_megatron_equals_vllm_slicing(family, kv_heads, mcore_tp, engine_tp):
     spec = spec_from_hf_config(dict(BASE, model_type=family, num_key_value_heads=kv_heads))
     hf = _hf(spec)
     for rule, _, tensors, shards in _cases(spec, hf, mcore_tp):
         for rank in range(engine_tp):
             needed = needed_mcore_ranks(rule, spec, mcore_tp, engine_tp, rank)
-            got = vllm_shard_from_mcore(rule, {m: shards[m] for m in needed}, spec, mcore_tp,
-                                        engine_tp, rank)
+            got = vllm_shard_from_mcore(
+                rule, {m: shards[m] for m in needed}, spec, mcore_tp, engine_tp, rank
+            )
             want = vllm_shard_from_hf(rule, tensors, spec, engine_tp, rank)
             assert torch.equal(got, want), (rule.mcore, rank)
-            same_vocab_split = vllm_padded_vocab(spec.vocab_size, engine_tp) == \
-                spec.padded_vocab_size(mcore_tp)
+            same_vocab_split = vllm_padded_vocab(
+                spec.vocab_size, engine_tp
+            ) == spec.padded_vocab_size(mcore_tp)
             if mcore_tp == engine_tp and (rule.layout != "vocab" or same_vocab_split):
                 assert needed == (rank,), rule.mcore  # own shard only: no gather
 
@@ -74,14 +95,17 @@ def test_engine_tp2_shards_are_hf_chunks_as_vllm_slices_them():
     padded = torch.cat([emb, emb.new_zeros(vllm_padded_vocab(100, 2) - 100, 32)])
     assert padded.shape[0] == 128  # 100 -> multiple of 64
     expected = {
-        "self_attention.linear_qkv.weight":
-            lambda r: torch.cat([q.chunk(2)[r], k.chunk(2)[r], v.chunk(2)[r]]),
-        "self_attention.linear_qkv.bias":
-            lambda r: torch.cat([qb.chunk(2)[r], kb.chunk(2)[r], vb.chunk(2)[r]]),
+        "self_attention.linear_qkv.weight": lambda r: torch.cat(
+            [q.chunk(2)[r], k.chunk(2)[r], v.chunk(2)[r]]
+        ),
+        "self_attention.linear_qkv.bias": lambda r: torch.cat(
+            [qb.chunk(2)[r], kb.chunk(2)[r], vb.chunk(2)[r]]
+        ),
         "mlp.linear_fc1.weight": lambda r: torch.cat([gate.chunk(2)[r], up.chunk(2)[r]]),
         "mlp.linear_fc2.weight": lambda r: hf[p + "mlp.down_proj.weight"].chunk(2, dim=1)[r],
-        "self_attention.linear_proj.weight":
-            lambda r: hf[p + "self_attn.o_proj.weight"].chunk(2, dim=1)[r],
+        "self_attention.linear_proj.weight": lambda r: hf[p + "self_attn.o_proj.weight"].chunk(
+            2, dim=1
+        )[r],
         "input_layernorm.weight": lambda r: hf[p + "input_layernorm.weight"],
         "embedding.word_embeddings.weight": lambda r: padded.chunk(2)[r],
     }

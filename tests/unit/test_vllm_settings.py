@@ -62,8 +62,10 @@ def test_cpu_defaults_eager_explicit_kv_and_no_sleep():
     assert kwargs["enforce_eager"] is True and kwargs["enable_sleep_mode"] is False
     assert kwargs["kv_cache_memory_bytes"] == int(1.6 * GIB)
     assert settings.sleep_level == 0
-    assert settings.notes == ("rollout.sleep_level=2 runs as 0: vLLM's CPU build has no sleep "
-                              "mode (the engine stays resident)",)
+    assert settings.notes == (
+        "rollout.sleep_level=2 runs as 0: vLLM's CPU build has no sleep "
+        "mode (the engine stays resident)",
+    )
 
 
 def test_gpu_keeps_graphs_sleep_and_vllm_memory_sizing():
@@ -72,8 +74,10 @@ def test_gpu_keeps_graphs_sleep_and_vllm_memory_sizing():
     assert kwargs["enforce_eager"] is False and kwargs["enable_sleep_mode"] is True
     assert "kv_cache_memory_bytes" not in kwargs and settings.sleep_level == 2
     assert settings.notes == ()
-    assert decide(VLLMRequest("cuda", "bfloat16", enforce_eager=True)).engine_kwargs[
-        "enforce_eager"] is True
+    assert (
+        decide(VLLMRequest("cuda", "bfloat16", enforce_eager=True)).engine_kwargs["enforce_eager"]
+        is True
+    )
 
 
 def test_cpu_attention_head_size_is_checked():
@@ -102,8 +106,11 @@ def test_vllm_missing_is_one_line_before_any_model_is_loaded(monkeypatch):
     from megarl.train import StartupError, check_vllm
 
     real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "vllm" else real_find_spec(name, *a))
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "vllm" else real_find_spec(name, *a),
+    )
     cfg = build_run_config({"rollout": {"engine": "vllm"}})
     with pytest.raises(StartupError, match="needs vLLM, which is not installed") as error:
         check_vllm(cfg, "/no/model/is/read", "cpu")
