@@ -24,7 +24,7 @@ import torch
 
 
 def _batch(num: int, min_len: int, max_len: int, vocab: int, seed: int):
-    from megarl.trainer.batch import RolloutBatch
+    from megarl.batch import RolloutBatch
 
     gen = torch.Generator().manual_seed(seed)
     logs = torch.empty(num).uniform_(math.log(min_len), math.log(max_len), generator=gen)
@@ -52,13 +52,8 @@ def _bench(ctx, args):
     from megarl.distributed.platform import enter_cpu_shims
     from megarl.models.hf_io import load_hf_config, open_hf_tensors, resolve_model_path
     from megarl.models.spec import spec_from_hf_config
-    from megarl.planner.batch_planner import plan_forward_micro_batches
-    from megarl.workers.megatron_actor import (
-        LossSettings,
-        MegatronActor,
-        MicroBatchWork,
-        OptimizerStepWork,
-    )
+    from megarl.planner.batch_planner import OptimizerStepPlan, plan_forward_micro_batches
+    from megarl.workers.megatron_actor import LossSettings, MegatronActor
 
     plans = {
         packed: decide_execution(
@@ -80,10 +75,7 @@ def _bench(ctx, args):
     groups = plan_forward_micro_batches(
         list(range(batch.num_seqs)), batch.seq_lens, args.micro_batch_tokens
     )
-    work = OptimizerStepWork(
-        micro_batches=tuple(MicroBatchWork(g, (1.0,) * len(g)) for g in groups),
-        normaliser=float(sum(batch.response_lens)),
-    )
+    work = OptimizerStepPlan.by_hand(groups, batch.seq_lens, sum(batch.response_lens))
     loss = LossSettings(
         temperature=1.0,
         clip_low=0.2,
@@ -112,7 +104,7 @@ def _bench(ctx, args):
         for _ in range(args.repeats + 1):
             _sync(args.device)
             start, cpu_start = time.perf_counter(), time.process_time()
-            actor.train_step(batch, work, None, None, loss)
+            actor.train_step(batch, work, 0, None, None, loss)
             _sync(args.device)
             walls.append(time.perf_counter() - start)
             cpus.append(time.process_time() - cpu_start)

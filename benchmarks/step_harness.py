@@ -22,12 +22,12 @@ from dataclasses import dataclass
 
 import torch
 
+from megarl.batch import RolloutBatch
 from megarl.config.schema import RunConfig
 from megarl.planner import from_config
 from megarl.planner.batch_planner import StepPlan, plan_step
 from megarl.planner.gates import StepGates, decide_gates
 from megarl.trainer import worker
-from megarl.trainer.batch import RolloutBatch
 from megarl.trainer.metrics import PhaseTimer
 
 

@@ -370,6 +370,17 @@ class OptimizerStepPlan:
                 f"rank_costs has {len(self.rank_costs)} entries for {len(self.ranks)} ranks"
             )
 
+    @classmethod
+    def by_hand(
+        cls, groups: Sequence[Sequence[int]], seq_tokens: Sequence[int], normaliser: float
+    ) -> OptimizerStepPlan:
+        """One rank training every sequence of ``groups`` (one micro-batch each): for tests and
+        benchmarks that drive the actor without the planner."""
+        micro_batches = tuple(
+            MicroBatch(tuple(g), (1.0,) * len(g), sum(seq_tokens[i] for i in g)) for g in groups
+        )
+        return cls(0, 0, (0,), (RankPlan(micro_batches),), float(normaliser), is_ghost=False)
+
     @property
     def num_micro_batches_per_rank(self) -> int:
         """Micro-batches each rank runs in this step (0 for a ghost step)."""

@@ -19,9 +19,10 @@ from megarl.engines.base import EngineMemoryState
 from megarl.engines.hf import HFEngine
 from megarl.models.spec import TransformerSpec, spec_from_hf_config
 from megarl.trainer import perf
-from megarl.trainer.metrics import MetricsWriter, PhaseTimer, run_summary, safe_div, step_line
+from megarl.trainer.metrics import MetricsWriter, PhaseTimer, run_summary, step_line
 from megarl.trainer.perf import PeakFlops, peak_flops
 from megarl.trainer.rollout import RolloutProducer, RolloutSettings
+from megarl.workers.train_stats import UpdateStats
 
 
 class Driver:
@@ -103,10 +104,12 @@ class Driver:
             target_modules=hf_target_modules(self.spec, lora.target_modules),
         )
 
-    def record_step(self, step, timer: PhaseTimer, rollout_metrics, plan, gates, stats, batch):
+    def record_step(
+        self, step, timer: PhaseTimer, rollout_metrics, plan, gates, stats: UpdateStats, batch
+    ):
         metrics: dict = {"step": step}
         metrics.update(rollout_metrics)
-        metrics.update(_actor_metrics(stats))
+        metrics.update(stats.metrics())
         metrics.update(plan.metrics)
         metrics["planner/summary"] = plan.summary()
         metrics.update(gates.metrics())
@@ -224,22 +227,6 @@ def _build_engine(cfg: RunConfig, tokenizer, device: str, model_dir: str):
 
     model, _ = load_hf_model(model_dir, device=device)
     return HFEngine(model, tokenizer, device=device), cfg.rollout.sleep_level
-
-
-def _actor_metrics(stats: dict[str, float]) -> dict[str, float]:
-    tokens = stats.get("num_tokens", 0.0)
-    return {
-        "actor/pg_loss": stats.get("pg_loss", 0.0),
-        "actor/kl_loss": stats.get("kl_loss", 0.0),
-        "actor/entropy": safe_div(stats.get("entropy_sum", 0.0), stats.get("response_tokens", 0.0)),
-        "actor/pg_clipfrac": safe_div(stats.get("clipfrac_sum", 0.0), tokens),
-        "actor/ppo_kl": safe_div(stats.get("ppo_kl_sum", 0.0), tokens),
-        "actor/grad_norm": stats.get("grad_norm", 0.0),
-        "actor/num_optimizer_steps": stats.get("num_optimizer_steps", 0),
-        "rollout/logprob_abs_diff": safe_div(
-            stats.get("lp_diff_sum", 0.0), stats.get("lp_diff_count", 0.0)
-        ),
-    }
 
 
 class Console:

@@ -61,11 +61,6 @@ class MetricsWriter:
             self._tb.close()
 
 
-def safe_div(a: float, b: float) -> float:
-    """A ratio for metrics; NaN (written as null) when nothing was counted."""
-    return a / b if b else math.nan
-
-
 def _jsonable(value: Any) -> Any:
     if isinstance(value, float) and (math.isnan(value) or math.isinf(value)):
         return None

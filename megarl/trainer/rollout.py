@@ -15,10 +15,10 @@ from dataclasses import dataclass
 import torch
 
 from megarl.algo.advantages import get_advantage_estimator
+from megarl.batch import RolloutBatch
 from megarl.data.loader import PromptStream
 from megarl.data.problems import Problem
 from megarl.engines.base import RolloutEngine, SamplingParams
-from megarl.trainer.batch import RolloutBatch
 
 
 def sampling_seed(run_seed: int, step: int) -> int:

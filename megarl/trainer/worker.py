@@ -26,32 +26,15 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megarl.batch import RolloutBatch
 from megarl.config.schema import RunConfig
 from megarl.distributed.launcher import WorkerContext
 from megarl.planner import from_config
 from megarl.planner.batch_planner import StepPlan, plan_forward_micro_batches, plan_step
 from megarl.planner.gates import ReferenceSource, StepGates, decide_gates, decide_reference
-from megarl.trainer.batch import RolloutBatch
 from megarl.trainer.metrics import PhaseTimer
-from megarl.workers.megatron_actor import (
-    LossSettings,
-    MegatronActor,
-    MicroBatchWork,
-    OptimizerStepWork,
-    reduce_stats_to_all,
-)
-
-STAT_KEYS = (
-    "pg_loss",
-    "kl_loss",
-    "entropy_sum",
-    "clipfrac_sum",
-    "ppo_kl_sum",
-    "num_tokens",
-    "response_tokens",
-    "lp_diff_sum",
-    "lp_diff_count",
-)
+from megarl.workers.megatron_actor import LossSettings, MegatronActor, reduce_sums_to_all
+from megarl.workers.train_stats import OptimizerStepStats, UpdateStats, summarise_update
 
 
 @dataclass(frozen=True)
@@ -348,42 +331,39 @@ def _loss_settings(cfg: RunConfig) -> LossSettings:
 
 def _update_actor(
     rt: _Runtime, batch: RolloutBatch, plan: StepPlan, old, recomputed, ref, timer: PhaseTimer
-) -> dict[str, float]:
+) -> UpdateStats:
+    """Every optimizer step of the plan on this rank's micro-batches; the step's statistics,
+    each the mean over optimizer steps."""
     loss = _loss_settings(rt.cfg)
-    totals: dict[str, float] = {}
+    per_step: list[OptimizerStepStats] = []
     grad_norms: list[float] = []
+    lp_diff = [0.0, 0.0]  # |engine - trainer| summed, tokens compared
     with timer.phase("update_actor"):
         for index, opt_step in enumerate(plan.optimizer_steps):
-            work = OptimizerStepWork(
-                micro_batches=tuple(
-                    MicroBatchWork(mb.seq_indices, mb.loss_weights)
-                    for mb in opt_step.ranks[rt.dp_rank].micro_batches
-                ),
-                normaliser=opt_step.normaliser,
-                is_ghost=opt_step.is_ghost,
+            result = rt.actor.train_step(
+                batch, opt_step, rt.dp_rank, old, ref, loss, capture_logprobs=index == 0
             )
-            stats = rt.actor.train_step(batch, work, old, ref, loss, capture_logprobs=index == 0)
-            grad_norms.append(stats.pop("grad_norm"))
-            captured = stats.pop("train_logprobs", {})
-            _add_logprob_diff(stats, batch, {**captured, **recomputed} if index == 0 else {})
-            for key, value in stats.items():
-                totals[key] = totals.get(key, 0.0) + value
-    if not rt.actor.is_last_stage:
-        totals = {}
-    reduced = reduce_stats_to_all(totals, STAT_KEYS, rt.cfg.actor.tp)
-    reduced["grad_norm"] = sum(grad_norms) / max(1, len(grad_norms))
-    reduced["num_optimizer_steps"] = len(plan.optimizer_steps)
-    return reduced
+            per_step.append(result.stats if rt.actor.is_last_stage else OptimizerStepStats())
+            grad_norms.append(result.grad_norm)
+            if index == 0 and rt.actor.is_last_stage:
+                lp_diff = _logprob_diff(batch, {**result.train_logprobs, **recomputed})
+    tp = rt.cfg.actor.tp
+    global_steps = [
+        OptimizerStepStats.from_row(row)
+        for row in reduce_sums_to_all([s.as_row() for s in per_step], tp)
+    ]
+    [[lp_diff_sum, lp_diff_count]] = reduce_sums_to_all([lp_diff], tp)
+    return summarise_update(global_steps, grad_norms, lp_diff_sum, lp_diff_count)
 
 
-def _add_logprob_diff(stats: dict, batch: RolloutBatch, trainer_logprobs: dict) -> None:
-    """Engine vs trainer logprobs of the same tokens under the same (generating) weights."""
+def _logprob_diff(batch: RolloutBatch, trainer_logprobs: dict) -> list[float]:
+    """Engine vs trainer logprobs of the same tokens under the same (generating) weights:
+    the summed absolute difference and the number of tokens compared."""
     diff_sum, count = 0.0, 0
     for i, logp in trainer_logprobs.items():
         diff_sum += float((logp.float() - batch.engine_logprobs[i]).abs().sum())
         count += logp.numel()
-    stats["lp_diff_sum"] = stats.get("lp_diff_sum", 0.0) + diff_sum
-    stats["lp_diff_count"] = stats.get("lp_diff_count", 0.0) + count
+    return [diff_sum, float(count)]
 
 
 def _sync_weights(rt: _Runtime, gates: StepGates, timer: PhaseTimer, step: int) -> None:

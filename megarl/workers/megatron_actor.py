@@ -17,35 +17,32 @@ import torch
 import torch.distributed as dist
 
 from megarl.algo.losses import aggregate, kl_penalty, policy_loss
-from megarl.config.schema import ActorConfig
-from megarl.distributed.execution import ExecutionPlan
-from megarl.models import megatron_gpt
-from megarl.models.spec import VPP_TRAINING_UNSUPPORTED, TransformerSpec
-from megarl.models.vocab_parallel import VocabShard, token_logprobs_and_entropy
-from megarl.trainer.batch import (
+from megarl.batch import (
     MicroBatchTensors,
     RolloutBatch,
     build_micro_batch,
     per_token_to_response,
     response_values_to_BL,
 )
+from megarl.config.schema import ActorConfig
+from megarl.distributed.execution import ExecutionPlan
+from megarl.models import megatron_gpt
+from megarl.models.spec import VPP_TRAINING_UNSUPPORTED, TransformerSpec
+from megarl.models.vocab_parallel import VocabShard, token_logprobs_and_entropy
+from megarl.planner.batch_planner import OptimizerStepPlan
+from megarl.workers.train_stats import OptimizerStepStats
 
 
 @dataclass(frozen=True)
-class MicroBatchWork:
-    """Sequences of one micro-batch and their loss weights (0 for fillers)."""
+class TrainStepResult:
+    """One optimizer step on this rank."""
 
-    seq_indices: tuple[int, ...]
-    loss_weights: tuple[float, ...]
-
-
-@dataclass(frozen=True)
-class OptimizerStepWork:
-    """What this rank does for one optimizer step."""
-
-    micro_batches: tuple[MicroBatchWork, ...]
-    normaliser: float
-    is_ghost: bool = False
+    stats: OptimizerStepStats
+    grad_norm: float
+    """The global gradient norm (the same on every rank)."""
+    train_logprobs: dict[int, torch.Tensor]
+    """With ``capture_logprobs``: the detached training-forward logprobs of the trained
+    sequences (the run checks them against the engine's); empty otherwise."""
 
 
 @dataclass(frozen=True)
@@ -218,41 +215,39 @@ class MegatronActor:
     def train_step(
         self,
         batch: RolloutBatch,
-        work: OptimizerStepWork,
+        step: OptimizerStepPlan,
+        dp_rank: int,
         old_logprobs: Mapping[int, torch.Tensor] | None,
         ref_logprobs: Mapping[int, torch.Tensor] | None,
         loss: LossSettings,
         capture_logprobs: bool = False,
-    ) -> dict:
-        """One optimizer step over this rank's micro-batches; returns summed loss statistics.
+    ) -> TrainStepResult:
+        """Run ``step``'s micro-batches for DP rank ``dp_rank`` and take the optimizer step.
 
         ``old_logprobs`` missing a sequence means "on-policy": the training forward's own
         detached logprobs serve as old logprobs (the gate decided the separate pass was waste).
         With ``capture_logprobs`` the detached training-forward logprobs of the trained
-        sequences come back under ``train_logprobs`` (the run checks them against the engine's).
+        sequences come back in the result.
         """
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         stats: list[dict[str, torch.Tensor]] = []
-        if not work.is_ghost and work.micro_batches:
-            mbs = [
-                self._micro_batch(batch, m.seq_indices, m.loss_weights) for m in work.micro_batches
-            ]
+        micro_batches = step.ranks[dp_rank].micro_batches
+        if not step.is_ghost and micro_batches:
+            mbs = [self._micro_batch(batch, m.seq_indices, m.loss_weights) for m in micro_batches]
             loss_fn = partial(
                 self._training_loss,
                 batch=batch,
                 old=old_logprobs or {},
                 ref=ref_logprobs,
                 loss=loss,
-                denom=work.normaliser,
+                denom=step.normaliser,
                 capture=capture_logprobs,
             )
             stats = self._run_schedule(mbs, loss_fn, forward_only=False)
         self._finalize_grads()
         grad_norm = self.optimizer.step()
-        totals = _sum_stats(stats)
-        totals["grad_norm"] = grad_norm
-        return totals
+        return _step_result(stats, float(grad_norm))
 
     def _training_loss(
         self,
@@ -407,21 +402,22 @@ def packed_seq_params(mb: MicroBatchTensors):
     )
 
 
-def _sum_stats(stats: list[dict]) -> dict:
-    """Sum scalar statistics over micro-batches; merge per-sequence dicts."""
-    totals: dict = {}
-    for entry in stats:
-        for key, value in entry.items():
-            if isinstance(value, dict):
-                totals.setdefault(key, {}).update(value)
-            else:
-                totals[key] = totals.get(key, 0.0) + float(value)
-    return totals
+def _step_result(per_micro_batch: list[dict], grad_norm: float) -> TrainStepResult:
+    """Sum the micro-batches' statistics (none on non-last pipeline stages)."""
+    totals = OptimizerStepStats()
+    captured: dict[int, torch.Tensor] = {}
+    for entry in per_micro_batch:
+        captured.update(entry.pop("train_logprobs", {}))
+        totals = totals + OptimizerStepStats(**{k: float(v) for k, v in entry.items()})
+    return TrainStepResult(stats=totals, grad_norm=grad_norm, train_logprobs=captured)
 
 
-def reduce_stats_to_all(values: dict[str, float], keys: Sequence[str], tp: int) -> dict[str, float]:
-    """Sum per-rank statistics over the whole world; last-stage TP replicas counted once."""
+def reduce_sums_to_all(rows: Sequence[Sequence[float]], tp: int) -> list[list[float]]:
+    """Sum equal-length rows of per-rank statistics over the whole world in one all-reduce;
+    the last-stage TP replicas each hold the same values, so they are counted once."""
+    if not rows:
+        return []
     device = "cuda" if dist.get_backend() == "nccl" else "cpu"  # NCCL reduces GPU tensors only
-    tensor = torch.tensor([values.get(k, 0.0) for k in keys], dtype=torch.float64, device=device)
+    tensor = torch.tensor([list(r) for r in rows], dtype=torch.float64, device=device)
     dist.all_reduce(tensor)
-    return {k: float(v) / tp for k, v in zip(keys, tensor.tolist(), strict=True)}
+    return (tensor / tp).cpu().tolist()

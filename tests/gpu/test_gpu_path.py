@@ -68,7 +68,7 @@ def _init(ctx):
 
 
 def _batch(vocab: int):
-    from megarl.trainer.batch import RolloutBatch
+    from megarl.batch import RolloutBatch
 
     gen = torch.Generator().manual_seed(0)
     tokens = tuple(torch.randint(3, vocab, (n,), generator=gen) for n in SEQ_LENS)

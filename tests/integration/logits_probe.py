@@ -12,7 +12,7 @@ import torch
 
 def probe_batch(ids: torch.Tensor, prompt_len: int = 4):
     """A RolloutBatch holding ``ids`` (one row per sequence) with dummy rollout fields."""
-    from megarl.trainer.batch import RolloutBatch
+    from megarl.batch import RolloutBatch
 
     num = ids.shape[0]
     return RolloutBatch(
@@ -29,7 +29,7 @@ def full_logits(actor, batch, tp: int, vocab_size: int | None = None) -> torch.T
     """Logits ``[num_seqs, seq_len, vocab]`` on the last pipeline stage; None elsewhere."""
     from megatron.core import parallel_state as ps
 
-    from megarl.trainer.batch import collate
+    from megarl.batch import collate
 
     mbs = [collate(batch, [i], pad_id=0) for i in range(batch.num_seqs)]
 

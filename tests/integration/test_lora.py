@@ -23,7 +23,7 @@ RANK, ALPHA = 4, 8.0
 
 
 def _batch(ids):
-    from megarl.trainer.batch import RolloutBatch
+    from megarl.batch import RolloutBatch
 
     num, prompt = ids.shape[0], 4
     return RolloutBatch(
@@ -50,12 +50,8 @@ def _worker(ctx, tp: int, pp: int, ids, state):
     from megarl.models.lora import adapter_parameters
     from megarl.models.megatron_gpt import unwrap
     from megarl.models.spec import spec_from_hf_config
-    from megarl.workers.megatron_actor import (
-        LossSettings,
-        MegatronActor,
-        MicroBatchWork,
-        OptimizerStepWork,
-    )
+    from megarl.planner.batch_planner import OptimizerStepPlan
+    from megarl.workers.megatron_actor import LossSettings, MegatronActor
 
     enter_cpu_shims()
     parallel.init_process_group("cpu", ctx.rank, ctx.world_size, ctx.master_addr, ctx.master_port)
@@ -82,11 +78,10 @@ def _worker(ctx, tp: int, pp: int, ids, state):
         kl_estimator="k1",
         entropy_coef=0.0,
     )
-    work = OptimizerStepWork(
-        micro_batches=(MicroBatchWork((0, 1, 2), (1.0, 1.0, 1.0)),),
-        normaliser=float(batch.num_seqs * (ids.shape[1] - 4)),
+    work = OptimizerStepPlan.by_hand(
+        [(0, 1, 2)], batch.seq_lens, normaliser=batch.num_seqs * (ids.shape[1] - 4)
     )
-    actor.train_step(batch, work, None, None, loss)
+    actor.train_step(batch, work, 0, None, None, loss)
 
     base_after = {
         n: p.detach() for n, p in unwrap(actor.model).named_parameters() if not p.requires_grad

@@ -35,7 +35,7 @@ MICRO_BATCHES = ((0, 1, 2), (3, 4))
 
 
 def _batch():
-    from megarl.trainer.batch import RolloutBatch
+    from megarl.batch import RolloutBatch
 
     gen = torch.Generator().manual_seed(5)
     tokens = tuple(torch.randint(3, TINY["vocab_size"], (n,), generator=gen) for n in SEQ_LENS)
@@ -105,11 +105,8 @@ def _worker(ctx, tp: int, hf_config: dict, state):
     from megarl.distributed import parallel
     from megarl.distributed.platform import enter_cpu_shims
     from megarl.models.spec import spec_from_hf_config
-    from megarl.workers.megatron_actor import (
-        LossSettings,
-        MicroBatchWork,
-        OptimizerStepWork,
-    )
+    from megarl.planner.batch_planner import OptimizerStepPlan
+    from megarl.workers.megatron_actor import LossSettings
 
     enter_cpu_shims()
     parallel.init_process_group("cpu", ctx.rank, ctx.world_size, ctx.master_addr, ctx.master_port)
@@ -147,17 +144,18 @@ def _worker(ctx, tp: int, hf_config: dict, state):
         kl_estimator="low_var_kl",
         entropy_coef=0.01,
     )
-    work = OptimizerStepWork(
-        micro_batches=tuple(MicroBatchWork(g, (1.0,) * len(g)) for g in MICRO_BATCHES),
-        normaliser=float(sum(n - p for n, p in zip(SEQ_LENS, PROMPT_LENS, strict=True))),
+    work = OptimizerStepPlan.by_hand(
+        MICRO_BATCHES,
+        SEQ_LENS,
+        normaliser=sum(n - p for n, p in zip(SEQ_LENS, PROMPT_LENS, strict=True)),
     )
     before = [p.detach().clone() for p in padded.model.parameters()]
     losses = []
     for _ in range(2):
-        s_pad = padded.train_step(batch, work, None, None, loss)
-        s_pack = packed.train_step(batch, work, None, None, loss)
+        s_pad = padded.train_step(batch, work, 0, None, None, loss)
+        s_pack = packed.train_step(batch, work, 0, None, None, loss)
         losses.append(
-            (s_pad["pg_loss"], s_pack["pg_loss"], s_pad["grad_norm"], s_pack["grad_norm"])
+            (s_pad.stats.pg_loss, s_pack.stats.pg_loss, s_pad.grad_norm, s_pack.grad_norm)
         )
     param_diff = max(
         (a - b).abs().max().item()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from megarl.trainer.batch import (
+from megarl.batch import (
     RolloutBatch,
     build_micro_batch,
     collate,

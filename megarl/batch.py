@@ -1,4 +1,4 @@
-"""The typed data that moves between the driver, the rollout engine and the Megatron ranks.
+"""The typed data that moves between the rollout host, the rollout engine and the Megatron ranks.
 
 Pure torch (no distributed): a :class:`RolloutBatch` is built once per step on the driver,
 broadcast to every rank, and each rank :func:`collate` s the sequences of its micro-batches.

@@ -1,0 +1,114 @@
+"""Statistics of the actor update: per optimizer step, then the step's ``actor/*`` metrics.
+
+Pure Python (no torch, no distributed), so the reduction rule is unit-tested on plain numbers.
+The Megatron rank runs :class:`OptimizerStepStats` per optimizer step, sums them over the world
+(one all-reduce of :meth:`OptimizerStepStats.as_row` rows), and :func:`summarise_update` turns
+the global rows into the metrics the step reports.
+
+Every ``actor/*`` metric is the **mean over optimizer steps** of that step's value, as verl
+reports it: with ``actor.ppo_mini_batches=2, actor.ppo_epochs=2`` the four optimizer steps each
+contribute a quarter. (Summing the losses over steps would grow them with the number of
+mini-batches and epochs, while the gradient norm was averaged: the two disagreed.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import astuple, dataclass, fields
+
+
+@dataclass(frozen=True)
+class OptimizerStepStats:
+    """One optimizer step on one rank: sums over its micro-batches.
+
+    The losses are already divided by the step's global normaliser, so their sum over the
+    world's ranks is the step's loss; the ``*_sum`` fields are per-token sums, divided by the
+    step's global token count only after the reduction.
+    """
+
+    pg_loss: float = 0.0
+    kl_loss: float = 0.0
+    entropy_sum: float = 0.0
+    """Entropy summed over response tokens (unweighted: fillers' tokens carry weight 0)."""
+    response_tokens: float = 0.0
+    clipfrac_sum: float = 0.0
+    ppo_kl_sum: float = 0.0
+    num_tokens: float = 0.0
+    """Tokens with a non-zero loss weight (what clip fraction and PPO-KL are averaged over)."""
+
+    def __add__(self, other: OptimizerStepStats) -> OptimizerStepStats:
+        return OptimizerStepStats(
+            *(a + b for a, b in zip(astuple(self), astuple(other), strict=True))
+        )
+
+    def as_row(self) -> list[float]:
+        return [float(v) for v in astuple(self)]
+
+    @classmethod
+    def from_row(cls, row: Sequence[float]) -> OptimizerStepStats:
+        if len(row) != len(fields(cls)):
+            raise ValueError(f"expected {len(fields(cls))} statistics, got {len(row)}")
+        return cls(*(float(v) for v in row))
+
+
+@dataclass(frozen=True)
+class UpdateStats:
+    """The actor update of one training step, as reported (``actor/*`` and the lp check)."""
+
+    pg_loss: float
+    kl_loss: float
+    entropy: float
+    pg_clipfrac: float
+    ppo_kl: float
+    grad_norm: float
+    num_optimizer_steps: int
+    logprob_abs_diff: float
+    """Mean |engine - trainer| logprob over the tokens compared (0.0 when none were)."""
+
+    def metrics(self) -> dict[str, float]:
+        """verl's metric names."""
+        return {
+            "actor/pg_loss": self.pg_loss,
+            "actor/kl_loss": self.kl_loss,
+            "actor/entropy": self.entropy,
+            "actor/pg_clipfrac": self.pg_clipfrac,
+            "actor/ppo_kl": self.ppo_kl,
+            "actor/grad_norm": self.grad_norm,
+            "actor/num_optimizer_steps": self.num_optimizer_steps,
+            "rollout/logprob_abs_diff": self.logprob_abs_diff,
+        }
+
+
+def summarise_update(
+    global_steps: Sequence[OptimizerStepStats],
+    grad_norms: Sequence[float],
+    lp_diff_sum: float = 0.0,
+    lp_diff_count: float = 0.0,
+) -> UpdateStats:
+    """Mean over optimizer steps of each step's value.
+
+    ``global_steps`` are already summed over the world. Per-token ratios (entropy, clip
+    fraction, PPO-KL) are formed within each step; a step with no trained tokens (a ghost
+    step, kept only so the optimizer's state advances as in the unpruned run) has no such ratio
+    and is left out of their mean, while the losses and gradient norm count every step.
+    """
+    if len(global_steps) != len(grad_norms):
+        raise ValueError(f"{len(global_steps)} optimizer steps but {len(grad_norms)} grad norms")
+    n = len(global_steps)
+    with_tokens = [s for s in global_steps if s.num_tokens > 0]
+    return UpdateStats(
+        pg_loss=_mean([s.pg_loss for s in global_steps]),
+        kl_loss=_mean([s.kl_loss for s in global_steps]),
+        entropy=_mean(
+            [s.entropy_sum / s.response_tokens for s in global_steps if s.response_tokens > 0]
+        ),
+        pg_clipfrac=_mean([s.clipfrac_sum / s.num_tokens for s in with_tokens]),
+        ppo_kl=_mean([s.ppo_kl_sum / s.num_tokens for s in with_tokens]),
+        grad_norm=_mean(list(grad_norms)),
+        num_optimizer_steps=n,
+        logprob_abs_diff=lp_diff_sum / lp_diff_count if lp_diff_count > 0 else 0.0,
+    )
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values) if values else 0.0

@@ -1,0 +1,81 @@
+"""The rank loop's actor update reports each ``actor/*`` metric as the mean over optimizer steps.
+
+A one-process gloo world and a scripted actor stand in for Megatron, so the wiring from the
+planner's optimizer steps through the all-reduce to the reported numbers runs in a second.
+"""
+
+from __future__ import annotations
+
+import socket
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megarl.batch import RolloutBatch
+from megarl.config.schema import RunConfig
+from megarl.planner.batch_planner import PlannerInputs, plan_step
+from megarl.trainer.metrics import PhaseTimer
+from megarl.trainer.worker import _update_actor
+from megarl.workers.megatron_actor import TrainStepResult
+from megarl.workers.train_stats import OptimizerStepStats
+
+
+@pytest.fixture
+def one_rank_world():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+class _ScriptedActor:
+    """Returns the given statistics for its optimizer steps, in order."""
+
+    is_last_stage = True
+
+    def __init__(self, script: list[tuple[float, float, float]]) -> None:
+        self.script = list(script)
+        self.calls: list[tuple[int, int]] = []
+
+    def train_step(self, batch, step, dp_rank, old, ref, loss, capture_logprobs=False):
+        self.calls.append((step.epoch, step.mini_batch))
+        pg_loss, entropy, grad_norm = self.script.pop(0)
+        stats = OptimizerStepStats(
+            pg_loss=pg_loss, entropy_sum=10 * entropy, response_tokens=10, num_tokens=10
+        )
+        return TrainStepResult(stats=stats, grad_norm=grad_norm, train_logprobs={})
+
+
+def test_two_mini_batches_two_epochs_report_means_not_sums(one_rank_world) -> None:
+    n = 8
+    batch = RolloutBatch(
+        tokens=tuple(torch.arange(6) for _ in range(n)),
+        prompt_lens=(2,) * n,
+        group_ids=torch.tensor([0, 0, 0, 0, 1, 1, 1, 1]),
+        rewards=torch.zeros(n),
+        advantages=torch.tensor([1.0, -1.0] * 4),
+        engine_logprobs=tuple(torch.zeros(4) for _ in range(n)),
+    )
+    plan = plan_step(
+        PlannerInputs(
+            seq_tokens=tuple(batch.seq_lens),
+            response_tokens=tuple(batch.response_lens),
+            advantages=tuple(batch.advantages.tolist()),
+            group_ids=tuple(batch.group_ids.tolist()),
+            ppo_mini_batches=2,
+            ppo_epochs=2,
+        )
+    )
+    actor = _ScriptedActor([(0.4, 1.0, 1.0), (-0.2, 2.0, 2.0), (0.1, 3.0, 3.0), (0.5, 2.0, 6.0)])
+    rt = SimpleNamespace(cfg=RunConfig(), actor=actor, dp_rank=0)
+    stats = _update_actor(rt, batch, plan, {}, {}, None, PhaseTimer())
+    assert actor.calls == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    metrics = stats.metrics()
+    assert metrics["actor/num_optimizer_steps"] == 4
+    assert metrics["actor/pg_loss"] == pytest.approx(0.2)  # the sum would be 0.8
+    assert metrics["actor/entropy"] == pytest.approx(2.0)
+    assert metrics["actor/grad_norm"] == pytest.approx(3.0)
