@@ -1,7 +1,10 @@
 """The typed data that moves between the rollout host, the rollout engine and the Megatron ranks.
 
-Pure torch (no distributed): a :class:`RolloutBatch` is built once per step on the driver,
-broadcast to every rank, and each rank :func:`collate` s the sequences of its micro-batches.
+Pure torch (no distributed): a :class:`RolloutBatch` is built once per step by the rollout host
+on rank 0. Every rank receives a :class:`RolloutShard` of it: every sequence's lengths, group and
+advantage (the planner needs them all) but the tokens and engine logprobs only of the sequences
+its data-parallel rank runs, so the bytes each rank receives stay flat as DP grows. Each rank
+then :func:`collate` s (or :func:`pack` s) the sequences of its micro-batches.
 
 Token/position convention: a sequence is ``prompt + response`` (length ``S = P + R``). The
 logit at position ``t`` predicts token ``t + 1``, so response token ``j`` (at position
@@ -20,7 +23,7 @@ entropy) into that layout, so the losses and :func:`per_token_to_response` never
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -72,6 +75,50 @@ class RolloutBatch:
     @property
     def response_lens(self) -> list[int]:
         return [len(t) - p for t, p in zip(self.tokens, self.prompt_lens, strict=True)]
+
+    def shard(self, seq_indices: Iterable[int]) -> RolloutShard:
+        """Every sequence's metadata, and the tokens and engine logprobs of ``seq_indices``."""
+        wanted = sorted(set(seq_indices))
+        return RolloutShard(
+            prompt_lens=self.prompt_lens,
+            seq_lens=tuple(self.seq_lens),
+            group_ids=self.group_ids,
+            advantages=self.advantages,
+            tokens={i: self.tokens[i] for i in wanted},
+            engine_logprobs={i: self.engine_logprobs[i] for i in wanted},
+        )
+
+
+@dataclass(frozen=True)
+class RolloutShard:
+    """What one rank holds of a step's :class:`RolloutBatch` (indices stay the batch's)."""
+
+    prompt_lens: tuple[int, ...]
+    seq_lens: tuple[int, ...]
+    group_ids: torch.Tensor
+    advantages: torch.Tensor
+    tokens: Mapping[int, torch.Tensor]
+    """Only the sequences this rank runs, keyed by their index in the batch."""
+    engine_logprobs: Mapping[int, torch.Tensor]
+
+    @property
+    def num_seqs(self) -> int:
+        """Sequences in the whole batch (not only in this shard)."""
+        return len(self.seq_lens)
+
+    @property
+    def response_lens(self) -> list[int]:
+        return [s - p for s, p in zip(self.seq_lens, self.prompt_lens, strict=True)]
+
+    def with_sequences(self, sequences: RolloutShard) -> RolloutShard:
+        """This shard's metadata with the tokens and engine logprobs that ``sequences`` holds."""
+        return dataclasses.replace(
+            self, tokens=sequences.tokens, engine_logprobs=sequences.engine_logprobs
+        )
+
+
+Rollouts = RolloutBatch | RolloutShard
+"""Either holds what :func:`collate`, :func:`pack` and the per-token helpers read."""
 
 
 @dataclass(frozen=True)
@@ -145,7 +192,7 @@ def _row_gather_index(
 
 
 def collate(
-    batch: RolloutBatch,
+    batch: Rollouts,
     seq_indices: Sequence[int],
     pad_id: int,
     loss_weights: Sequence[float] | None = None,
@@ -170,7 +217,7 @@ def collate(
 
 
 def pack(
-    batch: RolloutBatch, seq_indices: Sequence[int], loss_weights: Sequence[float] | None = None
+    batch: Rollouts, seq_indices: Sequence[int], loss_weights: Sequence[float] | None = None
 ) -> MicroBatchTensors:
     """Concatenate the chosen sequences into one ``[1, T]`` row (no pad tokens at all).
 
@@ -199,7 +246,7 @@ def pack(
 
 
 def _loss_side(
-    batch: RolloutBatch,
+    batch: Rollouts,
     seq_indices: tuple[int, ...],
     length: int,
     loss_weights: Sequence[float] | None,
@@ -217,7 +264,7 @@ def _loss_side(
 
 
 def build_micro_batch(
-    batch: RolloutBatch,
+    batch: Rollouts,
     seq_indices: Sequence[int],
     pad_id: int,
     loss_weights: Sequence[float] | None = None,
@@ -230,7 +277,7 @@ def build_micro_batch(
 
 
 def per_token_to_response(
-    values_BL: torch.Tensor, mb: MicroBatchTensors, batch: RolloutBatch
+    values_BL: torch.Tensor, mb: MicroBatchTensors, batch: Rollouts
 ) -> dict[int, torch.Tensor]:
     """Cut each row's response part out of a [B, L] per-token tensor, keyed by sequence index."""
     values_BL = values_BL.detach().cpu()  # one device->host copy; results live on the CPU
@@ -242,7 +289,7 @@ def per_token_to_response(
 
 
 def response_values_to_BL(
-    values: dict[int, torch.Tensor], mb: MicroBatchTensors, batch: RolloutBatch
+    values: dict[int, torch.Tensor], mb: MicroBatchTensors, batch: Rollouts
 ) -> torch.Tensor:
     """Inverse of :func:`per_token_to_response`: place per-sequence response values in [B, L]."""
     out = torch.zeros_like(mb.loss_mask_BL)

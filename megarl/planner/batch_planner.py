@@ -475,6 +475,20 @@ class StepPlan:
                         seen.setdefault(index, None)
         return tuple(seen)
 
+    def sequences_on_rank(self, dp_rank: int) -> tuple[int, ...]:
+        """Every sequence ``dp_rank`` runs anywhere in the plan, fillers included, ascending:
+        the part of the rollout batch that rank must receive."""
+        return tuple(
+            sorted(
+                {
+                    index
+                    for step in self.optimizer_steps
+                    for mb in step.ranks[dp_rank].micro_batches
+                    for index in mb.seq_indices
+                }
+            )
+        )
+
     def summary(self) -> str:
         """One line, e.g. ``keep 4/16 seq (27% tok) | 2 steps (1 ghost) | 1 mb/rank | imb 1.01``."""
         per_rank = _span(

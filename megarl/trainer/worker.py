@@ -3,9 +3,11 @@
 Rank 0 also hosts the rollout engine and the data (the embedded, colocated layout). Every step:
 
 1. rank 0 generates and scores a :class:`RolloutBatch`, puts the engine to sleep at
-   ``rollout.sleep_level`` and takes the engine's own memory report; both are broadcast;
+   ``rollout.sleep_level`` and takes the engine's own memory report; the batch's metadata
+   (lengths, groups, advantages) and the report are broadcast;
 2. every rank computes the same :class:`StepPlan` (batch planner) and :class:`StepGates`
-   (pass gates) from it -- pure functions of broadcast data, so no rank can disagree;
+   (pass gates) from it -- pure functions of broadcast data, so no rank can disagree -- and
+   rank 0 scatters to each rank only the sequences its DP rank runs in the plan;
 3. old/reference logprob forwards run only where the gates say so;
 4. each optimizer step of the plan runs this rank's micro-batches;
 5. rank 0 wakes the engine; base (or full) weights are streamed to it in bounded buckets
@@ -26,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megarl.batch import RolloutBatch
+from megarl.batch import RolloutBatch, RolloutShard
 from megarl.config.schema import RunConfig
 from megarl.distributed.launcher import WorkerContext
 from megarl.planner import from_config
@@ -113,6 +115,8 @@ class _Runtime:
     actor: MegatronActor
     reference: MegatronActor | None  # built only for ReferenceSource.MODEL
     reference_source: ReferenceSource
+    rank_to_dp: tuple[int, ...]
+    """The data-parallel rank of every global rank (what the rollout scatter sends where)."""
     driver: object | None  # megarl.trainer.driver.Driver on rank 0
     spec: object
     model_dir: str = ""
@@ -179,6 +183,7 @@ def _setup(ctx: WorkerContext, inputs: RunInputs) -> _Runtime:
     return _Runtime(
         cfg=cfg,
         dp_rank=ps.get_data_parallel_rank(),
+        rank_to_dp=_gather_dp_ranks(ps.get_data_parallel_rank()),
         actor=actor,
         reference=reference,
         reference_source=reference_plan.source,
@@ -187,6 +192,12 @@ def _setup(ctx: WorkerContext, inputs: RunInputs) -> _Runtime:
         model_dir=inputs.model_dir,
         resume_from=inputs.resume_from,
     )
+
+
+def _gather_dp_ranks(dp_rank: int) -> tuple[int, ...]:
+    ranks: list = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, dp_rank)
+    return tuple(ranks)
 
 
 def _build_driver(ctx: WorkerContext, inputs: RunInputs, tokenizer, spec):
@@ -210,16 +221,17 @@ def _train(rt: _Runtime) -> None:
     for step in range(last_done + 1, rt.cfg.trainer.total_steps + 1):
         maybe_die(dist.get_rank(), step)
         timer = PhaseTimer()
-        batch, rollout_metrics, engine_state = _broadcast_rollout(rt, step, timer)
+        header, rollout, rollout_metrics, engine_state = _broadcast_rollout(rt, step, timer)
         plan = plan_step(
             from_config.planner_inputs(
                 rt.cfg,
-                batch.seq_lens,
-                batch.response_lens,
-                batch.advantages.tolist(),
-                batch.group_ids.tolist(),
+                header.seq_lens,
+                header.response_lens,
+                header.advantages.tolist(),
+                header.group_ids.tolist(),
             )
         )
+        batch = _scatter_sequences(rt, rollout, header, plan)
         gates = decide_gates(
             from_config.step_facts(
                 rt.cfg,
@@ -233,7 +245,7 @@ def _train(rt: _Runtime) -> None:
         stats = _update_actor(rt, batch, plan, old, recomputed, ref, timer)
         _sync_weights(rt, gates, timer, step)
         if rt.driver is not None:
-            rt.driver.record_step(step, timer, rollout_metrics, plan, gates, stats, batch)
+            rt.driver.record_step(step, timer, rollout_metrics, plan, gates, stats, rollout)
         _maybe_save(rt, step)
 
 
@@ -263,22 +275,38 @@ def _maybe_save(rt: _Runtime, step: int) -> None:
 
 def _broadcast_rollout(rt: _Runtime, step: int, timer: PhaseTimer):
     """Rank 0 produces the scored batch (timing its phases) and puts the engine to sleep for
-    training; every rank receives the batch and the engine's own memory report."""
+    training; every rank receives the batch's metadata (a shard without sequences: what the
+    planner reads) and the engine's own memory report. The full batch stays on rank 0."""
     payload = [None]
+    rollout = None
     if rt.driver is not None:
-        batch, metrics, phase_seconds = rt.driver.rollout(step)
+        rollout, metrics, phase_seconds = rt.driver.rollout(step)
         with timer.phase("engine_sleep"):
             engine_state = rt.driver.release_engine_for_training()
         metrics = {**metrics, **rt.driver.engine_metrics(engine_state)}
-        payload = [(batch, metrics, phase_seconds, engine_state)]
+        payload = [(rollout.shard(()), metrics, phase_seconds, engine_state)]
     dist.broadcast_object_list(payload, src=0)
-    batch, metrics, phase_seconds, engine_state = payload[0]
+    header, metrics, phase_seconds, engine_state = payload[0]
     timer.add(phase_seconds)
-    return batch, metrics, engine_state
+    return header, rollout, metrics, engine_state
+
+
+def _scatter_sequences(
+    rt: _Runtime, rollout: RolloutBatch | None, header: RolloutShard, plan: StepPlan
+) -> RolloutShard:
+    """Rank 0 sends every rank the sequences its DP rank runs in ``plan`` (the same shard to
+    the TP/PP ranks of one DP rank), so no rank receives the whole batch."""
+    shards = None
+    if rollout is not None:
+        by_dp = {dp: rollout.shard(plan.sequences_on_rank(dp)) for dp in set(rt.rank_to_dp)}
+        shards = [by_dp[dp] for dp in rt.rank_to_dp]
+    received: list = [None]
+    dist.scatter_object_list(received, shards, src=0)
+    return header.with_sequences(received[0])
 
 
 def _logprob_passes(
-    rt: _Runtime, batch: RolloutBatch, plan: StepPlan, gates: StepGates, timer: PhaseTimer
+    rt: _Runtime, batch: RolloutShard, plan: StepPlan, gates: StepGates, timer: PhaseTimer
 ):
     """Run the forwards the gates asked for, over the sequences this DP rank trains."""
     mine = plan.trained_sequences(rt.dp_rank)
@@ -304,7 +332,7 @@ def _logprob_passes(
     return old, recomputed, ref
 
 
-def _reference_logprobs(rt: _Runtime, batch: RolloutBatch, groups, temperature: float):
+def _reference_logprobs(rt: _Runtime, batch: RolloutShard, groups, temperature: float):
     """Run the reference forward from the source decided at start-up (see decide_reference)."""
     if rt.reference_source is ReferenceSource.ACTOR_WITHOUT_ADAPTERS:
         return rt.actor.compute_logprobs(batch, groups, temperature, without_adapters=True)
@@ -330,7 +358,7 @@ def _loss_settings(cfg: RunConfig) -> LossSettings:
 
 
 def _update_actor(
-    rt: _Runtime, batch: RolloutBatch, plan: StepPlan, old, recomputed, ref, timer: PhaseTimer
+    rt: _Runtime, batch: RolloutShard, plan: StepPlan, old, recomputed, ref, timer: PhaseTimer
 ) -> UpdateStats:
     """Every optimizer step of the plan on this rank's micro-batches; the step's statistics,
     each the mean over optimizer steps."""
@@ -356,7 +384,7 @@ def _update_actor(
     return summarise_update(global_steps, grad_norms, lp_diff_sum, lp_diff_count)
 
 
-def _logprob_diff(batch: RolloutBatch, trainer_logprobs: dict) -> list[float]:
+def _logprob_diff(batch: RolloutShard, trainer_logprobs: dict) -> list[float]:
     """Engine vs trainer logprobs of the same tokens under the same (generating) weights:
     the summed absolute difference and the number of tokens compared."""
     diff_sum, count = 0.0, 0

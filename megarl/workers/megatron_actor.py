@@ -19,7 +19,7 @@ import torch.distributed as dist
 from megarl.algo.losses import aggregate, kl_penalty, policy_loss
 from megarl.batch import (
     MicroBatchTensors,
-    RolloutBatch,
+    Rollouts,
     build_micro_batch,
     per_token_to_response,
     response_values_to_BL,
@@ -148,7 +148,7 @@ class MegatronActor:
 
     def _micro_batch(
         self,
-        batch: RolloutBatch,
+        batch: Rollouts,
         seq_indices: Sequence[int],
         loss_weights: Sequence[float] | None = None,
     ) -> MicroBatchTensors:
@@ -176,7 +176,7 @@ class MegatronActor:
 
     def compute_logprobs(
         self,
-        batch: RolloutBatch,
+        batch: Rollouts,
         micro_batches: Sequence[Sequence[int]],
         temperature: float,
         *,
@@ -214,7 +214,7 @@ class MegatronActor:
 
     def train_step(
         self,
-        batch: RolloutBatch,
+        batch: Rollouts,
         step: OptimizerStepPlan,
         dp_rank: int,
         old_logprobs: Mapping[int, torch.Tensor] | None,
