@@ -15,7 +15,7 @@ from megarl.planner.batch_planner import (
     mini_batch_slices,
     resolve_prune_mode,
 )
-from megarl.planner.gates import GateConfig, RunFacts, StepFacts
+from megarl.planner.gates import OldLogProbMode, RefLogProbMode, RunFacts, StepFacts
 
 
 def prune_mode(cfg: RunConfig) -> tuple[str, str]:
@@ -28,10 +28,11 @@ def run_facts(cfg: RunConfig) -> RunFacts:
     """The gates' run-wide facts: start-up validates forced modes and decides the reference
     source from them, and every step's :class:`StepFacts` carries them."""
     return RunFacts(
-        modes=GateConfig.parse(cfg.planner.old_log_prob, cfg.planner.ref_log_prob),
         ppo_mini_batches=cfg.actor.ppo_mini_batches,
         ppo_epochs=cfg.actor.ppo_epochs,
         total_steps=cfg.trainer.total_steps,
+        old_log_prob=OldLogProbMode(cfg.planner.old_log_prob),
+        ref_log_prob=RefLogProbMode(cfg.planner.ref_log_prob),
         kl_coef=cfg.actor.kl_coef,
         lora_enabled=cfg.actor.lora.enabled,
     )

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import TypeVar
 
 
 class GateConfigError(ValueError):
@@ -80,29 +79,14 @@ class ReferenceSource(str, Enum):
 
 
 @dataclass(frozen=True)
-class GateConfig:
-    """The ``planner.*`` gate modes."""
-
-    old_log_prob: OldLogProbMode = OldLogProbMode.AUTO
-    ref_log_prob: RefLogProbMode = RefLogProbMode.AUTO
-
-    @classmethod
-    def parse(cls, old_log_prob: str, ref_log_prob: str) -> GateConfig:
-        """The modes from their config strings; a value that is no choice names its key."""
-        return cls(
-            old_log_prob=_parse_mode("planner.old_log_prob", OldLogProbMode, old_log_prob),
-            ref_log_prob=_parse_mode("planner.ref_log_prob", RefLogProbMode, ref_log_prob),
-        )
-
-
-@dataclass(frozen=True)
 class RunFacts:
     """What the config fixes for the whole run."""
 
-    modes: GateConfig
     ppo_mini_batches: int
     ppo_epochs: int
     total_steps: int
+    old_log_prob: OldLogProbMode = OldLogProbMode.AUTO
+    ref_log_prob: RefLogProbMode = RefLogProbMode.AUTO
     kl_coef: float = 0.0
     """``actor.kl_coef``: the KL-loss coefficient, the only term that needs reference logprobs."""
     lora_enabled: bool = False
@@ -173,14 +157,6 @@ class StepGates:
     """Sync of base (or, without LoRA, full) weights to the rollout engine."""
     adapter_sync: PassGate
 
-    def old_log_prob_source_of(self, seq_index: int) -> OldLogProbSource:
-        """Where sequence ``seq_index``'s old logprobs come from."""
-        if self.old_log_prob.source is OldLogProbSource.ROLLOUT:
-            return OldLogProbSource.ROLLOUT
-        if seq_index in self.old_log_prob.seq_indices:
-            return OldLogProbSource.RECOMPUTE
-        return OldLogProbSource.TRAIN_FORWARD
-
     def metrics(self) -> dict[str, float | str]:
         """Per-step metrics, exactly the four ``gates/*`` keys."""
         reasons = [
@@ -232,7 +208,7 @@ def validate_gate_config(run: RunFacts) -> None:
 
 def needs_reference_model(run: RunFacts) -> PassGate:
     """Whether to build the reference model at all: not when no step of the run needs it."""
-    mode = run.modes.ref_log_prob
+    mode = run.ref_log_prob
     if mode is not RefLogProbMode.AUTO:
         return PassGate(
             run=mode is RefLogProbMode.ALWAYS, reason=f"planner.ref_log_prob={mode.value}"
@@ -274,7 +250,7 @@ def decide_gates(facts: StepFacts) -> StepGates:
 
 def decide_old_log_prob(facts: StepFacts) -> PassGate:
     """Old-logprob forward: per slice under "auto", everything or nothing otherwise."""
-    mode = facts.run.modes.old_log_prob
+    mode = facts.run.old_log_prob
     if mode is OldLogProbMode.ROLLOUT:
         return PassGate(
             run=False,
@@ -298,7 +274,7 @@ def decide_old_log_prob(facts: StepFacts) -> PassGate:
 
 def decide_ref_log_prob(facts: StepFacts) -> PassGate:
     """Reference forward: while the KL coefficient is non-zero (or forced)."""
-    mode, kl_coef = facts.run.modes.ref_log_prob, facts.run.kl_coef
+    mode, kl_coef = facts.run.ref_log_prob, facts.run.kl_coef
     if mode is RefLogProbMode.ALWAYS:
         return PassGate(
             run=True, seq_indices=facts.all_sequences, reason=f"planner.ref_log_prob={mode.value}"
@@ -327,15 +303,12 @@ def decide_weight_sync(
     return PassGate(run=True, reason="engine freed base"), adapter
 
 
-_Mode = TypeVar("_Mode", OldLogProbMode, RefLogProbMode)
-
-
 def _check_forced_modes(run: RunFacts, num_slices: int, step: int) -> None:
     """Old "never" is safe only when the rollout is one slice trained once (nothing is trained
     after an optimizer step); reference "never" only while no KL term needs it."""
     problems = []
     epochs = run.ppo_epochs
-    if run.modes.old_log_prob is OldLogProbMode.NEVER and num_slices * epochs > 1:
+    if run.old_log_prob is OldLogProbMode.NEVER and num_slices * epochs > 1:
         settings = ", ".join(
             f"{key}={value}"
             for key, value in (("actor.ppo_mini_batches", num_slices), ("actor.ppo_epochs", epochs))
@@ -345,7 +318,7 @@ def _check_forced_modes(run: RunFacts, num_slices: int, step: int) -> None:
             f"planner.old_log_prob=never is unsafe with {settings}: slices are consumed after an "
             "optimizer step; use 'auto'"
         )
-    if run.modes.ref_log_prob is RefLogProbMode.NEVER and run.kl_coef > 0:
+    if run.ref_log_prob is RefLogProbMode.NEVER and run.kl_coef > 0:
         problems.append(
             f"planner.ref_log_prob=never is unsafe with {_kl_term(run.kl_coef)} at step {step}"
         )
@@ -365,11 +338,3 @@ def _recompute_gate(seq_indices: tuple[int, ...], reason: str) -> PassGate:
 
 def _train_forward_gate(reason: str) -> PassGate:
     return PassGate(run=False, source=OldLogProbSource.TRAIN_FORWARD, reason=reason)
-
-
-def _parse_mode(key: str, mode_type: type[_Mode], value: str) -> _Mode:
-    try:
-        return mode_type(value)
-    except ValueError:
-        choices = [m.value for m in mode_type]
-        raise ValueError(f"{key} must be one of {choices}, got {value!r}") from None
