@@ -15,11 +15,7 @@ from megarl.planner.batch_planner import (
     mini_batch_slices,
     resolve_prune_mode,
 )
-from megarl.planner.gates import GateConfig, RunFacts, Schedule, StepFacts
-
-
-def schedule(cfg: RunConfig) -> Schedule:
-    return Schedule.from_ppo(cfg.actor.ppo_mini_batches, cfg.actor.ppo_epochs)
+from megarl.planner.gates import OldLogProbMode, RefLogProbMode, RunFacts, StepFacts
 
 
 def prune_mode(cfg: RunConfig) -> tuple[str, str]:
@@ -28,16 +24,15 @@ def prune_mode(cfg: RunConfig) -> tuple[str, str]:
     return resolve_prune_mode(cfg.planner.prune_zero_adv, cfg.actor.kl_coef, cfg.actor.entropy_coef)
 
 
-def gate_config(cfg: RunConfig) -> GateConfig:
-    return GateConfig(old_log_prob=cfg.planner.old_log_prob, ref_log_prob=cfg.planner.ref_log_prob)
-
-
 def run_facts(cfg: RunConfig) -> RunFacts:
-    """What is known at start-up: validates forced gate choices, decides the reference model."""
+    """The gates' run-wide facts: start-up validates forced modes and decides the reference
+    source from them, and every step's :class:`StepFacts` carries them."""
     return RunFacts(
-        modes=gate_config(cfg),
-        schedule=schedule(cfg),
-        num_steps=cfg.trainer.total_steps,
+        ppo_mini_batches=cfg.actor.ppo_mini_batches,
+        ppo_epochs=cfg.actor.ppo_epochs,
+        total_steps=cfg.trainer.total_steps,
+        old_log_prob=OldLogProbMode(cfg.planner.old_log_prob),
+        ref_log_prob=RefLogProbMode(cfg.planner.ref_log_prob),
         kl_coef=cfg.actor.kl_coef,
         lora_enabled=cfg.actor.lora.enabled,
     )
@@ -57,30 +52,24 @@ def step_facts(
     trained before the rollout's first optimizer step is not recomputed just because the
     unmerged schedule would have trained it later.
     """
-    consumption, slices = executed_schedule(cfg, num_sequences, plan)
     return StepFacts(
+        run=run_facts(cfg),
         step=step,
-        schedule=consumption,
-        slices=slices,
-        modes=gate_config(cfg),
-        kl_coef=cfg.actor.kl_coef,
-        lora_enabled=cfg.actor.lora.enabled,
+        slices=executed_slices(cfg, num_sequences, plan),
         engine_base_weights_resident=engine_base_weights_resident,
     )
 
 
-def executed_schedule(
-    cfg: RunConfig,
-    num_sequences: int,
-    plan: StepPlan | None = None,
-) -> tuple[Schedule, tuple[tuple[int, ...], ...]]:
-    """(schedule, slices) of the optimizer steps as the plan executes them (see step_facts)."""
+def executed_slices(
+    cfg: RunConfig, num_sequences: int, plan: StepPlan | None = None
+) -> tuple[tuple[int, ...], ...]:
+    """The sequences of each optimizer step of an epoch as the plan executes them (see
+    step_facts)."""
     mini_batches = mini_batch_slices(num_sequences, cfg.actor.ppo_mini_batches)
     runs = _merged_runs(plan)
     if runs is None:
-        return schedule(cfg), mini_batches
-    merged = tuple(tuple(i for m in run for i in mini_batches[m]) for run in runs)
-    return Schedule.from_ppo(len(runs), cfg.actor.ppo_epochs), merged
+        return mini_batches
+    return tuple(tuple(i for m in run for i in mini_batches[m]) for run in runs)
 
 
 def _merged_runs(plan: StepPlan | None) -> tuple[tuple[int, ...], ...] | None:
@@ -93,7 +82,7 @@ def _merged_runs(plan: StepPlan | None) -> tuple[tuple[int, ...], ...] | None:
         per_epoch.setdefault(opt_step.epoch, []).append(opt_step.source_mini_batches)
     runs = {tuple(r) for r in per_epoch.values()}
     if len(runs) != 1:
-        return None  # epochs differ: judge on the unmerged (more conservative) schedule
+        return None  # epochs differ: judge on the unmerged (more conservative) slices
     [only] = runs
     return only if any(len(run) > 1 for run in only) else None
 
@@ -107,10 +96,10 @@ def planner_inputs(
 ) -> PlannerInputs:
     a = cfg.actor
     return PlannerInputs(
-        seq_tokens=seq_tokens,
-        response_tokens=response_tokens,
-        advantages=advantages,
-        group_ids=group_ids,
+        seq_tokens=tuple(seq_tokens),
+        response_tokens=tuple(response_tokens),
+        advantages=tuple(advantages),
+        group_ids=tuple(group_ids),
         loss_agg=a.loss_agg,
         kl_coef=a.kl_coef,
         entropy_coef=a.entropy_coef,

@@ -51,8 +51,8 @@ def _gates(rank: int, report: EngineMemoryState | None):
 
 
 def test_lora_config_turns_the_gate_on_and_requires_the_engines_report():
-    assert from_config.step_facts(_cfg(4), 0, 8, True).lora_enabled
-    assert not from_config.step_facts(_cfg(0), 0, 8).lora_enabled
+    assert from_config.step_facts(_cfg(4), 0, 8, True).run.lora_enabled
+    assert not from_config.step_facts(_cfg(0), 0, 8).run.lora_enabled
     with pytest.raises(ValueError, match="engine's report"):
         _gates(4, None)
 
