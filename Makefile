@@ -35,7 +35,7 @@ lint: $(STAMP)  ## ruff check, ruff format --check, pyright (basic, megarl/)
 	@status=0; \
 	$(VENV)/bin/ruff check || status=1; \
 	$(VENV)/bin/ruff format --check || status=1; \
-	PYRIGHT_PYTHON_IGNORE_WARNINGS=1 $(VENV)/bin/pyright --pythonpath $(PY) || status=1; \
+	PYRIGHT_PYTHON_IGNORE_WARNINGS=1 $(VENV)/bin/pyright --project . --pythonpath $(PY) || status=1; \
 	exit $$status
 
 clean:
