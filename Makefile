@@ -21,7 +21,7 @@ install: $(STAMP)
 demo: $(STAMP)  ## embedded default: GRPO of SmolLM2-135M-Instruct on arithmetic, CPU
 	$(VENV)/bin/megarl-train $(ARGS)
 
-test-unit: $(STAMP)  ## the fast unit tests (tests/unit, about a minute)
+test-unit: $(STAMP)  ## the fast unit tests (tests/unit, a minute or two)
 	$(PY) -m pytest -q tests/unit $(PYTEST_ARGS)
 
 test: test-unit  ## the whole test suite (CPU): the unit tests first, then everything else
