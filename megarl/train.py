@@ -11,6 +11,7 @@ import os
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any, cast
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 EXIT_BAD_INPUT = 2
@@ -33,7 +34,8 @@ def compose_config(overrides: list[str], config_dir: Path | None = None):
     try:
         with initialize_config_dir(config_dir=str(folder), version_base=None):
             cfg = compose(config_name="config", overrides=overrides)
-        tree = OmegaConf.to_container(cfg, resolve=True)
+        # the composed root is a DictConfig, so its container is a dict with string keys
+        tree = cast("dict[str, Any]", OmegaConf.to_container(cfg, resolve=True))
     except (HydraException, OmegaConfBaseException) as exc:
         raise StartupError(_one_line(exc)) from None
     try:
@@ -284,7 +286,8 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if any(a in ("-h", "--help") for a in args):
         print(
-            __doc__.strip() + "\n\nusage: megarl-train [key=value ...]   (see configs/config.yaml)"
+            (__doc__ or "").strip()
+            + "\n\nusage: megarl-train [key=value ...]   (see configs/config.yaml)"
         )
         return 0
     try:

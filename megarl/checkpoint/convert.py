@@ -26,10 +26,16 @@ import json
 import os
 import shutil
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING, NamedTuple
 
 from megarl.checkpoint import layout
+
+if TYPE_CHECKING:
+    import torch
+
+    from megarl.models.lora import LoraSettings
 
 EXIT_BAD_INPUT = 2
 HF_WEIGHTS_FILE = "model.safetensors"
@@ -145,31 +151,45 @@ def mcore_to_hf(
         )
     target = _fresh_output(out)
     info = find_checkpoint(ckpt)
-    adapter = settings = None
     adapter_target = target.with_name(f"{target.name}-lora")
-    if lora or merge_lora:
-        if lora:
-            _fresh_output(str(adapter_target))
-        adapter, settings = read_lora_adapter(info)
+    if lora:
+        _fresh_output(str(adapter_target))
+    adapter = read_lora_adapter(info) if lora or merge_lora else None
+    merge = None
+    if merge_lora and adapter is not None:
+        merge = MergeAdapter(adapter.tensors, adapter.settings.scaling)
     with _staging(target) as staging:
-        merge = (adapter, settings.scaling) if merge_lora else None
         write_hf_folder(info, staging, progress, merge=merge)
-        if lora:
+        if lora and adapter is not None:
             from megarl.export.lora import save_peft_adapter
 
             with _staging(adapter_target) as adapter_staging:
                 save_peft_adapter(
                     adapter_staging,
-                    adapter,
-                    settings,
+                    adapter.tensors,
+                    adapter.settings,
                     _spec_of(info.path),
                     base_model=str(target.resolve()),
                 )
     return [target, adapter_target] if lora else [target]
 
 
-def read_lora_adapter(info: layout.CheckpointInfo):
-    """``(peft-named fp32 adapter, LoraSettings)`` assembled from a checkpoint's shard files."""
+class LoraAdapter(NamedTuple):
+    """A checkpoint's LoRA adapter: peft-named fp32 tensors and the run's settings."""
+
+    tensors: dict[str, torch.Tensor]
+    settings: LoraSettings
+
+
+class MergeAdapter(NamedTuple):
+    """An adapter to merge into the base weights: ``W + scaling * B @ A``."""
+
+    tensors: Mapping[str, torch.Tensor]
+    scaling: float
+
+
+def read_lora_adapter(info: layout.CheckpointInfo) -> LoraAdapter:
+    """The LoRA adapter assembled from a checkpoint's shard files."""
     from megarl.checkpoint.lora_shards import peft_adapter_from_checkpoint
     from megarl.checkpoint.shards import ShardReader
     from megarl.models.lora import LoraSettings
@@ -194,15 +214,18 @@ def read_lora_adapter(info: layout.CheckpointInfo):
         )
     except layout.CheckpointError as exc:
         raise ConvertError(str(exc)) from None
-    return adapter, settings
+    return LoraAdapter(adapter, settings)
 
 
 def write_hf_folder(
-    info: layout.CheckpointInfo, out: Path, progress: bool = True, merge: tuple | None = None
+    info: layout.CheckpointInfo,
+    out: Path,
+    progress: bool = True,
+    merge: MergeAdapter | None = None,
 ) -> None:
     """``model.safetensors`` + config + tokenizer of ``info`` into the existing folder ``out``.
 
-    ``merge``: ``(peft-named adapter, scaling)`` to merge into the weights before writing.
+    ``merge``: a peft-named adapter and its scaling, merged into the weights before writing.
     """
     from megarl.checkpoint.shards import ShardReader, hf_state_from_checkpoint, save_tensors
     from megarl.checkpoint.trainer_state import copy_model_side_files
@@ -302,15 +325,15 @@ class _progress_bar:
         from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-        self._progress = Progress(
+        progress = self._progress = Progress(
             TextColumn(f"[bold]{self.label}"),
             BarColumn(),
             MofNCompleteColumn(),
             console=Console(file=sys.stderr),
         )
-        task = self._progress.add_task(self.label, total=self.total)
-        self._progress.start()
-        return lambda: self._progress.advance(task)
+        task = progress.add_task(self.label, total=self.total)
+        progress.start()
+        return lambda: progress.advance(task)
 
     def __exit__(self, *exc) -> None:
         if self._progress is not None:
@@ -321,7 +344,9 @@ class _progress_bar:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="megarl-convert", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="megarl-convert", description=(__doc__ or "").split("\n")[0]
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     to_mcore = commands.add_parser("hf-to-mcore", help="HF folder or .gguf -> Megatron shards")
     to_mcore.add_argument("--hf", required=True, help="HF safetensors folder or .gguf file")

@@ -101,9 +101,11 @@ def compare_configs(
         line = f"{key}: {old.get(key)!r} -> {new.get(key)!r}"
         (errors if _matches(key, MUST_MATCH) else changes).append(line)
     if saved_spec is not None and current_spec is not None:
-        for key in sorted(set(saved_spec) | set(current_spec)):
-            if saved_spec.get(key) != current_spec.get(key):
-                errors.append(f"model {key}: {saved_spec.get(key)!r} -> {current_spec.get(key)!r}")
+        errors.extend(
+            f"model {key}: {saved_spec.get(key)!r} -> {current_spec.get(key)!r}"
+            for key in sorted(set(saved_spec) | set(current_spec))
+            if saved_spec.get(key) != current_spec.get(key)
+        )
     return ConfigDiff(errors=tuple(errors), changes=tuple(changes))
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -22,6 +23,9 @@ from megarl.checkpoint import lora_shards
 from megarl.checkpoint.layout import CheckpointError, CheckpointInfo, model_file, optim_file
 from megarl.models import mapping
 from megarl.models.spec import TransformerSpec
+
+if TYPE_CHECKING:
+    from safetensors import safe_open
 
 OPTIM_KEYS = ("exp_avg", "exp_avg_sq", "step")
 SAFETENSORS_METADATA = {"format": "pt"}
@@ -66,7 +70,7 @@ class ShardReader:
         self.info, self.spec = info, spec
         self.saved_tp = info.tp
         self._file_of: list[dict[str, Path]] = [{} for _ in range(self.saved_tp)]
-        self._handles: dict[Path, object] = {}
+        self._handles: dict[Path, safe_open] = {}
         files = [model_file] + ([optim_file] if optimizer else [])
         for t in range(self.saved_tp):
             for p in range(info.pp):

@@ -198,7 +198,8 @@ def _rng_state() -> dict:
         from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
         state["cuda"] = torch.cuda.get_rng_state_all()
-        state["megatron_tracker"] = get_cuda_rng_tracker().get_states()
+        tracker = get_cuda_rng_tracker()  # unannotated in Megatron; never None once returned
+        state["megatron_tracker"] = tracker.get_states()  # pyright: ignore[reportOptionalMemberAccess]
     return state
 
 
@@ -210,4 +211,5 @@ def _set_rng_state(state: dict) -> None:
         from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
         torch.cuda.set_rng_state_all(state["cuda"])
-        get_cuda_rng_tracker().set_states(state["megatron_tracker"])
+        tracker = get_cuda_rng_tracker()  # unannotated in Megatron; never None once returned
+        tracker.set_states(state["megatron_tracker"])  # pyright: ignore[reportOptionalMemberAccess]

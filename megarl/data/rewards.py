@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from typing import cast
 
 from megarl.data.numbers import normalize_number, numbers_equal
 
@@ -115,7 +116,7 @@ def _import_reward_fn(path: str) -> RewardFn:
         raise ValueError(f"data.reward={path!r}: cannot import it ({exc})") from None
     if not callable(fn):
         raise ValueError(f"data.reward={path!r} is not callable")
-    return fn
+    return cast(RewardFn, fn)  # the user's function; only its being callable is checked
 
 
 def _score(predicted: str | None, answer: str) -> float:

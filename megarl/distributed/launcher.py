@@ -74,7 +74,7 @@ def _worker_entry(
     except MegarlError as exc:  # explained in one line: no traceback
         error_queue.put((rank, "error", (exc.exit_code, str(exc))))
         raise SystemExit(exc.exit_code) from None
-    except BaseException as exc:  # noqa: BLE001 - reported to the parent, then re-raised
+    except BaseException as exc:  # reported to the parent, then re-raised
         error_queue.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
         raise
 

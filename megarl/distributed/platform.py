@@ -21,6 +21,7 @@ if a Megatron upgrade breaks an assumption, rather than letting training hang or
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Iterator
 
 import torch
@@ -162,7 +163,7 @@ class SDPACoreAttention(torch.nn.Module):
         bounds = packed_seq_params.cu_seqlens_q.tolist()
         blocks = [
             self._attend(query[a:b].unsqueeze(1), key[a:b].unsqueeze(1), value[a:b].unsqueeze(1))
-            for a, b in zip(bounds[:-1], bounds[1:], strict=True)
+            for a, b in itertools.pairwise(bounds)
         ]
         return torch.cat(blocks, dim=0)  # [t, 1, heads * d]; Megatron reshapes to [t, 1, h]
 

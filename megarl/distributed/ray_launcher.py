@@ -109,7 +109,7 @@ class SideActorFailed(RuntimeError):
 
 def get_from_side_actor(ref, where: str, call: str = "") -> Any:
     """``ray.get`` on a side actor's call; its death or error becomes :class:`SideActorFailed`."""
-    import ray
+    import ray.exceptions
 
     during = f" during {call}" if call else ""
     try:
@@ -305,7 +305,7 @@ def reserve(layout: RayLayout):
 
 def start_side_actor(side: SideActor, device: str):
     """Reserve the side actor's own bundle and start it there; wait until it is built."""
-    import ray
+    import ray.exceptions
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -330,7 +330,8 @@ def start_side_actor(side: SideActor, device: str):
         placement = ray.get(actor.placement.remote())  # also waits until it is built
     except ray.exceptions.RayActorError as exc:
         raise WorkerFailed(-1, None, _death_cause(exc), where=f"{side.role} actor") from None
-    print(f"megarl ray: {placement.describe()}", file=sys.stderr, flush=True)
+    where = placement.describe()  # pyright: ignore[reportAttributeAccessIssue] (ray.get: a list)
+    print(f"megarl ray: {where}", file=sys.stderr, flush=True)
     return group, actor
 
 
@@ -379,7 +380,7 @@ def run_ranks(
     args: tuple,
 ) -> list[Any]:
     """Start every rank and wait; the first failure (death or exception) ends the run."""
-    import ray
+    import ray.exceptions
 
     world = len(actors)
     pending = {
@@ -416,7 +417,7 @@ def run_ranks(
 def _raise_if_a_rank_died(pending: dict, placements: list[RankPlacement]) -> None:
     """A rank's Python error may be its collective noticing that a peer was killed; Ray reports
     the death a moment later. Wait ``CAUSE_GRACE_S`` for one and name the dead rank if any."""
-    import ray
+    import ray.exceptions
 
     if not pending:
         return

@@ -66,7 +66,7 @@ def test_matches_per_group_loop_reference_on_random_batch() -> None:
 
 
 @pytest.mark.parametrize(
-    "value, size",
+    ("value", "size"),
     [(0.1, 3), (0.1, 7), (0.9, 3), (0.3, 6), (0.7, 7), (1.0, 4), (0.0, 8), (-2.5, 5)],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -81,7 +81,7 @@ def test_all_equal_group_gets_exactly_zero(
 
 
 @pytest.mark.parametrize(
-    "value, size, dtype",
+    ("value", "size", "dtype"),
     [
         (0.1, 7, torch.float32),
         (0.9, 3, torch.float32),
@@ -263,7 +263,7 @@ def test_reinforce_plus_plus_baseline_matches_verl_formula() -> None:
 
 
 @pytest.mark.parametrize("name", ["grpo", "grpo_no_std", "rloo", "reinforce_plus_plus_baseline"])
-@pytest.mark.parametrize("value, size", [(0.1, 3), (0.1, 7), (0.9, 3), (0.7, 7), (-2.5, 5)])
+@pytest.mark.parametrize(("value", "size"), [(0.1, 3), (0.1, 7), (0.9, 3), (0.7, 7), (-2.5, 5)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_group_baselined_estimators_give_constant_groups_exactly_zero(
     name: str, value: float, size: int, dtype: torch.dtype
@@ -283,7 +283,7 @@ CONSTANT_BATCHES = [(0.1, 3, torch.float64), (0.7, 7, torch.float64), (0.9, 3, t
 
 
 @pytest.mark.parametrize("name", sorted(ADVANTAGE_ESTIMATORS))
-@pytest.mark.parametrize("value, size, dtype", CONSTANT_BATCHES)
+@pytest.mark.parametrize(("value", "size", "dtype"), CONSTANT_BATCHES)
 def test_every_estimator_gives_a_constant_batch_exactly_zero(
     name: str, value: float, size: int, dtype: torch.dtype
 ) -> None:
@@ -366,8 +366,10 @@ def test_config_accepts_every_registered_estimator(name: str) -> None:
     [
         (
             {"adv_estimator": "gae"},
-            "algo.adv_estimator='gae': must be one of grpo, grpo_no_std, rloo, reinforce_plus_plus, "
-            "reinforce_plus_plus_baseline",
+            (
+                "algo.adv_estimator='gae': must be one of grpo, grpo_no_std, rloo, "
+                "reinforce_plus_plus, reinforce_plus_plus_baseline"
+            ),
         ),
         ({"adv_estimator": "RLOO"}, "algo.adv_estimator='RLOO': must be one of"),
         (

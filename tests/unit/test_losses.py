@@ -118,7 +118,7 @@ def _single_tokens(ratios: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.mark.parametrize(
-    "ratio, adv, expected_loss, expected_clipfrac, expected_grad",
+    ("ratio", "adv", "expected_loss", "expected_clipfrac", "expected_grad"),
     [
         # A > 0, ratio above 1 + eps: the clipped -A * 1.2 is the max, gradient 0
         (1.5, 1.0, -1.2, 1.0, 0.0),
@@ -237,7 +237,7 @@ REF_LOGP_BT = torch.tensor([[math.log(0.25)]], dtype=torch.float64)
 
 
 @pytest.mark.parametrize(
-    "kind, expected",
+    ("kind", "expected"),
     [
         ("k1", math.log(2)),
         ("k2", 0.5 * math.log(2) ** 2),
