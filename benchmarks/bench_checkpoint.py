@@ -32,6 +32,7 @@ class _FakeDriver:
 def _worker(ctx, overrides: list[str], folder: str):
     import torch.distributed as dist
 
+    from megarl.actor.megatron_actor import MegatronActor
     from megarl.checkpoint.trainer_state import (
         restore_training_checkpoint,
         save_training_checkpoint,
@@ -41,7 +42,6 @@ def _worker(ctx, overrides: list[str], folder: str):
     from megarl.models.hf_io import load_hf_config, open_hf_tensors, resolve_model_path
     from megarl.models.spec import spec_from_hf_config
     from megarl.train import compose_config
-    from megarl.workers.megatron_actor import MegatronActor
 
     enter_cpu_shims()
     cfg = compose_config(overrides + [f"trainer.run_dir={folder}"])

@@ -85,7 +85,7 @@ def bench_engines(model_dir: str, repeats: int) -> None:
     state = load_file(str(Path(model_dir) / "model.safetensors"))
     weights = [(k, v) for k, v in state.items() if k != "lm_head.weight"]
     params = SamplingParams(temperature=1.0, max_new_tokens=12, seed=1)
-    tokens = {name: 0 for name in engines}
+    tokens = dict.fromkeys(engines, 0)
     gen_s: dict[str, list[float]] = {name: [] for name in engines}
     sync_s: dict[str, list[float]] = {name: [] for name in engines}
     for engine in engines.values():  # warm-up

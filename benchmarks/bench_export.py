@@ -150,12 +150,12 @@ def _raw_tp_collective(actor, to_leader_only: bool) -> int:
 def _worker(ctx, folder: str | None, tp: int, pp: int, method: str, bucket_mb: int, repeats: int):
     import torch.distributed as dist
 
+    from megarl.actor.megatron_actor import MegatronActor
     from megarl.config.schema import ActorConfig
     from megarl.distributed import parallel
     from megarl.distributed.platform import enter_cpu_shims
     from megarl.models.hf_io import load_hf_config, open_hf_tensors
     from megarl.models.spec import spec_from_hf_config
-    from megarl.workers.megatron_actor import MegatronActor
 
     enter_cpu_shims()
     torch.set_num_threads(1)

@@ -37,6 +37,7 @@ def _best_of(fn, repeats: int) -> float:
 def _worker(ctx, model_dir: str, rank: int, tp: int, repeats: int):
     import torch.distributed as dist
 
+    from megarl.actor.megatron_actor import MegatronActor
     from megarl.config.schema import ActorConfig, LoraConfig
     from megarl.distributed import parallel
     from megarl.distributed.platform import enter_cpu_shims
@@ -45,7 +46,6 @@ def _worker(ctx, model_dir: str, rank: int, tp: int, repeats: int):
     from megarl.models.hf_io import load_hf_config, load_hf_model, open_hf_tensors
     from megarl.models.lora import hf_target_modules
     from megarl.models.spec import spec_from_hf_config
-    from megarl.workers.megatron_actor import MegatronActor
 
     enter_cpu_shims()
     parallel.init_process_group("cpu", ctx.rank, ctx.world_size, ctx.master_addr, ctx.master_port)

@@ -42,6 +42,7 @@ def _batch(num: int, min_len: int, max_len: int, vocab: int, seed: int):
 
 
 def _bench(ctx, args):
+    from megarl.actor.megatron_actor import LossSettings, MegatronActor
     from megarl.config.schema import ActorConfig
     from megarl.distributed import parallel
     from megarl.distributed.execution import (
@@ -53,7 +54,6 @@ def _bench(ctx, args):
     from megarl.models.hf_io import load_hf_config, open_hf_tensors, resolve_model_path
     from megarl.models.spec import spec_from_hf_config
     from megarl.planner.batch_planner import OptimizerStepPlan, plan_forward_micro_batches
-    from megarl.workers.megatron_actor import LossSettings, MegatronActor
 
     plans = {
         packed: decide_execution(

@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from step_harness import close_harness, median_of, open_harness  # noqa: E402
+from step_harness import close_harness, median_of, open_harness
 
 MODES = ("off", "match_loss_curve", "fast")
 DEFAULT_OVERRIDES = ["data.prompts_per_step=8", "rollout.n=8", "trainer.total_steps=1"]

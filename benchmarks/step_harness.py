@@ -7,7 +7,7 @@ generation. This harness builds the rank-0 runtime of a normal run once (same co
 named phases (plan, gates, logprob passes, update) under any mode, restoring the weights and a
 fresh optimizer before each trial.
 
-It reaches into ``megarl.trainer.worker``'s private step functions on purpose: the benchmark must
+It reaches into ``megarl.trainer.rank_loop``'s private step functions on purpose: the benchmark must
 time exactly what the training loop runs, not a re-implementation of it.
 """
 
@@ -107,7 +107,7 @@ def open_harness(overrides: list[str]) -> Harness:
     """Build the rank-0 runtime of ``megarl-train overrides`` and one scored rollout batch."""
     runtime = build_runtime_only(overrides)
     device = "cuda" if next(runtime.actor.model.parameters()).is_cuda else "cpu"
-    batch, _, _ = runtime.driver.rollout(1)
+    batch, _, _ = runtime.host.rollout(1)
     initial = [p.detach().clone() for p in runtime.actor.model.parameters()]
     return Harness(runtime=runtime, batch=batch, initial_params=initial, device=device)
 
@@ -116,7 +116,7 @@ def close_harness(harness: Harness) -> None:
     from megarl.distributed import parallel
     from megarl.distributed.platform import exit_cpu_shims
 
-    harness.runtime.driver.close()
+    harness.runtime.host.close()
     parallel.destroy()
     if harness.device == "cpu":
         exit_cpu_shims()

@@ -175,7 +175,7 @@ def check_vllm(cfg, model_dir: str, device: str) -> None:
 
     from megarl.engines.base import VLLM_MISSING_MESSAGE
     from megarl.engines.vllm_settings import VLLMSettingsError
-    from megarl.trainer.driver import vllm_settings
+    from megarl.trainer.rollout_host import vllm_settings
 
     if importlib.util.find_spec("vllm") is None:
         raise StartupError(VLLM_MISSING_MESSAGE)
@@ -224,7 +224,7 @@ def resolve_resume(cfg, model_dir: str, device: str) -> str | None:
 
 def run(overrides: list[str], return_final_state: bool = False):
     """Compose, validate, and train; returns rank 0's :class:`RunResult`."""
-    from megarl.trainer.worker import RunInputs, run_worker
+    from megarl.trainer.rank_loop import RunInputs, run_rank
 
     cfg = compose_config(overrides)
     device = resolve_device(cfg.trainer.device, cfg)
@@ -242,7 +242,7 @@ def run(overrides: list[str], return_final_state: bool = False):
         return_final_state=return_final_state,
         resume_from=resume_from,
     )
-    return _launch(cfg, device, run_worker, inputs)[0]
+    return _launch(cfg, device, run_rank, inputs)[0]
 
 
 # --- launcher dispatch ---------------------------------------------------
@@ -268,11 +268,11 @@ def _split_rollout(cfg, inputs):
     import dataclasses
 
     from megarl.distributed.ray_launcher import SideActor, forwarded_env
-    from megarl.trainer.split_rollout import RolloutWorker
+    from megarl.trainer.split_rollout import RolloutActor
 
     return SideActor(
         role="rollout",
-        cls=RolloutWorker,
+        cls=RolloutActor,
         n_gpus=cfg.rollout.n_gpus,
         init_args=(cfg, inputs.model_dir, inputs.device, forwarded_env(), list(sys.path)),
         attach=lambda handle, args: (dataclasses.replace(args[0], rollout_actor=handle),),

@@ -45,7 +45,7 @@ from megarl.checkpoint.shards import (
     save_tensors,
 )
 
-DRIVER_STATE = "driver.json"
+ROLLOUT_HOST_STATE = "driver.json"  # the file name existing checkpoints carry
 MODEL_SIDE_FILES = (
     "config.json",
     "generation_config.json",
@@ -82,7 +82,7 @@ def _parallel_ranks() -> tuple[int, int, int, int, int]:
     )
 
 
-def save_training_checkpoint(cfg, step: int, actor, spec, driver, model_dir: str) -> float:
+def save_training_checkpoint(cfg, step: int, actor, spec, host, model_dir: str) -> float:
     """Collective: every rank writes its part; rank 0 publishes and prunes. Returns seconds."""
     start = time.perf_counter()
     rank = dist.get_rank()
@@ -108,7 +108,7 @@ def save_training_checkpoint(cfg, step: int, actor, spec, driver, model_dir: str
         )
     torch.save({**_rng_state(), **_adapter_rng_state(sites)}, staging / layout.rng_file(rank))
     if rank == 0:
-        (staging / DRIVER_STATE).write_text(json.dumps(driver.state_dict()), encoding="utf-8")
+        (staging / ROLLOUT_HOST_STATE).write_text(json.dumps(host.state_dict()), encoding="utf-8")
         copy_model_side_files(model_dir, staging)
     dist.barrier()
     if rank == 0:
@@ -127,7 +127,7 @@ def save_training_checkpoint(cfg, step: int, actor, spec, driver, model_dir: str
     return time.perf_counter() - start
 
 
-def restore_training_checkpoint(path: str, actor, spec, driver) -> int:
+def restore_training_checkpoint(path: str, actor, spec, host) -> int:
     """Load a checkpoint into this rank (at this run's layout); returns the checkpoint's step."""
     info = layout.read_checkpoint(path)
     tp_rank, tp, _, _, _ = _parallel_ranks()
@@ -142,10 +142,10 @@ def restore_training_checkpoint(path: str, actor, spec, driver) -> int:
         state = torch.load(rng_path, weights_only=False)
         _set_rng_state(state)
         _set_adapter_rng_state(sites, state)
-    if driver is not None:
-        state = json.loads((info.path / DRIVER_STATE).read_text(encoding="utf-8"))
-        metrics_path = Path(driver.cfg.trainer.run_dir) / "metrics.jsonl"
-        driver.load_state_dict(state, layout.read_metrics(metrics_path))
+    if host is not None:
+        state = json.loads((info.path / ROLLOUT_HOST_STATE).read_text(encoding="utf-8"))
+        metrics_path = Path(host.cfg.trainer.run_dir) / "metrics.jsonl"
+        host.load_state_dict(state, layout.read_metrics(metrics_path))
     return info.step
 
 

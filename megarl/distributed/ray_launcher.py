@@ -8,7 +8,7 @@ The controller is named steps (:func:`launch_on_ray`):
 2. reserve     -- one placement-group bundle per node (``STRICT_SPREAD`` over ``nnodes``), each
                   holding ``n_gpus_per_node`` GPUs, or a small CPU fraction per rank on CPU so a
                   2-core machine can place several ranks;
-3. start ranks -- one :class:`RankWorker` per Megatron rank, node-major like Megatron's rank order;
+3. start ranks -- one :class:`RankActor` per Megatron rank, node-major like Megatron's rank order;
    (split rollout placement: the rollout actor first, on a placement group of its own, see
    :class:`SideActor`; it reports where it landed);
 4. rendezvous  -- ``MASTER_ADDR`` is rank 0's node IP, the port is free on that node;
@@ -18,8 +18,8 @@ The controller is named steps (:func:`launch_on_ray`):
                   finds the rollout actor dead raises :class:`SideActorFailed`, and the report
                   names the rollout actor and its node instead of the rank that noticed.
 
-:class:`RankWorker` is a plain class (tests build it without Ray); the Ray actor is a thin shell
-made by ``ray.remote(RankWorker)`` at launch time.
+:class:`RankActor` is a plain class (tests build it without Ray); the Ray actor is a thin shell
+made by ``ray.remote(RankActor)`` at launch time.
 """
 
 from __future__ import annotations
@@ -157,8 +157,8 @@ def forwarded_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k.startswith("MEGARL_")}
 
 
-class RankWorker:
-    """One Megatron rank. Plain class: the Ray actor is ``ray.remote(RankWorker)``."""
+class RankActor:
+    """One Megatron rank. Plain class: the Ray actor is ``ray.remote(RankActor)``."""
 
     def __init__(self, rank: int, env: dict[str, str], sys_path: list[str]):
         self.rank = rank
@@ -339,7 +339,7 @@ def start_ranks(layout: RayLayout, group) -> list:
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    shell = ray.remote(RankWorker)
+    shell = ray.remote(RankActor)
     resources = layout.rank_resources()
     env, path = forwarded_env(), list(sys.path)
     return [

@@ -331,7 +331,7 @@ class VLLMEngine(RolloutEngine):
                 **lora_kwargs,
                 **llm_kwargs,
             )
-        except Exception as error:  # noqa: BLE001 - vLLM raises many types; one line for all
+        except Exception as error:
             reason = (
                 str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
             )

@@ -1,8 +1,7 @@
 """Turn a step's prompts into a scored :class:`RolloutBatch`: generate, reward, advantages.
 
-A plain class (no process groups): the local launcher runs it on rank 0, a Ray rollout worker
-would wrap it. Sampling draws from its own seeded stream per step (:func:`sampling_seed`), so
-two runs with the same seed and equal weights generate the same rollouts, whatever the planner
+A plain class (no process groups), run by the rollout host (rank 0, or the rollout actor).
+Sampling draws from its own seeded stream per step (:func:`sampling_seed`), so two runs with the same seed and equal weights generate the same rollouts, whatever the planner
 or training did in between.
 """
 

@@ -1,10 +1,10 @@
-"""Split placement (``rollout.n_gpus > 0``): the rollout driver -- engine, data, metrics -- in its
+"""Split placement (``rollout.n_gpus > 0``): the rollout host -- engine, data, metrics -- in its
 own Ray actor on devices of its own, instead of inside rank 0.
 
-:class:`RolloutWorker` is a plain class wrapping the same :class:`~megarl.trainer.driver.Driver`
-rank 0 builds in the colocated layout (the Ray actor is ``ray.remote(RolloutWorker)``).
-:class:`RemoteDriver` is what rank 0 holds instead of a local Driver: the same methods, each one
-Ray round trip, so the step loop in ``worker.py`` does not know which placement it runs in.
+:class:`RolloutActor` is a plain class wrapping the same :class:`~megarl.trainer.rollout_host.RolloutHost`
+rank 0 builds in the colocated layout (the Ray actor is ``ray.remote(RolloutActor)``).
+:class:`RemoteRolloutHost` is what rank 0 holds instead of a local RolloutHost: the same methods, each one
+Ray round trip, so the step loop in ``rank_loop.py`` does not know which placement it runs in.
 Data crosses as the same typed objects (RolloutBatch, StepPlan, StepGates, PhaseTimer); weights
 cross as one HF-named state dict per step through Ray's object store.
 If the actor dies (OOM, SIGKILL) or raises, the proxy call raises
@@ -29,8 +29,8 @@ from megarl.distributed.ray_launcher import (
 ROLE = "rollout"
 
 
-class RolloutWorker:
-    """The rollout Driver in its own process. Plain class: tests can build it without Ray."""
+class RolloutActor:
+    """The rollout RolloutHost in its own process. Plain class: tests can build it without Ray."""
 
     def __init__(self, cfg, model_dir: str, device: str, env: dict[str, str], sys_path: list[str]):
         os.environ.update(env)
@@ -39,35 +39,35 @@ class RolloutWorker:
 
         from megarl.models.hf_io import load_hf_config, load_hf_tokenizer
         from megarl.models.spec import spec_from_hf_config
-        from megarl.trainer.driver import Driver
+        from megarl.trainer.rollout_host import RolloutHost
 
         self.where = ActorPlacement.here(ROLE)
         if device == "cpu":  # the thread budget rank 0 would give it when colocated
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.trainer.world_size))
         spec = spec_from_hf_config(load_hf_config(model_dir))
-        self.driver = Driver(cfg, model_dir, device, load_hf_tokenizer(model_dir), spec=spec)
+        self.host = RolloutHost(cfg, model_dir, device, load_hf_tokenizer(model_dir), spec=spec)
 
     def placement(self) -> ActorPlacement:
         return self.where
 
     def call(self, method: str, *args: Any, **kwargs: Any):
-        """Run one :class:`Driver` method here (rank 0's :class:`RemoteDriver` forwards them)."""
+        """Run one :class:`RolloutHost` method here (rank 0's :class:`RemoteRolloutHost` forwards them)."""
         if method == "rollout":
             maybe_die(ROLLOUT, *args)  # test-only hook
-        return getattr(self.driver, method)(*args, **kwargs)
+        return getattr(self.host, method)(*args, **kwargs)
 
     def history(self) -> list[dict]:
-        return self.driver.history
+        return self.host.history
 
     def engine_update_weights(self, named_tensors: list, record_checksums: bool) -> int:
-        return self.driver.engine.update_weights(named_tensors, record_checksums)
+        return self.host.engine.update_weights(named_tensors, record_checksums)
 
     def engine_weight_checksums(self, dtype) -> dict:
-        return dict(self.driver.engine.weight_checksums(dtype))
+        return dict(self.host.engine.weight_checksums(dtype))
 
 
-class RemoteDriver:
-    """Rank 0's stand-in for a Driver that lives in a :class:`RolloutWorker` actor."""
+class RemoteRolloutHost:
+    """Rank 0's stand-in for a RolloutHost that lives in a :class:`RolloutActor` actor."""
 
     def __init__(self, handle):
         self._actor = handle
@@ -87,7 +87,7 @@ class RemoteDriver:
             raise
 
     def __getattr__(self, method: str):
-        """Every public Driver method (rollout, engine sleep/wake, weight and adapter updates,
+        """Every public RolloutHost method (rollout, engine sleep/wake, weight and adapter updates,
         record_step, state_dict, close, ...) is one Ray round trip to the rollout actor."""
         if method.startswith("_"):
             raise AttributeError(method)
@@ -114,7 +114,7 @@ class RemoteEngine:
     """
 
     def __init__(self, handle, get: Callable[[Any, str], Any]):
-        self._actor, self._get = handle, get  # ``get``: the RemoteDriver's failure-keeping get
+        self._actor, self._get = handle, get  # ``get``: the RemoteRolloutHost's failure-keeping get
 
     def update_weights(self, named_tensors, record_checksums: bool = False) -> int:
         loaded, bucket = 0, []

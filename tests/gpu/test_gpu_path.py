@@ -85,8 +85,8 @@ def _batch(vocab: int):
 
 
 def _actor(spec, state, plan):
+    from megarl.actor.megatron_actor import MegatronActor
     from megarl.config.schema import ActorConfig
-    from megarl.workers.megatron_actor import MegatronActor
 
     cfg = ActorConfig(lr=1e-4, pack_sequences=plan.pack_sequences, logprob_chunk_tokens=128)
     return MegatronActor(

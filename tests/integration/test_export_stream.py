@@ -35,12 +35,12 @@ def _vocab_logits(actor, ids, tp: int):
 
 
 def _worker(ctx, tp, pp, vpp, hf_config, state, ids, ref_logits, engine_seed):
+    from megarl.actor.megatron_actor import MegatronActor
     from megarl.config.schema import ActorConfig
     from megarl.distributed import parallel
     from megarl.distributed.platform import enter_cpu_shims
     from megarl.export.stream import open_stream
     from megarl.models.spec import spec_from_hf_config
-    from megarl.workers.megatron_actor import MegatronActor
 
     enter_cpu_shims()
     parallel.init_process_group("cpu", ctx.rank, ctx.world_size, ctx.master_addr, ctx.master_port)

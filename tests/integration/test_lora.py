@@ -44,6 +44,7 @@ def _full_logits(actor, batch, tp: int):
 
 
 def _worker(ctx, tp: int, pp: int, ids, state):
+    from megarl.actor.megatron_actor import LossSettings, MegatronActor
     from megarl.config.schema import ActorConfig, LoraConfig
     from megarl.distributed import parallel
     from megarl.distributed.platform import enter_cpu_shims
@@ -51,7 +52,6 @@ def _worker(ctx, tp: int, pp: int, ids, state):
     from megarl.models.megatron_gpt import unwrap
     from megarl.models.spec import spec_from_hf_config
     from megarl.planner.batch_planner import OptimizerStepPlan
-    from megarl.workers.megatron_actor import LossSettings, MegatronActor
 
     enter_cpu_shims()
     parallel.init_process_group("cpu", ctx.rank, ctx.world_size, ctx.master_addr, ctx.master_port)
@@ -110,7 +110,7 @@ def _worker(ctx, tp: int, pp: int, ids, state):
 def _reference_vs_adapters_disabled(actor, batch, spec, cfg, state) -> dict:
     """Logprobs of the trained LoRA actor with its adapters disabled, vs a separately built
     frozen reference model and vs the adapters on (last stage only; {} elsewhere)."""
-    from megarl.workers.megatron_actor import MegatronActor
+    from megarl.actor.megatron_actor import MegatronActor
 
     reference = MegatronActor(spec, cfg, "cpu", torch.float32, state, pad_id=0, trainable=False)
     groups = [(0, 1, 2)]

@@ -31,12 +31,12 @@ def _reference(hf_config: dict, seed: int):
 
 
 def _worker(ctx, tp: int, pp: int, hf_config: dict, ids, ref_logits, state):
+    from megarl.actor.megatron_actor import MegatronActor
     from megarl.config.schema import ActorConfig
     from megarl.distributed import parallel
     from megarl.distributed.platform import enter_cpu_shims
     from megarl.export.gather import gather_hf_state_dict
     from megarl.models.spec import spec_from_hf_config
-    from megarl.workers.megatron_actor import MegatronActor
 
     enter_cpu_shims()
     parallel.init_process_group("cpu", ctx.rank, ctx.world_size, ctx.master_addr, ctx.master_port)

@@ -53,9 +53,9 @@ def _batch():
 
 
 def _actor(spec, tp: int, state, packed: bool):
+    from megarl.actor.megatron_actor import MegatronActor
     from megarl.config.schema import ActorConfig
     from megarl.distributed.execution import Environment, ExecutionRequest, decide_execution
-    from megarl.workers.megatron_actor import MegatronActor
 
     plan = decide_execution(
         ExecutionRequest(device="cpu", pack_sequences=packed),
@@ -102,11 +102,11 @@ def _captured_queries(actor, mb):
 def _worker(ctx, tp: int, hf_config: dict, state):
     import dataclasses
 
+    from megarl.actor.megatron_actor import LossSettings
     from megarl.distributed import parallel
     from megarl.distributed.platform import enter_cpu_shims
     from megarl.models.spec import spec_from_hf_config
     from megarl.planner.batch_planner import OptimizerStepPlan
-    from megarl.workers.megatron_actor import LossSettings
 
     enter_cpu_shims()
     parallel.init_process_group("cpu", ctx.rank, ctx.world_size, ctx.master_addr, ctx.master_port)

@@ -13,13 +13,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from megarl.actor.megatron_actor import TrainStepResult
+from megarl.actor.train_stats import OptimizerStepStats
 from megarl.batch import RolloutBatch
 from megarl.config.schema import RunConfig
 from megarl.planner.batch_planner import PlannerInputs, plan_step
 from megarl.trainer.metrics import PhaseTimer
-from megarl.trainer.worker import _update_actor
-from megarl.workers.megatron_actor import TrainStepResult
-from megarl.workers.train_stats import OptimizerStepStats
+from megarl.trainer.rank_loop import _update_actor
 
 
 @pytest.fixture

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM
 
-from megarl.engines.base import Generation, SamplingParams  # noqa: E402
-from megarl.engines.hf import HFEngine, parse_peft_lora_name, top_p_filter  # noqa: E402
+from megarl.engines.base import Generation, SamplingParams
+from megarl.engines.hf import HFEngine, parse_peft_lora_name, top_p_filter
 
 VOCAB = 128
 EOS = 2

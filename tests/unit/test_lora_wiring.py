@@ -93,7 +93,7 @@ def test_hf_engine_report_after_sleep_drives_the_gate(sleep_level, base_sync):
 
 def test_wake_report_contradicting_the_gate_is_an_error():
     pytest.importorskip("megatron.core")
-    from megarl.trainer.worker import _check_wake_report
+    from megarl.trainer.rank_loop import _check_wake_report
 
     kept = _gates(4, EngineMemoryState(True, True))
     with pytest.raises(RuntimeError, match="freed base weights"):

@@ -6,7 +6,7 @@ import pytest
 
 from megarl.distributed import fault_injection
 from megarl.distributed.launcher import WorkerContext, WorkerFailed, role_of
-from megarl.distributed.ray_launcher import CPU_PER_RANK, RankWorker, RayLayout
+from megarl.distributed.ray_launcher import CPU_PER_RANK, RankActor, RayLayout
 
 
 def _echo(ctx: WorkerContext, value):
@@ -31,7 +31,7 @@ def test_layout_gpu_one_node_packs_whole_gpus():
 
 def test_rank_worker_runs_the_entry_point_and_forwards_env(monkeypatch):
     monkeypatch.delenv("MEGARL_TEST_FORWARD", raising=False)
-    worker = RankWorker(1, {"MEGARL_TEST_FORWARD": "yes"}, [])
+    worker = RankActor(1, {"MEGARL_TEST_FORWARD": "yes"}, [])
     import os
 
     assert os.environ["MEGARL_TEST_FORWARD"] == "yes"

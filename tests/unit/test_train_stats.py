@@ -2,8 +2,8 @@
 
 import pytest
 
+from megarl.actor.train_stats import OptimizerStepStats, summarise_update
 from megarl.planner.batch_planner import PlannerInputs, plan_step
-from megarl.workers.train_stats import OptimizerStepStats, summarise_update
 
 
 def _four_steps() -> list[OptimizerStepStats]:

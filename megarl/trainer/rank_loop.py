@@ -1,6 +1,8 @@
-"""One Megatron rank of a GRPO run (``trainer.launcher=local``): the step loop, as named steps.
+"""The rank loop: what every Megatron rank process runs, the step loop as named steps.
 
-Rank 0 also hosts the rollout engine and the data (the embedded, colocated layout). Every step:
+Runs in each rank process the launcher starts (local processes, Ray actors or Slurm tasks).
+Rank 0 also holds the rollout host (:mod:`megarl.trainer.rollout_host`: engine, data, metrics)
+or, in split placement, a proxy to the rollout actor. Every step:
 
 1. rank 0 generates and scores a :class:`RolloutBatch`, puts the engine to sleep at
    ``rollout.sleep_level`` and takes the engine's own memory report; the batch's metadata
@@ -28,6 +30,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megarl.actor.megatron_actor import LossSettings, MegatronActor, reduce_sums_to_all
+from megarl.actor.train_stats import OptimizerStepStats, UpdateStats, summarise_update
 from megarl.batch import RolloutBatch, RolloutShard
 from megarl.config.schema import RunConfig
 from megarl.distributed.launcher import WorkerContext
@@ -35,13 +39,11 @@ from megarl.planner import from_config
 from megarl.planner.batch_planner import StepPlan, plan_forward_micro_batches, plan_step
 from megarl.planner.gates import ReferenceSource, StepGates, decide_gates, decide_reference
 from megarl.trainer.metrics import PhaseTimer
-from megarl.workers.megatron_actor import LossSettings, MegatronActor, reduce_sums_to_all
-from megarl.workers.train_stats import OptimizerStepStats, UpdateStats, summarise_update
 
 
 @dataclass(frozen=True)
 class RunInputs:
-    """What the driver resolved before spawning workers."""
+    """What the launcher resolved before spawning the ranks."""
 
     cfg: RunConfig
     model_dir: str
@@ -52,8 +54,8 @@ class RunInputs:
     resume_from: str | None = None
     """A complete training checkpoint to continue from (checked against the config already)."""
     rollout_actor: object | None = None
-    """Split placement: the Ray handle of the RolloutWorker rank 0 talks to instead of
-    building its own Driver; None = colocated."""
+    """Split placement: the Ray handle of the RolloutActor rank 0 talks to instead of
+    building its own RolloutHost; None = colocated."""
 
 
 @dataclass(frozen=True)
@@ -64,7 +66,7 @@ class RunResult:
     final_state: dict[str, torch.Tensor] | None = None
 
 
-def run_worker(ctx: WorkerContext, inputs: RunInputs) -> RunResult | None:
+def run_rank(ctx: WorkerContext, inputs: RunInputs) -> RunResult | None:
     """Entry point of every rank; returns the run's result on rank 0 (None elsewhere)."""
     from megarl.distributed import parallel
     from megarl.distributed.platform import exit_cpu_shims
@@ -89,12 +91,12 @@ def run_worker(ctx: WorkerContext, inputs: RunInputs) -> RunResult | None:
                 adapter = runtime.actor.gather_lora_adapter()
                 if final_state is not None:
                     final_state.update(adapter)
-        if runtime.driver is None:
+        if runtime.host is None:
             return None
-        return RunResult(history=runtime.driver.history, final_state=final_state)
+        return RunResult(history=runtime.host.history, final_state=final_state)
     finally:
-        if runtime.driver is not None:
-            runtime.driver.close()
+        if runtime.host is not None:
+            runtime.host.close()
         parallel.destroy()
         if inputs.device == "cpu":
             exit_cpu_shims()
@@ -117,7 +119,7 @@ class _Runtime:
     reference_source: ReferenceSource
     rank_to_dp: tuple[int, ...]
     """The data-parallel rank of every global rank (what the rollout scatter sends where)."""
-    driver: object | None  # megarl.trainer.driver.Driver on rank 0
+    host: object | None  # megarl.trainer.rollout_host.RolloutHost on rank 0
     spec: object
     model_dir: str = ""
     resume_from: str | None = None
@@ -148,7 +150,7 @@ def _setup(ctx: WorkerContext, inputs: RunInputs) -> _Runtime:
     spec = spec_from_hf_config(load_hf_config(inputs.model_dir))
     tokenizer = load_hf_tokenizer(inputs.model_dir)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    driver = _build_driver(ctx, inputs, tokenizer, spec)  # engine first: its errors come early
+    host = _build_rollout_host(ctx, inputs, tokenizer, spec)  # engine first: its errors come early
     hf_tensors = open_hf_tensors(inputs.model_dir)
     dtype = getattr(torch, execution.params_dtype)
     actor = MegatronActor(
@@ -187,7 +189,7 @@ def _setup(ctx: WorkerContext, inputs: RunInputs) -> _Runtime:
         actor=actor,
         reference=reference,
         reference_source=reference_plan.source,
-        driver=driver,
+        host=host,
         spec=spec,
         model_dir=inputs.model_dir,
         resume_from=inputs.resume_from,
@@ -200,18 +202,18 @@ def _gather_dp_ranks(dp_rank: int) -> tuple[int, ...]:
     return tuple(ranks)
 
 
-def _build_driver(ctx: WorkerContext, inputs: RunInputs, tokenizer, spec):
-    """Rank 0's rollout host: a local Driver, or (split placement) the proxy to the rollout
+def _build_rollout_host(ctx: WorkerContext, inputs: RunInputs, tokenizer, spec):
+    """Rank 0's rollout host: a local RolloutHost, or (split placement) the proxy to the rollout
     actor; None on other ranks."""
     if ctx.rank != 0:
         return None
     if inputs.rollout_actor is not None:
-        from megarl.trainer.split_rollout import RemoteDriver
+        from megarl.trainer.split_rollout import RemoteRolloutHost
 
-        return RemoteDriver(inputs.rollout_actor)
-    from megarl.trainer.driver import Driver
+        return RemoteRolloutHost(inputs.rollout_actor)
+    from megarl.trainer.rollout_host import RolloutHost
 
-    return Driver(inputs.cfg, inputs.model_dir, inputs.device, tokenizer, spec=spec)
+    return RolloutHost(inputs.cfg, inputs.model_dir, inputs.device, tokenizer, spec=spec)
 
 
 def _train(rt: _Runtime) -> None:
@@ -244,8 +246,8 @@ def _train(rt: _Runtime) -> None:
         old, recomputed, ref = _logprob_passes(rt, batch, plan, gates, timer)
         stats = _update_actor(rt, batch, plan, old, recomputed, ref, timer)
         _sync_weights(rt, gates, timer, step)
-        if rt.driver is not None:
-            rt.driver.record_step(step, timer, rollout_metrics, plan, gates, stats, rollout)
+        if rt.host is not None:
+            rt.host.record_step(step, timer, rollout_metrics, plan, gates, stats, rollout)
         _maybe_save(rt, step)
 
 
@@ -258,7 +260,7 @@ def _maybe_restore(rt: _Runtime) -> int:
         return 0
     from megarl.checkpoint.trainer_state import restore_training_checkpoint
 
-    step = restore_training_checkpoint(rt.resume_from, rt.actor, rt.spec, rt.driver)
+    step = restore_training_checkpoint(rt.resume_from, rt.actor, rt.spec, rt.host)
     _push_weights(rt, base=True, adapter=rt.cfg.actor.lora.enabled)
     return step
 
@@ -270,7 +272,7 @@ def _maybe_save(rt: _Runtime, step: int) -> None:
         return
     from megarl.checkpoint.trainer_state import save_training_checkpoint
 
-    save_training_checkpoint(rt.cfg, step, rt.actor, rt.spec, rt.driver, rt.model_dir)
+    save_training_checkpoint(rt.cfg, step, rt.actor, rt.spec, rt.host, rt.model_dir)
 
 
 def _broadcast_rollout(rt: _Runtime, step: int, timer: PhaseTimer):
@@ -279,11 +281,11 @@ def _broadcast_rollout(rt: _Runtime, step: int, timer: PhaseTimer):
     planner reads) and the engine's own memory report. The full batch stays on rank 0."""
     payload = [None]
     rollout = None
-    if rt.driver is not None:
-        rollout, metrics, phase_seconds = rt.driver.rollout(step)
+    if rt.host is not None:
+        rollout, metrics, phase_seconds = rt.host.rollout(step)
         with timer.phase("engine_sleep"):
-            engine_state = rt.driver.release_engine_for_training()
-        metrics = {**metrics, **rt.driver.engine_metrics(engine_state)}
+            engine_state = rt.host.release_engine_for_training()
+        metrics = {**metrics, **rt.host.engine_metrics(engine_state)}
         payload = [(rollout.shard(()), metrics, phase_seconds, engine_state)]
     dist.broadcast_object_list(payload, src=0)
     header, metrics, phase_seconds, engine_state = payload[0]
@@ -398,9 +400,9 @@ def _sync_weights(rt: _Runtime, gates: StepGates, timer: PhaseTimer, step: int) 
     """Wake the engine and send what the gates say: base (or full) weights, the adapter."""
     from megarl.export.sync import is_checksum_step
 
-    if rt.driver is not None:
+    if rt.host is not None:
         with timer.phase("engine_wake"):
-            _check_wake_report(rt.driver.wake_engine(), gates)
+            _check_wake_report(rt.host.wake_engine(), gates)
     with timer.phase("update_weights"):
         metrics = _push_weights(
             rt,
@@ -408,8 +410,8 @@ def _sync_weights(rt: _Runtime, gates: StepGates, timer: PhaseTimer, step: int) 
             adapter=gates.adapter_sync.run,
             checksum=is_checksum_step(step, rt.cfg.export.checksum_interval),
         )
-    if rt.driver is not None:
-        rt.driver.record_export_metrics(metrics)
+    if rt.host is not None:
+        rt.host.record_export_metrics(metrics)
 
 
 def _push_weights(
@@ -421,7 +423,7 @@ def _push_weights(
 
     metrics: dict[str, float] = {}
     if base:
-        engine = rt.driver.engine if rt.driver is not None else None
+        engine = rt.host.engine if rt.host is not None else None
         metrics = sync_engine_weights(
             rt.actor.local_params(),
             rt.spec,
@@ -432,8 +434,8 @@ def _push_weights(
         )
     if adapter:
         lora = rt.actor.gather_lora_adapter()
-        if rt.driver is not None:
-            rt.driver.update_engine_adapter(lora)
+        if rt.host is not None:
+            rt.host.update_engine_adapter(lora)
     return metrics
 
 

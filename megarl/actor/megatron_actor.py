@@ -16,6 +16,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
+from megarl.actor.train_stats import OptimizerStepStats
 from megarl.algo.losses import aggregate, kl_penalty, policy_loss
 from megarl.batch import (
     MicroBatchTensors,
@@ -30,7 +31,6 @@ from megarl.models import megatron_gpt
 from megarl.models.spec import VPP_TRAINING_UNSUPPORTED, TransformerSpec
 from megarl.models.vocab_parallel import VocabShard, token_logprobs_and_entropy
 from megarl.planner.batch_planner import OptimizerStepPlan
-from megarl.workers.train_stats import OptimizerStepStats
 
 
 @dataclass(frozen=True)
@@ -142,7 +142,7 @@ class MegatronActor:
         return ddp
 
     def _build_optimizer(self):
-        from megarl.workers.optim import build_optimizer
+        from megarl.actor.optim import build_optimizer
 
         return build_optimizer(self.model, self.cfg, self.execution)
 

@@ -1,7 +1,10 @@
-"""Rank-0 duties of the embedded run: rollout engine, data, metrics, console.
+"""The rollout host: the rollout engine, the data, the metrics and the console of a run.
 
-Kept apart from the Megatron step loop so the same pieces can live in a Ray rollout worker
-and a Ray driver later.
+Runs in rank 0's process (colocated placement) or in the rollout actor's own process (split
+placement, :mod:`megarl.trainer.split_rollout`); the Megatron step loop
+(:mod:`megarl.trainer.rank_loop`) calls it and does not know which. Imports the engines, data,
+models and the actor's statistics types; nothing imports it but the rank loop, the split
+placement and start-up.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from megarl.actor.train_stats import UpdateStats
 from megarl.config.schema import RunConfig
 from megarl.data.loader import PromptStream, build_prompt_source
 from megarl.data.rewards import get_reward_fn
@@ -22,10 +26,9 @@ from megarl.trainer import perf
 from megarl.trainer.metrics import MetricsWriter, PhaseTimer, run_summary, step_line
 from megarl.trainer.perf import PeakFlops, peak_flops
 from megarl.trainer.rollout import RolloutProducer, RolloutSettings
-from megarl.workers.train_stats import UpdateStats
 
 
-class Driver:
+class RolloutHost:
     def __init__(self, cfg: RunConfig, model_dir: str, device: str, tokenizer, spec=None):
         self.cfg = cfg
         self.spec = spec
