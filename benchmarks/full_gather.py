@@ -1,11 +1,12 @@
-"""Gather Megatron TP/PP shards into HF-named full tensors on global rank 0.
+"""Benchmark baseline: gather Megatron TP/PP shards into HF-named full tensors on global rank 0.
 
 The simple, correct baseline: each parameter's TP shards are all-gathered inside its TP group,
 turned into HF tensors by the family's mapping table, and each pipeline stage's (DP rank 0,
 TP rank 0) hands its stage's tensors to global rank 0. Every rank must call
-:func:`gather_hf_state_dict` (it is a collective). Runs no longer use it: the weight sync and the
-final state go through the bucketed :mod:`megarl.export.stream`. Kept as the baseline that
-``benchmarks/bench_export.py`` measures the streaming exporter against.
+:func:`gather_hf_state_dict` (it is a collective). Runs do not use it: the weight sync and the
+final state go through the bucketed :mod:`megarl.export.stream`, which never holds the whole
+model on one rank. It lives here, beside the benchmarks that measure against it
+(``bench_export.py``: streaming vs full gather; ``bench_lora_sync.py``: adapter-only vs full sync).
 """
 
 from __future__ import annotations
