@@ -171,7 +171,7 @@ def check_vllm(cfg, model_dir: str, device: str) -> None:
     import importlib.util
     import json
 
-    from megarl.engines.base import VLLM_MISSING_MESSAGE
+    from megarl.engines.vllm import VLLM_MISSING_MESSAGE
     from megarl.engines.vllm_settings import VLLMSettingsError
     from megarl.trainer.driver import vllm_settings
 
