@@ -13,6 +13,7 @@ import torch
 
 from megarl.distributed.platform import SDPACoreAttention
 from megarl.models import mapping
+from megarl.models.chunk import layer_offset, unwrap
 from megarl.models.lora import is_adapter_param_name
 from megarl.models.spec import TransformerSpec
 
@@ -138,18 +139,8 @@ def build_model_chunks(
     layer slice (global chunk ``v * pp + p``); only chunk 0 of rank 0 embeds and only the last
     chunk of the last rank has the output layer.
     """
-    if vpp == 1:
-        return [
-            build_gpt_model(
-                spec,
-                tp,
-                pp,
-                dtype,
-                device,
-                use_transformer_engine=use_transformer_engine,
-                recompute=recompute,
-            )
-        ]
+    # No virtual pipeline is vpp=None and vp_stage=None for Megatron, not vpp=1 and stage 0.
+    stages: list[int | None] = [None] if vpp == 1 else list(range(vpp))
     return [
         build_gpt_model(
             spec,
@@ -157,21 +148,13 @@ def build_model_chunks(
             pp,
             dtype,
             device,
-            vp_stage=v,
-            vpp=vpp,
+            vp_stage=stage,
+            vpp=None if vpp == 1 else vpp,
             use_transformer_engine=use_transformer_engine,
             recompute=recompute,
         )
-        for v in range(vpp)
+        for stage in stages
     ]
-
-
-def layer_offset(model) -> int:
-    """Global number of this chunk's first transformer layer."""
-    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
-
-    model = unwrap(model)
-    return get_transformer_layer_offset(model.config, vp_stage=getattr(model, "vp_stage", None))
 
 
 def iter_local_params(model, spec: TransformerSpec):
@@ -214,13 +197,6 @@ def canonical_param_name(name: str) -> str:
         if name.endswith(te_suffix):
             return name[: -len(te_suffix)] + local_suffix
     return name
-
-
-def unwrap(model):
-    """The bare ``GPTModel`` under DDP / Float16Module wrappers."""
-    while hasattr(model, "module"):
-        model = model.module
-    return model
 
 
 @torch.no_grad()
