@@ -78,7 +78,8 @@ def resolve_model_dir(cfg, staging: Path | None = None) -> str:
     check has passed, so a run refused by a later check leaves ``trainer.run_dir`` untouched.
     Validating before writing would not do: the later checks read the written folder.
     """
-    from megarl.models.hf_io import ModelPathError, resolve_model_path
+    from megarl.models.hf_io import resolve_model_path
+    from megarl.models.validate import ModelPathError
 
     final = Path(cfg.trainer.run_dir) / "init_model"
     try:

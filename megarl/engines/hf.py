@@ -43,6 +43,7 @@ from megarl.engines.base import (
     SleepState,
     merge_token_ids,
 )
+from megarl.export.checksum import tensor_checksum
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -363,8 +364,6 @@ class HFEngine(RolloutEngine):
         return num_applied
 
     def weight_checksums(self, dtype: torch.dtype) -> dict[str, tuple[int, int]]:
-        from megarl.export.checksum import tensor_checksum
-
         return {
             name: tensor_checksum(param.detach().to(dtype))
             for name, param in self._params_by_name.items()

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.export.checksum import tensor_checksum
-from megarl.export.plan import ExportItem, ExportPlan
+from megarl.export.plan import ExportItem, ExportPlan, plan_export
 from megarl.models import mapping
 from megarl.models.spec import TransformerSpec
 
@@ -237,8 +237,6 @@ def open_stream(
 ) -> BucketStream:
     """A :class:`BucketStream` for this rank, its plan computed from the parallel layout."""
     from megatron.core import parallel_state as ps
-
-    from megarl.export.plan import plan_export
 
     params = list(actor_params)
     dtype = params[0][2].dtype
