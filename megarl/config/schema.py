@@ -50,9 +50,9 @@ def _positive(key: str, value: float) -> None:
 
 def _optional_positive(key: str, value: object) -> None:
     """None (automatic) or a number > 0."""
-    is_number = isinstance(value, int | float) and not isinstance(value, bool)
     _require(
-        value is None or (is_number and value > 0),
+        value is None
+        or (isinstance(value, int | float) and not isinstance(value, bool) and value > 0),
         f"{key}={value!r}: must be a number > 0, or null for automatic",
     )
 
@@ -411,7 +411,7 @@ class RunConfig:
         return dataclasses.asdict(self)
 
 
-def _coerce(cls, key: str, value: Any) -> Any:
+def _coerce(cls: type[Any], key: str, value: Any) -> Any:
     """Build a nested dataclass from a mapping, rejecting unknown keys by their dotted name."""
     if dataclasses.is_dataclass(cls):
         if not isinstance(value, Mapping):
@@ -441,7 +441,7 @@ def _coerce(cls, key: str, value: Any) -> Any:
     return value
 
 
-def _field_class(fld: dataclasses.Field):
+def _field_class(fld: dataclasses.Field) -> type[Any] | None:
     default_factory = fld.default_factory
     if default_factory is not dataclasses.MISSING and dataclasses.is_dataclass(default_factory):
         return default_factory

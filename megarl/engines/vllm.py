@@ -321,7 +321,7 @@ class VLLMEngine(RolloutEngine):
             self._llm: LLM = LLM(
                 model=model,
                 tensor_parallel_size=tensor_parallel_size,
-                dtype=dtype,
+                dtype=dtype,  # pyright: ignore[reportArgumentType]  # vLLM's Literal; it checks
                 gpu_memory_utilization=gpu_memory_utilization,
                 kv_cache_memory_bytes=kv_cache_memory_bytes,
                 max_num_seqs=max_num_seqs,

@@ -153,7 +153,9 @@ def load_hf_model(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder = resolve_model_path(path)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+    # transformers' decorated ``PreTrainedModel.to`` is mistyped in its stubs
+    model = model.to(device)  # pyright: ignore[reportArgumentType]
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(folder)
     return model, tokenizer

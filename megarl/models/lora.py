@@ -286,6 +286,8 @@ def apply_lora(model, spec: TransformerSpec, settings: LoraSettings) -> int:
         parallel = TARGET_PARALLELISM[target]
         _require_local_linear(name, module, parallel)
         _, local_layer = mapping.split_layer_name(name)
+        if local_layer is None:
+            raise ValueError(f"LoRA target {name} is not inside a transformer layer")
         adapter = LoraAdapter(
             parallel, module.weight, local_layer + offset, target, settings, tp_rank, tp
         )

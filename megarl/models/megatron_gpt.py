@@ -62,7 +62,8 @@ def transformer_config(
         variable_seq_lengths=True,
         moe_token_dispatcher_type="alltoall",  # irrelevant (dense) but required with variable lengths
         init_method_std=0.02,
-        recompute_granularity=recompute,
+        # Megatron's Literal: the config allows only selective | full here (none arrives as None)
+        recompute_granularity=recompute,  # pyright: ignore[reportArgumentType]
         recompute_method="uniform" if recompute == "full" else None,
         recompute_num_layers=1 if recompute == "full" else None,
     )
@@ -78,7 +79,9 @@ def layer_spec(use_transformer_engine: bool = False):
     if use_transformer_engine:
         return get_gpt_layer_with_transformer_engine_spec()
     spec = get_gpt_layer_local_spec(normalization="RMSNorm")
-    spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    # ModuleSpec.submodules is typed ``object`` in Megatron; the local spec's layout is fixed
+    attention = spec.submodules.self_attention  # pyright: ignore[reportAttributeAccessIssue]
+    attention.submodules.core_attention = SDPACoreAttention
     return spec
 
 
