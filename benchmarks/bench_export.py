@@ -24,12 +24,16 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import threading
 import time
+from pathlib import Path
 
 import torch
 
 from megarl.distributed.launcher import launch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # full_gather.py, the baseline
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 RATIO_TARGET = 0.8  # export throughput / raw all-gather throughput
@@ -105,7 +109,7 @@ def _export_once(method: str, actor, spec, bucket_mb: int) -> tuple[int, int]:
     import torch.distributed as dist
 
     if method == "full_gather":
-        from megarl.export.gather import gather_hf_state_dict
+        from full_gather import gather_hf_state_dict
 
         state = gather_hf_state_dict(actor.local_params(), spec)
         nbytes = sum(t.numel() * t.element_size() for t in (state or {}).values())

@@ -15,11 +15,15 @@ of full sync on SmolLM2.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import torch
 
 from megarl.distributed.launcher import launch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # full_gather.py, the baseline
 
 TARGET_RATIO = 0.05
 
@@ -36,13 +40,13 @@ def _best_of(fn, repeats: int) -> float:
 
 def _worker(ctx, model_dir: str, rank: int, tp: int, repeats: int):
     import torch.distributed as dist
+    from full_gather import gather_hf_state_dict
 
     from megarl.actor.megatron_actor import MegatronActor
     from megarl.config.schema import ActorConfig, LoraConfig
     from megarl.distributed import parallel
     from megarl.distributed.platform import enter_cpu_shims
     from megarl.engines.hf import HFEngine
-    from megarl.export.gather import gather_hf_state_dict
     from megarl.models.hf_io import load_hf_config, load_hf_model, open_hf_tensors
     from megarl.models.lora import hf_target_modules
     from megarl.models.spec import spec_from_hf_config

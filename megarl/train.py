@@ -80,7 +80,8 @@ def resolve_model_dir(cfg, staging: Path | None = None) -> str:
     check has passed, so a run refused by a later check leaves ``trainer.run_dir`` untouched.
     Validating before writing would not do: the later checks read the written folder.
     """
-    from megarl.models.hf_io import ModelPathError, resolve_model_path
+    from megarl.models.hf_io import resolve_model_path
+    from megarl.models.validate import ModelPathError
 
     final = Path(cfg.trainer.run_dir) / "init_model"
     try:
@@ -173,7 +174,7 @@ def check_vllm(cfg, model_dir: str, device: str) -> None:
     import importlib.util
     import json
 
-    from megarl.engines.base import VLLM_MISSING_MESSAGE
+    from megarl.engines.vllm import VLLM_MISSING_MESSAGE
     from megarl.engines.vllm_settings import VLLMSettingsError
     from megarl.trainer.rollout_host import vllm_settings
 

@@ -54,8 +54,9 @@ def hf_to_mcore(hf: str, out: str, tp: int, pp: int, progress: bool = True) -> P
     from megarl.checkpoint.shards import save_tensors, stage_params
     from megarl.checkpoint.trainer_state import copy_model_side_files
     from megarl.models import mapping
-    from megarl.models.hf_io import ModelPathError, open_hf_tensors, resolve_model_path
+    from megarl.models.hf_io import open_hf_tensors, resolve_model_path
     from megarl.models.spec import ModelSpecError
+    from megarl.models.validate import ModelPathError
 
     target = _fresh_output(out)
     try:

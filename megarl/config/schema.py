@@ -2,7 +2,9 @@
 
 Pure code: no megatron, torch.distributed, ray or hydra imports. Every check raises
 :class:`ConfigError` with one line that names the key (``actor.tp``) and what is wrong, so the
-CLI can print it and exit 2 before any process or model is started.
+CLI can print it and exit 2 before any process or model is started. A key that names a choice
+(an engine, an estimator, a loss aggregation, a gate mode) is validated against the list kept
+by the code that implements the choices, never a copy of it.
 """
 
 from __future__ import annotations
@@ -10,7 +12,18 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
+
+from megarl.algo.advantages import ADVANTAGE_ESTIMATOR_NAMES, resolve_estimator_name
+from megarl.algo.losses import AGG_MODES, KL_PENALTY_KINDS
+from megarl.engines.base import SLEEP_LEVELS
+from megarl.engines.factory import ENGINE_NAMES
+from megarl.planner.batch_planner import PRUNE_SETTINGS
+from megarl.planner.gates import OldLogProbMode, RefLogProbMode
+
+ROLLOUT_SLEEP_LEVELS: tuple[int, ...] = (0, *SLEEP_LEVELS)
+"""``rollout.sleep_level``: 0 (the engine never sleeps) or a level the engines sleep at."""
 
 
 class ConfigError(ValueError):
@@ -26,15 +39,20 @@ def _choice(key: str, value: str, choices: tuple[str, ...]) -> None:
     _require(value in choices, f"{key}={value!r}: must be one of {', '.join(choices)}")
 
 
+def _values(choices: type[Enum]) -> tuple[str, ...]:
+    """The config spellings of an enum's members, in declaration order."""
+    return tuple(str(member.value) for member in choices)
+
+
 def _positive(key: str, value: float) -> None:
     _require(value > 0, f"{key}={value}: must be > 0")
 
 
 def _optional_positive(key: str, value: object) -> None:
     """None (automatic) or a number > 0."""
-    is_number = isinstance(value, int | float) and not isinstance(value, bool)
     _require(
-        value is None or (is_number and value > 0),
+        value is None
+        or (isinstance(value, int | float) and not isinstance(value, bool) and value > 0),
         f"{key}={value!r}: must be a number > 0, or null for automatic",
     )
 
@@ -138,7 +156,8 @@ class ActorConfig:
     kl_coef: float = 0.0
     """Weight of the KL(actor || reference) loss; 0 = no reference model is built."""
     kl_estimator: str = "low_var_kl"
-    """k1 | k2 | k3 | low_var_kl."""
+    """One of :data:`megarl.algo.losses.KL_PENALTY_KINDS` (see
+    :func:`~megarl.algo.losses.kl_penalty`)."""
     entropy_coef: float = 0.0
     ppo_mini_batches: int = 1
     """Optimizer steps per rollout batch (per epoch)."""
@@ -146,7 +165,7 @@ class ActorConfig:
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.2
     loss_agg: str = "token-mean"
-    """token-mean | seq-mean-token-sum."""
+    """One of :data:`megarl.algo.losses.AGG_MODES`; see :func:`~megarl.algo.losses.aggregate`."""
     micro_batch_tokens: int = 4096
     """Token budget of one training micro-batch (sequences are packed up to it)."""
     logprob_micro_batch_tokens: int = 8192
@@ -168,8 +187,8 @@ class ActorConfig:
         _positive("actor.lr", self.lr)
         _require(self.kl_coef >= 0, f"actor.kl_coef={self.kl_coef}: must be >= 0")
         _require(self.entropy_coef >= 0, f"actor.entropy_coef={self.entropy_coef}: must be >= 0")
-        _choice("actor.kl_estimator", self.kl_estimator, ("k1", "k2", "k3", "low_var_kl"))
-        _choice("actor.loss_agg", self.loss_agg, ("token-mean", "seq-mean-token-sum"))
+        _choice("actor.kl_estimator", self.kl_estimator, KL_PENALTY_KINDS)
+        _choice("actor.loss_agg", self.loss_agg, AGG_MODES)
         _positive("actor.ppo_mini_batches", self.ppo_mini_batches)
         _positive("actor.ppo_epochs", self.ppo_epochs)
         _positive("actor.micro_batch_tokens", self.micro_batch_tokens)
@@ -186,7 +205,8 @@ class ActorConfig:
 @dataclass(frozen=True)
 class RolloutConfig:
     engine: str = "hf"
-    """hf (transformers, embedded default) | vllm (GPU clusters)."""
+    """One of :data:`megarl.engines.factory.ENGINE_NAMES`: hf (transformers, embedded default)
+    | vllm (GPU clusters)."""
     n: int = 8
     """Group size: samples per prompt."""
     max_new_tokens: int = 16
@@ -196,8 +216,8 @@ class RolloutConfig:
     """Tensor parallelism of the rollout engine (vLLM); the exporter sends each engine rank its
     own shard."""
     sleep_level: int = 0
-    """Between rollouts: 0 = engine stays resident | 1 = free KV cache, keep weights |
-    2 = free weights too (they are resent on wake)."""
+    """One of :data:`ROLLOUT_SLEEP_LEVELS`. Between rollouts: 0 = engine stays resident |
+    1 = free KV cache, keep weights | 2 = free weights too (they are resent on wake)."""
     gpu_memory_utilization: float = 0.5
     """vLLM on CUDA: fraction of GPU memory for weights + KV cache (colocated with the
     trainer). On CPU the KV cache is sized by ``kv_cache_gb`` instead."""
@@ -219,12 +239,13 @@ class RolloutConfig:
     in its own Ray actor on N devices of its own (on CPU: its own process). Needs launcher=ray."""
 
     def __post_init__(self) -> None:
-        _choice("rollout.engine", self.engine, ("hf", "vllm"))
+        _choice("rollout.engine", self.engine, ENGINE_NAMES)
         _require(self.n_gpus >= 0, f"rollout.n_gpus={self.n_gpus}: must be >= 0 (0 = colocated)")
         _positive("rollout.tp", self.tp)
+        *others, last = (str(level) for level in ROLLOUT_SLEEP_LEVELS)
         _require(
-            self.sleep_level in (0, 1, 2),
-            f"rollout.sleep_level={self.sleep_level}: must be 0, 1 or 2",
+            self.sleep_level in ROLLOUT_SLEEP_LEVELS,
+            f"rollout.sleep_level={self.sleep_level}: must be {', '.join(others)} or {last}",
         )
         _require(
             0 < self.gpu_memory_utilization <= 1,
@@ -295,17 +316,12 @@ class ModelConfig:
 @dataclass(frozen=True)
 class AlgoConfig:
     adv_estimator: str = "grpo"
-    """grpo | grpo_no_std (Dr.GRPO) | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline;
-    verl's names and math (see megarl.algo.advantages)."""
+    """One of :data:`megarl.algo.advantages.ADVANTAGE_ESTIMATOR_NAMES`: verl's names and math."""
     norm_adv_by_std_in_grpo: bool = True
     """verl's key: false makes grpo divide by nothing, i.e. grpo_no_std; other estimators
     ignore it. :attr:`estimator` names the estimator that runs."""
 
     def __post_init__(self) -> None:
-        # Imported here, not at the top: the estimator list lives with the estimators (one
-        # registry), and only building an AlgoConfig needs it.
-        from megarl.algo.advantages import ADVANTAGE_ESTIMATOR_NAMES
-
         _choice("algo.adv_estimator", self.adv_estimator, ADVANTAGE_ESTIMATOR_NAMES)
         _require(
             isinstance(self.norm_adv_by_std_in_grpo, bool),
@@ -316,30 +332,25 @@ class AlgoConfig:
     @property
     def estimator(self) -> str:
         """The estimator that runs (``grpo`` without std normalisation is ``grpo_no_std``)."""
-        from megarl.algo.advantages import resolve_estimator_name
-
         return resolve_estimator_name(self.adv_estimator, self.norm_adv_by_std_in_grpo)
 
 
 @dataclass(frozen=True)
 class PlannerConfig:
     prune_zero_adv: str = "auto"
-    """auto (match_loss_curve when exact, else off) | off | match_loss_curve (exact) | fast
-    (merged steps; exact with one mini-batch)."""
+    """One of :data:`megarl.planner.batch_planner.PRUNE_SETTINGS`: auto (match_loss_curve when
+    exact, else off) | off | match_loss_curve (exact) | fast (merged steps; exact with one
+    mini-batch)."""
     allow_approx: bool = False
     old_log_prob: str = "auto"
-    """auto | always | rollout | never."""
+    """One of :class:`megarl.planner.gates.OldLogProbMode`, where each is explained."""
     ref_log_prob: str = "auto"
-    """auto | always | never."""
+    """One of :class:`megarl.planner.gates.RefLogProbMode`, where each is explained."""
 
     def __post_init__(self) -> None:
-        _choice(
-            "planner.prune_zero_adv",
-            self.prune_zero_adv,
-            ("auto", "off", "match_loss_curve", "fast"),
-        )
-        _choice("planner.old_log_prob", self.old_log_prob, ("auto", "always", "rollout", "never"))
-        _choice("planner.ref_log_prob", self.ref_log_prob, ("auto", "always", "never"))
+        _choice("planner.prune_zero_adv", self.prune_zero_adv, PRUNE_SETTINGS)
+        _choice("planner.old_log_prob", self.old_log_prob, _values(OldLogProbMode))
+        _choice("planner.ref_log_prob", self.ref_log_prob, _values(RefLogProbMode))
 
 
 @dataclass(frozen=True)
@@ -400,7 +411,7 @@ class RunConfig:
         return dataclasses.asdict(self)
 
 
-def _coerce(cls, key: str, value: Any) -> Any:
+def _coerce(cls: type[Any], key: str, value: Any) -> Any:
     """Build a nested dataclass from a mapping, rejecting unknown keys by their dotted name."""
     if dataclasses.is_dataclass(cls):
         if not isinstance(value, Mapping):
@@ -430,7 +441,7 @@ def _coerce(cls, key: str, value: Any) -> Any:
     return value
 
 
-def _field_class(fld: dataclasses.Field):
+def _field_class(fld: dataclasses.Field) -> type[Any] | None:
     default_factory = fld.default_factory
     if default_factory is not dataclasses.MISSING and dataclasses.is_dataclass(default_factory):
         return default_factory

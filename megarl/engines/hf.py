@@ -43,6 +43,7 @@ from megarl.engines.base import (
     SleepState,
     merge_token_ids,
 )
+from megarl.export.checksum import tensor_checksum
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -242,7 +243,9 @@ class HFEngine(RolloutEngine):
         pad_token_id: int | None = None,
     ) -> None:
         self._device = torch.device(device)
-        self._model = model.to(self._device).eval().requires_grad_(False)
+        # transformers' decorated ``PreTrainedModel.to`` is mistyped in its stubs
+        moved = model.to(self._device)  # pyright: ignore[reportArgumentType]
+        self._model = moved.eval().requires_grad_(False)
         self._eos_token_ids = resolve_eos_token_ids(eos_token_ids, tokenizer, model)
         self._pad_token_id = resolve_pad_token_id(pad_token_id, tokenizer, self._eos_token_ids)
         # Captured before any LoRA wrapping renames modules; tied names map to one Parameter.
@@ -339,7 +342,10 @@ class HFEngine(RolloutEngine):
         return output.logits[:, -1, :]
 
     def _validate_prompts(self, prompts: Sequence[Sequence[int]]) -> None:
-        vocab_size = self._model.get_input_embeddings().num_embeddings
+        embeddings = self._model.get_input_embeddings()
+        if not isinstance(embeddings, torch.nn.Embedding):
+            raise TypeError(f"input embeddings are a {type(embeddings).__name__}, not an Embedding")
+        vocab_size = embeddings.num_embeddings
         for index, prompt in enumerate(prompts):
             if len(prompt) == 0:
                 raise ValueError(f"prompt {index} is empty")
@@ -363,8 +369,6 @@ class HFEngine(RolloutEngine):
         return num_applied
 
     def weight_checksums(self, dtype: torch.dtype) -> dict[str, tuple[int, int]]:
-        from megarl.export.checksum import tensor_checksum
-
         return {
             name: tensor_checksum(param.detach().to(dtype))
             for name, param in self._params_by_name.items()
@@ -398,7 +402,10 @@ class HFEngine(RolloutEngine):
             return
         self.unload_lora_adapter()
         config = LoraConfig(
-            r=rank, lora_alpha=alpha, target_modules=list(target_modules), lora_dropout=0.0
+            r=rank,
+            lora_alpha=alpha,  # pyright: ignore[reportArgumentType]  # peft says int; floats work
+            target_modules=list(target_modules),
+            lora_dropout=0.0,
         )
         with warnings.catch_warnings():  # peft asks a deprecated transformers property
             warnings.filterwarnings("ignore", ".*is_gradient_checkpointing", FutureWarning)

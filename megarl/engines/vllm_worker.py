@@ -46,6 +46,9 @@ intended use here (one bucket at a time), so those two loggers are kept to error
 class WorkerExtension:
     """Mixed into vLLM's worker class; ``self`` is the worker (``self.model_runner``)."""
 
+    model_runner: Any
+    """vLLM's model runner, set by the worker class this is mixed into."""
+
     def megarl_model_facts(self) -> dict[str, Any]:
         """What the host needs to bucket and name weights for this model."""
         model = self.model_runner.get_model()
@@ -81,18 +84,20 @@ class WorkerExtension:
         recorder = (
             _ChecksumRecorder(model, getattr(torch, checksum_dtype), {m.name for m in metas})
             if checksum_dtype
-            else contextlib.nullcontext()
+            else None
         )
-        with recorder:
+        with recorder or contextlib.nullcontext():
             self.model_runner.reload_weights(weights_iterator=read_tensors(path, metas))
         tied = _tied_output_layer(model)
         if tied is not None and any(m.name.endswith("embed_tokens.weight") for m in metas):
             tied.quant_method.process_weights_after_loading(tied)
-        return recorder.checksums if checksum_dtype else {}
+        return recorder.checksums if recorder else {}
 
 
-def _tied_output_layer(model: torch.nn.Module) -> torch.nn.Module | None:
+def _tied_output_layer(model: torch.nn.Module) -> Any:
     """The output layer when it shares the input embedding's parameter, else None.
+
+    Typed ``Any``: it is vLLM's layer, whose ``quant_method`` torch's ``Module`` does not know.
 
     With LoRA enabled vLLM wraps both layers; the parameters live on their ``base_layer``.
     """
@@ -126,10 +131,9 @@ class _ChecksumRecorder:
         self._methods: list[Any] = []
 
     def __enter__(self) -> _ChecksumRecorder:
-        methods = {
-            id(m.quant_method): m.quant_method
-            for m in self.model.modules()
-            if hasattr(getattr(m, "quant_method", None), "process_weights_after_loading")
+        quant_methods = (getattr(m, "quant_method", None) for m in self.model.modules())
+        methods: dict[int, Any] = {
+            id(q): q for q in quant_methods if hasattr(q, "process_weights_after_loading")
         }
         for method in methods.values():
             original = method.process_weights_after_loading

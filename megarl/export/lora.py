@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -68,7 +69,8 @@ def adapter_to_hf(
     return out
 
 
-def _all_gather_tp(tensor: torch.Tensor, tp: int, group) -> list[torch.Tensor]:
+def all_gather_tp(tensor: torch.Tensor, tp: int, group: Any) -> list[torch.Tensor]:
+    """Every TP rank's shard of ``tensor``, in TP-rank order, on every rank of ``group``."""
     if tp == 1:
         return [tensor.detach()]
     shards = [torch.empty_like(tensor) for _ in range(tp)]
@@ -85,8 +87,8 @@ def _stage_adapter_tensors(model, spec: TransformerSpec) -> dict[str, torch.Tens
     for site in iter_adapters(model, spec):
         adapter = site.adapter
         row = adapter.parallel == "row"
-        a_shards = _all_gather_tp(adapter.lora_A, tp, group) if row else [adapter.lora_A.detach()]
-        b_shards = [adapter.lora_B.detach()] if row else _all_gather_tp(adapter.lora_B, tp, group)
+        a_shards = all_gather_tp(adapter.lora_A, tp, group) if row else [adapter.lora_A.detach()]
+        b_shards = [adapter.lora_B.detach()] if row else all_gather_tp(adapter.lora_B, tp, group)
         tensors = adapter_to_hf(site.rule, site.layer, adapter.parallel, a_shards, b_shards, spec)
         out.update({name: t.float().clone() for name, t in tensors.items()})
     return out
@@ -99,22 +101,34 @@ def gather_peft_adapter(model, spec: TransformerSpec) -> dict[str, torch.Tensor]
     peft adapter folder (with :func:`save_peft_adapter`) or merged weights (with
     :func:`merge_adapter_into_hf`).
     """
-    from megatron.core import parallel_state as ps
-
-    stage = _stage_adapter_tensors(model, spec)
-    owner = ps.get_data_parallel_rank() == 0 and ps.get_tensor_model_parallel_rank() == 0
-    payload = stage if owner else None
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    if world == 1:
-        return payload
-    gathered: list | None = [None] * world if dist.get_rank() == 0 else None
-    dist.gather_object(payload, gathered, dst=0)
-    if dist.get_rank() != 0:
+    parts = gather_stages_to_rank0(_stage_adapter_tensors(model, spec))
+    if parts is None:
         return None
     merged: dict[str, torch.Tensor] = {}
-    for part in gathered:
-        merged.update(part or {})
+    for part in parts:
+        merged.update(part)
     return merged
+
+
+def gather_stages_to_rank0(
+    stage_tensors: dict[str, torch.Tensor],
+) -> list[dict[str, torch.Tensor]] | None:
+    """Each pipeline stage's ``stage_tensors`` (from its DP 0, TP 0 rank), in global-rank order,
+    on global rank 0; ``None`` elsewhere. A collective: every rank must call it."""
+    from megatron.core import parallel_state as ps
+
+    owner = ps.get_data_parallel_rank() == 0 and ps.get_tensor_model_parallel_rank() == 0
+    payload = stage_tensors if owner else None
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world == 1:
+        return [stage_tensors]
+    gathered: list[dict[str, torch.Tensor] | None] | None = None
+    if dist.get_rank() == 0:
+        gathered = [None for _ in range(world)]
+    dist.gather_object(payload, gathered, dst=0)
+    if gathered is None:
+        return None
+    return [part for part in gathered if part is not None]
 
 
 # --- peft folder and merging (pure: no torch.distributed) ------------------------------------

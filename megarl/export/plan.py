@@ -113,6 +113,12 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
+def _layer_number(item: ExportItem) -> int:
+    if item.layer is None:
+        raise ValueError(f"{item} is not a per-layer parameter")
+    return item.layer
+
+
 def export_items(
     spec: TransformerSpec, tp: int, pp: int, vpp: int, element_size: int
 ) -> list[ExportItem]:
@@ -131,7 +137,7 @@ def export_items(
             head.append(_item(rule, None, 0, spec, tp, element_size))
         else:
             tail.append(_item(rule, None, pp - 1, spec, tp, element_size))
-    layers.sort(key=lambda item: item.layer)  # stable: table order within a layer
+    layers.sort(key=_layer_number)  # stable: table order within a layer
     return head + layers + tail
 
 

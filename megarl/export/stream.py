@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.export.checksum import tensor_checksum
-from megarl.export.plan import ExportItem, ExportPlan
+from megarl.export.plan import ExportItem, ExportPlan, plan_export
 from megarl.models import mapping
 from megarl.models.spec import TransformerSpec
 
@@ -44,7 +44,7 @@ class ExportRanks:
     dp_rank: int
     tp: int
     tp_rank: int
-    tp_group: object
+    tp_group: dist.ProcessGroup
     tp_leader: int
     """Global rank of TP rank 0 in this rank's TP group."""
     stage_leaders: tuple[int, ...]
@@ -54,17 +54,26 @@ class ExportRanks:
     def from_megatron() -> ExportRanks:
         from megatron.core import parallel_state as ps
 
-        leaders = tuple(dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group()))
+        pp_group = _one_group(ps.get_pipeline_model_parallel_group())
+        leaders = tuple(dist.get_process_group_ranks(pp_group))
         return ExportRanks(
             rank=dist.get_rank(),
             pp_rank=ps.get_pipeline_model_parallel_rank(),
             dp_rank=ps.get_data_parallel_rank(),
             tp=ps.get_tensor_model_parallel_world_size(),
             tp_rank=ps.get_tensor_model_parallel_rank(),
-            tp_group=ps.get_tensor_model_parallel_group(),
+            tp_group=_one_group(ps.get_tensor_model_parallel_group()),
             tp_leader=ps.get_tensor_model_parallel_src_rank(),
             stage_leaders=leaders,
         )
+
+
+def _one_group(group: object) -> dist.ProcessGroup:
+    """A Megatron group getter's result as the one process group it is here (Megatron annotates
+    the getters with every kind of group they can hold: lists of groups, ranks)."""
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"expected a process group, got {type(group).__name__}")
+    return group
 
 
 class MemoryMeter:
@@ -237,8 +246,6 @@ def open_stream(
 ) -> BucketStream:
     """A :class:`BucketStream` for this rank, its plan computed from the parallel layout."""
     from megatron.core import parallel_state as ps
-
-    from megarl.export.plan import plan_export
 
     params = list(actor_params)
     dtype = params[0][2].dtype

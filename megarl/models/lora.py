@@ -44,6 +44,7 @@ from dataclasses import dataclass
 import torch
 
 from megarl.models import mapping
+from megarl.models.chunk import layer_offset, unwrap
 from megarl.models.spec import TransformerSpec
 
 TARGET_PARALLELISM: dict[str, str] = {
@@ -253,8 +254,6 @@ def adapters_disabled(model) -> Iterator[int]:
     Every TP rank must enter it together (a row-parallel delta would all-reduce). Yields the
     number of adapters switched off.
     """
-    from megarl.models.megatron_gpt import unwrap
-
     adapters = [m for m in unwrap(model).modules() if isinstance(m, LoraAdapter)]
     for adapter in adapters:
         adapter.enabled = False
@@ -276,8 +275,6 @@ def apply_lora(model, spec: TransformerSpec, settings: LoraSettings) -> int:
     """
     from megatron.core import parallel_state as ps
 
-    from megarl.models.megatron_gpt import layer_offset, unwrap
-
     bare = unwrap(model)
     tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     offset = layer_offset(bare)
@@ -289,6 +286,8 @@ def apply_lora(model, spec: TransformerSpec, settings: LoraSettings) -> int:
         parallel = TARGET_PARALLELISM[target]
         _require_local_linear(name, module, parallel)
         _, local_layer = mapping.split_layer_name(name)
+        if local_layer is None:
+            raise ValueError(f"LoRA target {name} is not inside a transformer layer")
         adapter = LoraAdapter(
             parallel, module.weight, local_layer + offset, target, settings, tp_rank, tp
         )
@@ -325,8 +324,6 @@ class AdapterSite:
 
 def iter_adapters(model, spec: TransformerSpec) -> Iterator[AdapterSite]:
     """This rank's adapters in module order, each with its base weight's mapping rule."""
-    from megarl.models.megatron_gpt import unwrap
-
     rules = mapping.rule_index(spec)
     for module in unwrap(model).modules():
         adapter = getattr(module, ADAPTER_ATTR, None)
@@ -336,6 +333,4 @@ def iter_adapters(model, spec: TransformerSpec) -> Iterator[AdapterSite]:
 
 def adapter_parameters(model) -> list[torch.nn.Parameter]:
     """The trainable adapter parameters (what the optimizer and DDP see)."""
-    from megarl.models.megatron_gpt import unwrap
-
     return [p for n, p in unwrap(model).named_parameters() if is_adapter_param_name(n)]

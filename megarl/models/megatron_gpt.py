@@ -13,6 +13,7 @@ import torch
 
 from megarl.distributed.platform import SDPACoreAttention
 from megarl.models import mapping
+from megarl.models.chunk import layer_offset, unwrap
 from megarl.models.lora import is_adapter_param_name
 from megarl.models.spec import TransformerSpec
 
@@ -61,7 +62,8 @@ def transformer_config(
         variable_seq_lengths=True,
         moe_token_dispatcher_type="alltoall",  # irrelevant (dense) but required with variable lengths
         init_method_std=0.02,
-        recompute_granularity=recompute,
+        # Megatron's Literal: the config allows only selective | full here (none arrives as None)
+        recompute_granularity=recompute,  # pyright: ignore[reportArgumentType]
         recompute_method="uniform" if recompute == "full" else None,
         recompute_num_layers=1 if recompute == "full" else None,
     )
@@ -77,7 +79,9 @@ def layer_spec(use_transformer_engine: bool = False):
     if use_transformer_engine:
         return get_gpt_layer_with_transformer_engine_spec()
     spec = get_gpt_layer_local_spec(normalization="RMSNorm")
-    spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    # ModuleSpec.submodules is typed ``object`` in Megatron; the local spec's layout is fixed
+    attention = spec.submodules.self_attention  # pyright: ignore[reportAttributeAccessIssue]
+    attention.submodules.core_attention = SDPACoreAttention
     return spec
 
 
@@ -138,18 +142,8 @@ def build_model_chunks(
     layer slice (global chunk ``v * pp + p``); only chunk 0 of rank 0 embeds and only the last
     chunk of the last rank has the output layer.
     """
-    if vpp == 1:
-        return [
-            build_gpt_model(
-                spec,
-                tp,
-                pp,
-                dtype,
-                device,
-                use_transformer_engine=use_transformer_engine,
-                recompute=recompute,
-            )
-        ]
+    # No virtual pipeline is vpp=None and vp_stage=None for Megatron, not vpp=1 and stage 0.
+    stages: list[int | None] = [None] if vpp == 1 else list(range(vpp))
     return [
         build_gpt_model(
             spec,
@@ -157,21 +151,13 @@ def build_model_chunks(
             pp,
             dtype,
             device,
-            vp_stage=v,
-            vpp=vpp,
+            vp_stage=stage,
+            vpp=None if vpp == 1 else vpp,
             use_transformer_engine=use_transformer_engine,
             recompute=recompute,
         )
-        for v in range(vpp)
+        for stage in stages
     ]
-
-
-def layer_offset(model) -> int:
-    """Global number of this chunk's first transformer layer."""
-    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
-
-    model = unwrap(model)
-    return get_transformer_layer_offset(model.config, vp_stage=getattr(model, "vp_stage", None))
 
 
 def iter_local_params(model, spec: TransformerSpec):
@@ -214,13 +200,6 @@ def canonical_param_name(name: str) -> str:
         if name.endswith(te_suffix):
             return name[: -len(te_suffix)] + local_suffix
     return name
-
-
-def unwrap(model):
-    """The bare ``GPTModel`` under DDP / Float16Module wrappers."""
-    while hasattr(model, "module"):
-        model = model.module
-    return model
 
 
 @torch.no_grad()

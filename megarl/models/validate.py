@@ -4,7 +4,7 @@ A broken model folder otherwise surfaces deep inside a worker (a safetensors par
 0, a shape mismatch in the Megatron loader, a zero-padded embedding that trains silently), long
 after the run started writing. Everything here reads metadata only: ``config.json``, the
 safetensors headers (names and shapes, through ``safe_open``; no tensor data), and which
-tokenizer files exist. Every problem is one :class:`~megarl.models.hf_io.ModelPathError` line
+tokenizer files exist. Every problem is one :class:`ModelPathError` line
 naming the folder, the file and what is wrong with it.
 """
 
@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from megarl.models.hf_io import ModelPathError
+from megarl.models import mapping
 from megarl.models.spec import ModelSpecError, TransformerSpec, spec_from_hf_config
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
@@ -24,6 +24,10 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt
 EMBEDDING = "model.embed_tokens.weight"
 LM_HEAD = "lm_head.weight"
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+class ModelPathError(ValueError):
+    """A model path that cannot be loaded; the message names the path and the problem."""
 
 
 def check_hf_folder(folder: Path, tokenizer: bool = True) -> TransformerSpec:
@@ -132,8 +136,6 @@ def check_weights_match_config(
     The vocabulary and layer count come first with their own message, since they are the usual
     way a hand-edited config and its weights part.
     """
-    from megarl.models import mapping
-
     for name in (EMBEDDING, LM_HEAD):
         rows = shapes.get(name, (None,))[0]
         if rows is not None and rows != spec.vocab_size:

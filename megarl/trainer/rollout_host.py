@@ -222,7 +222,7 @@ def vllm_settings(cfg: RunConfig, model_dir: str, device: str):
 def _build_engine(cfg: RunConfig, tokenizer, device: str, model_dir: str):
     """The rollout engine and the sleep level it will actually use."""
     if cfg.rollout.engine == "vllm":
-        from megarl.engines.base import build_engine
+        from megarl.engines.factory import build_engine
 
         settings = vllm_settings(cfg, model_dir, device)
         return build_engine("vllm", **settings.engine_kwargs), settings.sleep_level

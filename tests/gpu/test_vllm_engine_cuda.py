@@ -24,7 +24,8 @@ pytestmark = [
 
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-from megarl.engines.base import SamplingParams, build_engine  # noqa: E402
+from megarl.engines.base import SamplingParams  # noqa: E402
+from megarl.engines.factory import build_engine  # noqa: E402
 from megarl.engines.vllm import VLLMEngine  # noqa: E402
 
 VOCAB = 512

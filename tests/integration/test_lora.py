@@ -48,8 +48,8 @@ def _worker(ctx, tp: int, pp: int, ids, state):
     from megarl.config.schema import ActorConfig, LoraConfig
     from megarl.distributed import parallel
     from megarl.distributed.platform import enter_cpu_shims
+    from megarl.models.chunk import unwrap
     from megarl.models.lora import adapter_parameters
-    from megarl.models.megatron_gpt import unwrap
     from megarl.models.spec import spec_from_hf_config
     from megarl.planner.batch_planner import OptimizerStepPlan
 

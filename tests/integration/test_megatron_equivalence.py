@@ -1,7 +1,8 @@
 """Megatron GPTModel (built + loaded by megarl) reproduces the transformers model, at TP/PP > 1.
 
-Also proves the full-gather exporter returns the HF state dict bitwise, and that megarl's
-vocab-parallel logprobs equal log_softmax of the HF logits.
+Also proves the streaming exporter (the path runs use for weight sync and the final state)
+returns the HF state dict bitwise, and that megarl's vocab-parallel logprobs equal log_softmax of
+the HF logits.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from megarl.models.random_init import build_random_hf_model
 pytestmark = pytest.mark.slow
 
 TINY = TINY_HF_CONFIG
+BUCKET_BYTES = 64 * 1024  # the tiny model is ~0.6 MB: several buckets
 
 
 def _reference(hf_config: dict, seed: int):
@@ -35,7 +37,7 @@ def _worker(ctx, tp: int, pp: int, hf_config: dict, ids, ref_logits, state):
     from megarl.config.schema import ActorConfig
     from megarl.distributed import parallel
     from megarl.distributed.platform import enter_cpu_shims
-    from megarl.export.gather import gather_hf_state_dict
+    from megarl.export.stream import collect_state_dict, open_stream
     from megarl.models.spec import spec_from_hf_config
 
     enter_cpu_shims()
@@ -59,7 +61,7 @@ def _worker(ctx, tp: int, pp: int, hf_config: dict, ids, ref_logits, state):
             .squeeze(-1)[:, 3:]
         )
         logp_diff = max((logp[i].double() - ref_logp[i]).abs().max().item() for i in range(num))
-    exported = gather_hf_state_dict(actor.local_params(), spec)
+    exported = collect_state_dict(open_stream(actor.local_params(), spec, BUCKET_BYTES))
     export_equal = None
     if exported is not None:
         export_equal = sorted(exported) == sorted(state) and all(

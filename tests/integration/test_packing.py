@@ -77,7 +77,7 @@ def _actor(spec, tp: int, state, packed: bool):
 
 def _captured_queries(actor, mb):
     """Layer-0 queries after RoPE, per sequence: ``[len_i, heads, dim]``."""
-    from megarl.models.megatron_gpt import unwrap
+    from megarl.models.chunk import unwrap
 
     seen = []
     core = unwrap(actor.model).decoder.layers[0].self_attention.core_attention

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from megarl.config.schema import ConfigError, RunConfig, build_run_config
+from megarl.algo.advantages import ADVANTAGE_ESTIMATOR_NAMES
+from megarl.algo.losses import AGG_MODES, KL_PENALTY_KINDS
+from megarl.config.schema import ROLLOUT_SLEEP_LEVELS, ConfigError, RunConfig, build_run_config
+from megarl.engines.factory import ENGINE_NAMES
+from megarl.planner.batch_planner import PRUNE_SETTINGS
+from megarl.planner.gates import OldLogProbMode
 
 
 def test_defaults_build():
@@ -56,3 +63,28 @@ def test_nested_optim_section_and_tuple_coercion():
 def test_reward_accepts_import_path():
     cfg = build_run_config({"data": {"reward": "my_pkg.rewards:score"}})
     assert cfg.data.reward_fn_name == "my_pkg.rewards:score"
+
+
+def _readme_row(key: str) -> str:
+    readme = Path(__file__).resolve().parents[2] / "README.md"
+    [row] = [line for line in readme.read_text().splitlines() if line.startswith(f"| `{key}`")]
+    return row
+
+
+@pytest.mark.parametrize(
+    ("key", "choices"),
+    [
+        ("rollout.engine", ENGINE_NAMES),
+        ("rollout.sleep_level", ROLLOUT_SLEEP_LEVELS),
+        ("algo.adv_estimator", ADVANTAGE_ESTIMATOR_NAMES),
+        ("actor.loss_agg", AGG_MODES),
+        ("actor.kl_estimator", KL_PENALTY_KINDS),
+        ("planner.prune_zero_adv", PRUNE_SETTINGS),
+        ("planner.old_log_prob", tuple(mode.value for mode in OldLogProbMode)),
+    ],
+)
+def test_readme_lists_every_choice(key, choices):
+    """The README's key table names every value the schema accepts (the lists live in code)."""
+    row = _readme_row(key)
+    missing = [choice for choice in choices if f"`{choice}`" not in row]
+    assert not missing, f"README row for {key} lacks {missing}"

@@ -1,4 +1,4 @@
-"""The engine interface: parameter validation, the registry, lazy imports."""
+"""The engine interface and factory: parameter validation, building by name, lazy imports."""
 
 from __future__ import annotations
 
@@ -9,14 +9,9 @@ import sys
 import pytest
 
 from megarl.engines import base
-from megarl.engines.base import (
-    VLLM_MISSING_MESSAGE,
-    Generation,
-    SamplingParams,
-    build_engine,
-    merge_token_ids,
-    register_engine,
-)
+from megarl.engines.base import Generation, SamplingParams, merge_token_ids
+from megarl.engines.factory import build_engine
+from megarl.engines.vllm import VLLM_MISSING_MESSAGE
 
 
 @pytest.mark.parametrize(
@@ -54,14 +49,6 @@ def test_build_engine_rejects_unknown_names():
         build_engine("sglang")
 
 
-def test_registered_factories_receive_kwargs(monkeypatch):
-    monkeypatch.setattr(base, "ENGINES", dict(base.ENGINES))
-    register_engine("fake", lambda **kwargs: kwargs)
-    assert build_engine("fake", a=1) == {"a": 1}
-    with pytest.raises(ValueError, match="already registered"):
-        register_engine("fake", lambda **kwargs: kwargs)
-
-
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm is installed")
 def test_vllm_engine_without_vllm_says_how_to_install():
     with pytest.raises(RuntimeError) as error:
@@ -70,12 +57,12 @@ def test_vllm_engine_without_vllm_says_how_to_install():
     from megarl.engines.vllm import VLLMEngine
 
     with pytest.raises(RuntimeError, match="megarl\\[gpu\\]"):
-        VLLMEngine(model="unused")
+        VLLMEngine(model="unused", dtype="float32")
 
 
 def test_engine_modules_import_no_engine_library():
     code = (
-        "import sys, megarl.engines, megarl.engines.hf, megarl.engines.vllm;"
+        "import sys, megarl.engines.factory, megarl.engines.hf, megarl.engines.vllm;"
         "print(sorted({'vllm', 'transformers', 'peft'} & set(sys.modules)))"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

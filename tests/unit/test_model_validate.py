@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from megarl.models.hf_io import ModelPathError, resolve_model_path
-from megarl.models.validate import TOKENIZER_FILES, check_hf_folder
+from megarl.models.hf_io import resolve_model_path
+from megarl.models.validate import TOKENIZER_FILES, ModelPathError, check_hf_folder
 
 TINY = {
     "vocab_size": 384,

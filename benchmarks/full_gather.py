@@ -1,11 +1,12 @@
-"""Gather Megatron TP/PP shards into HF-named full tensors on global rank 0.
+"""Benchmark baseline: gather Megatron TP/PP shards into HF-named full tensors on global rank 0.
 
 The simple, correct baseline: each parameter's TP shards are all-gathered inside its TP group,
 turned into HF tensors by the family's mapping table, and each pipeline stage's (DP rank 0,
 TP rank 0) hands its stage's tensors to global rank 0. Every rank must call
-:func:`gather_hf_state_dict` (it is a collective). Runs no longer use it: the weight sync and the
-final state go through the bucketed :mod:`megarl.export.stream`. Kept as the baseline that
-``benchmarks/bench_export.py`` measures the streaming exporter against.
+:func:`gather_hf_state_dict` (it is a collective). Runs do not use it: the weight sync and the
+final state go through the bucketed :mod:`megarl.export.stream`, which never holds the whole
+model on one rank. It lives here, beside the benchmarks that measure against it
+(``bench_export.py``: streaming vs full gather; ``bench_lora_sync.py``: adapter-only vs full sync).
 """
 
 from __future__ import annotations
@@ -13,18 +14,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.distributed as dist
 
+from megarl.export.lora import all_gather_tp, gather_stages_to_rank0
 from megarl.models import mapping
 from megarl.models.spec import TransformerSpec
-
-
-def _all_gather_tp(param: torch.Tensor, tp: int, group) -> list[torch.Tensor]:
-    if tp == 1:
-        return [param.detach()]
-    shards = [torch.empty_like(param) for _ in range(tp)]
-    dist.all_gather(shards, param.detach().contiguous(), group=group)
-    return shards
 
 
 def _stage_hf_tensors(local_params: Iterable, spec: TransformerSpec) -> dict[str, torch.Tensor]:
@@ -34,7 +27,7 @@ def _stage_hf_tensors(local_params: Iterable, spec: TransformerSpec) -> dict[str
     group = ps.get_tensor_model_parallel_group()
     out: dict[str, torch.Tensor] = {}
     for rule, layer, param in local_params:
-        shards = _all_gather_tp(param, tp, group)
+        shards = all_gather_tp(param, tp, group)
         if rule.layout == "replicated":
             shards = shards[:1]
         for name, tensor in zip(
@@ -50,21 +43,11 @@ def gather_hf_state_dict(
     local_params: Iterable, spec: TransformerSpec, dtype: torch.dtype | None = None
 ) -> dict[str, torch.Tensor] | None:
     """Full HF state dict on global rank 0 (``None`` elsewhere). Collective over all ranks."""
-    from megatron.core import parallel_state as ps
-
-    stage_tensors = _stage_hf_tensors(local_params, spec)
-    owner = ps.get_data_parallel_rank() == 0 and ps.get_tensor_model_parallel_rank() == 0
-    payload = stage_tensors if owner else None
-    world = dist.get_world_size()
-    gathered: list | None = [None] * world if dist.get_rank() == 0 else None
-    if world == 1:
-        gathered = [payload]
-    else:
-        dist.gather_object(payload, gathered, dst=0)
-    if dist.get_rank() != 0:
+    parts = gather_stages_to_rank0(_stage_hf_tensors(local_params, spec))
+    if parts is None:
         return None
     merged: dict[str, torch.Tensor] = {}
-    for part in gathered:
-        for name, tensor in (part or {}).items():
+    for part in parts:
+        for name, tensor in part.items():
             merged.setdefault(name, tensor if dtype is None else tensor.to(dtype))
     return merged
