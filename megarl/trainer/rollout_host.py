@@ -20,7 +20,7 @@ from megarl.config.schema import RunConfig
 from megarl.data.loader import PromptStream, build_prompt_source
 from megarl.data.rewards import get_reward_fn
 from megarl.engines.base import EngineMemoryState
-from megarl.engines.hf import HFEngine
+from megarl.engines.factory import build_engine
 from megarl.models.spec import TransformerSpec, spec_from_hf_config
 from megarl.trainer import perf
 from megarl.trainer.metrics import MetricsWriter, PhaseTimer, run_summary, step_line
@@ -222,14 +222,13 @@ def vllm_settings(cfg: RunConfig, model_dir: str, device: str):
 def _build_engine(cfg: RunConfig, tokenizer, device: str, model_dir: str):
     """The rollout engine and the sleep level it will actually use."""
     if cfg.rollout.engine == "vllm":
-        from megarl.engines.factory import build_engine
-
         settings = vllm_settings(cfg, model_dir, device)
         return build_engine("vllm", **settings.engine_kwargs), settings.sleep_level
     from megarl.models.hf_io import load_hf_model
 
     model, _ = load_hf_model(model_dir, device=device)
-    return HFEngine(model, tokenizer, device=device), cfg.rollout.sleep_level
+    engine = build_engine(cfg.rollout.engine, model=model, tokenizer=tokenizer, device=device)
+    return engine, cfg.rollout.sleep_level
 
 
 class Console:
