@@ -44,7 +44,7 @@ def _worker(ctx, overrides: list[str], folder: str):
     from megarl.train import compose_config
 
     enter_cpu_shims()
-    cfg = compose_config(overrides + [f"trainer.run_dir={folder}"])
+    cfg = compose_config([*overrides, f"trainer.run_dir={folder}"])
     model_dir = str(resolve_model_path(cfg.model.path))
     parallel.init_process_group("cpu", ctx.rank, ctx.world_size, ctx.master_addr, ctx.master_port)
     parallel.init_model_parallel(cfg.actor.tp, 1)

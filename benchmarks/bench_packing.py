@@ -28,7 +28,7 @@ def _batch(num: int, min_len: int, max_len: int, vocab: int, seed: int):
 
     gen = torch.Generator().manual_seed(seed)
     logs = torch.empty(num).uniform_(math.log(min_len), math.log(max_len), generator=gen)
-    lens = [int(round(math.exp(v))) for v in logs.tolist()]
+    lens = [round(math.exp(v)) for v in logs.tolist()]
     prompts = [max(1, n // 3) for n in lens]
     tokens = tuple(torch.randint(10, vocab, (n,), generator=gen) for n in lens)
     return RolloutBatch(

@@ -38,7 +38,7 @@ STEP_PHASES = (*PASS_PHASES, "timing_s/update_actor")
 
 
 def time_gates(overrides: list[str], repeats: int) -> bool:
-    harness = open_harness(DEFAULT_OVERRIDES + ["planner.ref_log_prob=always", *overrides])
+    harness = open_harness([*DEFAULT_OVERRIDES, "planner.ref_log_prob=always", *overrides])
     modes = {
         "always": harness.with_planner(old_log_prob="always", ref_log_prob="always"),
         "auto": harness.with_planner(old_log_prob="auto", ref_log_prob="auto"),

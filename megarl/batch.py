@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TypedDict
 
 import torch
 
@@ -158,7 +159,7 @@ class MicroBatchTensors:
         Identity when padded. Packed: a gather of each sequence's span; slots past a sequence's
         end read position 0 and are zeroed, so they are finite and carry no gradient.
         """
-        if not self.is_packed:
+        if self.cu_seqlens is None:
             return values_BL
         index_BL, valid_BL = _row_gather_index(self.cu_seqlens, self.max_seqlen, values_BL.device)
         flat = values_BL.reshape(-1)
@@ -245,22 +246,28 @@ def pack(
     )
 
 
+class _LossSide(TypedDict):
+    loss_mask_BL: torch.Tensor
+    response_mask_BL: torch.Tensor
+    advantages_B: torch.Tensor
+
+
 def _loss_side(
     batch: Rollouts,
     seq_indices: tuple[int, ...],
     length: int,
     loss_weights: Sequence[float] | None,
-) -> dict[str, torch.Tensor]:
+) -> _LossSide:
     weights = loss_weights if loss_weights is not None else [1.0] * len(seq_indices)
     response_mask = torch.zeros((len(seq_indices), length), dtype=torch.float32)
     for row, i in enumerate(seq_indices):
         response_mask[row, batch.prompt_lens[i] - 1 : len(batch.tokens[i]) - 1] = 1.0
     weight_B = torch.tensor(list(weights), dtype=torch.float32)
-    return {
-        "loss_mask_BL": response_mask * weight_B.unsqueeze(1),
-        "response_mask_BL": response_mask,
-        "advantages_B": batch.advantages[list(seq_indices)].float(),
-    }
+    return _LossSide(
+        loss_mask_BL=response_mask * weight_B.unsqueeze(1),
+        response_mask_BL=response_mask,
+        advantages_B=batch.advantages[list(seq_indices)].float(),
+    )
 
 
 def build_micro_batch(

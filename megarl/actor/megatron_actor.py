@@ -12,6 +12,7 @@ import contextlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -229,9 +230,11 @@ class MegatronActor:
         With ``capture_logprobs`` the detached training-forward logprobs of the trained
         sequences come back in the result.
         """
+        if self.optimizer is None:
+            raise RuntimeError("train_step on a frozen model (built with trainable=False)")
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        stats: list[dict[str, torch.Tensor]] = []
+        stats: list[dict[str, Any]] = []
         micro_batches = step.ranks[dp_rank].micro_batches
         if not step.is_ghost and micro_batches:
             mbs = [self._micro_batch(batch, m.seq_indices, m.loss_weights) for m in micro_batches]
@@ -264,6 +267,7 @@ class MegatronActor:
         logp_BL, entropy_BL = self._logprobs_and_entropy(
             logits, mb, loss.temperature, with_entropy=True
         )
+        assert entropy_BL is not None  # asked for with_entropy=True
         old_BL = self._old_logprobs_BL(logp_BL, mb, batch, old)
         mask_BL = mb.loss_mask_BL
         pg = policy_loss(
@@ -288,7 +292,7 @@ class MegatronActor:
         if loss.entropy_coef > 0:
             total = total - loss.entropy_coef * entropy_value
         num_tokens = mask_BL.gt(0).sum()
-        stats = {
+        stats: dict[str, Any] = {
             "pg_loss": pg.loss.detach(),
             "kl_loss": kl_value.detach(),
             "entropy_sum": (entropy_BL.detach() * mb.response_mask_BL).sum(),
@@ -341,7 +345,7 @@ class MegatronActor:
             get_forward_backward_func()(
                 forward_step_func=forward_step,
                 data_iterator=data,
-                model=self.chunks,
+                model=cast("list[torch.nn.Module]", self.chunks),
                 num_microbatches=len(mbs),
                 seq_length=max_len,
                 micro_batch_size=max_b,

@@ -26,7 +26,7 @@ class CpuAdamW:
         self.inner = torch.optim.AdamW(
             self.params,
             lr=cfg.lr,
-            betas=tuple(cfg.optim.betas),
+            betas=(cfg.optim.betas[0], cfg.optim.betas[1]),
             eps=cfg.optim.eps,
             weight_decay=cfg.optim.weight_decay,
         )
@@ -125,7 +125,7 @@ class MegatronOptimizer:
         self.inner.zero_grad()
 
     def step(self) -> float:
-        _, grad_norm, _ = self.inner.step()
+        _, grad_norm, _ = self.inner.step()  # pyright: ignore[reportGeneralTypeIssues]  # Megatron's step is unannotated
         if self.force_param_sync:
             self.model.start_param_sync(force_sync=True)
         return float(grad_norm or 0.0)

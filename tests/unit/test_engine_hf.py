@@ -365,8 +365,8 @@ def test_bad_adapter_is_rejected_and_leaves_base_model():
     incomplete = [(n, t) for n, t in adapter.items() if "layers.1." not in n]
     with pytest.raises(ValueError, match="missing"):
         engine.load_lora_adapter(incomplete, rank=4, alpha=8, target_modules=["q_proj"])
+    wrong_target = [(n.replace("q_proj", "k_proj"), t) for n, t in adapter.items()]
     with pytest.raises(ValueError, match="k_proj"):
-        wrong_target = [(n.replace("q_proj", "k_proj"), t) for n, t in adapter.items()]
         engine.load_lora_adapter(wrong_target, rank=4, alpha=8, target_modules=["q_proj"])
     assert not engine.memory_state().adapter_resident
     assert_engine_matches(engine, base)

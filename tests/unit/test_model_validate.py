@@ -38,7 +38,7 @@ def pristine(tmp_path_factory) -> Path:
     torch.manual_seed(0)
     LlamaForCausalLM(LlamaConfig(**TINY)).save_pretrained(folder, safe_serialization=True)
     smollm2 = resolve_model_path(None)
-    for name in TOKENIZER_FILES + ("tokenizer_config.json",):
+    for name in (*TOKENIZER_FILES, "tokenizer_config.json"):
         if (smollm2 / name).is_file():
             shutil.copy(smollm2 / name, folder / name)
     return folder

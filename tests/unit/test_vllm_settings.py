@@ -63,8 +63,10 @@ def test_cpu_defaults_eager_explicit_kv_and_no_sleep():
     assert kwargs["kv_cache_memory_bytes"] == int(1.6 * GIB)
     assert settings.sleep_level == 0
     assert settings.notes == (
-        "rollout.sleep_level=2 runs as 0: vLLM's CPU build has no sleep "
-        "mode (the engine stays resident)",
+        (
+            "rollout.sleep_level=2 runs as 0: vLLM's CPU build has no sleep "
+            "mode (the engine stays resident)"
+        ),
     )
 
 
