@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import torch
 
 from megarl.batch import RolloutBatch
+from megarl.config import planning
 from megarl.config.schema import RunConfig
-from megarl.planner import from_config
 from megarl.planner.batch_planner import StepPlan, plan_step
 from megarl.planner.gates import StepGates, decide_gates
 from megarl.trainer import worker
@@ -52,11 +52,11 @@ class Harness:
     def plan(self, cfg: RunConfig) -> tuple[StepPlan, StepGates]:
         b = self.batch
         plan = plan_step(
-            from_config.planner_inputs(
+            planning.planner_inputs(
                 cfg, b.seq_lens, b.response_lens, b.advantages.tolist(), b.group_ids.tolist()
             )
         )
-        return plan, decide_gates(from_config.step_facts(cfg, 1, b.num_seqs))
+        return plan, decide_gates(planning.step_facts(cfg, 1, b.num_seqs))
 
     def reset_weights(self) -> None:
         """Initial weights and a fresh optimizer: every trial starts from the same state."""

@@ -132,13 +132,13 @@ def _is_megarl_checkpoint(path: str) -> bool:
 
 def validate_against_model(cfg, model_dir: str, device: str = "cpu") -> None:
     """Checks that need the model's shape or the data: parallel layout, gates, planner, dataset."""
+    from megarl.config.planning import prune_mode, run_facts
     from megarl.data.errors import DatasetError
     from megarl.data.loader import build_prompt_source
     from megarl.data.rewards import get_reward_fn
     from megarl.models.hf_io import load_hf_config
     from megarl.models.spec import VPP_TRAINING_UNSUPPORTED, ModelSpecError, spec_from_hf_config
     from megarl.planner.batch_planner import PlannerError, check_pruning_config
-    from megarl.planner.from_config import prune_mode, run_facts
     from megarl.planner.gates import GateConfigError, validate_gate_config
 
     try:

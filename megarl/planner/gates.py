@@ -1,7 +1,7 @@
 """Per-step pass gates: which expensive passes an RL step runs, on which sequences, and why.
 
 :func:`decide_gates` is a pure function of one step's facts (:class:`StepFacts`, which
-:mod:`megarl.planner.from_config` builds from the config, the step's plan and the rollout
+:mod:`megarl.config.planning` builds from the config, the step's plan and the rollout
 engine's report) and returns :class:`StepGates`, one :class:`PassGate` per pass, each with a
 reason. Workers only execute the gates; no skip decision lives inline in GPU code. At start-up
 :func:`validate_gate_config` rejects forced modes that would be wrong and

@@ -34,9 +34,9 @@ import torch.distributed as dist
 from megarl.actor.megatron_actor import LossSettings, MegatronActor, reduce_sums_to_all
 from megarl.actor.train_stats import OptimizerStepStats, UpdateStats, summarise_update
 from megarl.batch import RolloutBatch, RolloutShard
+from megarl.config import planning
 from megarl.config.schema import RunConfig
 from megarl.distributed.launcher import WorkerContext
-from megarl.planner import from_config
 from megarl.planner.batch_planner import StepPlan, plan_forward_micro_batches, plan_step
 from megarl.planner.gates import ReferenceSource, StepGates, decide_gates, decide_reference
 from megarl.trainer.metrics import PhaseTimer
@@ -170,10 +170,10 @@ def _setup(ctx: WorkerContext, inputs: RunInputs) -> _Runtime:
         init_seed=cfg.trainer.seed,
         execution=execution,
     )
-    reference_plan = decide_reference(from_config.run_facts(cfg))
+    reference_plan = decide_reference(planning.run_facts(cfg))
     if ctx.rank == 0 and cfg.trainer.log_console:
         print(
-            f"pruning: {from_config.prune_mode(cfg)[1]}\nreference: {reference_plan.reason}",
+            f"pruning: {planning.prune_mode(cfg)[1]}\nreference: {reference_plan.reason}",
             flush=True,
         )
     reference = None
@@ -234,7 +234,7 @@ def _train(rt: _Runtime) -> None:
         timer = PhaseTimer()
         header, rollout, rollout_metrics, engine_state = _broadcast_rollout(rt, step, timer)
         plan = plan_step(
-            from_config.planner_inputs(
+            planning.planner_inputs(
                 rt.cfg,
                 header.seq_lens,
                 header.response_lens,
@@ -244,7 +244,7 @@ def _train(rt: _Runtime) -> None:
         )
         batch = _scatter_sequences(rt, rollout, header, plan)
         gates = decide_gates(
-            from_config.step_facts(
+            planning.step_facts(
                 rt.cfg,
                 step,
                 batch.num_seqs,

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
+from megarl.config import planning
 from megarl.config.schema import build_run_config
-from megarl.planner import from_config
 from megarl.planner.batch_planner import plan_step
 from megarl.planner.gates import decide_gates
 
@@ -26,10 +26,8 @@ def _gates(mode: str, mini_batches: int, advantages: list[float], epochs: int = 
             "planner": {"prune_zero_adv": mode},
         }
     )
-    plan = plan_step(
-        from_config.planner_inputs(cfg, SEQ_TOKENS, RESPONSE_TOKENS, advantages, GROUPS)
-    )
-    facts = from_config.step_facts(cfg, 1, len(SEQ_TOKENS), plan=plan)
+    plan = plan_step(planning.planner_inputs(cfg, SEQ_TOKENS, RESPONSE_TOKENS, advantages, GROUPS))
+    facts = planning.step_facts(cfg, 1, len(SEQ_TOKENS), plan=plan)
     return plan, decide_gates(facts)
 
 

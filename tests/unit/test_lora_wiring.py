@@ -8,13 +8,13 @@ import copy
 import pytest
 import torch
 
+from megarl.config import planning
 from megarl.config.schema import build_run_config
 from megarl.engines.base import EngineMemoryState
 from megarl.export.lora import adapter_to_hf, merge_adapter_into_hf, peft_name
 from megarl.models import mapping
 from megarl.models.lora import LoraSettings, hf_target_modules, is_adapter_param_name
 from megarl.models.spec import spec_from_hf_config
-from megarl.planner import from_config
 from megarl.planner.gates import decide_gates
 from megarl.trainer.metrics import run_summary
 
@@ -43,7 +43,7 @@ def _cfg(rank: int):
 def _gates(rank: int, report: EngineMemoryState | None):
     resident = None if report is None else report.base_weights_resident
     return decide_gates(
-        from_config.step_facts(_cfg(rank), 0, 8, engine_base_weights_resident=resident)
+        planning.step_facts(_cfg(rank), 0, 8, engine_base_weights_resident=resident)
     )
 
 
@@ -51,8 +51,8 @@ def _gates(rank: int, report: EngineMemoryState | None):
 
 
 def test_lora_config_turns_the_gate_on_and_requires_the_engines_report():
-    assert from_config.step_facts(_cfg(4), 0, 8, True).run.lora_enabled
-    assert not from_config.step_facts(_cfg(0), 0, 8).run.lora_enabled
+    assert planning.step_facts(_cfg(4), 0, 8, True).run.lora_enabled
+    assert not planning.step_facts(_cfg(0), 0, 8).run.lora_enabled
     with pytest.raises(ValueError, match="engine's report"):
         _gates(4, None)
 

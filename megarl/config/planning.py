@@ -1,7 +1,9 @@
 """Translate a :class:`RunConfig` (and a step's batch facts) into planner and gate inputs.
 
 Pure: the CLI's start-up validation and every rank's step loop build their planner inputs and
-gate facts here, so both agree on what the config means and no worker re-derives a rule inline.
+gate facts here, so both agree on what the config means and no rank re-derives a rule inline.
+It lives with the config, which the planner never imports: the planner knows only its own
+inputs.
 """
 
 from __future__ import annotations
