@@ -134,12 +134,12 @@ def validate_against_model(cfg, model_dir: str, device: str = "cpu") -> None:
     """Checks that need the model's shape or the data: parallel layout, gates, planner, dataset."""
     from megarl.config.planning import prune_mode, run_facts
     from megarl.data.errors import DatasetError
-    from megarl.data.loader import build_prompt_source
     from megarl.data.rewards import get_reward_fn
     from megarl.models.hf_io import load_hf_config
     from megarl.models.spec import VPP_TRAINING_UNSUPPORTED, ModelSpecError, spec_from_hf_config
     from megarl.planner.batch_planner import PlannerError, check_pruning_config
     from megarl.planner.gates import GateConfigError, validate_gate_config
+    from megarl.trainer.rollout_host import prompt_source
 
     try:
         spec = spec_from_hf_config(load_hf_config(model_dir))
@@ -152,14 +152,7 @@ def validate_against_model(cfg, model_dir: str, device: str = "cpu") -> None:
         check_pruning_config(
             prune_mode(cfg)[0], cfg.actor.kl_coef, cfg.actor.entropy_coef, cfg.planner.allow_approx
         )
-        build_prompt_source(
-            cfg.data.task,
-            cfg.data.path,
-            cfg.trainer.seed,
-            cfg.data.max_operand,
-            cfg.data.instruction,
-            ops=cfg.data.ops,
-        )
+        prompt_source(cfg)
         get_reward_fn(cfg.data.reward_fn_name)
     except (ModelSpecError, GateConfigError, PlannerError, DatasetError, ValueError) as exc:
         raise StartupError(str(exc).splitlines()[0]) from None

@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 import warnings
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, cast
 
 import torch
@@ -159,17 +160,17 @@ def _setup(ctx: WorkerContext, inputs: RunInputs) -> _Runtime:
     host = _build_rollout_host(ctx, inputs, tokenizer, spec)  # engine first: its errors come early
     hf_tensors = open_hf_tensors(inputs.model_dir)
     dtype = getattr(torch, execution.params_dtype)
-    actor = MegatronActor(
+    build = partial(
+        MegatronActor,
         spec,
         cfg.actor,
         inputs.device,
         dtype,
         hf_tensors,
         pad_id,
-        trainable=True,
-        init_seed=cfg.trainer.seed,
         execution=execution,
     )
+    actor = build(trainable=True, init_seed=cfg.trainer.seed)
     reference_plan = decide_reference(planning.run_facts(cfg))
     if ctx.rank == 0 and cfg.trainer.log_console:
         print(
@@ -178,16 +179,7 @@ def _setup(ctx: WorkerContext, inputs: RunInputs) -> _Runtime:
         )
     reference = None
     if reference_plan.source is ReferenceSource.MODEL:
-        reference = MegatronActor(
-            spec,
-            cfg.actor,
-            inputs.device,
-            dtype,
-            hf_tensors,
-            pad_id,
-            trainable=False,
-            execution=execution,
-        )
+        reference = build(trainable=False)
     return _Runtime(
         cfg=cfg,
         dp_rank=ps.get_data_parallel_rank(),

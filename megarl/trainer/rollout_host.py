@@ -19,7 +19,7 @@ import torch
 
 from megarl.actor.train_stats import UpdateStats
 from megarl.config.schema import RunConfig
-from megarl.data.loader import PromptStream, build_prompt_source
+from megarl.data.loader import PromptSource, PromptStream, build_prompt_source
 from megarl.data.rewards import get_reward_fn
 from megarl.engines.base import EngineMemoryState
 from megarl.engines.factory import build_engine
@@ -49,15 +49,7 @@ class RolloutHost:
         self.cfg = cfg
         self.spec = spec if spec is not None else spec_from_hf_config(load_hf_config(model_dir))
         self.engine, self.sleep_level = _build_engine(cfg, tokenizer, device, model_dir)
-        source = build_prompt_source(
-            cfg.data.task,
-            cfg.data.path,
-            cfg.trainer.seed,
-            cfg.data.max_operand,
-            cfg.data.instruction,
-            ops=cfg.data.ops,
-        )
-        self.stream = PromptStream(source, cfg.data.prompts_per_step, cfg.trainer.seed)
+        self.stream = PromptStream(prompt_source(cfg), cfg.data.prompts_per_step, cfg.trainer.seed)
         settings = RolloutSettings(
             group_size=cfg.rollout.n,
             max_new_tokens=cfg.rollout.max_new_tokens,
@@ -232,6 +224,18 @@ def vllm_settings(cfg: RunConfig, model_dir: str, device: str):
         facts,
         model_dir,
         psutil.virtual_memory().available,
+    )
+
+
+def prompt_source(cfg: RunConfig) -> PromptSource:
+    """The prompts the ``data.*`` keys name (start-up builds it once to check them)."""
+    return build_prompt_source(
+        cfg.data.task,
+        cfg.data.path,
+        cfg.trainer.seed,
+        cfg.data.max_operand,
+        cfg.data.instruction,
+        ops=cfg.data.ops,
     )
 
 
