@@ -198,20 +198,27 @@ def check_vllm(cfg, model_dir: str, device: str) -> None:
 
 
 def resolve_resume(cfg, model_dir: str, device: str) -> str | None:
-    """The checkpoint this run continues from (``trainer.resume``), checked against the config;
-    see :func:`megarl.checkpoint.resume.prepare_resume`."""
+    """The checkpoint this run continues from (``trainer.resume``), checked against the config,
+    the model's tokenizer and the dataset; see :func:`megarl.checkpoint.resume.prepare_resume`."""
     import dataclasses
 
     from megarl.checkpoint.layout import CheckpointError
-    from megarl.checkpoint.resume import prepare_resume
+    from megarl.checkpoint.resume import RunChecks, prepare_resume
+    from megarl.data.loader import PromptStream
     from megarl.models.hf_io import load_hf_config
     from megarl.models.spec import spec_from_hf_config
+    from megarl.trainer.rollout_host import prompt_source
 
     def model_spec() -> dict:
         return dataclasses.asdict(spec_from_hf_config(load_hf_config(model_dir)))
 
+    def load_position(state) -> None:  # the rollout host's stream, as it will be built
+        stream = PromptStream(prompt_source(cfg), cfg.data.prompts_per_step, cfg.trainer.seed)
+        stream.load_state_dict(state)
+
+    checks = RunChecks(model_spec=model_spec, model_dir=model_dir, load_position=load_position)
     try:
-        return prepare_resume(cfg, device, model_spec)
+        return prepare_resume(cfg, device, checks)
     except CheckpointError as exc:
         raise StartupError(str(exc)) from None
 

@@ -3,6 +3,7 @@
 Format (one directory per checkpoint, ``<run_dir>/checkpoints/step_000006``)::
 
     megarl_checkpoint.json       completeness marker, written last: step, layout, config, files
+                                 with their sizes, the id of the run directory that wrote it
     model_tp{t}_pp{p}.safetensors   this (TP, PP) rank's Megatron shards, Megatron names with
                                     *global* layer numbers (written by its DP-rank-0 replica)
     optim_tp{t}_pp{p}.safetensors   AdamW state of the same shards (exp_avg, exp_avg_sq, step)

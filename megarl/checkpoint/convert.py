@@ -127,7 +127,13 @@ def find_checkpoint(path: str | os.PathLike) -> layout.CheckpointInfo:
     """A checkpoint folder, or a run directory's latest complete checkpoint."""
     path = Path(path).expanduser()
     if not (path / layout.MARKER).exists() and layout.checkpoints_dir(path).is_dir():
-        latest = layout.latest_checkpoint(path)
+        try:
+            latest = layout.latest_checkpoint(path)
+        except layout.DamagedCheckpointError as exc:
+            raise ConvertError(
+                f"{exc.problem}; it is the newest in --ckpt {path}: repair it or pass the "
+                "checkpoint to convert"
+            ) from None
         if latest is None:
             raise ConvertError(f"--ckpt {path}: run directory has no complete checkpoint")
         return latest

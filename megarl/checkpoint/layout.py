@@ -2,8 +2,18 @@
 
 Pure file-system code (no torch, no process groups), unit-tested on plain folders. A checkpoint
 is *complete* exactly when its directory is named ``step_N`` and holds a readable marker whose
-listed files all exist; everything else (``.tmp-*``, ``.del-*``, a folder without marker) is
-ignored by discovery and cleaned up by the next save.
+listed files all exist, have the sizes the marker recorded, and are intact as far as their
+headers tell (safetensors header against the file's length, JSON that parses, a ``.pt`` zip
+that closes). A ``step_N`` folder that fails any of this is *damaged*: since a save renames its
+staging folder only after the marker is on disk, a damaged one was complete once and broke
+later (a truncated copy, a full disk, a hand edit), so it is reported, never skipped in silence,
+never removed. ``.tmp-step_N`` is a save that never finished: not a checkpoint; it is renamed
+aside (``incomplete-<time>-step_N``) at the next start, and said so.
+
+What megarl removes: only complete checkpoints of its own run directory (their marker's
+``run_id`` equals the one in ``<run_dir>/.megarl_run_id``), older than the newest ``keep_last``
+of them, during a save. A checkpoint copied in from elsewhere, one saved before run ids were
+recorded, and every damaged or incomplete folder stay where they are.
 """
 
 from __future__ import annotations
@@ -12,7 +22,10 @@ import json
 import os
 import re
 import shutil
+import struct
 import time
+import uuid
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,10 +36,30 @@ CHECKPOINTS_SUBDIR = "checkpoints"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 TMP_PREFIX = ".tmp-"
 DELETE_PREFIX = ".del-"
+RUN_ID_FILE = ".megarl_run_id"
+HOST_STATE_FILE = "driver.json"
+"""Rank 0's data-stream position (the name existing checkpoints carry)."""
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+)
+"""The files that define the token ids a checkpoint's embedding rows stand for."""
 
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be used; the message names the path and the problem."""
+
+
+class DamagedCheckpointError(CheckpointError):
+    """The newest ``step_N`` folder of a run is damaged; ``older`` is the newest complete one."""
+
+    def __init__(self, path: Path, problem: str, older: CheckpointInfo | None):
+        super().__init__(problem)
+        self.path, self.problem, self.older = path, problem, older
 
 
 @dataclass(frozen=True)
@@ -95,28 +128,125 @@ def read_checkpoint(path: str | os.PathLike) -> CheckpointInfo:
     missing = [name for name in marker.get("files", []) if not (path / name).is_file()]
     if missing:
         raise CheckpointError(f"checkpoint {path}: missing file(s) {', '.join(missing[:3])}")
+    sizes = marker.get("sizes", {})
+    for name in marker.get("files", []):
+        problem = file_problem(path / name, sizes.get(name))
+        if problem is not None:
+            raise CheckpointError(f"checkpoint {path}: {name} is damaged ({problem})")
     return CheckpointInfo(path=path, marker=marker)
 
 
-def complete_checkpoints(run_dir: str | os.PathLike) -> list[CheckpointInfo]:
-    """Complete checkpoints under ``run_dir/checkpoints``, oldest first (broken ones skipped)."""
+def file_sizes(folder: Path) -> dict[str, int]:
+    """Byte size of every file in ``folder``: the marker records them at save time."""
+    return {p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+def file_problem(path: Path, expected_size: int | None = None) -> str | None:
+    """What is wrong with one checkpoint file, read from its size and header only; None if fine.
+
+    Cheap enough to run on every checkpoint at start-up (no tensor is read), and catches what a
+    torn copy or a full disk leaves: a short file, a safetensors header pointing past the end, a
+    JSON file that does not parse, a ``torch.save`` zip without its closing directory.
+    """
+    size = path.stat().st_size
+    if expected_size is not None and size != expected_size:
+        return f"{size} bytes, the marker recorded {expected_size}"
+    if path.suffix == ".safetensors":
+        return _safetensors_problem(path, size)
+    if path.suffix == ".json":
+        try:
+            json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            return f"not valid JSON: {exc}"
+    if path.suffix == ".pt" and not zipfile.is_zipfile(path):
+        return "not a complete torch.save archive"
+    return None
+
+
+def _safetensors_problem(path: Path, size: int) -> str | None:
+    """The header (8-byte length, then JSON) must fit and its tensors must end at the file end."""
+    with open(path, "rb") as handle:
+        head = handle.read(8)
+        if len(head) < 8:
+            return f"{size} bytes, shorter than a safetensors header"
+        (header_len,) = struct.unpack("<Q", head)
+        if 8 + header_len > size:
+            return f"{size} bytes, its header alone needs {8 + header_len}"
+        try:
+            header = json.loads(handle.read(header_len))
+        except ValueError:
+            return "unreadable safetensors header"
+    ends = [
+        int(entry["data_offsets"][1])
+        for key, entry in header.items()
+        if key != "__metadata__" and isinstance(entry, dict) and "data_offsets" in entry
+    ]
+    needed = 8 + header_len + max(ends, default=0)
+    if needed != size:
+        return f"{size} bytes, its tensors need {needed}"
+    return None
+
+
+@dataclass(frozen=True)
+class DamagedCheckpoint:
+    """A ``step_N`` folder that is not a complete checkpoint, and why (one line)."""
+
+    path: Path
+    step: int
+    problem: str
+
+
+@dataclass(frozen=True)
+class CheckpointScan:
+    """Everything under ``run_dir/checkpoints``, sorted into what start-up must act on."""
+
+    complete: tuple[CheckpointInfo, ...]
+    """Complete checkpoints, oldest first."""
+    damaged: tuple[DamagedCheckpoint, ...]
+    """``step_N`` folders that fail :func:`read_checkpoint`, oldest first."""
+    staging: tuple[Path, ...]
+    """``.tmp-step_N`` folders of saves that never finished."""
+
+
+def scan_checkpoints(run_dir: str | os.PathLike) -> CheckpointScan:
     root = checkpoints_dir(run_dir)
-    if not root.is_dir():
-        return []
-    found = []
-    for child in root.iterdir():
-        if _STEP_DIR.match(child.name) is None:
+    complete: list[CheckpointInfo] = []
+    damaged: list[DamagedCheckpoint] = []
+    staging: list[Path] = []
+    for child in sorted(root.iterdir()) if root.is_dir() else []:
+        match = _STEP_DIR.match(child.name)
+        if child.name.startswith(TMP_PREFIX):
+            staging.append(child)
+        if match is None:
             continue
         try:
-            found.append(read_checkpoint(child))
-        except CheckpointError:
-            continue
-    return sorted(found, key=lambda info: info.step)
+            complete.append(read_checkpoint(child))
+        except CheckpointError as exc:
+            damaged.append(DamagedCheckpoint(child, int(match.group(1)), str(exc)))
+    return CheckpointScan(
+        complete=tuple(sorted(complete, key=lambda info: info.step)),
+        damaged=tuple(sorted(damaged, key=lambda d: d.step)),
+        staging=tuple(staging),
+    )
+
+
+def complete_checkpoints(run_dir: str | os.PathLike) -> list[CheckpointInfo]:
+    """Complete checkpoints under ``run_dir/checkpoints``, oldest first."""
+    return list(scan_checkpoints(run_dir).complete)
 
 
 def latest_checkpoint(run_dir: str | os.PathLike) -> CheckpointInfo | None:
-    found = complete_checkpoints(run_dir)
-    return found[-1] if found else None
+    """The newest complete checkpoint; :class:`DamagedCheckpointError` if a damaged one is newer.
+
+    Falling back to an older checkpoint would silently throw away the steps after it, so the
+    caller decides (and says) what to do instead.
+    """
+    scan = scan_checkpoints(run_dir)
+    newest = scan.complete[-1] if scan.complete else None
+    newest_damaged = scan.damaged[-1] if scan.damaged else None
+    if newest_damaged is not None and (newest is None or newest_damaged.step >= newest.step):
+        raise DamagedCheckpointError(newest_damaged.path, newest_damaged.problem, newest)
+    return newest
 
 
 def write_json_durably(path: Path, payload: Any) -> None:
@@ -133,22 +263,43 @@ def staging_dir(root: Path, final_name: str) -> Path:
 
 
 def prepare_staging(root: Path, final_name: str) -> Path:
-    """A fresh, empty staging directory (a stale one from a killed save is removed first)."""
+    """A fresh, empty staging directory (a stale one from a killed save is renamed aside)."""
     root.mkdir(parents=True, exist_ok=True)
     staging = staging_dir(root, final_name)
     if staging.exists():
-        shutil.rmtree(staging)
+        set_aside(staging, "incomplete-")
     staging.mkdir()
     return staging
 
 
-def publish(staging: Path, final: Path, marker: dict[str, Any]) -> None:
-    """Write the marker last, then rename ``staging`` to ``final`` (replacing an older copy)."""
+def publish(staging: Path, final: Path, marker: dict[str, Any]) -> Path | None:
+    """Write the marker last, then rename ``staging`` to ``final``.
+
+    A folder already at ``final`` (start-up sets later steps aside, so only a folder that
+    appeared meanwhile) is renamed aside, never replaced; returns its new path, else None.
+    """
     write_json_durably(staging / MARKER, marker)
-    if final.exists():  # e.g. a run resumed from an earlier step saves this step again
-        _remove_safely(final)
+    moved = set_aside(final, "replaced-") if final.exists() else None
     os.replace(staging, final)
     _fsync_dir(final.parent)
+    return moved
+
+
+def run_id(run_dir: str | os.PathLike) -> str:
+    """This run directory's id (created on first use): the marker records it, pruning reads it.
+
+    A file in the run directory rather than its path, so a run directory that was moved keeps
+    rotating its own checkpoints, while a checkpoint copied in from another run is never removed.
+    """
+    path = Path(run_dir) / RUN_ID_FILE
+    if path.is_file():
+        existing = path.read_text(encoding="utf-8").strip()
+        if existing:
+            return existing
+    path.parent.mkdir(parents=True, exist_ok=True)
+    new = uuid.uuid4().hex
+    path.write_text(new + "\n", encoding="utf-8")
+    return new
 
 
 def _fsync_dir(path: Path) -> None:
@@ -165,43 +316,56 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _remove_safely(path: Path) -> None:
-    """Rename first (atomic), then delete: a kill mid-delete never leaves a 'complete' husk."""
-    doomed = path.with_name(f"{DELETE_PREFIX}{path.name}")
-    if doomed.exists():
-        shutil.rmtree(doomed, ignore_errors=True)
+    """Rename first (atomic), then delete: a kill mid-delete never leaves a 'complete' husk.
+
+    The new name is unique, so a ``.del-`` folder left by an earlier kill is never touched.
+    """
+    doomed = path.with_name(f"{DELETE_PREFIX}{uuid.uuid4().hex[:8]}-{path.name}")
     os.replace(path, doomed)
     shutil.rmtree(doomed, ignore_errors=True)
 
 
-def prune(run_dir: str | os.PathLike, keep_last: int) -> list[Path]:
-    """Delete all but the newest ``keep_last`` complete checkpoints and leftover temp folders."""
-    root = checkpoints_dir(run_dir)
-    removed: list[Path] = []
-    complete = complete_checkpoints(run_dir)
-    for info in complete[: max(0, len(complete) - keep_last)]:
+def prunable(scan: CheckpointScan, keep_last: int, own_run_id: str) -> list[CheckpointInfo]:
+    """Which checkpoints rotation removes: complete ones this run directory wrote (marker
+    ``run_id``), all but the newest ``keep_last`` of them, and never the newest complete one."""
+    own = [info for info in scan.complete if info.marker.get("run_id") == own_run_id]
+    doomed = own[: max(0, len(own) - keep_last)]
+    newest = scan.complete[-1] if scan.complete else None
+    return [info for info in doomed if newest is None or info.path != newest.path]
+
+
+def prune(run_dir: str | os.PathLike, keep_last: int, own_run_id: str) -> list[Path]:
+    """Delete the checkpoints :func:`prunable` picks; nothing else (see the module docstring)."""
+    removed = []
+    for info in prunable(scan_checkpoints(run_dir), keep_last, own_run_id):
         _remove_safely(info.path)
         removed.append(info.path)
-    if root.is_dir():  # called after a publish, when no save is in progress: leftovers only
-        for child in root.iterdir():
-            if child.name.startswith((DELETE_PREFIX, TMP_PREFIX)):
-                shutil.rmtree(child, ignore_errors=True)
     return removed
 
 
+def set_aside(path: Path, prefix: str) -> Path:
+    """Rename ``path`` to ``<prefix><time>-<name>`` beside it (never over an existing folder)."""
+    target = _unused(path.parent, prefix, f"-{path.name.removeprefix(TMP_PREFIX)}")
+    os.replace(path, target)
+    return target
+
+
 def set_aside_later(run_dir: str | os.PathLike, step: int) -> list[Path]:
-    """Rename complete checkpoints newer than ``step`` to ``abandoned-<time>-step_N``.
+    """Rename ``step_N`` folders with N > ``step``, complete or damaged, to ``abandoned-...``.
 
     Resuming from step k (or starting fresh, k = 0) abandons the run's later future; left in
-    place, its checkpoints would be picked by the next ``resume=auto`` or keep ``keep_last`` from
-    pruning the new ones. Renamed, not deleted: nothing written is lost.
+    place, its checkpoints would be picked by the next ``resume=auto``, or be in the way of the
+    new saves of the same steps. Renamed, not deleted: nothing written is lost.
     """
-    moved = []
-    for info in complete_checkpoints(run_dir):
-        if info.step > step:
-            target = _unused(info.path.parent, "abandoned-", f"-{info.path.name}")
-            os.replace(info.path, target)
-            moved.append(target)
-    return moved
+    scan = scan_checkpoints(run_dir)
+    later = [info.path for info in scan.complete if info.step > step]
+    later += [d.path for d in scan.damaged if d.step > step]
+    return [set_aside(path, "abandoned-") for path in sorted(later)]
+
+
+def set_aside_staging(run_dir: str | os.PathLike) -> list[Path]:
+    """Rename ``.tmp-step_N`` folders of saves that never finished to ``incomplete-...``."""
+    return [set_aside(path, "incomplete-") for path in scan_checkpoints(run_dir).staging]
 
 
 def _unused(folder: Path, prefix: str, suffix: str) -> Path:
@@ -223,31 +387,60 @@ def rotate_metrics(metrics_path: Path) -> Path | None:
     return target
 
 
-def truncate_metrics(metrics_path: Path, last_step: int) -> int:
-    """Drop metric lines of steps after ``last_step`` (and torn lines); atomic. Returns lines kept.
+@dataclass(frozen=True)
+class MetricsCut:
+    """What :func:`truncate_metrics` did to ``metrics.jsonl``."""
 
-    A resumed run then appends steps ``last_step + 1 ...`` and the history stays one line per step.
+    kept: int
+    """Lines kept: one per step up to the checkpoint's step."""
+    later: int
+    """Lines of steps after the checkpoint (the abandoned future), dropped."""
+    torn: int
+    """Lines that did not parse (a write cut by a kill), dropped."""
+    duplicates: int
+    """Earlier lines of a step that appears again (the last one is kept), dropped."""
+
+
+def truncate_metrics(metrics_path: Path, last_step: int) -> MetricsCut:
+    """Keep one line per step up to ``last_step``, in step order; atomic.
+
+    A resumed run then appends steps ``last_step + 1 ...`` and the history stays one line per
+    step. A torn line cannot be parsed and so cannot be kept; the caller reports the counts.
     """
     if not metrics_path.is_file():
-        return 0
-    kept: list[str] = []
+        return MetricsCut(0, 0, 0, 0)
+    by_step: dict[int, str] = {}
+    later = torn = duplicates = 0
     for line in metrics_path.read_text(encoding="utf-8").splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue  # a line torn by a kill
-        if isinstance(record, dict) and int(record.get("step", 0)) <= last_step:
-            kept.append(line)
+        step = _metrics_step(line)
+        if step is None:
+            torn += line.strip() != ""
+        elif step > last_step:
+            later += 1
+        else:
+            duplicates += step in by_step
+            by_step[step] = line
     tmp = metrics_path.with_name(f"{TMP_PREFIX}{metrics_path.name}")
     with open(tmp, "w", encoding="utf-8") as handle:
-        handle.write("".join(f"{line}\n" for line in kept))
+        handle.write("".join(f"{by_step[step]}\n" for step in sorted(by_step)))
         handle.flush()
         os.fsync(handle.fileno())
     os.replace(tmp, metrics_path)
-    return len(kept)
+    return MetricsCut(len(by_step), later, torn, duplicates)
+
+
+def _metrics_step(line: str) -> int | None:
+    """The step of one metrics line, or None when it is not a JSON object with an int step."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    step = record.get("step") if isinstance(record, dict) else None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
 
 
 def read_metrics(metrics_path: Path) -> list[dict[str, Any]]:
+    """The rows of ``metrics.jsonl`` that parse (a torn line is not a row)."""
     if not metrics_path.is_file():
         return []
     rows = []

@@ -1,8 +1,15 @@
 """Which checkpoint a run resumes from, and whether its config is compatible (no torch).
 
-``trainer.resume``: ``auto`` = the latest complete checkpoint under ``run_dir/checkpoints`` (none
--> a fresh start), ``never`` = always start fresh, anything else = that checkpoint's path (which
-must be complete).
+``trainer.resume``: ``auto`` = the newest checkpoint under ``run_dir/checkpoints`` (none at all
+-> a fresh start), ``never`` = start fresh, anything else = that checkpoint's path (which must be
+complete). When the newest ``step_N`` folder is damaged, ``auto`` stops with one line naming it
+and the two ways on (the older complete checkpoint by path, or ``never``) instead of falling back
+on its own: a fallback would quietly throw away every step after the older checkpoint.
+
+Nothing in ``run_dir`` is touched until every check below has passed; then what does not belong
+to the continued run is renamed aside, never deleted, and each rename is printed: checkpoints of
+later steps (``abandoned-<time>-step_N``), saves that never finished (``incomplete-...``), on a
+fresh start all checkpoints and the old ``metrics.jsonl`` (``metrics.<time>.jsonl``).
 
 Compatibility policy. Resuming continues *the same run*; settings that would make the saved state
 mean something else are errors, everything else may change and is reported:
@@ -16,6 +23,11 @@ mean something else are errors, everything else may change and is reported:
   stream position indexes it;
 - ``actor.lora.rank`` and ``actor.lora.target_modules``: they change which parameters (and
   optimizer states) exist.
+
+Checked against the run before anything is loaded: the checkpoint's files (sizes and headers,
+:func:`megarl.checkpoint.layout.read_checkpoint`), the tokenizer's vocabulary (the saved embedding
+rows stand for its token ids), and the saved data position against this run's dataset (its
+length, the seed of its order).
 
 Allowed, reported on the console: ``trainer.total_steps`` (extend a run), logging, the parallel
 layout (``actor.tp/pp``, ``trainer.n_gpus_per_node``: the checkpoint is resharded), learning
@@ -32,12 +44,16 @@ from pathlib import Path
 from typing import Any
 
 from megarl.checkpoint.layout import (
+    HOST_STATE_FILE,
     CheckpointError,
     CheckpointInfo,
+    DamagedCheckpointError,
     latest_checkpoint,
     read_checkpoint,
     rotate_metrics,
+    scan_checkpoints,
     set_aside_later,
+    set_aside_staging,
     truncate_metrics,
 )
 
@@ -114,7 +130,10 @@ def find_resume_checkpoint(resume: str, run_dir: str) -> CheckpointInfo | None:
     if resume == "never":
         return None
     if resume == "auto":
-        return latest_checkpoint(run_dir)
+        try:
+            return latest_checkpoint(run_dir)
+        except DamagedCheckpointError as exc:
+            raise CheckpointError(_damaged_newest_message(exc)) from None
     info = read_checkpoint(resume)
     if info.kind != "training":
         raise CheckpointError(
@@ -122,6 +141,20 @@ def find_resume_checkpoint(resume: str, run_dir: str) -> CheckpointInfo | None:
             "training state; use it as model.path instead"
         )
     return info
+
+
+def _damaged_newest_message(exc: DamagedCheckpointError) -> str:
+    way_on = (
+        f"resume from the older complete one with trainer.resume={exc.older.path} "
+        f"(steps after {exc.older.step} are then set aside), or start fresh with "
+        "trainer.resume=never"
+        if exc.older is not None
+        else "start fresh with trainer.resume=never"
+    )
+    return (
+        f"{exc.problem}; trainer.resume=auto does not skip the newest checkpoint: repair it, "
+        f"{way_on} (nothing is deleted either way)"
+    )
 
 
 def check_compatible(
@@ -138,13 +171,73 @@ def check_compatible(
     return diff.changes
 
 
-def prepare_resume(cfg, device: str, model_spec: Callable[[], Mapping[str, Any]]) -> str | None:
-    """Pick and check the checkpoint to resume (None = fresh start) and tidy ``run_dir`` for it.
+def check_tokenizer(info: CheckpointInfo, model_dir: str | Path) -> None:
+    """The run's tokenizer must have the vocabulary the checkpoint was trained with."""
+    for name in VOCAB_FILES:
+        saved = info.path / name
+        if not saved.is_file():
+            continue
+        current = Path(model_dir) / name
+        if not current.is_file():
+            raise CheckpointError(
+                f"checkpoint {info.path} has {name} but this run's model {model_dir} has none"
+            )
+        if _vocabulary(saved) != _vocabulary(current):
+            raise CheckpointError(
+                f"checkpoint {info.path}: the tokenizer vocabulary in {name} differs from "
+                f"this run's model ({current}); its embedding rows stand for other tokens"
+            )
 
-    Resuming from step k: ``metrics.jsonl`` is cut back to step k (one line per step after the
-    resume) and checkpoints of later steps in this run_dir are renamed aside. A fresh start sets
-    all earlier checkpoints and the old ``metrics.jsonl`` aside. Nothing is deleted; what was
-    done is printed. Raises :class:`CheckpointError` (one line) for a bad or mismatched checkpoint.
+
+VOCAB_FILES = ("tokenizer.json", "vocab.json", "merges.txt", "tokenizer.model")
+"""The tokenizer files that define token ids (the other tokenizer files hold settings)."""
+
+
+def _vocabulary(path: Path) -> Any:
+    """What fixes the token ids in one tokenizer file (parsed, so formatting does not count)."""
+    if path.name == "tokenizer.json":
+        tree = json.loads(path.read_text(encoding="utf-8"))
+        added = [(t.get("id"), t.get("content")) for t in tree.get("added_tokens") or []]
+        return (tree.get("model", {}).get("vocab"), tree.get("model", {}).get("merges"), added)
+    if path.name == "vocab.json":
+        return json.loads(path.read_text(encoding="utf-8"))
+    return path.read_bytes()
+
+
+def check_data_position(info: CheckpointInfo, load_position: Callable[[Any], None]) -> None:
+    """Hand the saved data-stream state to ``load_position`` (a throw-away stream of this run's
+    dataset, which raises ``ValueError`` when the position does not fit it)."""
+    path = info.path / HOST_STATE_FILE
+    try:
+        state = json.loads(path.read_text(encoding="utf-8"))
+        load_position(state["stream"])
+    except (OSError, KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(
+            f"checkpoint {info.path}: its data position does not fit this run's dataset "
+            f"({type(exc).__name__}: {exc})"
+        ) from None
+
+
+@dataclass(frozen=True)
+class RunChecks:
+    """What :func:`prepare_resume` checks a checkpoint against, supplied by the launcher."""
+
+    model_spec: Callable[[], Mapping[str, Any]]
+    """This run's model spec as a dict (the checkpoint's ``spec`` must equal it)."""
+    model_dir: str | None = None
+    """This run's model folder, for the tokenizer check (None: not checked)."""
+    load_position: Callable[[Any], None] | None = None
+    """Loads a saved data-stream state into a throw-away stream of this run (None: not checked)."""
+
+
+def prepare_resume(cfg, device: str, checks: RunChecks) -> str | None:
+    """Pick and check the checkpoint to resume (None = fresh start), then tidy ``run_dir`` for it.
+
+    Every check comes first, so a refused resume leaves ``run_dir`` as it was. Resuming from
+    step k: ``metrics.jsonl`` is cut back to step k (one line per step after the resume) and
+    ``step_N`` folders with N > k are renamed aside. A fresh start sets all checkpoints and the old
+    ``metrics.jsonl`` aside. Nothing is deleted; what was done is printed. Raises
+    :class:`CheckpointError` (one line) for a bad, damaged or mismatched checkpoint.
     """
     run_dir = cfg.trainer.run_dir
     if device == "cuda" and cfg.trainer.save_interval > 0:
@@ -160,17 +253,44 @@ def prepare_resume(cfg, device: str, model_spec: Callable[[], Mapping[str, Any]]
         raise CheckpointError(
             "trainer.resume: resuming on CUDA is not implemented yet; use trainer.resume=never"
         )
-    changes = check_compatible(info, config_tree(cfg), model_spec())
-    truncate_metrics(Path(run_dir) / "metrics.jsonl", info.step)
-    moved = set_aside_later(run_dir, info.step)
-    note = f"; changed settings: {'; '.join(changes)}" if changes else ""
-    note += f"; later checkpoints set aside: {', '.join(p.name for p in moved)}" if moved else ""
+    changes = check_compatible(info, config_tree(cfg), checks.model_spec())
+    if checks.model_dir is not None:
+        check_tokenizer(info, checks.model_dir)
+    if checks.load_position is not None:
+        check_data_position(info, checks.load_position)
+    notes = _tidy_for_resume(run_dir, info.step)
+    if changes:
+        notes.insert(0, f"changed settings: {'; '.join(changes)}")
+    note = "".join(f"; {n}" for n in notes)
     print(f"megarl-train: resuming from {info.path} (step {info.step}){note}", flush=True)
     return str(info.path)
 
 
+def _tidy_for_resume(run_dir: str, step: int) -> list[str]:
+    """Set aside what does not belong to a run resumed at ``step``; the notes to print."""
+    notes = []
+    older_damaged = [d for d in scan_checkpoints(run_dir).damaged if d.step <= step]
+    if older_damaged:
+        names = ", ".join(d.path.name for d in older_damaged)
+        notes.append(f"damaged older checkpoint(s) left in place, not used: {names}")
+    staged = set_aside_staging(run_dir)
+    if staged:
+        notes.append(f"unfinished saves set aside: {', '.join(p.name for p in staged)}")
+    cut = truncate_metrics(Path(run_dir) / "metrics.jsonl", step)
+    if cut.torn or cut.duplicates:
+        notes.append(
+            f"metrics.jsonl: dropped {cut.torn} torn line(s) (a write cut by a kill) and "
+            f"{cut.duplicates} repeated step line(s)"
+        )
+    moved = set_aside_later(run_dir, step)
+    if moved:
+        notes.append(f"later checkpoints set aside: {', '.join(p.name for p in moved)}")
+    return notes
+
+
 def _start_fresh(run_dir: str) -> None:
-    moved = [p.name for p in set_aside_later(run_dir, 0)]
+    moved = [p.name for p in set_aside_staging(run_dir)]
+    moved += [p.name for p in set_aside_later(run_dir, 0)]
     rotated = rotate_metrics(Path(run_dir) / "metrics.jsonl")
     moved += [rotated.name] if rotated else []
     if moved:

@@ -45,17 +45,11 @@ from megarl.checkpoint.shards import (
     save_tensors,
 )
 
-ROLLOUT_HOST_STATE = "driver.json"  # the file name existing checkpoints carry
 MODEL_SIDE_FILES = (
     "config.json",
     "generation_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
     "chat_template.jinja",
-    "vocab.json",
-    "merges.txt",
-    "tokenizer.model",
+    *layout.TOKENIZER_FILES,
 )
 
 
@@ -83,7 +77,11 @@ def _parallel_ranks() -> tuple[int, int, int, int, int]:
 
 
 def save_training_checkpoint(cfg, step: int, actor, spec, host, model_dir: str) -> float:
-    """Collective: every rank writes its part; rank 0 publishes and prunes. Returns seconds."""
+    """Collective: every rank writes its part; rank 0 publishes and prunes. Returns seconds.
+
+    The marker records each file's size (a truncated copy is then recognisably damaged) and this
+    run directory's id, so rotation (``trainer.keep_last``) removes only checkpoints of this run.
+    """
     start = time.perf_counter()
     rank = dist.get_rank()
     root = layout.checkpoints_dir(cfg.trainer.run_dir)
@@ -108,7 +106,9 @@ def save_training_checkpoint(cfg, step: int, actor, spec, host, model_dir: str) 
         )
     torch.save({**_rng_state(), **_adapter_rng_state(sites)}, staging / layout.rng_file(rank))
     if rank == 0:
-        (staging / ROLLOUT_HOST_STATE).write_text(json.dumps(host.state_dict()), encoding="utf-8")
+        (staging / layout.HOST_STATE_FILE).write_text(
+            json.dumps(host.state_dict()), encoding="utf-8"
+        )
         copy_model_side_files(model_dir, staging)
     dist.barrier()
     if rank == 0:
@@ -120,9 +120,13 @@ def save_training_checkpoint(cfg, step: int, actor, spec, host, model_dir: str) 
             "config": config_tree(cfg),
             "spec": dataclasses.asdict(spec),
             "files": sorted(p.name for p in staging.iterdir()),
+            "sizes": layout.file_sizes(staging),
+            "run_id": layout.run_id(cfg.trainer.run_dir),
         }
-        layout.publish(staging, root / name, marker)
-        layout.prune(cfg.trainer.run_dir, cfg.trainer.keep_last)
+        moved = layout.publish(staging, root / name, marker)
+        if moved is not None:
+            print(f"megarl-train: warning: {name} already existed; set aside as {moved.name}")
+        layout.prune(cfg.trainer.run_dir, cfg.trainer.keep_last, marker["run_id"])
     dist.barrier()
     return time.perf_counter() - start
 
@@ -143,7 +147,7 @@ def restore_training_checkpoint(path: str, actor, spec, host) -> int:
         _set_rng_state(state)
         _set_adapter_rng_state(sites, state)
     if host is not None:
-        state = json.loads((info.path / ROLLOUT_HOST_STATE).read_text(encoding="utf-8"))
+        state = json.loads((info.path / layout.HOST_STATE_FILE).read_text(encoding="utf-8"))
         metrics_path = Path(host.cfg.trainer.run_dir) / "metrics.jsonl"
         host.load_state_dict(state, layout.read_metrics(metrics_path))
     return info.step
