@@ -9,6 +9,8 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
+import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -23,12 +25,25 @@ class MetricsWriter:
     The TensorBoard writer opens at the first step written, with ``purge_step`` = that step: after a
     resume from step k (``metrics.jsonl`` already cut back to k), events of steps > k left by the
     interrupted run are hidden, so curves show each step once. Nothing is deleted.
+
+    A kill in the middle of a write leaves a last line without its newline; appending to it would
+    glue the next record onto the torn one, so the writer first cuts that fragment off (it holds no
+    complete record) and says so on stderr.
     """
 
     def __init__(self, run_dir: Path, tensorboard: bool = True):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self._jsonl = open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8")  # noqa: SIM115
+        path = self.run_dir / "metrics.jsonl"
+        torn = cut_torn_tail(path)
+        if torn:
+            print(
+                f"megarl-train: warning: {path}: dropped a torn last line ({torn} bytes without "
+                "a newline, from a write cut short)",
+                file=sys.stderr,
+                flush=True,
+            )
+        self._jsonl = open(path, "a", encoding="utf-8")  # noqa: SIM115
         self._tensorboard = tensorboard
         self._tb = None
 
@@ -60,6 +75,35 @@ class MetricsWriter:
         self._jsonl.close()
         if self._tb is not None:
             self._tb.close()
+
+
+def cut_torn_tail(path: Path) -> int:
+    """Truncate ``path`` after its last newline; returns the bytes cut (0: none, or no file).
+
+    Every record is written as one line ending in ``\\n``, so bytes after the last newline are a
+    record whose write never finished.
+    """
+    if not path.is_file():
+        return 0
+    size = path.stat().st_size
+    if size == 0:
+        return 0
+    with open(path, "rb+") as handle:
+        start = max(0, size - 65536)
+        while True:
+            handle.seek(start)
+            chunk = handle.read(size - start)
+            last = chunk.rfind(b"\n")
+            if last >= 0 or start == 0:
+                break
+            start = max(0, start - 65536)
+        keep = start + last + 1 if last >= 0 else 0
+        if keep == size:
+            return 0
+        handle.truncate(keep)
+        handle.flush()
+        os.fsync(handle.fileno())
+    return size - keep
 
 
 def _jsonable(value: Any) -> Any:

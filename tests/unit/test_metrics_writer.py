@@ -28,3 +28,24 @@ def test_tensorboard_hides_the_interrupted_runs_later_steps(tmp_path):
     assert scalars == [(1, 1.0), (2, 2.0), (3, 3.5), (4, 4.5), (5, 5.5)]
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 3, 4, 5]  # resume.py cuts this file itself
+
+
+def test_a_torn_last_line_is_cut_with_a_warning_and_appending_continues(tmp_path, capsys):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1}\n{"step": 2, "actor/pg')  # killed in the middle of a write
+    writer = MetricsWriter(tmp_path, tensorboard=False)
+    writer.write({"step": 2, "actor/pg_loss": 0.5})
+    writer.close()
+    assert "dropped a torn last line (21 bytes" in capsys.readouterr().err
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert rows == [{"step": 1}, {"step": 2, "actor/pg_loss": 0.5}]
+
+
+def test_a_file_of_whole_lines_is_left_as_it_is(tmp_path, capsys):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1}\n')
+    MetricsWriter(tmp_path, tensorboard=False).close()
+    assert path.read_text() == '{"step": 1}\n' and capsys.readouterr().err == ""
+    path.write_text('{"st')  # a torn first line: nothing complete to keep
+    MetricsWriter(tmp_path, tensorboard=False).close()
+    assert path.read_text() == ""
