@@ -92,6 +92,7 @@ def hf_to_mcore(hf: str, out: str, tp: int, pp: int, progress: bool = True) -> P
             "spec": dataclasses.asdict(spec),
             "source": str(Path(hf).expanduser().resolve()),
             "files": sorted(p.name for p in staging.iterdir()),
+            "sizes": layout.file_sizes(staging),
         }
         layout.write_json_durably(staging / layout.MARKER, marker)
     return target

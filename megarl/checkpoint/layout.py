@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from megarl.errors import BadInputError
+
 MARKER = "megarl_checkpoint.json"
 FORMAT_VERSION = 1
 CHECKPOINTS_SUBDIR = "checkpoints"
@@ -50,8 +52,9 @@ TOKENIZER_FILES = (
 """The files that define the token ids a checkpoint's embedding rows stand for."""
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used; the message names the path and the problem."""
+class CheckpointError(BadInputError, ValueError):
+    """A checkpoint that cannot be used; the message names the path and the problem (exit 2,
+    also when a rank finds it while loading)."""
 
 
 class DamagedCheckpointError(CheckpointError):
@@ -121,10 +124,12 @@ def read_checkpoint(path: str | os.PathLike) -> CheckpointInfo:
         marker = json.loads(marker_path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"checkpoint {path}: unreadable {MARKER} ({exc})") from None
-    if marker.get("format") != FORMAT_VERSION:
-        raise CheckpointError(
-            f"checkpoint {path}: format {marker.get('format')!r} is not {FORMAT_VERSION}"
-        )
+    if not isinstance(marker, dict) or marker.get("format") != FORMAT_VERSION:
+        found = marker.get("format") if isinstance(marker, dict) else marker
+        raise CheckpointError(f"checkpoint {path}: format {found!r} is not {FORMAT_VERSION}")
+    problem = _marker_problem(marker, path.name)
+    if problem is not None:
+        raise CheckpointError(f"checkpoint {path}: {MARKER} {problem}")
     missing = [name for name in marker.get("files", []) if not (path / name).is_file()]
     if missing:
         raise CheckpointError(f"checkpoint {path}: missing file(s) {', '.join(missing[:3])}")
@@ -134,6 +139,31 @@ def read_checkpoint(path: str | os.PathLike) -> CheckpointInfo:
         if problem is not None:
             raise CheckpointError(f"checkpoint {path}: {name} is damaged ({problem})")
     return CheckpointInfo(path=path, marker=marker)
+
+
+def _marker_problem(marker: dict[str, Any], folder_name: str) -> str | None:
+    """The first marker field that is missing or of the wrong type; None if all are usable."""
+    step = marker.get("step")
+    if not _is_int(step) or step < 0:
+        return f"has step {step!r}, not a step number"
+    name = _STEP_DIR.match(folder_name)
+    if name is not None and int(name.group(1)) != step:
+        return f"says step {step}, the folder name says {int(name.group(1))}"
+    parallel = marker.get("layout")
+    for key in ("tp", "pp"):
+        value = parallel.get(key) if isinstance(parallel, dict) else None
+        if not _is_int(value) or value < 1:
+            return f"has layout.{key} {value!r}, not a positive size"
+    files = marker.get("files", [])
+    if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
+        return "has a files entry that is not a list of names"
+    if not isinstance(marker.get("sizes", {}), dict):
+        return "has a sizes entry that is not a mapping"
+    return None
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def file_sizes(folder: Path) -> dict[str, int]:

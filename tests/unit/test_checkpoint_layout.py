@@ -228,3 +228,22 @@ def test_later_checkpoints_and_old_metrics_are_set_aside_not_deleted(tmp_path):
     metrics.write_text('{"step": 2}\n')
     again = layout.rotate_metrics(metrics)  # within the same second: a new name, no overwrite
     assert again != rotated and rotated.read_text() == '{"step": 1}\n'
+
+
+@pytest.mark.parametrize(
+    ("edit", "needle"),
+    [
+        ({"step": "2"}, "has step '2', not a step number"),
+        ({"step": 3}, "says step 3, the folder name says 1"),
+        ({"layout": {"tp": 0, "pp": 1}}, "layout.tp 0"),
+        ({"files": "model"}, "files entry"),
+    ],
+)
+def test_a_marker_with_unusable_fields_is_one_line(tmp_path, edit, needle):
+    _save(tmp_path, 1)
+    path = layout.checkpoints_dir(tmp_path) / "step_000001"
+    marker = json.loads((path / layout.MARKER).read_text())
+    (path / layout.MARKER).write_text(json.dumps({**marker, **edit}))
+    with pytest.raises(CheckpointError, match=needle) as err:
+        layout.read_checkpoint(path)
+    assert err.value.exit_code == 2
