@@ -78,9 +78,11 @@ class TrainerConfig:
     save_interval: int = 0
     """Save a training checkpoint every this many steps (and at the last step); 0 = never."""
     keep_last: int = 2
-    """Complete checkpoints kept in run_dir/checkpoints (older ones are deleted after a save)."""
+    """Complete checkpoints of this run_dir kept after a save; older ones it wrote are deleted
+    (never a checkpoint of another run, a damaged one, or the newest: docs/reliability.md)."""
     resume: str = "auto"
-    """auto (latest complete checkpoint in run_dir, if any) | never | a checkpoint path."""
+    """auto (the newest checkpoint in run_dir, if any; a damaged one is an error, never skipped)
+    | never (start fresh; earlier checkpoints and metrics are renamed aside) | a checkpoint path."""
 
     def __post_init__(self) -> None:
         _positive("trainer.total_steps", self.total_steps)
