@@ -144,7 +144,7 @@ def read_checkpoint(path: str | os.PathLike) -> CheckpointInfo:
 def _marker_problem(marker: dict[str, Any], folder_name: str) -> str | None:
     """The first marker field that is missing or of the wrong type; None if all are usable."""
     step = marker.get("step")
-    if not _is_int(step) or step < 0:
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         return f"has step {step!r}, not a step number"
     name = _STEP_DIR.match(folder_name)
     if name is not None and int(name.group(1)) != step:
@@ -152,7 +152,7 @@ def _marker_problem(marker: dict[str, Any], folder_name: str) -> str | None:
     parallel = marker.get("layout")
     for key in ("tp", "pp"):
         value = parallel.get(key) if isinstance(parallel, dict) else None
-        if not _is_int(value) or value < 1:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             return f"has layout.{key} {value!r}, not a positive size"
     files = marker.get("files", [])
     if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
@@ -160,10 +160,6 @@ def _marker_problem(marker: dict[str, Any], folder_name: str) -> str | None:
     if not isinstance(marker.get("sizes", {}), dict):
         return "has a sizes entry that is not a mapping"
     return None
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def file_sizes(folder: Path) -> dict[str, int]:
