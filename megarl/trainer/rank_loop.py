@@ -148,11 +148,12 @@ def _setup(ctx: WorkerContext, inputs: RunInputs) -> _Runtime:
     if execution.cpu_shims:
         enter_cpu_shims()
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // ctx.world_size))
+    timeout_s = cfg.trainer.collective_timeout_s
     parallel.init_process_group(
-        inputs.device, ctx.rank, ctx.world_size, ctx.master_addr, ctx.master_port
+        inputs.device, ctx.rank, ctx.world_size, ctx.master_addr, ctx.master_port, timeout_s
     )
     parallel.init_model_parallel(
-        cfg.actor.tp, cfg.actor.pp, cfg.actor.vpp if cfg.actor.vpp > 1 else None
+        cfg.actor.tp, cfg.actor.pp, cfg.actor.vpp if cfg.actor.vpp > 1 else None, timeout_s
     )
     spec = spec_from_hf_config(load_hf_config(inputs.model_dir))
     tokenizer = load_hf_tokenizer(inputs.model_dir)

@@ -29,8 +29,8 @@ def _run_killed(tmp_path, fault: str, steps: int, **overrides) -> tuple[list[str
         "PYTHONPATH": os.pathsep.join([str(REPO), str(Path(__file__).parent)]),
         "MEGARL_FAULT_INJECT": fault,
         "MEGARL_FAULT_INJECT_MARK": str(mark),
-        "MEGARL_COLLECTIVE_TIMEOUT_S": "120",
     }
+    overrides = {"trainer.collective_timeout_s": 120, **overrides}
     args = tiny_overrides(tmp_path / "run", steps=steps, **overrides)
     done = subprocess.run(
         [sys.executable, "-m", "megarl.train", *args],
@@ -97,7 +97,6 @@ def test_killed_rank_then_resume_auto_completes_the_run(tmp_path):
     base_env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(REPO), str(Path(__file__).parent)]),
-        "MEGARL_COLLECTIVE_TIMEOUT_S": "120",
     }
     command = [
         sys.executable,
@@ -112,6 +111,7 @@ def test_killed_rank_then_resume_auto_completes_the_run(tmp_path):
                 "actor.tp": 2,
                 "trainer.save_interval": 1,
                 "trainer.resume": "auto",
+                "trainer.collective_timeout_s": 120,
             },
         ),
     ]
