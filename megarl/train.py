@@ -265,6 +265,7 @@ def _hold_run_dir(run_dir: str) -> Iterator[None]:
 # --- launcher dispatch ---------------------------------------------------
 def _launch(cfg, device: str, fn, inputs) -> list:
     """Run ``fn`` on every rank: spawned processes here (local) or Ray actors (ray)."""
+    from megarl.distributed.heartbeat import HeartbeatWatch
     from megarl.distributed.launcher import launch
 
     if cfg.trainer.launcher == "ray":
@@ -275,7 +276,10 @@ def _launch(cfg, device: str, fn, inputs) -> list:
             return launch_on_ray(fn, layout, args=(inputs,), side=_split_rollout(cfg, inputs))
         except PlacementError as exc:
             raise StartupError(str(exc)) from None
-    return launch(fn, cfg.trainer.world_size, args=(inputs,))
+    watch = HeartbeatWatch(
+        str(Path(cfg.trainer.run_dir) / ".heartbeat"), cfg.trainer.collective_timeout_s
+    )
+    return launch(fn, cfg.trainer.world_size, args=(inputs,), watch=watch)
 
 
 def _split_rollout(cfg, inputs):
@@ -297,7 +301,7 @@ def _split_rollout(cfg, inputs):
 
 
 def main(argv: list[str] | None = None) -> int:
-    from megarl.distributed.launcher import WorkerFailed
+    from megarl.distributed.launcher import RunStopped, WorkerFailed, stop_on_signals
     from megarl.errors import MegarlError
 
     args = sys.argv[1:] if argv is None else argv
@@ -308,7 +312,11 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 0
     try:
-        run(args)
+        with stop_on_signals():
+            run(args)
+    except RunStopped as exc:  # SIGTERM / SIGINT: workers were terminated and joined
+        print(f"megarl-train: {exc}: every rank was stopped", file=sys.stderr)
+        return exc.exit_code
     except StartupError as exc:
         print(f"megarl-train: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT

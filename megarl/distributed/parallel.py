@@ -8,7 +8,6 @@ of a silent hang, and the launcher names the rank that stopped (see :mod:`megarl
 from __future__ import annotations
 
 import datetime
-import math
 import os
 from dataclasses import dataclass
 
@@ -57,15 +56,15 @@ def init_process_group(
 def init_model_parallel(
     tp: int, pp: int, vpp: int | None = None, timeout_s: float = DEFAULT_TIMEOUT_S
 ) -> ParallelLayout:
-    """Create Megatron's TP/PP/DP groups on top of the global group, with the same timeout
-    (Megatron takes whole minutes: rounded up, at least one)."""
+    """Create Megatron's TP/PP/DP groups on top of the global group, with the same timeout."""
     from megatron.core import parallel_state
 
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp,
-        distributed_timeout_minutes=max(1, math.ceil(timeout_s / 60)),
+        # annotated int, but only ever given to timedelta(minutes=...), which takes a float
+        distributed_timeout_minutes=timeout_s / 60,  # pyright: ignore[reportArgumentType]
     )
     return ParallelLayout(world_size=dist.get_world_size(), rank=dist.get_rank(), tp=tp, pp=pp)
 
