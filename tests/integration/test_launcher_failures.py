@@ -156,11 +156,14 @@ def _metric_rows(run_dir: Path) -> list[dict]:
 def _peer_fails_first(ctx, sync_dir: str) -> None:
     """Rank 1 is "killed" just after rank 0 reports the peer error it would see in a collective:
     the order in which the parent hears about them when the killed rank is reaped late."""
-    ready = Path(sync_dir) / "rank1_ready"
+    ready, waiting = Path(sync_dir) / "rank1_ready", Path(sync_dir) / "rank0_waiting"
     if ctx.rank == 1:
+        while not waiting.exists():  # both ranks started (spawn times differ under load)
+            time.sleep(0.01)
         ready.write_text("1")
         time.sleep(0.3)
         os._exit(137)
+    waiting.write_text("0")
     while not ready.exists():
         time.sleep(0.01)
     raise RuntimeError("Connection closed by peer")
