@@ -233,7 +233,7 @@ def _stop(procs) -> None:
 
 
 def _raise_if_stuck(
-    procs, results, errors, watch: HeartbeatWatch, older_than_s: float, in_steps_only=False
+    procs, results, errors, watch: HeartbeatWatch, older_than_s: float, in_steps_only: bool = False
 ) -> None:
     """Name the live, silent rank whose main loop stopped first, if it has been stuck longer
     than ``older_than_s``; its peers' errors (if any) are what it caused."""
