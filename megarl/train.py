@@ -7,9 +7,11 @@ process starts or anything is written.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, cast
 
@@ -224,31 +226,53 @@ def resolve_resume(cfg, model_dir: str, device: str) -> str | None:
 
 
 def run(overrides: list[str], return_final_state: bool = False):
-    """Compose, validate, and train; returns rank 0's :class:`RunResult`."""
+    """Compose, validate, and train; returns rank 0's :class:`RunResult`.
+
+    ``trainer.run_dir`` is locked (one run per folder) once the checks that write nothing have
+    passed, and before the resume check tidies the folder or the model is placed in it.
+    """
     from megarl.trainer.rank_loop import RunInputs, run_rank
 
     cfg = compose_config(overrides)
     device = resolve_device(cfg.trainer.device, cfg)
-    with tempfile.TemporaryDirectory(prefix="megarl-init-") as tmp:
-        staging = Path(tmp) / "init_model"
-        model_dir = resolve_model_dir(cfg, staging)
-        validate_against_model(cfg, model_dir, device)
-        resume_from = resolve_resume(cfg, model_dir, device)
-        model_dir = place_model_dir(cfg, model_dir, staging)
-    Path(cfg.trainer.run_dir).mkdir(parents=True, exist_ok=True)
-    inputs = RunInputs(
-        cfg=cfg,
-        model_dir=model_dir,
-        device=device,
-        return_final_state=return_final_state,
-        resume_from=resume_from,
-    )
-    return _launch(cfg, device, run_rank, inputs)[0]
+    with contextlib.ExitStack() as held:
+        with tempfile.TemporaryDirectory(prefix="megarl-init-") as tmp:
+            staging = Path(tmp) / "init_model"
+            model_dir = resolve_model_dir(cfg, staging)
+            validate_against_model(cfg, model_dir, device)
+            held.enter_context(_hold_run_dir(cfg.trainer.run_dir))
+            resume_from = resolve_resume(cfg, model_dir, device)
+            model_dir = place_model_dir(cfg, model_dir, staging)
+        inputs = RunInputs(
+            cfg=cfg,
+            model_dir=model_dir,
+            device=device,
+            return_final_state=return_final_state,
+            resume_from=resume_from,
+        )
+        return _launch(cfg, device, run_rank, inputs)[0]
+
+
+@contextlib.contextmanager
+def _hold_run_dir(run_dir: str) -> Iterator[None]:
+    """The run directory's lock (see :mod:`megarl.distributed.run_lock`) for the ``with`` block;
+    a folder the lock created is removed again if the run leaves it empty (refused by a check)."""
+    from megarl.distributed.run_lock import run_lock
+
+    existed = Path(run_dir).exists()
+    try:
+        with run_lock(run_dir):
+            yield
+    finally:
+        if not existed:
+            with contextlib.suppress(OSError):  # not empty: the run wrote its outputs
+                Path(run_dir).rmdir()
 
 
 # --- launcher dispatch ---------------------------------------------------
 def _launch(cfg, device: str, fn, inputs) -> list:
     """Run ``fn`` on every rank: spawned processes here (local) or Ray actors (ray)."""
+    from megarl.distributed.heartbeat import HeartbeatWatch
     from megarl.distributed.launcher import launch
 
     if cfg.trainer.launcher == "ray":
@@ -259,7 +283,10 @@ def _launch(cfg, device: str, fn, inputs) -> list:
             return launch_on_ray(fn, layout, args=(inputs,), side=_split_rollout(cfg, inputs))
         except PlacementError as exc:
             raise StartupError(str(exc)) from None
-    return launch(fn, cfg.trainer.world_size, args=(inputs,))
+    watch = HeartbeatWatch(
+        str(Path(cfg.trainer.run_dir) / ".heartbeat"), cfg.trainer.collective_timeout_s
+    )
+    return launch(fn, cfg.trainer.world_size, args=(inputs,), watch=watch)
 
 
 def _split_rollout(cfg, inputs):
@@ -281,7 +308,7 @@ def _split_rollout(cfg, inputs):
 
 
 def main(argv: list[str] | None = None) -> int:
-    from megarl.distributed.launcher import WorkerFailed
+    from megarl.distributed.launcher import RunStopped, WorkerFailed, stop_on_signals
     from megarl.errors import MegarlError
 
     args = sys.argv[1:] if argv is None else argv
@@ -292,7 +319,11 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 0
     try:
-        run(args)
+        with stop_on_signals():
+            run(args)
+    except RunStopped as exc:  # SIGTERM / SIGINT: workers were terminated and joined
+        print(f"megarl-train: {exc}: every rank was stopped", file=sys.stderr)
+        return exc.exit_code
     except StartupError as exc:
         print(f"megarl-train: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT

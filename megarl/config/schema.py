@@ -83,9 +83,14 @@ class TrainerConfig:
     resume: str = "auto"
     """auto (the newest checkpoint in run_dir, if any; a damaged one is an error, never skipped)
     | never (start fresh; earlier checkpoints and metrics are renamed aside) | a checkpoint path."""
+    collective_timeout_s: float = 600.0
+    """Seconds a rank waits in one collective, and that a rank may go without progress, before
+    the run fails naming the rank that stopped. 600 s outlasts a slow first step (a model
+    loading, a long rollout on CPU) yet still ends a hang within minutes on CPU and GPU."""
 
     def __post_init__(self) -> None:
         _positive("trainer.total_steps", self.total_steps)
+        _positive("trainer.collective_timeout_s", self.collective_timeout_s)
         _require(
             self.save_interval >= 0,
             f"trainer.save_interval={self.save_interval}: must be >= 0 (0 = never)",

@@ -1,10 +1,14 @@
-"""Test-only fault injection: make one rank, or the split rollout actor, die abruptly at a step.
+"""Test-only fault injection: make one rank, or the split rollout actor, die abruptly at a step;
+or make one rank's main loop freeze.
 
 ``MEGARL_FAULT_INJECT=<rank>:<step>`` makes that rank call ``os._exit(137)`` (what a SIGKILL or the
 OOM killer looks like from outside) at the start of that step; ``rollout:<step>`` does the same to
 the rollout actor of a split placement when it starts that step's rollout. Before dying it writes
 the wall-clock time to ``MEGARL_FAULT_INJECT_MARK`` if set, so tests can measure how fast the
-failure is reported. Unset (always, outside tests) it costs one dictionary lookup per step.
+failure is reported. ``MEGARL_FAULT_FREEZE=<rank>:<step>`` makes that rank's main loop sleep
+forever at the start of that step (after marking the step's first phase), as a deadlock or a
+stuck device would: the process and its heartbeat thread live on, only the loop stops. Unset
+(always, outside tests) each costs one dictionary lookup per step.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import sys
 import time
 
 ENV = "MEGARL_FAULT_INJECT"
+FREEZE_ENV = "MEGARL_FAULT_FREEZE"
 MARK_ENV = "MEGARL_FAULT_INJECT_MARK"
 EXIT_CODE = 137
 ROLLOUT = "rollout"
@@ -30,10 +35,7 @@ def maybe_die(who: int | str, step: int) -> None:
     spec = os.environ.get(ENV)
     if not spec or parse(spec) != (who, step):
         return
-    mark = os.environ.get(MARK_ENV)
-    if mark:
-        with open(mark, "w") as handle:
-            handle.write(f"{time.time():.3f}\n")
+    _write_mark()
     name = who if who == ROLLOUT else f"rank {who}"
     print(
         f"fault injection: {name} exits with {EXIT_CODE} at step {step}",
@@ -41,3 +43,21 @@ def maybe_die(who: int | str, step: int) -> None:
         flush=True,
     )
     os._exit(EXIT_CODE)
+
+
+def maybe_freeze(rank: int, step: int) -> None:
+    """Sleep forever if ``MEGARL_FAULT_FREEZE`` names this rank and step."""
+    spec = os.environ.get(FREEZE_ENV)
+    if not spec or parse(spec) != (rank, step):
+        return
+    _write_mark()
+    print(f"fault injection: rank {rank} freezes at step {step}", file=sys.stderr, flush=True)
+    while True:
+        time.sleep(3600)
+
+
+def _write_mark() -> None:
+    mark = os.environ.get(MARK_ENV)
+    if mark:
+        with open(mark, "w") as handle:
+            handle.write(f"{time.time():.3f}\n")

@@ -2,14 +2,25 @@
 
 ``trainer.launcher=local``. A world of one runs in-process (no spawn cost, easy debugging).
 Otherwise N processes are spawned; if any dies, the others are terminated and
-:class:`WorkerFailed` names the rank and exit code, so a crash never becomes a hang.
+:class:`WorkerFailed` names the rank and exit code, so a crash never becomes a hang. With a
+:class:`HeartbeatWatch`, a rank whose main loop stops is named too (see
+:mod:`megarl.distributed.heartbeat`).
+
+Workers die with the launcher: each asks the kernel for SIGKILL when its parent exits
+(``PR_SET_PDEATHSIG``, Linux) and watches its parent pid from a daemon thread (the fallback where
+prctl is missing, and for a parent that died before the request). A launcher stopped by SIGTERM
+or SIGINT (:func:`stop_on_signals`) terminates and joins its workers before it exits.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
+import signal
 import socket
+import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -18,10 +29,44 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
+from megarl.distributed.heartbeat import STALE_GRACE_S, HeartbeatWatch
 from megarl.errors import MegarlError
 
 POLL_S = 0.2
 CAUSE_GRACE_S = 1.0  # how long a peer's error waits for a killed rank to be seen
+PARENT_POLL_S = 1.0  # how often a worker's fallback watch checks that its launcher lives
+WATCH_POLL_S = 1.0  # how often the launcher reads the heartbeats
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+class RunStopped(MegarlError):
+    """The launcher was sent SIGTERM or SIGINT: the run was stopped on purpose. The exit code is
+    the shell's convention for a process ended by that signal, 128 + its number (SIGINT 130,
+    SIGTERM 143)."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        self.exit_code = 128 + signum
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+
+
+@contextlib.contextmanager
+def stop_on_signals():
+    """SIGTERM and SIGINT raise :class:`RunStopped` in the main thread for this block, so the
+    launcher's cleanup (terminating workers, releasing the run directory) runs before it exits."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def _raise(signum, _frame):
+        raise RunStopped(signum)
+
+    previous = {sig: signal.signal(sig, _raise) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 class WorkerFailed(RuntimeError):
@@ -50,6 +95,8 @@ class WorkerContext:
     world_size: int
     master_addr: str
     master_port: int
+    heartbeat_dir: str | None = None
+    """Where this rank publishes its heartbeat for the launcher; None: nobody watches."""
 
 
 def find_free_port() -> int:
@@ -58,11 +105,44 @@ def find_free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _die_with_parent(parent_pid: int) -> None:
+    """End this worker when the launcher that spawned it ends, however it ends (SIGKILL too).
+
+    The kernel sends SIGKILL when the parent *thread* exits; the spawning thread is the
+    launcher's main thread, so that is when the launcher exits. The pid watch covers systems
+    without prctl and a launcher that died before the request was made.
+    """
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        with contextlib.suppress(OSError, AttributeError):
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(PARENT_POLL_S)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="megarl-parent-watch", daemon=True).start()
+
+
 def _worker_entry(
-    rank: int, fn: Callable, world_size: int, port: int, args: tuple, error_queue
+    rank: int,
+    fn: Callable,
+    world_size: int,
+    port: int,
+    args: tuple,
+    error_queue,
+    parent_pid: int,
+    heartbeat_dir: str | None,
 ) -> None:
+    _die_with_parent(parent_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the launcher, which stops us
     os.environ.setdefault("OMP_NUM_THREADS", os.environ.get("MEGARL_WORKER_THREADS", "1"))
-    ctx = WorkerContext(rank=rank, world_size=world_size, master_addr="127.0.0.1", master_port=port)
+    ctx = WorkerContext(rank, world_size, "127.0.0.1", port, heartbeat_dir)
     try:
         result = fn(ctx, *args)
         # Plain pickle bytes: torch's queue reductions would pass tensors as shared-memory
@@ -80,48 +160,95 @@ def _worker_entry(
 
 
 def launch(
-    fn: Callable[..., Any], world_size: int, args: tuple = (), timeout_s: float | None = None
+    fn: Callable[..., Any],
+    world_size: int,
+    args: tuple = (),
+    timeout_s: float | None = None,
+    watch: HeartbeatWatch | None = None,
 ) -> list[Any]:
     """Run ``fn(WorkerContext, *args)`` on ``world_size`` ranks; return each rank's result.
 
     ``fn`` must be importable (a module-level function): workers are spawned, not forked, because
-    forking a process that already holds threads or a process group is unsafe.
+    forking a process that already holds threads or a process group is unsafe. With ``watch``,
+    each rank is told where to publish its heartbeat and a rank that stops is named.
     """
     if world_size == 1:
         return [fn(WorkerContext(0, 1, "127.0.0.1", find_free_port()), *args)]
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     port = find_free_port()
+    if watch is not None:
+        watch.reset()
+    beat_dir = watch.folder if watch is not None else None
     procs = [
         ctx.Process(
-            target=_worker_entry, args=(rank, fn, world_size, port, args, queue), daemon=False
+            target=_worker_entry,
+            args=(rank, fn, world_size, port, args, queue, os.getpid(), beat_dir),
+            daemon=False,
         )
         for rank in range(world_size)
     ]
-    for proc in procs:
-        proc.start()
+    try:
+        for proc in procs:
+            proc.start()
+        return _wait(procs, queue, timeout_s, watch)
+    finally:
+        _stop(procs)
+        if watch is not None:
+            watch.reset()
+
+
+def _wait(procs, queue, timeout_s: float | None, watch: HeartbeatWatch | None) -> list[Any]:
     results: dict[int, Any] = {}
     errors: dict[int, Any] = {}
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    try:
-        while len(results) + len(errors) < world_size:
-            _drain(queue, results, errors)
-            if errors or _silently_dead(procs, results, errors):
-                _raise_root_cause(procs, queue, results, errors)
-            if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError(f"workers did not finish within {timeout_s:.0f} s")
-            time.sleep(POLL_S)
-        for proc in procs:
-            proc.join(timeout=30)
-        return [pickle.loads(results[r]) for r in range(world_size)]
-    finally:
-        for proc in procs:
-            if proc.is_alive():
-                proc.terminate()
-        for proc in procs:
-            proc.join(timeout=10)
-            if proc.is_alive():
-                proc.kill()
+    next_watch = time.monotonic() + WATCH_POLL_S
+    while len(results) + len(errors) < len(procs):
+        _drain(queue, results, errors)
+        if errors or _silently_dead(procs, results, errors):
+            _raise_root_cause(procs, queue, results, errors, watch)
+        if watch is not None and time.monotonic() >= next_watch:
+            next_watch = time.monotonic() + WATCH_POLL_S
+            _raise_if_stuck(procs, results, errors, watch, watch.timeout_s + STALE_GRACE_S, True)
+        if deadline is not None and time.monotonic() > deadline:
+            raise TimeoutError(f"workers did not finish within {timeout_s:.0f} s")
+        time.sleep(POLL_S)
+    for proc in procs:
+        proc.join(timeout=30)
+    return [pickle.loads(results[r]) for r in range(len(procs))]
+
+
+def _stop(procs) -> None:
+    """Terminate (SIGTERM) the workers still running, join them, SIGKILL any that linger."""
+    for proc in procs:
+        if proc.pid is not None and proc.is_alive():
+            proc.terminate()
+    for proc in procs:
+        if proc.pid is None:
+            continue
+        proc.join(timeout=10)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=5)
+
+
+def _raise_if_stuck(
+    procs, results, errors, watch: HeartbeatWatch, older_than_s: float, in_steps_only: bool = False
+) -> None:
+    """Name the live, silent rank whose main loop stopped first, if it has been stuck longer
+    than ``older_than_s``; its peers' errors (if any) are what it caused."""
+    live = {
+        r: p.pid
+        for r, p in enumerate(procs)
+        if p.is_alive() and r not in results and r not in errors
+    }
+    failed = {r: procs[r].pid for r in errors}
+    beat = watch.stalest(live, older_than_s, failed, in_steps_only)
+    if beat is None:
+        return
+    peers = f"; then {len(errors)} other rank(s) failed" if errors else ""
+    where = f"{role_of(beat.rank)} rank {beat.rank} on node {beat.host}"
+    raise WorkerFailed(beat.rank, None, beat.describe(time.time()) + peers, where=where)
 
 
 # --- which rank caused a failure ----------------------------------------------------
@@ -145,10 +272,12 @@ def _silently_dead(procs, results, errors) -> list[tuple[int, int]]:
     ]
 
 
-def _raise_root_cause(procs, queue, results, errors) -> None:
-    """Give a killed rank ``CAUSE_GRACE_S`` to be seen dead, then name it (or the lowest rank with
-    a Python error). A reporting rank writes its message before it exits, so exit codes are read
-    before the queue: a rank dead with its message still unread is never taken as killed."""
+def _raise_root_cause(procs, queue, results, errors, watch: HeartbeatWatch | None = None) -> None:
+    """Give a killed rank ``CAUSE_GRACE_S`` to be seen dead, then name it, or a live rank stuck
+    for half the collective timeout (its peers' collectives timed out waiting for it), or the
+    lowest rank with a Python error. A reporting rank writes its message before it exits, so exit
+    codes are read before the queue: a rank dead with its message still unread is never taken as
+    killed."""
     grace_end = time.monotonic() + CAUSE_GRACE_S
     while True:
         dead = _silently_dead(procs, results, errors)
@@ -161,6 +290,8 @@ def _raise_root_cause(procs, queue, results, errors) -> None:
         if time.monotonic() >= grace_end:
             break
         time.sleep(POLL_S / 4)
+    if watch is not None:
+        _raise_if_stuck(procs, results, errors, watch, watch.timeout_s / 2)
     rank = min(errors)
     payload = errors[rank]
     if isinstance(payload, int):

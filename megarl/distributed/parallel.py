@@ -1,7 +1,8 @@
 """Process-group set-up for Megatron ranks, on CPU (gloo) and GPU (NCCL).
 
-Every collective gets a timeout (``MEGARL_COLLECTIVE_TIMEOUT_S``, default 600 s): a dead or stuck
-peer turns into an error naming the rank instead of a silent hang.
+Every collective gets a timeout (``trainer.collective_timeout_s``, default 600 s, passed in by the
+rank loop on every rank under either launcher): a dead or stuck peer turns into an error instead
+of a silent hang, and the launcher names the rank that stopped (see :mod:`megarl.distributed.heartbeat`).
 """
 
 from __future__ import annotations
@@ -30,16 +31,16 @@ class ParallelLayout:
         return self.world_size // (self.tp * self.pp)
 
 
-def collective_timeout() -> datetime.timedelta:
-    return datetime.timedelta(
-        seconds=float(os.environ.get("MEGARL_COLLECTIVE_TIMEOUT_S", DEFAULT_TIMEOUT_S))
-    )
-
-
 def init_process_group(
-    device: str, rank: int, world_size: int, master_addr: str, master_port: int
+    device: str,
+    rank: int,
+    world_size: int,
+    master_addr: str,
+    master_port: int,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> None:
-    """Join the global group: gloo on CPU, NCCL on CUDA (with a gloo-free default)."""
+    """Join the global group: gloo on CPU, NCCL on CUDA (with a gloo-free default); every
+    collective of the group fails after ``timeout_s`` instead of waiting forever."""
     backend = "nccl" if device == "cuda" else "gloo"
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
@@ -48,19 +49,22 @@ def init_process_group(
         init_method=f"tcp://{master_addr}:{master_port}",
         rank=rank,
         world_size=world_size,
-        timeout=collective_timeout(),
+        timeout=datetime.timedelta(seconds=timeout_s),
     )
 
 
-def init_model_parallel(tp: int, pp: int, vpp: int | None = None) -> ParallelLayout:
-    """Create Megatron's TP/PP/DP groups on top of the global group."""
+def init_model_parallel(
+    tp: int, pp: int, vpp: int | None = None, timeout_s: float = DEFAULT_TIMEOUT_S
+) -> ParallelLayout:
+    """Create Megatron's TP/PP/DP groups on top of the global group, with the same timeout."""
     from megatron.core import parallel_state
 
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp,
-        distributed_timeout_minutes=max(1, int(collective_timeout().total_seconds() // 60)),
+        # annotated int, but only ever given to timedelta(minutes=...), which takes a float
+        distributed_timeout_minutes=timeout_s / 60,  # pyright: ignore[reportArgumentType]
     )
     return ParallelLayout(world_size=dist.get_world_size(), rank=dist.get_rank(), tp=tp, pp=pp)
 

@@ -37,6 +37,7 @@ from megarl.actor.train_stats import OptimizerStepStats, UpdateStats, summarise_
 from megarl.batch import RolloutBatch, RolloutShard
 from megarl.config import planning
 from megarl.config.schema import RunConfig
+from megarl.distributed import heartbeat
 from megarl.distributed.launcher import WorkerContext
 from megarl.planner.batch_planner import StepPlan, plan_forward_micro_batches, plan_step
 from megarl.planner.gates import ReferenceSource, StepGates, decide_gates, decide_reference
@@ -78,11 +79,14 @@ def run_rank(ctx: WorkerContext, inputs: RunInputs) -> RunResult | None:
     from megarl.distributed.platform import exit_cpu_shims
 
     _quiet_third_party_warnings()
+    if ctx.heartbeat_dir is not None:  # the launcher names this rank if its loop stops
+        heartbeat.start(ctx.heartbeat_dir, ctx.rank)
     runtime = _setup(ctx, inputs)
     try:
         _train(runtime)
         final_state = None
         if inputs.return_final_state:  # streamed: never the whole model on one rank
+            heartbeat.mark("final_state")
             from megarl.export.stream import collect_state_dict, open_stream
 
             final_state = collect_state_dict(
@@ -148,15 +152,18 @@ def _setup(ctx: WorkerContext, inputs: RunInputs) -> _Runtime:
     if execution.cpu_shims:
         enter_cpu_shims()
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // ctx.world_size))
+    timeout_s = cfg.trainer.collective_timeout_s
+    heartbeat.mark("init_process_group")
     parallel.init_process_group(
-        inputs.device, ctx.rank, ctx.world_size, ctx.master_addr, ctx.master_port
+        inputs.device, ctx.rank, ctx.world_size, ctx.master_addr, ctx.master_port, timeout_s
     )
     parallel.init_model_parallel(
-        cfg.actor.tp, cfg.actor.pp, cfg.actor.vpp if cfg.actor.vpp > 1 else None
+        cfg.actor.tp, cfg.actor.pp, cfg.actor.vpp if cfg.actor.vpp > 1 else None, timeout_s
     )
     spec = spec_from_hf_config(load_hf_config(inputs.model_dir))
     tokenizer = load_hf_tokenizer(inputs.model_dir)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    heartbeat.mark("build_rollout_engine")
     host = _build_rollout_host(ctx, inputs, tokenizer, spec)  # engine first: its errors come early
     hf_tensors = open_hf_tensors(inputs.model_dir)
     dtype = getattr(torch, execution.params_dtype)
@@ -170,6 +177,7 @@ def _setup(ctx: WorkerContext, inputs: RunInputs) -> _Runtime:
         pad_id,
         execution=execution,
     )
+    heartbeat.mark("build_actor")
     actor = build(trainable=True, init_seed=cfg.trainer.seed)
     reference_plan = decide_reference(planning.run_facts(cfg))
     if ctx.rank == 0 and cfg.trainer.log_console:
@@ -179,6 +187,7 @@ def _setup(ctx: WorkerContext, inputs: RunInputs) -> _Runtime:
         )
     reference = None
     if reference_plan.source is ReferenceSource.MODEL:
+        heartbeat.mark("build_reference")
         reference = build(trainable=False)
     return _Runtime(
         cfg=cfg,
@@ -218,11 +227,14 @@ def _build_rollout_host(
 
 
 def _train(rt: _Runtime) -> None:
-    from megarl.distributed.fault_injection import maybe_die  # test-only hook
+    from megarl.distributed.fault_injection import maybe_die, maybe_freeze  # test-only hooks
 
+    heartbeat.mark("restore")
     last_done = _maybe_restore(rt)
     for step in range(last_done + 1, rt.cfg.trainer.total_steps + 1):
         maybe_die(dist.get_rank(), step)
+        heartbeat.mark("rollout", step)
+        maybe_freeze(dist.get_rank(), step)
         timer = PhaseTimer()
         header, rollout, rollout_metrics, engine_state = _broadcast_rollout(rt, step, timer)
         plan = plan_step(
@@ -234,6 +246,7 @@ def _train(rt: _Runtime) -> None:
                 header.group_ids.tolist(),
             )
         )
+        heartbeat.mark("scatter")
         batch = _scatter_sequences(rt, rollout, header, plan)
         gates = decide_gates(
             planning.step_facts(
@@ -248,6 +261,7 @@ def _train(rt: _Runtime) -> None:
         stats = _update_actor(rt, batch, plan, old, recomputed, ref, timer)
         _sync_weights(rt, gates, timer, step)
         if rt.host is not None:
+            heartbeat.mark("record_metrics")
             rt.host.record_step(step, timer, rollout_metrics, plan, gates, stats, rollout)
         _maybe_save(rt, step)
 
@@ -273,6 +287,7 @@ def _maybe_save(rt: _Runtime, step: int) -> None:
         return
     from megarl.checkpoint.trainer_state import save_training_checkpoint
 
+    heartbeat.mark("save")
     save_training_checkpoint(rt.cfg, step, rt.actor, rt.spec, rt.host, rt.model_dir)
 
 
@@ -288,6 +303,7 @@ def _broadcast_rollout(rt: _Runtime, step: int, timer: PhaseTimer):
             engine_state = rt.host.release_engine_for_training()
         metrics = {**metrics, **rt.host.engine_metrics(engine_state)}
         payload = [(rollout.shard(()), metrics, phase_seconds, engine_state)]
+    heartbeat.mark("broadcast_rollout")
     dist.broadcast_object_list(payload, src=0)
     header, metrics, phase_seconds, engine_state = payload[0]
     timer.add(phase_seconds)
@@ -324,12 +340,14 @@ def _logprob_passes(
             groups = plan_forward_micro_batches(
                 [i for i in mine if i in wanted], batch.seq_lens, budget
             )
+            heartbeat.mark("old_log_prob")
             with timer.phase("old_log_prob"):
                 recomputed = rt.actor.compute_logprobs(batch, groups, temperature)
         old = recomputed
     ref = None
     if gates.ref_log_prob.run:
         groups = plan_forward_micro_batches(list(mine), batch.seq_lens, budget)
+        heartbeat.mark("ref")
         with timer.phase("ref"):
             ref = _reference_logprobs(rt, batch, groups, temperature)
     return old, recomputed, ref
@@ -371,6 +389,7 @@ def _update_actor(
     lp_diff = [0.0, 0.0]  # |engine - trainer| summed, tokens compared
     with timer.phase("update_actor"):
         for index, opt_step in enumerate(plan.optimizer_steps):
+            heartbeat.mark("update_actor")  # each optimizer step is progress
             result = rt.actor.train_step(
                 batch, opt_step, rt.dp_rank, old, ref, loss, capture_logprobs=index == 0
             )
@@ -401,6 +420,7 @@ def _sync_weights(rt: _Runtime, gates: StepGates, timer: PhaseTimer, step: int) 
     """Wake the engine and send what the gates say: base (or full) weights, the adapter."""
     from megarl.export.sync import is_checksum_step
 
+    heartbeat.mark("update_weights")
     if rt.host is not None:
         with timer.phase("engine_wake"):
             _check_wake_report(rt.host.wake_engine(), gates)

@@ -29,8 +29,8 @@ def _run_killed(tmp_path, fault: str, steps: int, **overrides) -> tuple[list[str
         "PYTHONPATH": os.pathsep.join([str(REPO), str(Path(__file__).parent)]),
         "MEGARL_FAULT_INJECT": fault,
         "MEGARL_FAULT_INJECT_MARK": str(mark),
-        "MEGARL_COLLECTIVE_TIMEOUT_S": "120",
     }
+    overrides = {"trainer.collective_timeout_s": 120, **overrides}
     args = tiny_overrides(tmp_path / "run", steps=steps, **overrides)
     done = subprocess.run(
         [sys.executable, "-m", "megarl.train", *args],
@@ -97,7 +97,6 @@ def test_killed_rank_then_resume_auto_completes_the_run(tmp_path):
     base_env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(REPO), str(Path(__file__).parent)]),
-        "MEGARL_COLLECTIVE_TIMEOUT_S": "120",
     }
     command = [
         sys.executable,
@@ -112,6 +111,7 @@ def test_killed_rank_then_resume_auto_completes_the_run(tmp_path):
                 "actor.tp": 2,
                 "trainer.save_interval": 1,
                 "trainer.resume": "auto",
+                "trainer.collective_timeout_s": 120,
             },
         ),
     ]
@@ -156,11 +156,14 @@ def _metric_rows(run_dir: Path) -> list[dict]:
 def _peer_fails_first(ctx, sync_dir: str) -> None:
     """Rank 1 is "killed" just after rank 0 reports the peer error it would see in a collective:
     the order in which the parent hears about them when the killed rank is reaped late."""
-    ready = Path(sync_dir) / "rank1_ready"
+    ready, waiting = Path(sync_dir) / "rank1_ready", Path(sync_dir) / "rank0_waiting"
     if ctx.rank == 1:
+        while not waiting.exists():  # both ranks started (spawn times differ under load)
+            time.sleep(0.01)
         ready.write_text("1")
         time.sleep(0.3)
         os._exit(137)
+    waiting.write_text("0")
     while not ready.exists():
         time.sleep(0.01)
     raise RuntimeError("Connection closed by peer")

@@ -1,0 +1,157 @@
+"""A run's lifecycle under the local launcher: one run per run_dir, workers that die with the
+launcher, and a frozen rank that is named instead of hanging the run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from conftest import tiny_overrides
+
+REPO = Path(__file__).resolve().parents[2]
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(Path(__file__).parent)])}
+
+
+TWO_RANKS = {"trainer.n_gpus_per_node": 2, "actor.tp": 2}
+WORKERS_GONE_S = 5.0
+
+
+def _start(tmp_path, steps: int, env: dict[str, str] | None = None, **overrides):
+    args = tiny_overrides(tmp_path / "run", steps=steps, **{**TWO_RANKS, **overrides})
+    return subprocess.Popen(
+        [sys.executable, "-m", "megarl.train", *args],
+        cwd=tmp_path,
+        env={**ENV, **(env or {})},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _workers(launcher_pid: int) -> list[psutil.Process]:
+    """The launcher's spawned rank processes (not multiprocessing's resource tracker)."""
+    children = psutil.Process(launcher_pid).children()
+    return [c for c in children if "spawn_main" in " ".join(c.cmdline())]
+
+
+def _training_workers(launcher, run_dir: Path, timeout_s: float = 240) -> list[psutil.Process]:
+    """Wait until step 1 is recorded (every rank is inside the step loop); the workers."""
+    deadline = time.monotonic() + timeout_s
+    while not (run_dir / "metrics.jsonl").exists():
+        assert launcher.poll() is None, launcher.stderr.read()[-3000:]
+        assert time.monotonic() < deadline, "step 1 was not recorded in time"
+        time.sleep(0.5)
+    workers = _workers(launcher.pid)
+    assert len(workers) == 2, workers
+    return workers
+
+
+def _assert_gone(workers: list[psutil.Process], within_s: float) -> float:
+    """Seconds until every worker is gone (a zombie waiting to be reaped counts as gone)."""
+    start = time.monotonic()
+    while True:
+        alive = [w for w in workers if w.is_running() and w.status() != psutil.STATUS_ZOMBIE]
+        if not alive:
+            return time.monotonic() - start
+        assert time.monotonic() - start < within_s, f"workers still alive: {alive}"
+        time.sleep(0.1)
+
+
+def _errors(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("megarl-train: error")]
+
+
+def test_second_run_on_a_live_run_dir_is_refused(tmp_path):
+    """The run_dir's lock names a live process on this host: refused with its host and pid,
+    exit 2, and nothing of the run is written (no model placed, no metrics)."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        lock = {"host": socket.gethostname(), "pid": holder.pid, "pid_start": None}
+        (run_dir / ".megarl.lock").write_text(json.dumps(lock))
+        done = subprocess.run(
+            [sys.executable, "-m", "megarl.train", *tiny_overrides(run_dir, steps=1)],
+            cwd=tmp_path,
+            env=ENV,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    finally:
+        holder.kill()
+        holder.wait()
+    assert done.returncode == 2, done.stderr[-3000:]
+    [line] = _errors(done.stderr)
+    assert f"host {socket.gethostname()}, pid {holder.pid}" in line, line
+    assert "Traceback" not in done.stderr
+    assert sorted(p.name for p in run_dir.iterdir()) == [".megarl.lock"]
+
+
+def test_workers_die_when_the_launcher_is_killed(tmp_path):
+    """SIGKILL leaves the launcher no chance to clean up: each worker ends itself (the kernel's
+    parent-death signal), and the lock it leaves is stale for the next run."""
+    launcher = _start(tmp_path, steps=60)
+    try:
+        workers = _training_workers(launcher, tmp_path / "run")
+        launcher.kill()
+        launcher.wait()
+        gone_s = _assert_gone(workers, WORKERS_GONE_S)
+    finally:
+        launcher.kill()
+    print(f"launcher SIGKILLed: both workers gone in {gone_s:.2f} s")
+
+
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_signal_stops_the_whole_run_with_one_line(tmp_path, sig, code):
+    launcher = _start(tmp_path, steps=60)
+    try:
+        workers = _training_workers(launcher, tmp_path / "run")
+        sent = time.monotonic()
+        launcher.send_signal(sig)
+        _, stderr = launcher.communicate(timeout=30)
+        exited_s = time.monotonic() - sent
+    finally:
+        launcher.kill()
+    assert launcher.returncode == code, stderr[-3000:]
+    stopped = [line for line in stderr.splitlines() if line.startswith("megarl-train:")]
+    assert stopped == [f"megarl-train: stopped by {sig.name}: every rank was stopped"], stderr
+    assert "Traceback" not in stderr, stderr[-3000:]
+    _assert_gone(workers, 1.0)  # joined before the launcher exited
+    assert not (tmp_path / "run" / ".megarl.lock").exists()
+    print(f"{sig.name}: run stopped in {exited_s:.1f} s, exit {code}")
+    assert exited_s < 15
+
+
+def test_frozen_rank_is_named_with_its_phase(tmp_path):
+    """Rank 1's main loop freezes at step 2 (its process and heartbeat thread live on). Rank 0
+    times out waiting for it; the one error line names rank 1, its node and what it was doing,
+    within the timeout plus a margin, and no worker is left."""
+    timeout_s, mark = 15, tmp_path / "frozen_at"
+    launcher = _start(
+        tmp_path,
+        steps=3,
+        env={"MEGARL_FAULT_FREEZE": "1:2", "MEGARL_FAULT_INJECT_MARK": str(mark)},
+        **{"trainer.collective_timeout_s": timeout_s},
+    )
+    try:
+        workers = _training_workers(launcher, tmp_path / "run")
+        _, stderr = launcher.communicate(timeout=300)
+        detect_s = time.time() - float(mark.read_text())
+    finally:
+        launcher.kill()
+    assert launcher.returncode == 1, stderr[-3000:]
+    [line] = _errors(stderr)
+    assert f"actor rank 1 on node {socket.gethostname()} failed: stopped responding" in line, line
+    assert "during rollout of step 2" in line, line
+    _assert_gone(workers, 1.0)
+    print(f"rank 1 frozen at step 2 -> exit in {detect_s:.1f} s: {line}")
+    assert detect_s < timeout_s + 15

@@ -1,0 +1,61 @@
+"""Heartbeats report the main loop's progress, and the watch picks the rank that stopped first."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from megarl.distributed import heartbeat
+from megarl.distributed.heartbeat import Beat, HeartbeatWatch, beat_path
+
+
+def _beat(folder, rank: int, pid: int, age_s: float, phase: str = "update_actor") -> None:
+    beat = Beat(rank, "node0", pid, 2, phase, time.time() - age_s)
+    beat_path(folder, rank).write_text(json.dumps(beat.__dict__))
+
+
+def test_thread_keeps_writing_but_progress_is_the_main_loops(tmp_path):
+    heartbeat.start(str(tmp_path), rank=3, interval_s=0.05)
+    heartbeat.mark("rollout", step=7)
+    marked_at = time.time()
+    time.sleep(0.3)  # the "main loop" makes no progress; the thread rewrites the file
+    heartbeat.stop()
+    watch = HeartbeatWatch(str(tmp_path), timeout_s=60)
+    [beat] = watch.read({3: os.getpid()}).values()
+    assert (beat.rank, beat.step, beat.phase, beat.pid) == (3, 7, "rollout", os.getpid())
+    assert abs(beat.progress_at - marked_at) < 0.05
+    assert beat_path(tmp_path, 3).stat().st_mtime - marked_at > 0.15  # rewritten since
+    assert watch.stalest({3: os.getpid()}, older_than_s=0.2) == beat
+    assert watch.stalest({3: os.getpid()}, older_than_s=5) is None
+    assert "no progress for 0 s during rollout of step 7" in beat.describe(beat.progress_at)
+
+
+def test_stalest_rank_is_the_one_that_stopped_first(tmp_path):
+    _beat(tmp_path, 0, pid=100, age_s=20)
+    _beat(tmp_path, 1, pid=101, age_s=30, phase="rollout")
+    _beat(tmp_path, 2, pid=102, age_s=1)
+    watch = HeartbeatWatch(str(tmp_path), timeout_s=15)
+    beat = watch.stalest({0: 100, 1: 101, 2: 102}, older_than_s=15)
+    assert beat is not None and (beat.rank, beat.phase) == (1, "rollout")
+    # a beat left by another process (an earlier run) is not this rank's
+    assert watch.stalest({1: 999}, older_than_s=15) is None
+
+
+def test_a_rank_waiting_for_a_failed_peer_is_not_blamed(tmp_path):
+    """Rank 0 raised after a long phase; rank 1, waiting for it, advanced later: not the cause."""
+    _beat(tmp_path, 0, pid=100, age_s=40)
+    _beat(tmp_path, 1, pid=101, age_s=39)
+    watch = HeartbeatWatch(str(tmp_path), timeout_s=60)
+    assert watch.stalest({1: 101}, older_than_s=30, failed={0: 100}) is None
+    _beat(tmp_path, 1, pid=101, age_s=41)  # rank 1 stopped first: its peer's error followed
+    beat = watch.stalest({1: 101}, older_than_s=30, failed={0: 100})
+    assert beat is not None and beat.rank == 1
+
+
+def test_start_up_is_left_to_the_collective_timeout(tmp_path):
+    beat = Beat(0, "node0", 100, 0, "build_actor", time.time() - 100)
+    beat_path(tmp_path, 0).write_text(json.dumps(beat.__dict__))
+    watch = HeartbeatWatch(str(tmp_path), timeout_s=15)
+    assert watch.stalest({0: 100}, older_than_s=25, in_steps_only=True) is None
+    assert watch.stalest({0: 100}, older_than_s=25) == beat
