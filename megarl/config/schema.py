@@ -17,6 +17,7 @@ from typing import Any
 
 from megarl.algo.advantages import ADVANTAGE_ESTIMATOR_NAMES, resolve_estimator_name
 from megarl.algo.losses import AGG_MODES, KL_PENALTY_KINDS
+from megarl.data.rewards import REWARD_ERROR_POLICIES
 from megarl.engines.base import SLEEP_LEVELS
 from megarl.engines.factory import ENGINE_NAMES
 from megarl.planner.batch_planner import PRUNE_SETTINGS
@@ -276,6 +277,11 @@ class DataConfig:
     reward: str = "auto"
     """auto (exact_last_number for arithmetic, gsm8k for jsonl) | exact_last_number | gsm8k |
     package.module:function (your own ``(response, answer) -> float``)."""
+    reward_error: str = "raise"
+    """One of :data:`megarl.data.rewards.REWARD_ERROR_POLICIES`. A reward function that raises
+    or returns anything but one finite number (None, NaN, a string, a list): raise (stop the
+    run with one line naming the function and the sample, exit 2) | zero (score that sample
+    0.0, warn once, count them in ``critic/rewards/failed``)."""
     instruction: str = ""
     """Appended to every jsonl question."""
     system_prompt: str | None = None
@@ -289,6 +295,7 @@ class DataConfig:
         _positive("data.prompts_per_step", self.prompts_per_step)
         if ":" not in self.reward:
             _choice("data.reward", self.reward, ("auto", "exact_last_number", "gsm8k"))
+        _choice("data.reward_error", self.reward_error, REWARD_ERROR_POLICIES)
 
     @property
     def reward_fn_name(self) -> str:
