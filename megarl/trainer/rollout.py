@@ -27,6 +27,19 @@ def sampling_seed(run_seed: int, step: int) -> int:
     return (run_seed * 1_000_003 + step * 7919 + 17) % (2**62)
 
 
+def encode_prompt(tokenizer, prompt: str, system_prompt: str | None) -> list[int]:
+    """The token ids the engine is given for ``prompt``: the chat template when the tokenizer
+    has one (start-up uses the same function to check that prompts fit the context)."""
+    messages = [{"role": "user", "content": prompt}]
+    if system_prompt is not None:
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    else:
+        text = prompt
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
 @dataclass(frozen=True)
 class RolloutSettings:
     group_size: int
@@ -61,16 +74,7 @@ class RolloutProducer:
         self._failures = 0
 
     def encode_prompt(self, problem: Problem) -> list[int]:
-        messages = [{"role": "user", "content": problem.prompt}]
-        if self.settings.system_prompt is not None:
-            messages.insert(0, {"role": "system", "content": self.settings.system_prompt})
-        if getattr(self.tokenizer, "chat_template", None):
-            text = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True
-            )
-        else:
-            text = problem.prompt
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return encode_prompt(self.tokenizer, problem.prompt, self.settings.system_prompt)
 
     def produce(self, step: int) -> tuple[RolloutBatch, dict[str, float], dict[str, float]]:
         """The step's scored batch, its rollout metrics, and seconds spent per phase.

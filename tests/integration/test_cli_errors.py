@@ -38,6 +38,10 @@ _VLLM_CASES = (
         ),
         (["rollout.engine=vllm", "rollout.kv_cache_gb=100000"], "rollout.kv_cache_gb=100000"),
         (
+            ["rollout.engine=vllm", "model=tiny_llama", "rollout.max_model_len=50"],
+            "rollout.max_new_tokens=12 > 50 tokens (rollout.max_model_len=50); lower",
+        ),
+        (
             ["rollout.engine=vllm", "rollout.temperature=0.7", "rollout.top_p=0.9"],
             "rollout.top_p=0.9 with rollout.temperature=0.7",
         ),
@@ -65,6 +69,13 @@ _VLLM_CASES = (
         (["planner.prune_zero_adv=match_loss_curve", "actor.kl_coef=0.1"], "actor.kl_coef"),
         (["planner.ref_log_prob=never", "actor.kl_coef=0.1"], "planner.ref_log_prob"),
         (["trainer.resume=/nonexistent/ckpt"], "checkpoint /nonexistent/ckpt: no such directory"),
+        (["actor.optim.grad_clip=-1"], "actor.optim.grad_clip=-1.0: must be >= 0 (0 = no clip"),
+        (["rollout.temperature=0"], "rollout.temperature=0.0: must be > 0"),
+        (["data.reward_error=ignore"], "data.reward_error='ignore': must be one of raise, zero"),
+        (
+            ["model=tiny_llama", "model.hf_config.max_position_embeddings=48"],
+            "80 of 80 prompts do not fit: the longest has 46 tokens, + rollout.max_new_tokens=12",
+        ),
         *_VLLM_CASES,
     ],
 )
@@ -249,3 +260,33 @@ def test_reward_error_zero_scores_the_sample_zero_and_finishes(tmp_path):
     metrics = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
     assert metrics["critic/rewards/failed"] == 2.0
     assert metrics["critic/rewards/mean"] == 0.0
+
+
+@pytest.mark.parametrize("value", ["''", "notes.txt"])
+def test_bad_run_dir_is_one_line_and_touches_nothing(tmp_path, value):
+    (tmp_path / "notes.txt").write_text("keep me")
+    proc = _train(f"trainer.run_dir={value}", cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("megarl-train")]
+    assert len(lines) == 1 and lines[0].startswith("megarl-train: error: trainer.run_dir="), lines
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+    assert (tmp_path / "notes.txt").read_text() == "keep me"
+
+
+def test_a_late_refusal_leaves_an_existing_run_dir_as_it_was(tmp_path):
+    """Refused by the last start-up check (the prompts do not fit): by then the random-init model
+    was written to a staging folder, but no init_model, metrics rotation or folder reaches
+    run_dir."""
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+    before = {p: p.read_bytes() if p.is_file() else None for p in run_dir.rglob("*")}
+    proc = _train(
+        f"trainer.run_dir={run_dir}",
+        "model=tiny_llama",
+        "model.hf_config.max_position_embeddings=48",
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "prompts do not fit" in proc.stderr
+    assert {p: p.read_bytes() if p.is_file() else None for p in run_dir.rglob("*")} == before
