@@ -131,7 +131,27 @@ def _import_reward_fn(path: str) -> RewardFn:
         raise ValueError(f"data.reward={path!r}: cannot import it ({exc})") from None
     if not callable(fn):
         raise ValueError(f"data.reward={path!r} is not callable")
-    return cast(RewardFn, fn)  # the user's function; only its being callable is checked
+    _require_two_arguments(path, fn)
+    return cast(RewardFn, fn)  # the user's function; its values are checked per call
+
+
+def _require_two_arguments(path: str, fn: Callable[..., object]) -> None:
+    """Refuse at start-up a function that cannot be called as ``fn(response, answer)``, rather
+    than at the first reward, minutes into the run."""
+    import inspect
+
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin or extension without one: checked per call
+        return
+    try:
+        signature.bind("response", "answer")
+    except TypeError as exc:
+        name = getattr(fn, "__name__", type(fn).__name__)
+        raise ValueError(
+            f"data.reward={path!r}: must be callable as fn(response, answer), but {name}"
+            f"{signature} cannot ({exc})"
+        ) from None
 
 
 def _score(predicted: str | None, answer: str) -> float:

@@ -228,3 +228,19 @@ def test_ctrl_c_in_a_reward_function_is_not_swallowed() -> None:
 
     with pytest.raises(KeyboardInterrupt):
         score_samples(interrupted, "m:f", ["a"], ["1"], "zero")
+
+
+def test_a_reward_function_that_cannot_take_response_and_answer_is_refused_on_import(
+    tmp_path, monkeypatch
+) -> None:
+    (tmp_path / "sig_rewards.py").write_text(
+        "def one(response):\n    return 1.0\n\n"
+        "def extra(response, answer, *, scale=1.0, **kw):\n    return scale\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError) as info:
+        get_reward_fn("sig_rewards:one")
+    message = str(info.value)
+    assert message.startswith("data.reward='sig_rewards:one': must be callable as fn(response,")
+    assert "one(response) cannot (too many positional arguments)" in message
+    assert get_reward_fn("sig_rewards:extra")("x", "1") == 1.0
