@@ -154,10 +154,36 @@ def validate_against_model(cfg, model_dir: str, device: str = "cpu") -> None:
         check_pruning_config(
             prune_mode(cfg)[0], cfg.actor.kl_coef, cfg.actor.entropy_coef, cfg.planner.allow_approx
         )
-        prompt_source(cfg)
+        source = prompt_source(cfg)
         get_reward_fn(cfg.data.reward_fn_name)
+        check_context_fit(cfg, model_dir, source, spec.max_position_embeddings)
     except (ModelSpecError, GateConfigError, PlannerError, DatasetError, ValueError) as exc:
         raise StartupError(str(exc).splitlines()[0]) from None
+
+
+CONTEXT_CHECK_MAX_PROMPTS = 4096
+"""The built-in arithmetic stream is endless: start-up checks the prompts the run will draw, at
+most this many (a JSONL dataset is checked whole)."""
+
+
+def check_context_fit(cfg, model_dir: str, source, max_position_embeddings: int) -> None:
+    """Every prompt, templated and tokenized as the rollout will, + ``rollout.max_new_tokens``
+    fits the context (:mod:`megarl.config.context`); raises ``ConfigError`` (a ValueError)."""
+    from megarl.config.context import check_prompts_fit, context_limit
+    from megarl.data.arithmetic import ArithmeticTask
+    from megarl.models.hf_io import load_hf_tokenizer
+    from megarl.trainer.rollout import encode_prompt
+
+    if isinstance(source, ArithmeticTask):
+        drawn = cfg.data.prompts_per_step * cfg.trainer.total_steps
+        problems = source.problems(0, min(drawn, CONTEXT_CHECK_MAX_PROMPTS))
+    else:
+        problems = list(source)
+    tokenizer = load_hf_tokenizer(model_dir)
+    system_prompt = cfg.data.system_prompt
+    lens = [len(encode_prompt(tokenizer, p.prompt, system_prompt)) for p in problems]
+    limit = context_limit(max_position_embeddings, cfg.rollout.engine, cfg.rollout.max_model_len)
+    check_prompts_fit(lens, cfg.rollout.max_new_tokens, limit)
 
 
 def check_vllm(cfg, model_dir: str, device: str) -> None:
@@ -199,6 +225,34 @@ def check_vllm(cfg, model_dir: str, device: str) -> None:
         print(f"megarl-train: warning: {note}", file=sys.stderr)
 
 
+def check_run_dir(run_dir: str) -> None:
+    """``trainer.run_dir`` can become the run's folder: not a file, under no file, writable.
+
+    Checked before anything else touches the disk; nothing is created here (the folder is made
+    only once every start-up check has passed).
+    """
+    path = Path(run_dir).expanduser()
+    if path.exists() and not path.is_dir():
+        raise StartupError(f"trainer.run_dir={run_dir}: exists and is not a folder")
+    existing = next((p for p in (path, *path.parents) if p.exists()), None)
+    if existing is None:
+        return
+    if not existing.is_dir():
+        raise StartupError(f"trainer.run_dir={run_dir}: {existing} is a file, not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise StartupError(f"trainer.run_dir={run_dir}: {existing} is not writable")
+
+
+def check_engine_installed(engine: str) -> None:
+    """The rollout engine's library is importable: checked before any model is read or written."""
+    import importlib.util
+
+    if engine == "vllm" and importlib.util.find_spec("vllm") is None:
+        from megarl.engines.vllm import VLLM_MISSING_MESSAGE
+
+        raise StartupError(VLLM_MISSING_MESSAGE)
+
+
 def resolve_resume(cfg, model_dir: str, device: str) -> str | None:
     """The checkpoint this run continues from (``trainer.resume``), checked against the config,
     the model's tokenizer and the dataset; see :func:`megarl.checkpoint.resume.prepare_resume`."""
@@ -234,6 +288,8 @@ def run(overrides: list[str], return_final_state: bool = False):
     from megarl.trainer.rank_loop import RunInputs, run_rank
 
     cfg = compose_config(overrides)
+    check_run_dir(cfg.trainer.run_dir)
+    check_engine_installed(cfg.rollout.engine)
     device = resolve_device(cfg.trainer.device, cfg)
     with contextlib.ExitStack() as held:
         with tempfile.TemporaryDirectory(prefix="megarl-init-") as tmp:

@@ -17,6 +17,8 @@ from typing import Any
 
 from megarl.algo.advantages import ADVANTAGE_ESTIMATOR_NAMES, resolve_estimator_name
 from megarl.algo.losses import AGG_MODES, KL_PENALTY_KINDS
+from megarl.data.arithmetic import SUPPORTED_OPS
+from megarl.data.rewards import REWARD_ERROR_POLICIES
 from megarl.engines.base import SLEEP_LEVELS
 from megarl.engines.factory import ENGINE_NAMES
 from megarl.planner.batch_planner import PRUNE_SETTINGS
@@ -48,6 +50,11 @@ def _positive(key: str, value: float) -> None:
     _require(value > 0, f"{key}={value}: must be > 0")
 
 
+def _in_unit_interval(key: str, value: float) -> None:
+    """[0, 1): a decay rate or a probability that must leave something behind."""
+    _require(0 <= value < 1, f"{key}={value}: must be in [0, 1)")
+
+
 def _optional_positive(key: str, value: object) -> None:
     """None (automatic) or a number > 0."""
     _require(
@@ -64,7 +71,8 @@ class TrainerConfig:
     seed: int = 1234
     """Seeds data order, sampling (its own stream per step) and initialisation."""
     run_dir: str = "runs/default"
-    """Where metrics.jsonl, TensorBoard events and checkpoints go."""
+    """Where metrics.jsonl, TensorBoard events and checkpoints go (created once every start-up
+    check has passed; an existing file there is refused)."""
     device: str = "auto"
     """auto | cpu | cuda. auto picks CUDA when present."""
     nnodes: int = 1
@@ -92,6 +100,10 @@ class TrainerConfig:
         _positive("trainer.total_steps", self.total_steps)
         _positive("trainer.collective_timeout_s", self.collective_timeout_s)
         _require(
+            bool(self.run_dir.strip()),
+            f"trainer.run_dir={self.run_dir!r}: empty; name the folder the run writes to",
+        )
+        _require(
             self.save_interval >= 0,
             f"trainer.save_interval={self.save_interval}: must be >= 0 (0 = never)",
         )
@@ -118,13 +130,33 @@ class OptimConfig:
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     grad_clip: float = 1.0
-    """Clip the global grad norm to this (0 disables)."""
+    """Clip the global grad norm to this; 0 = no clipping, < 0 is refused."""
     distributed: bool = False
     """CUDA only: Megatron's distributed optimizer (optimizer state sharded over DP)."""
     overlap_grad_reduce: bool = False
     """CUDA only: overlap DP gradient reduce-scatter with the backward pass."""
     overlap_param_gather: bool = False
     """CUDA only, with distributed: overlap the parameter all-gather with the next forward."""
+
+    def __post_init__(self) -> None:
+        _require(
+            self.weight_decay >= 0, f"actor.optim.weight_decay={self.weight_decay}: must be >= 0"
+        )
+        _require(
+            len(self.betas) == 2
+            and all(isinstance(b, int | float) and not isinstance(b, bool) for b in self.betas),
+            f"actor.optim.betas={list(self.betas)!r}: must be two numbers, e.g. [0.9, 0.999]",
+        )
+        for index, beta in enumerate(self.betas):
+            _require(
+                0 <= beta < 1,
+                f"actor.optim.betas={list(self.betas)}: beta{index + 1}={beta} must be in [0, 1)",
+            )
+        _positive("actor.optim.eps", self.eps)
+        _require(
+            self.grad_clip >= 0,
+            f"actor.optim.grad_clip={self.grad_clip}: must be >= 0 (0 = no clipping)",
+        )
 
 
 @dataclass(frozen=True)
@@ -170,7 +202,9 @@ class ActorConfig:
     """Optimizer steps per rollout batch (per epoch)."""
     ppo_epochs: int = 1
     clip_ratio_low: float = 0.2
+    """PPO clips the ratio below at ``1 - clip_ratio_low``: in (0, 1)."""
     clip_ratio_high: float = 0.2
+    """... and above at ``1 + clip_ratio_high`` (> 0; DAPO's clip-higher sets it above low)."""
     loss_agg: str = "token-mean"
     """One of :data:`megarl.algo.losses.AGG_MODES`; see :func:`~megarl.algo.losses.aggregate`."""
     micro_batch_tokens: int = 4096
@@ -192,6 +226,12 @@ class ActorConfig:
         _positive("actor.tp", self.tp)
         _positive("actor.pp", self.pp)
         _positive("actor.lr", self.lr)
+        _require(
+            0 < self.clip_ratio_low < 1,
+            f"actor.clip_ratio_low={self.clip_ratio_low}: must be in (0, 1) "
+            "(the ratio is clipped below at 1 - clip_ratio_low)",
+        )
+        _positive("actor.clip_ratio_high", self.clip_ratio_high)
         _require(self.kl_coef >= 0, f"actor.kl_coef={self.kl_coef}: must be >= 0")
         _require(self.entropy_coef >= 0, f"actor.entropy_coef={self.entropy_coef}: must be >= 0")
         _choice("actor.kl_estimator", self.kl_estimator, KL_PENALTY_KINDS)
@@ -268,7 +308,16 @@ class RolloutConfig:
         _positive("rollout.max_num_batched_tokens", self.max_num_batched_tokens)
         _require(self.n >= 2, f"rollout.n={self.n}: GRPO needs at least 2 samples per prompt")
         _positive("rollout.max_new_tokens", self.max_new_tokens)
-        _positive("rollout.temperature", self.temperature)
+        _require(
+            self.temperature > 0,
+            f"rollout.temperature={self.temperature}: must be > 0 (GRPO samples a group per "
+            "prompt; at 0, greedy decoding, every sample of a group is the same)",
+        )
+        _require(
+            self.max_model_len is None or self.max_model_len > self.max_new_tokens,
+            f"rollout.max_model_len={self.max_model_len} leaves no room for a prompt before "
+            f"rollout.max_new_tokens={self.max_new_tokens} new tokens",
+        )
         _require(0 < self.top_p <= 1, f"rollout.top_p={self.top_p}: must be in (0, 1]")
 
 
@@ -283,6 +332,11 @@ class DataConfig:
     reward: str = "auto"
     """auto (exact_last_number for arithmetic, gsm8k for jsonl) | exact_last_number | gsm8k |
     package.module:function (your own ``(response, answer) -> float``)."""
+    reward_error: str = "raise"
+    """One of :data:`megarl.data.rewards.REWARD_ERROR_POLICIES`. A reward function that raises
+    or returns anything but one finite number (None, NaN, a string, a list): raise (stop the
+    run with one line naming the function and the sample, exit 2) | zero (score that sample
+    0.0, warn once, count them in ``critic/rewards/failed``)."""
     instruction: str = ""
     """Appended to every jsonl question."""
     system_prompt: str | None = None
@@ -294,8 +348,13 @@ class DataConfig:
             self.task != "jsonl" or bool(self.path), "data.path must be set for data.task=jsonl"
         )
         _positive("data.prompts_per_step", self.prompts_per_step)
+        _require(self.max_operand >= 1, f"data.max_operand={self.max_operand}: must be >= 1")
+        _require(bool(self.ops), f"data.ops: empty; choose from {', '.join(SUPPORTED_OPS)}")
+        for op in self.ops:
+            _choice("data.ops", op, SUPPORTED_OPS)
         if ":" not in self.reward:
             _choice("data.reward", self.reward, ("auto", "exact_last_number", "gsm8k"))
+        _choice("data.reward_error", self.reward_error, REWARD_ERROR_POLICIES)
 
     @property
     def reward_fn_name(self) -> str:

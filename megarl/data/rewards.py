@@ -3,17 +3,32 @@
 Rewards are 1.0 or 0.0. GRPO normalises rewards within a group, so a binary
 correctness signal is enough, and it cannot be gamed the way a partial-credit heuristic
 could.
+
+A user's own function (``data.reward=package.module:function``) is called through
+:func:`score_samples`, which checks every value it returns: one NaN, ``None`` or string would
+otherwise turn into a NaN advantage for the whole group and a NaN loss several steps later, far
+from its cause. A bad value or an exception is a :class:`RewardFunctionError` naming the
+function, the sample and what came back (``data.reward_error=raise``, the default), or that
+sample scores 0.0 and is counted (``data.reward_error=zero``).
 """
 
 from __future__ import annotations
 
+import math
+import numbers
 import re
-from collections.abc import Callable
-from typing import cast
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, cast
 
 from megarl.data.numbers import normalize_number, numbers_equal
+from megarl.errors import BadInputError
 
 RewardFn = Callable[[str, str], float]
+
+REWARD_ERROR_POLICIES: tuple[str, ...] = ("raise", "zero")
+"""``data.reward_error``: what a reward function that raises or returns a non-number does:
+``raise`` (stop the run with one line, exit 2) | ``zero`` (score that sample 0.0, count it)."""
 
 # A number as a model writes it: optional sign, thousands separators ("1,234,567") only when
 # every group has exactly three digits, optional decimals. A minus sign counts only when it
@@ -116,7 +131,27 @@ def _import_reward_fn(path: str) -> RewardFn:
         raise ValueError(f"data.reward={path!r}: cannot import it ({exc})") from None
     if not callable(fn):
         raise ValueError(f"data.reward={path!r} is not callable")
-    return cast(RewardFn, fn)  # the user's function; only its being callable is checked
+    _require_two_arguments(path, fn)
+    return cast(RewardFn, fn)  # the user's function; its values are checked per call
+
+
+def _require_two_arguments(path: str, fn: Callable[..., object]) -> None:
+    """Refuse at start-up a function that cannot be called as ``fn(response, answer)``, rather
+    than at the first reward, minutes into the run."""
+    import inspect
+
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin or extension without one: checked per call
+        return
+    try:
+        signature.bind("response", "answer")
+    except TypeError as exc:
+        name = getattr(fn, "__name__", type(fn).__name__)
+        raise ValueError(
+            f"data.reward={path!r}: must be callable as fn(response, answer), but {name}"
+            f"{signature} cannot ({exc})"
+        ) from None
 
 
 def _score(predicted: str | None, answer: str) -> float:
@@ -130,3 +165,99 @@ def _require_numeric_answer(answer: str) -> None:
     """Reject a ground truth that is not a number, naming it in the message."""
     if normalize_number(answer) is None:
         raise ValueError(f"ground-truth answer must be a number, got {answer!r}")
+
+
+# --- calling a reward function, and checking what it returns --------------------------------
+
+
+class RewardFunctionError(BadInputError):
+    """A reward function raised, or returned something other than one finite number."""
+
+
+@dataclass(frozen=True)
+class ScoredSamples:
+    """One step's rewards, and the samples whose function failed (scored 0.0 under ``zero``)."""
+
+    rewards: tuple[float, ...]
+    failures: int = 0
+    """Samples whose reward function raised or returned a non-number."""
+    first_failure: str | None = None
+    """The one-line report of the first of them, for a warning."""
+
+
+def reward_value(value: object) -> float:
+    """``value`` as a finite float, or :class:`ValueError` saying what it was instead.
+
+    Accepted: a real number (``bool`` counts, as 1.0 or 0.0; NumPy scalars too), a 0-d
+    array or tensor, and verl's ``{"score": x, ...}`` dict.
+    """
+    if isinstance(value, Mapping) and "score" in value:
+        value = cast(Mapping[str, object], value)["score"]
+    if getattr(value, "ndim", None) == 0 and callable(getattr(value, "item", None)):
+        value = cast("Any", value).item()
+    if isinstance(value, numbers.Real):
+        number = float(value)
+        if math.isfinite(number):
+            return number
+    raise ValueError(_describe(value))
+
+
+def _describe(value: object) -> str:
+    """What a reward function returned, in a few words (for the one-line error)."""
+    if value is None:
+        return "None"
+    if isinstance(value, numbers.Real):
+        return repr(float(value))  # nan, inf, -inf
+    if isinstance(value, str):
+        text = value if len(value) <= 40 else value[:37] + "..."
+        return f"a string {text!r}"
+    if isinstance(value, Sequence | Mapping):
+        count = len(value)
+        return f"a {type(value).__name__} of {count} value{'s' if count != 1 else ''}"
+    shape = getattr(value, "shape", None)
+    if shape is not None:
+        return f"a {type(value).__name__} of shape {tuple(shape)}"
+    return f"a {type(value).__name__}"
+
+
+def score_samples(
+    fn: RewardFn,
+    name: str,
+    responses: Sequence[str],
+    answers: Sequence[str],
+    policy: str = "raise",
+    step: int | None = None,
+) -> ScoredSamples:
+    """Call ``fn(response, answer)`` per sample and check each value (see :func:`reward_value`).
+
+    ``name`` is the ``data.reward`` value, so the message names what the user configured.
+    Under ``policy="raise"`` the first failure raises :class:`RewardFunctionError`; under
+    ``"zero"`` it scores 0.0 and is counted. Only ``Exception`` is caught: Ctrl-C still stops
+    the run.
+    """
+    if policy not in REWARD_ERROR_POLICIES:
+        raise ValueError(f"reward error policy {policy!r}: must be one of raise, zero")
+    rewards: list[float] = []
+    failures: list[str] = []
+    where = f" (step {step})" if step is not None else ""
+    for index, (response, answer) in enumerate(zip(responses, answers, strict=True)):
+        try:
+            returned = fn(response, answer)
+        except Exception as exc:  # noqa: BLE001 - the user's code: any failure is reported
+            detail = " ".join(str(exc).split())[:200]
+            problem = f"raised {type(exc).__name__}{': ' + detail if detail else ''}"
+        else:
+            try:
+                rewards.append(reward_value(returned))
+                continue
+            except ValueError as exc:
+                problem = f"returned {exc} (expected one finite number)"
+        message = f"data.reward={name}: sample {index}{where} {problem}"
+        if policy == "raise":
+            raise RewardFunctionError(
+                f"{message}; fix the function, or set data.reward_error=zero to score such "
+                "samples 0"
+            )
+        failures.append(message)
+        rewards.append(0.0)
+    return ScoredSamples(tuple(rewards), len(failures), failures[0] if failures else None)

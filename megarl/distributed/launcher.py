@@ -154,9 +154,11 @@ def _worker_entry(
     except MegarlError as exc:  # explained in one line: no traceback
         error_queue.put((rank, "error", (exc.exit_code, str(exc))))
         raise SystemExit(exc.exit_code) from None
-    except BaseException as exc:  # reported to the parent, then re-raised
+    except BaseException as exc:  # noqa: BLE001 - reported; the parent prints the cause
         error_queue.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
-        raise
+        # Not re-raised: multiprocessing would print every rank's traceback, and the peers of a
+        # rank that failed ("connection closed by peer") would bury its one line.
+        raise SystemExit(1) from None
 
 
 def launch(

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megarl.distributed.launcher import WorkerContext, WorkerFailed, role_of
+from megarl.errors import MegarlError
 
 CPU_PER_RANK = 0.01
 """Ray CPU resource per rank on CPU runs: a token amount, so placement never waits for cores."""
@@ -99,9 +100,9 @@ class SideActorFailed(RuntimeError):
     the report names the side actor and its node, not the rank that happened to notice.
     """
 
-    def __init__(self, where: str, detail: str):
-        super().__init__(where, detail)
-        self.where, self.detail = where, detail
+    def __init__(self, where: str, detail: str, exit_code: int = 1):
+        super().__init__(where, detail, exit_code)  # all three survive pickling
+        self.where, self.detail, self.exit_code = where, detail, exit_code
 
     def __str__(self) -> str:
         return f"{self.where} failed: {self.detail}"
@@ -118,6 +119,8 @@ def get_from_side_actor(ref, where: str, call: str = "") -> Any:
         raise SideActorFailed(where, _death_cause(exc) + during) from None
     except ray.exceptions.RayTaskError as exc:
         cause = exc.cause if isinstance(exc.cause, BaseException) else exc
+        if isinstance(cause, MegarlError):  # explained in one line, with its own exit code
+            raise SideActorFailed(where, f"{cause}{during}", cause.exit_code) from None
         raise SideActorFailed(where, f"{type(cause).__name__}: {cause}{during}") from None
 
 
@@ -401,7 +404,17 @@ def run_ranks(
             except ray.exceptions.RayTaskError as exc:
                 cause = exc.cause if isinstance(exc.cause, BaseException) else exc
                 if isinstance(cause, SideActorFailed):  # the rollout actor, not this rank
-                    raise WorkerFailed(-1, None, cause.detail, where=cause.where) from None
+                    raise WorkerFailed(
+                        -1, None, cause.detail, where=cause.where, exit_code=cause.exit_code
+                    ) from None
+                if isinstance(cause, MegarlError):  # e.g. a bad reward function: exit 2
+                    raise WorkerFailed(
+                        rank,
+                        None,
+                        str(cause),
+                        where=placements[rank].describe(),
+                        exit_code=cause.exit_code,
+                    ) from None
                 _raise_if_a_rank_died(pending, placements)  # the cause, not this symptom
                 if isinstance(cause, SystemExit):
                     raise SystemExit(cause.code) from None

@@ -146,16 +146,16 @@ def check_pruning_config(
     before any rollout; :func:`plan_step` calls it again on every batch.
     """
     if mode not in PLANNER_MODES:
-        raise PlannerError(f"planner.mode must be one of {PLANNER_MODES}, got {mode!r}")
+        raise PlannerError(f"planner.prune_zero_adv must be one of {PLANNER_MODES}, got {mode!r}")
     if mode == "off" or (kl_coef == 0 and entropy_coef == 0):
         return None
     terms = f"actor.kl_coef={kl_coef} and actor.entropy_coef={entropy_coef}"
     if not allow_approx:
         raise PlannerError(
-            f"planner.prune_zero_adv (planner.mode={mode!r}) is exact only when no loss term "
+            f"planner.prune_zero_adv={mode} is exact only when no loss term "
             f"survives at advantage 0, but {terms}: zero-advantage sequences still carry a "
-            "KL/entropy gradient. Set both coefficients to 0, set planner.mode='off', or set "
-            "planner.allow_approx=true to prune anyway."
+            "KL/entropy gradient. Set both coefficients to 0, set planner.prune_zero_adv=off, "
+            "or set planner.allow_approx=true to prune anyway."
         )
     return f"approximate: pruned zero-adv seqs although {terms} (planner.allow_approx=true)"
 

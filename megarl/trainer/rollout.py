@@ -7,6 +7,7 @@ or training did in between.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -17,12 +18,26 @@ from megarl.algo.advantages import get_advantage_estimator
 from megarl.batch import RolloutBatch
 from megarl.data.loader import PromptStream
 from megarl.data.problems import Problem
+from megarl.data.rewards import score_samples
 from megarl.engines.base import RolloutEngine, SamplingParams
 
 
 def sampling_seed(run_seed: int, step: int) -> int:
     """A per-step seed for the rollout stream, independent of every other RNG in the run."""
     return (run_seed * 1_000_003 + step * 7919 + 17) % (2**62)
+
+
+def encode_prompt(tokenizer, prompt: str, system_prompt: str | None) -> list[int]:
+    """The token ids the engine is given for ``prompt``: the chat template when the tokenizer
+    has one (start-up uses the same function to check that prompts fit the context)."""
+    messages = [{"role": "user", "content": prompt}]
+    if system_prompt is not None:
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    else:
+        text = prompt
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 @dataclass(frozen=True)
@@ -33,6 +48,10 @@ class RolloutSettings:
     top_p: float
     adv_estimator: str
     system_prompt: str | None = None
+    reward_name: str = "reward"
+    """``data.reward`` as configured: errors from the reward function name it."""
+    reward_error: str = "raise"
+    """``data.reward_error``: ``raise`` | ``zero`` (see :func:`megarl.data.rewards.score_samples`)."""
 
 
 class RolloutProducer:
@@ -51,18 +70,11 @@ class RolloutProducer:
         self.reward_fn, self.settings, self.run_seed = reward_fn, settings, run_seed
         self.advantage_fn = get_advantage_estimator(settings.adv_estimator)
         self.last_samples: list[tuple[str, str, float]] = []
+        self._warned_reward_failure = False
+        self._failures = 0
 
     def encode_prompt(self, problem: Problem) -> list[int]:
-        messages = [{"role": "user", "content": problem.prompt}]
-        if self.settings.system_prompt is not None:
-            messages.insert(0, {"role": "system", "content": self.settings.system_prompt})
-        if getattr(self.tokenizer, "chat_template", None):
-            text = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True
-            )
-        else:
-            text = problem.prompt
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return encode_prompt(self.tokenizer, problem.prompt, self.settings.system_prompt)
 
     def produce(self, step: int) -> tuple[RolloutBatch, dict[str, float], dict[str, float]]:
         """The step's scored batch, its rollout metrics, and seconds spent per phase.
@@ -84,9 +96,7 @@ class RolloutProducer:
         t_generated = time.perf_counter()
         texts = [self.tokenizer.decode(g.response_ids, skip_special_tokens=True) for g in gens]
         answers = [p.answer for p in problems for _ in range(n)]
-        rewards = torch.tensor(
-            [self.reward_fn(t, a) for t, a in zip(texts, answers, strict=True)], dtype=torch.float32
-        )
+        rewards = torch.tensor(self._score(texts, answers, step), dtype=torch.float32)
         group_ids = torch.arange(len(problems)).repeat_interleave(n)
         advantages = self.advantage_fn(rewards, group_ids)
         batch = RolloutBatch(
@@ -106,8 +116,31 @@ class RolloutProducer:
             (problems[i // n].prompt, texts[i], float(rewards[i])) for i in range(0, len(gens), n)
         ]
         metrics = rollout_metrics(batch, [g.finished for g in gens], self.settings.max_new_tokens)
+        metrics["critic/rewards/failed"] = float(self._failures)
         phase_seconds = {"gen": t_generated - t_start, "adv": time.perf_counter() - t_generated}
         return batch, metrics, phase_seconds
+
+    def _score(self, texts: list[str], answers: list[str], step: int) -> tuple[float, ...]:
+        """The reward function on every sample, checked; a failure raises (one line, exit 2) or,
+        with ``data.reward_error=zero``, scores 0.0, is counted and is warned about once."""
+        scored = score_samples(
+            self.reward_fn,
+            self.settings.reward_name,
+            texts,
+            answers,
+            self.settings.reward_error,
+            step,
+        )
+        self._failures = scored.failures
+        if scored.first_failure and not self._warned_reward_failure:
+            self._warned_reward_failure = True
+            print(
+                f"megarl-train: warning: {scored.first_failure}; scored 0 "
+                "(data.reward_error=zero; critic/rewards/failed counts them per step)",
+                file=sys.stderr,
+                flush=True,
+            )
+        return scored.rewards
 
 
 def rollout_metrics(

@@ -57,6 +57,8 @@ class RolloutHost:
             top_p=cfg.rollout.top_p,
             adv_estimator=cfg.algo.estimator,
             system_prompt=cfg.data.system_prompt,
+            reward_name=cfg.data.reward_fn_name,
+            reward_error=cfg.data.reward_error,
         )
         self.producer = RolloutProducer(
             self.engine,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -37,6 +38,10 @@ _VLLM_CASES = (
         ),
         (["rollout.engine=vllm", "rollout.kv_cache_gb=100000"], "rollout.kv_cache_gb=100000"),
         (
+            ["rollout.engine=vllm", "model=tiny_llama", "rollout.max_model_len=50"],
+            "rollout.max_new_tokens=12 > 50 tokens (rollout.max_model_len=50); lower",
+        ),
+        (
             ["rollout.engine=vllm", "rollout.temperature=0.7", "rollout.top_p=0.9"],
             "rollout.top_p=0.9 with rollout.temperature=0.7",
         ),
@@ -64,6 +69,13 @@ _VLLM_CASES = (
         (["planner.prune_zero_adv=match_loss_curve", "actor.kl_coef=0.1"], "actor.kl_coef"),
         (["planner.ref_log_prob=never", "actor.kl_coef=0.1"], "planner.ref_log_prob"),
         (["trainer.resume=/nonexistent/ckpt"], "checkpoint /nonexistent/ckpt: no such directory"),
+        (["actor.optim.grad_clip=-1"], "actor.optim.grad_clip=-1.0: must be >= 0 (0 = no clip"),
+        (["rollout.temperature=0"], "rollout.temperature=0.0: must be > 0"),
+        (["data.reward_error=ignore"], "data.reward_error='ignore': must be one of raise, zero"),
+        (
+            ["model=tiny_llama", "model.hf_config.max_position_embeddings=48"],
+            "80 of 80 prompts do not fit: the longest has 46 tokens, + rollout.max_new_tokens=12",
+        ),
         *_VLLM_CASES,
     ],
 )
@@ -173,3 +185,108 @@ def test_malformed_dataset_row_names_file_and_line(tmp_path):
     )
     assert proc.returncode == 2
     assert f"{data}:2:" in proc.stderr and "Traceback" not in proc.stderr
+
+
+_REWARD_MODULE = """
+def returns_nan(response, answer):
+    return float("nan")
+
+
+def raises(response, answer):
+    raise KeyError("no such answer key")
+"""
+"""A user's reward module: written into tmp_path, which goes on the subprocess's PYTHONPATH."""
+
+
+def _train_with_reward_module(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    (tmp_path / "user_rewards.py").write_text(_REWARD_MODULE)
+    path = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p)
+    return subprocess.run(
+        [sys.executable, "-m", "megarl.train", *args],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": path},
+    )
+
+
+_TINY_RUN = (
+    "model=tiny_llama",
+    "trainer.total_steps=1",
+    "trainer.log_console=false",
+    "trainer.tensorboard=false",
+    "rollout.n=2",
+    "rollout.max_new_tokens=2",
+    "data.prompts_per_step=1",
+)
+
+
+@pytest.mark.parametrize(
+    ("fn", "ranks", "needle"),
+    [
+        ("returns_nan", 1, "data.reward=user_rewards:returns_nan: sample 0 (step 1) returned nan"),
+        (
+            "raises",
+            2,  # raised in rank 0 of two: reaches the launcher as the rank's one line
+            "data.reward=user_rewards:raises: sample 0 (step 1) raised KeyError: 'no such answer",
+        ),
+    ],
+)
+def test_failing_reward_function_is_one_line_and_exit_2(tmp_path, fn, ranks, needle):
+    proc = _train_with_reward_module(
+        tmp_path,
+        f"trainer.run_dir={tmp_path / 'run'}",
+        f"data.reward=user_rewards:{fn}",
+        f"trainer.n_gpus_per_node={ranks}",
+        *_TINY_RUN,
+    )
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("megarl-train")]
+    assert len(lines) == 1 and needle in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_reward_error_zero_scores_the_sample_zero_and_finishes(tmp_path):
+    proc = _train_with_reward_module(
+        tmp_path,
+        f"trainer.run_dir={tmp_path / 'run'}",
+        "data.reward=user_rewards:raises",
+        "data.reward_error=zero",
+        *_TINY_RUN,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "warning: data.reward=user_rewards:raises: sample 0 (step 1) raised" in proc.stderr
+    metrics = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert metrics["critic/rewards/failed"] == 2.0
+    assert metrics["critic/rewards/mean"] == 0.0
+
+
+@pytest.mark.parametrize("value", ["''", "notes.txt"])
+def test_bad_run_dir_is_one_line_and_touches_nothing(tmp_path, value):
+    (tmp_path / "notes.txt").write_text("keep me")
+    proc = _train(f"trainer.run_dir={value}", cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("megarl-train")]
+    assert len(lines) == 1 and lines[0].startswith("megarl-train: error: trainer.run_dir="), lines
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+    assert (tmp_path / "notes.txt").read_text() == "keep me"
+
+
+def test_a_late_refusal_leaves_an_existing_run_dir_as_it_was(tmp_path):
+    """Refused by the last start-up check (the prompts do not fit): by then the random-init model
+    was written to a staging folder, but no init_model, metrics rotation or folder reaches
+    run_dir."""
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+    before = {p: p.read_bytes() if p.is_file() else None for p in run_dir.rglob("*")}
+    proc = _train(
+        f"trainer.run_dir={run_dir}",
+        "model=tiny_llama",
+        "model.hf_config.max_position_embeddings=48",
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "prompts do not fit" in proc.stderr
+    assert {p: p.read_bytes() if p.is_file() else None for p in run_dir.rglob("*")} == before

@@ -176,3 +176,30 @@ def test_killed_rank_is_named_not_the_peer_that_noticed(tmp_path):
         launch(_peer_fails_first, 2, args=(str(tmp_path),), timeout_s=120)
     assert failed.value.rank == 1 and failed.value.exitcode == 137, str(failed.value)
     assert "then 1 other rank(s) failed" in str(failed.value)
+
+
+def _bad_input_on_rank_0(ctx, sync_dir: str) -> None:
+    """Rank 0 finds bad input (a reward function failing); rank 1 then fails in the next
+    collective, as a real peer would."""
+    from megarl.errors import BadInputError
+
+    failed, ready = Path(sync_dir) / "rank0_failed", Path(sync_dir) / "rank1_ready"
+    if ctx.rank == 0:
+        while not ready.exists():  # both ranks started: the peer fails within the grace
+            time.sleep(0.01)
+        failed.write_text("0")
+        raise BadInputError("data.reward=m:f: sample 0 (step 1) returned nan")
+    ready.write_text("1")
+    while not failed.exists():
+        time.sleep(0.01)
+    raise RuntimeError("Connection closed by peer")
+
+
+def test_bad_input_in_a_rank_is_its_one_line_with_exit_2_and_no_peer_traceback(tmp_path, capfd):
+    from megarl.distributed.launcher import WorkerFailed, launch
+
+    with pytest.raises(WorkerFailed) as failed:
+        launch(_bad_input_on_rank_0, 2, args=(str(tmp_path),), timeout_s=120)
+    assert failed.value.rank == 0 and failed.value.exit_code == 2
+    assert str(failed.value).endswith("failed: data.reward=m:f: sample 0 (step 1) returned nan")
+    assert "Traceback" not in capfd.readouterr().err  # the peer's error went to the parent only

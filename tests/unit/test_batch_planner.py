@@ -261,7 +261,7 @@ def test_pruning_with_kl_or_entropy_fails_naming_the_settings(mode: str) -> None
 def test_pruning_config_exact_cases_return_none() -> None:
     assert check_pruning_config("off", 0.1, 0.1, allow_approx=False) is None
     assert check_pruning_config("fast", 0.0, 0.0, allow_approx=False) is None
-    with pytest.raises(PlannerError, match="planner.mode"):
+    with pytest.raises(PlannerError, match="planner.prune_zero_adv"):
         check_pruning_config("sometimes", 0.0, 0.0, allow_approx=False)
 
 

@@ -7,11 +7,15 @@ import pytest
 from megarl.data.numbers import normalize_number, numbers_equal
 from megarl.data.rewards import (
     REWARD_FNS,
+    RewardFunctionError,
+    ScoredSamples,
     exact_match_last_number,
     extract_gsm8k_answer,
     extract_last_number,
     get_reward_fn,
     gsm8k_reward,
+    reward_value,
+    score_samples,
 )
 
 
@@ -121,3 +125,122 @@ def test_numbers_equal_compares_values_not_spellings() -> None:
     assert numbers_equal("12345678901234567890", "12,345,678,901,234,567,890")
     assert not numbers_equal("12345678901234567890", "12345678901234567891")
     assert not numbers_equal("x", "x")
+
+
+# --- a user's reward function: every returned value checked, every failure one line --------
+
+
+class _Scalar:
+    """A 0-d array or tensor, as NumPy and torch return from a reduction."""
+
+    ndim = 0
+
+    def __init__(self, value: float) -> None:
+        self.value = value
+
+    def item(self) -> float:
+        return self.value
+
+
+@pytest.mark.parametrize(
+    ("returned", "expected"),
+    [
+        (1, 1.0),
+        (0.25, 0.25),
+        (True, 1.0),
+        (False, 0.0),
+        (-2.5, -2.5),
+        ({"score": 0.5, "acc": True}, 0.5),  # verl's dict convention
+        (_Scalar(0.75), 0.75),
+    ],
+)
+def test_reward_value_accepts_one_finite_number(returned, expected) -> None:
+    assert reward_value(returned) == expected
+
+
+@pytest.mark.parametrize(
+    ("returned", "described"),
+    [
+        (None, "None"),
+        (float("nan"), "nan"),
+        (float("inf"), "inf"),
+        (float("-inf"), "-inf"),
+        ("1.0", "a string '1.0'"),
+        ("x" * 100, "a string 'xxxxxxxx"),
+        ([1.0, 0.0, 1.0], "a list of 3 values"),
+        ((1.0,), "a tuple of 1 value"),
+        ({"acc": 1.0}, "a dict of 1 value"),
+        (_Scalar(float("nan")), "nan"),
+        (object(), "a object"),
+    ],
+)
+def test_reward_value_refuses_everything_else_saying_what_it_was(returned, described) -> None:
+    with pytest.raises(ValueError) as info:
+        reward_value(returned)
+    assert str(info.value).startswith(described)
+
+
+def _returns(value):
+    return lambda response, answer: value
+
+
+def _raises(response: str, answer: str) -> float:
+    if response == "bad":
+        raise ZeroDivisionError("division by zero\nsecond line")
+    return 1.0
+
+
+@pytest.mark.parametrize(
+    ("fn", "needle"),
+    [
+        (_returns(None), "sample 0 (step 3) returned None (expected one finite number)"),
+        (_returns(float("nan")), "returned nan"),
+        (_returns("yes"), "returned a string 'yes'"),
+        (_returns([1.0, 1.0]), "returned a list of 2 values"),
+        (_raises, "sample 1 (step 3) raised ZeroDivisionError: division by zero second line"),
+    ],
+)
+def test_a_failing_reward_function_is_one_line_naming_function_sample_and_value(fn, needle):
+    with pytest.raises(RewardFunctionError) as info:
+        score_samples(fn, "my_rewards:score", ["ok", "bad"], ["1", "1"], "raise", step=3)
+    message = str(info.value)
+    assert message.startswith("data.reward=my_rewards:score: sample ")
+    assert needle in message and "\n" not in message
+    assert "data.reward_error=zero" in message
+    assert info.value.exit_code == 2
+
+
+def test_reward_error_zero_scores_failures_zero_and_counts_them() -> None:
+    scored = score_samples(_raises, "m:f", ["ok", "bad", "bad", "ok"], ["1"] * 4, "zero", step=1)
+    assert scored.rewards == (1.0, 0.0, 0.0, 1.0)
+    assert scored.failures == 2
+    assert scored.first_failure is not None and "sample 1 (step 1)" in scored.first_failure
+
+
+def test_good_rewards_pass_through_unchanged() -> None:
+    scored = score_samples(gsm8k_reward, "gsm8k", ["#### 7", "6"], ["7", "7"])
+    assert scored == ScoredSamples((1.0, 0.0), 0, None)
+
+
+def test_ctrl_c_in_a_reward_function_is_not_swallowed() -> None:
+    def interrupted(response: str, answer: str) -> float:
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        score_samples(interrupted, "m:f", ["a"], ["1"], "zero")
+
+
+def test_a_reward_function_that_cannot_take_response_and_answer_is_refused_on_import(
+    tmp_path, monkeypatch
+) -> None:
+    (tmp_path / "sig_rewards.py").write_text(
+        "def one(response):\n    return 1.0\n\n"
+        "def extra(response, answer, *, scale=1.0, **kw):\n    return scale\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError) as info:
+        get_reward_fn("sig_rewards:one")
+    message = str(info.value)
+    assert message.startswith("data.reward='sig_rewards:one': must be callable as fn(response,")
+    assert "one(response) cannot (too many positional arguments)" in message
+    assert get_reward_fn("sig_rewards:extra")("x", "1") == 1.0

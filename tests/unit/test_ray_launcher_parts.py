@@ -126,3 +126,27 @@ def test_side_actor_bundle_cpu_token_or_whole_gpus():
     )
     assert side.bundle("cuda") == {"CPU": 1.0, "GPU": 2.0}
     assert side.bundle("cpu") == {"CPU": CPU_PER_RANK}
+
+
+def test_a_bad_input_error_in_the_rollout_actor_keeps_its_line_and_exit_2(monkeypatch):
+    """A reward function failing in the split rollout actor: the one line and exit 2 reach the
+    controller through the pickled SideActorFailed (no 'BadInputError:' prefix, no exit 1)."""
+    import pickle
+
+    import ray
+    import ray.exceptions
+
+    from megarl.distributed.ray_launcher import SideActorFailed, get_from_side_actor
+    from megarl.errors import BadInputError
+
+    def raising_get(ref):
+        raise ray.exceptions.RayTaskError("call", "tb", BadInputError("data.reward=m:f: sample 0"))
+
+    monkeypatch.setattr(ray, "get", raising_get)
+    with pytest.raises(SideActorFailed) as info:
+        get_from_side_actor(object(), "rollout actor on node n", "rollout")
+    failure = pickle.loads(pickle.dumps(info.value))
+    assert (failure.detail, failure.exit_code) == ("data.reward=m:f: sample 0 during rollout", 2)
+    error = WorkerFailed(-1, None, failure.detail, where=failure.where, exit_code=failure.exit_code)
+    assert error.exit_code == 2
+    assert str(error) == "rollout actor on node n failed: data.reward=m:f: sample 0 during rollout"

@@ -1,0 +1,69 @@
+"""Values that make no sense are refused by the schema, in one line naming the key; the edge
+of each range that does make sense is accepted."""
+
+from __future__ import annotations
+
+import pytest
+
+from megarl.config.schema import ConfigError, build_run_config
+
+
+@pytest.mark.parametrize(
+    ("tree", "needle"),
+    [
+        ({"actor": {"optim": {"grad_clip": -1.0}}}, "actor.optim.grad_clip=-1.0: must be >= 0"),
+        ({"actor": {"optim": {"betas": [0.9, 1.0]}}}, "beta2=1.0 must be in [0, 1)"),
+        ({"actor": {"optim": {"betas": [-0.1, 0.999]}}}, "beta1=-0.1 must be in [0, 1)"),
+        ({"actor": {"optim": {"betas": [0.9]}}}, "actor.optim.betas=[0.9]: must be two numbers"),
+        ({"actor": {"optim": {"betas": ["a", 0.9]}}}, "actor.optim.betas=['a', 0.9]"),
+        ({"actor": {"optim": {"betas": 0.9}}}, "actor.optim.betas=0.9: expected a list"),
+        ({"actor": {"optim": {"eps": 0.0}}}, "actor.optim.eps=0.0: must be > 0"),
+        ({"actor": {"optim": {"weight_decay": -0.01}}}, "actor.optim.weight_decay=-0.01"),
+        ({"actor": {"lr": 0.0}}, "actor.lr=0.0: must be > 0"),
+        ({"actor": {"lr": -1e-5}}, "actor.lr=-1e-05"),
+        ({"actor": {"clip_ratio_low": -0.2}}, "actor.clip_ratio_low=-0.2: must be in (0, 1)"),
+        ({"actor": {"clip_ratio_low": 1.0}}, "actor.clip_ratio_low=1.0"),
+        ({"actor": {"clip_ratio_high": -0.2}}, "actor.clip_ratio_high=-0.2: must be > 0"),
+        ({"actor": {"clip_ratio_high": 0.0}}, "actor.clip_ratio_high=0.0"),
+        ({"rollout": {"n": 0}}, "rollout.n=0"),
+        ({"rollout": {"n": -4}}, "rollout.n=-4"),
+        ({"rollout": {"max_new_tokens": 0}}, "rollout.max_new_tokens=0: must be > 0"),
+        ({"rollout": {"temperature": -0.5}}, "rollout.temperature=-0.5: must be > 0"),
+        ({"rollout": {"temperature": 0.0}}, "rollout.temperature=0.0: must be > 0 (GRPO"),
+        ({"rollout": {"top_p": 0.0}}, "rollout.top_p=0.0: must be in (0, 1]"),
+        ({"rollout": {"top_p": 1.01}}, "rollout.top_p=1.01"),
+        ({"rollout": {"max_model_len": 16, "max_new_tokens": 16}}, "rollout.max_model_len=16"),
+        ({"rollout": {"max_model_len": 0}}, "rollout.max_model_len=0"),
+        ({"data": {"prompts_per_step": 0}}, "data.prompts_per_step=0: must be > 0"),
+        ({"data": {"max_operand": 0}}, "data.max_operand=0: must be >= 1"),
+        ({"data": {"ops": ["/"]}}, "data.ops='/': must be one of +, -, *"),
+        ({"data": {"ops": []}}, "data.ops: empty"),
+        ({"data": {"reward_error": "ignore"}}, "data.reward_error='ignore': must be one of"),
+        ({"trainer": {"run_dir": ""}}, "trainer.run_dir='': empty"),
+        ({"trainer": {"run_dir": "  "}}, "trainer.run_dir='  ': empty"),
+        ({"trainer": {"run_dir": None}}, "trainer.run_dir=None: expected a string"),
+    ],
+)
+def test_senseless_values_are_refused_naming_the_key(tree, needle):
+    with pytest.raises(ConfigError) as info:
+        build_run_config(tree)
+    message = str(info.value)
+    assert needle in message, message
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize(
+    "tree",
+    [
+        {"actor": {"optim": {"grad_clip": 0.0}}},  # 0 = no clipping
+        {"actor": {"optim": {"betas": [0.0, 0.0]}}},
+        {"actor": {"optim": {"betas": [0, 0.95]}}},  # an integer is a number
+        {"actor": {"clip_ratio_low": 0.2, "clip_ratio_high": 0.28}},  # DAPO's clip-higher
+        {"rollout": {"n": 2, "max_new_tokens": 1, "top_p": 1.0, "temperature": 1e-3}},
+        {"rollout": {"max_model_len": 17, "max_new_tokens": 16}},
+        {"data": {"prompts_per_step": 1, "max_operand": 1, "ops": ["+", "-", "*"]}},
+        {"data": {"reward_error": "zero"}},
+    ],
+)
+def test_the_edge_of_each_range_is_accepted(tree):
+    build_run_config(tree)
