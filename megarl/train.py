@@ -11,6 +11,7 @@ import contextlib
 import os
 import sys
 import tempfile
+import traceback
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, cast
@@ -342,7 +343,39 @@ def _launch(cfg, device: str, fn, inputs) -> list:
     watch = HeartbeatWatch(
         str(Path(cfg.trainer.run_dir) / ".heartbeat"), cfg.trainer.collective_timeout_s
     )
-    return launch(fn, cfg.trainer.world_size, args=(inputs,), watch=watch)
+    with _tracebacks_to_log(cfg):
+        return launch(fn, cfg.trainer.world_size, args=(inputs,), watch=watch)
+
+
+@contextlib.contextmanager
+def _tracebacks_to_log(cfg) -> Iterator[None]:
+    """A rank that raised an unexpected error is reported in one line; its traceback goes to
+    ``<run_dir>/logs/error-rank<N>.txt`` (named in that line) and, with ``trainer.debug`` or
+    ``HYDRA_FULL_ERROR=1``, to the console. A one-rank run raises in this process: the same."""
+    from megarl.distributed.launcher import RunStopped, WorkerFailed
+    from megarl.errors import MegarlError
+
+    try:
+        yield
+    except WorkerFailed as exc:
+        if exc.traceback:
+            _log_traceback(cfg, exc, exc.traceback)
+        raise
+    except (MegarlError, RunStopped, KeyboardInterrupt, SystemExit):
+        raise
+    except Exception as exc:  # noqa: BLE001 - a one-rank run's bug: reported like a rank's
+        failed = WorkerFailed(0, None, f"{type(exc).__name__}: {exc}".splitlines()[0])
+        _log_traceback(cfg, failed, traceback.format_exc())
+        raise failed from None
+
+
+def _log_traceback(cfg, failed, trace: str) -> None:
+    path = Path(cfg.trainer.run_dir) / "logs" / f"error-rank{failed.rank}.txt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(trace, encoding="utf-8")
+    if cfg.trainer.debug or os.environ.get("HYDRA_FULL_ERROR") == "1":
+        print(trace, file=sys.stderr, end="" if trace.endswith("\n") else "\n")
+    failed.args = (f"{failed} (traceback: {path})",)
 
 
 def _split_rollout(cfg, inputs):

@@ -91,6 +91,9 @@ class TrainerConfig:
     resume: str = "auto"
     """auto (the newest checkpoint in run_dir, if any; a damaged one is an error, never skipped)
     | never (start fresh; earlier checkpoints and metrics are renamed aside) | a checkpoint path."""
+    debug: bool = False
+    """Print a failed rank's full Python traceback on the console (it is always written to
+    ``<run_dir>/logs/``); ``HYDRA_FULL_ERROR=1`` does the same."""
     collective_timeout_s: float = 600.0
     """Seconds a rank waits in one collective, and that a rank may go without progress, before
     the run fails naming the rank that stopped. 600 s outlasts a slow first step (a model

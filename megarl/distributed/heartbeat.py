@@ -53,8 +53,13 @@ class Beat:
     progress_at: float
     """Wall-clock time the main loop last advanced (entered a phase or an optimizer step)."""
 
+    @property
+    def during(self) -> str:
+        """What the main loop was doing: ``update_actor of step 3``."""
+        return f"{self.phase} of step {self.step}" if self.step else self.phase
+
     def describe(self, now: float) -> str:
-        during = f"{self.phase} of step {self.step}" if self.step else self.phase
+        during = self.during
         return (
             f"stopped responding: no progress for {now - self.progress_at:.0f} s "
             f"during {during} (pid {self.pid})"

@@ -73,9 +73,17 @@ class WorkerFailed(RuntimeError):
     """A worker process exited abnormally; ``exit_code`` is what the command line returns."""
 
     def __init__(
-        self, rank: int, exitcode: int | None, detail: str = "", where: str = "", exit_code: int = 1
+        self,
+        rank: int,
+        exitcode: int | None,
+        detail: str = "",
+        where: str = "",
+        exit_code: int = 1,
+        traceback: str = "",
     ):
         self.rank, self.exitcode, self.exit_code = rank, exitcode, exit_code
+        self.traceback = traceback
+        """The rank's Python traceback, if it raised (kept off the one line; see train.py)."""
         # `where` names role, rank and node (Ray launcher); the local launcher has one node.
         who = where or f"{role_of(rank)} rank {rank} on node {socket.gethostname()}"
         code = f" (exit code {exitcode})" if exitcode is not None else ""
@@ -301,4 +309,9 @@ def _raise_root_cause(procs, queue, results, errors, watch: HeartbeatWatch | Non
     if isinstance(payload, tuple):  # a MegarlError: its own one line and exit code
         exit_code, message = payload
         raise WorkerFailed(rank, None, message, exit_code=exit_code)
-    raise WorkerFailed(rank, procs[rank].exitcode, payload)
+    summary, _, trace = str(payload).partition("\n")
+    during = ""
+    if watch is not None:
+        beat = watch.read({rank: procs[rank].pid}).get(rank)
+        during = f" during {beat.during}" if beat is not None else ""
+    raise WorkerFailed(rank, procs[rank].exitcode, summary + during, traceback=trace)

@@ -203,3 +203,20 @@ def test_bad_input_in_a_rank_is_its_one_line_with_exit_2_and_no_peer_traceback(t
     assert failed.value.rank == 0 and failed.value.exit_code == 2
     assert str(failed.value).endswith("failed: data.reward=m:f: sample 0 (step 1) returned nan")
     assert "Traceback" not in capfd.readouterr().err  # the peer's error went to the parent only
+
+
+def _raise_on_rank_1(ctx):
+    if ctx.rank == 1:
+        raise KeyError("no such column")
+    time.sleep(30)
+
+
+def test_a_python_error_in_a_rank_is_one_line_and_keeps_its_traceback(capfd):
+    from megarl.distributed.launcher import WorkerFailed, launch
+
+    with pytest.raises(WorkerFailed) as failed:
+        launch(_raise_on_rank_1, 2, timeout_s=120)
+    assert failed.value.rank == 1
+    assert str(failed.value).endswith("failed (exit code 1): KeyError: 'no such column'")
+    assert "Traceback" in failed.value.traceback and "_raise_on_rank_1" in failed.value.traceback
+    assert "Traceback" not in capfd.readouterr().err

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import socket
 
 import pytest
 
@@ -51,3 +52,39 @@ def test_a_new_or_existing_run_dir_passes_and_nothing_is_created(tmp_path):
     check_run_dir(str(tmp_path / "a" / "b"))
     check_run_dir(str(tmp_path))
     assert not (tmp_path / "a").exists()
+
+
+def _cfg_for_logs(run_dir, debug: bool = False):
+    from megarl.config.schema import RunConfig, TrainerConfig
+
+    return RunConfig(trainer=TrainerConfig(run_dir=str(run_dir), debug=debug))
+
+
+def test_an_unexpected_error_is_one_line_and_its_traceback_goes_to_the_log(tmp_path, capsys):
+    from megarl.distributed.launcher import WorkerFailed
+    from megarl.train import _tracebacks_to_log
+
+    with pytest.raises(WorkerFailed) as failed, _tracebacks_to_log(_cfg_for_logs(tmp_path)):
+        raise RuntimeError("boom\nsecond line")
+    log = tmp_path / "logs" / "error-rank0.txt"
+    host = socket.gethostname()
+    expected = f"actor+rollout rank 0 on node {host} failed: RuntimeError: boom (traceback: {log})"
+    assert str(failed.value).splitlines() == [expected]
+    assert "Traceback" in log.read_text() and "boom" in log.read_text()
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_a_ranks_traceback_is_logged_and_printed_only_in_debug(tmp_path, capsys):
+    from megarl.distributed.launcher import WorkerFailed
+    from megarl.train import _tracebacks_to_log
+
+    trace = 'Traceback (most recent call last):\n  File "x.py", line 1\nKeyError: 3\n'
+    with (
+        pytest.raises(WorkerFailed) as failed,
+        _tracebacks_to_log(_cfg_for_logs(tmp_path, debug=True)),
+    ):
+        raise WorkerFailed(1, 1, "KeyError: 3 during update_actor of step 2", traceback=trace)
+    log = tmp_path / "logs" / "error-rank1.txt"
+    assert log.read_text() == trace
+    assert str(failed.value).endswith(f"during update_actor of step 2 (traceback: {log})")
+    assert capsys.readouterr().err == trace
