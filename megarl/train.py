@@ -113,18 +113,37 @@ def resolve_model_dir(cfg, staging: Path | None = None) -> str:
 
 
 def place_model_dir(cfg, model_dir: str, staging: Path) -> str:
-    """Move a folder :func:`resolve_model_dir` wrote to ``staging`` into ``<run_dir>/init_model``
-    (replacing a stale one); any other folder is used where it is."""
+    """Move a folder :func:`resolve_model_dir` wrote to ``staging`` into ``<run_dir>/init_model``;
+    any other folder is used where it is. An ``init_model`` an earlier run left there is kept when
+    it holds the same bytes (a resume writes the same model again), and otherwise renamed aside
+    (``replaced-<time>-init_model``, said on the console), never deleted: a run may have started
+    from it."""
     import shutil
+
+    from megarl.checkpoint.layout import set_aside
 
     if Path(model_dir) != staging:
         return model_dir
     final = Path(cfg.trainer.run_dir) / "init_model"
     final.parent.mkdir(parents=True, exist_ok=True)
+    if final.exists() and _same_files(final, staging):
+        shutil.rmtree(staging)  # this run's own copy of what is already there
+        return str(final)
     if final.exists():
-        shutil.rmtree(final)
+        moved = set_aside(final, "replaced-")
+        print(f"megarl-train: an earlier {final} was renamed to {moved.name}", file=sys.stderr)
     shutil.move(str(staging), str(final))
     return str(final)
+
+
+def _same_files(a: Path, b: Path) -> bool:
+    import filecmp
+
+    names = sorted(p.name for p in a.iterdir())
+    if names != sorted(p.name for p in b.iterdir()):
+        return False
+    _, mismatch, errors = filecmp.cmpfiles(a, b, names, shallow=False)
+    return not mismatch and not errors
 
 
 def _is_megarl_checkpoint(path: str) -> bool:

@@ -88,3 +88,19 @@ def test_a_ranks_traceback_is_logged_and_printed_only_in_debug(tmp_path, capsys)
     assert log.read_text() == trace
     assert str(failed.value).endswith(f"during update_actor of step 2 (traceback: {log})")
     assert capsys.readouterr().err == trace
+
+
+def test_an_earlier_init_model_is_kept_if_equal_and_set_aside_otherwise(tmp_path, capsys):
+    from megarl.train import place_model_dir
+
+    cfg = _cfg_for_logs(tmp_path / "run")
+    for content in (b"weights", b"weights", b"other weights"):
+        staging = tmp_path / "staging"
+        staging.mkdir()
+        (staging / "model.safetensors").write_bytes(content)
+        assert place_model_dir(cfg, str(staging), staging) == str(tmp_path / "run" / "init_model")
+        assert not staging.exists()
+    assert (tmp_path / "run" / "init_model" / "model.safetensors").read_bytes() == b"other weights"
+    [aside] = (tmp_path / "run").glob("replaced-*-init_model")
+    assert (aside / "model.safetensors").read_bytes() == b"weights"
+    assert capsys.readouterr().err.count("renamed") == 1
