@@ -355,10 +355,11 @@ def _launch(cfg, device: str, fn, inputs) -> list:
         from megarl.distributed.ray_launcher import PlacementError, RayLayout, launch_on_ray
 
         layout = RayLayout(cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node, device)
-        try:
-            return launch_on_ray(fn, layout, args=(inputs,), side=_split_rollout(cfg, inputs))
-        except PlacementError as exc:
-            raise StartupError(str(exc)) from None
+        with _tracebacks_to_log(cfg):
+            try:
+                return launch_on_ray(fn, layout, args=(inputs,), side=_split_rollout(cfg, inputs))
+            except PlacementError as exc:
+                raise StartupError(str(exc)) from None
     watch = HeartbeatWatch(
         str(Path(cfg.trainer.run_dir) / ".heartbeat"), cfg.trainer.collective_timeout_s
     )
@@ -380,7 +381,7 @@ def _tracebacks_to_log(cfg) -> Iterator[None]:
         if exc.traceback:
             _log_traceback(cfg, exc, exc.traceback)
         raise
-    except (MegarlError, RunStopped, KeyboardInterrupt, SystemExit):
+    except (MegarlError, StartupError, RunStopped, KeyboardInterrupt, SystemExit):
         raise
     except Exception as exc:  # noqa: BLE001 - a one-rank run's bug: reported like a rank's
         failed = WorkerFailed(0, None, f"{type(exc).__name__}: {exc}".splitlines()[0])

@@ -421,8 +421,9 @@ def run_ranks(
                 raise WorkerFailed(
                     rank,
                     None,
-                    f"{type(cause).__name__}: {cause}",
+                    f"{type(cause).__name__}: {cause}".splitlines()[0],
                     where=placements[rank].describe(),
+                    traceback=str(exc),  # Ray's text of the remote traceback
                 ) from None
     return [results[r] for r in range(world)]
 
