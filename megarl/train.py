@@ -212,15 +212,12 @@ def check_vllm(cfg, model_dir: str, device: str) -> None:
     Settings it changes on the user's behalf (e.g. a sleep level the CPU build cannot do) are
     printed as warnings; see :mod:`megarl.engines.vllm_settings`.
     """
-    import importlib.util
     import json
 
-    from megarl.engines.vllm import VLLM_MISSING_MESSAGE
     from megarl.engines.vllm_settings import VLLMSettingsError
     from megarl.trainer.rollout_host import vllm_settings
 
-    if importlib.util.find_spec("vllm") is None:
-        raise StartupError(VLLM_MISSING_MESSAGE)
+    check_engine_installed("vllm")
     if cfg.export.checksum_interval and cfg.rollout.tp > 1:
         raise StartupError(
             f"export.checksum_interval={cfg.export.checksum_interval} needs "
