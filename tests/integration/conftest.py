@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
+from forked_cli import ForkedTrain
 
 TINY_HF_CONFIG = {
     "model_type": "llama",
@@ -70,3 +74,14 @@ def tiny_run(tmp_path):
         )
 
     return _run
+
+
+@pytest.fixture(scope="session")
+def train_cli(tmp_path_factory):
+    """``train_cli.run(*args, cwd=...)``: ``megarl-train`` in a forked child of a warm
+    interpreter (see forked_cli.py), for tests that start many short runs."""
+    here = str(Path(__file__).parent)
+    path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
+    server = ForkedTrain({**os.environ, "PYTHONPATH": path}, tmp_path_factory.mktemp("forked"))
+    yield server
+    server.close()

@@ -5,9 +5,6 @@ intact, repairs a torn metrics line and leaves one metrics line per step."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,7 +21,7 @@ def _tree(folder: Path) -> dict[str, bytes]:
     return {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
 
 
-def test_damaged_newest_checkpoint_is_named_never_skipped(tmp_path, capsys):
+def test_damaged_newest_checkpoint_is_named_never_skipped(train_cli, tmp_path, capsys):
     run_dir = tmp_path / "run"
     args = tiny_overrides(run_dir, 2, **{"trainer.save_interval": 1})
     assert main(args) == 0
@@ -37,14 +34,7 @@ def test_damaged_newest_checkpoint_is_named_never_skipped(tmp_path, capsys):
     before = _tree(run_dir)
     capsys.readouterr()
 
-    proc = subprocess.run(  # the CLI as a user runs it: exit code and stderr
-        [sys.executable, "-m", "megarl.train", *args],
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(Path(__file__).parent)])},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = train_cli.run(*args, cwd=REPO)  # the CLI as a user runs it: exit code and stderr
     assert proc.returncode == 2, proc.stderr[-2000:]
     [line] = proc.stderr.strip().splitlines()
     assert line.startswith(f"megarl-train: error: checkpoint {newest}: {shard.name} is damaged")

@@ -6,22 +6,10 @@ import importlib.util
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-
-
-def _train(*args: str, cwd) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "megarl.train", *args],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-
+from forked_cli import Finished
 
 _VLLM_CASES = (
     []
@@ -79,10 +67,10 @@ _VLLM_CASES = (
         *_VLLM_CASES,
     ],
 )
-def test_bad_input_is_one_line_and_exit_2(tmp_path, args, needle):
+def test_bad_input_is_one_line_and_exit_2(train_cli, tmp_path, args, needle):
     """Checked before any worker starts or anything is written."""
     run_dir = tmp_path / "run"
-    proc = _train(f"trainer.run_dir={run_dir}", *args, cwd=tmp_path)
+    proc = train_cli.run(f"trainer.run_dir={run_dir}", *args, cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.startswith("megarl-train")]
     assert len(lines) == 1 and needle in lines[0], proc.stderr
@@ -145,29 +133,29 @@ def _assert_one_line_exit_2_nothing_written(proc, needle: str, run_dir: Path) ->
 
 
 @pytest.mark.parametrize("case", sorted(_BAD_MODELS))
-def test_bad_model_folder_is_one_line_and_writes_nothing(tmp_path, case):
+def test_bad_model_folder_is_one_line_and_writes_nothing(train_cli, tmp_path, case):
     corrupt, needle = _BAD_MODELS[case]
     model = _tiny_hf_folder(tmp_path / "model")
     corrupt(model)
     run_dir = tmp_path / "run"
-    proc = _train(f"trainer.run_dir={run_dir}", f"model.path={model}", cwd=tmp_path)
+    proc = train_cli.run(f"trainer.run_dir={run_dir}", f"model.path={model}", cwd=tmp_path)
     _assert_one_line_exit_2_nothing_written(proc, f"model.path={model}: {needle}", run_dir)
 
 
-def test_unparsable_gguf_is_one_line(tmp_path):
+def test_unparsable_gguf_is_one_line(train_cli, tmp_path):
     gguf = tmp_path / "random.gguf"
     gguf.write_bytes(bytes(range(256)) * 64)
     run_dir = tmp_path / "run"
-    proc = _train(f"trainer.run_dir={run_dir}", f"model.path={gguf}", cwd=tmp_path)
+    proc = train_cli.run(f"trainer.run_dir={run_dir}", f"model.path={gguf}", cwd=tmp_path)
     _assert_one_line_exit_2_nothing_written(
         proc, f"model.path={gguf}: not a readable .gguf", run_dir
     )
 
 
-def test_random_init_refused_by_a_later_check_leaves_run_dir_untouched(tmp_path):
+def test_random_init_refused_by_a_later_check_leaves_run_dir_untouched(train_cli, tmp_path):
     """The init model is written to a staging folder and moved in only once every check passed."""
     run_dir = tmp_path / "run"
-    proc = _train(
+    proc = train_cli.run(
         f"trainer.run_dir={run_dir}",
         "model=tiny_llama",
         "actor.pp=3",
@@ -177,10 +165,10 @@ def test_random_init_refused_by_a_later_check_leaves_run_dir_untouched(tmp_path)
     _assert_one_line_exit_2_nothing_written(proc, "actor.pp=3 does not divide", run_dir)
 
 
-def test_malformed_dataset_row_names_file_and_line(tmp_path):
+def test_malformed_dataset_row_names_file_and_line(train_cli, tmp_path):
     data = tmp_path / "bad.jsonl"
     data.write_text('{"question": "1+1?", "answer": "#### 2"}\n{"question": "no answer"}\n')
-    proc = _train(
+    proc = train_cli.run(
         f"trainer.run_dir={tmp_path / 'run'}", "data.task=jsonl", f"data.path={data}", cwd=tmp_path
     )
     assert proc.returncode == 2
@@ -198,17 +186,10 @@ def raises(response, answer):
 """A user's reward module: written into tmp_path, which goes on the subprocess's PYTHONPATH."""
 
 
-def _train_with_reward_module(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+def _train_with_reward_module(train_cli, tmp_path: Path, *args: str) -> Finished:
     (tmp_path / "user_rewards.py").write_text(_REWARD_MODULE)
     path = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p)
-    return subprocess.run(
-        [sys.executable, "-m", "megarl.train", *args],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "PYTHONPATH": path},
-    )
+    return train_cli.run(*args, cwd=tmp_path, env={"PYTHONPATH": path})
 
 
 _TINY_RUN = (
@@ -233,8 +214,9 @@ _TINY_RUN = (
         ),
     ],
 )
-def test_failing_reward_function_is_one_line_and_exit_2(tmp_path, fn, ranks, needle):
+def test_failing_reward_function_is_one_line_and_exit_2(train_cli, tmp_path, fn, ranks, needle):
     proc = _train_with_reward_module(
+        train_cli,
         tmp_path,
         f"trainer.run_dir={tmp_path / 'run'}",
         f"data.reward=user_rewards:{fn}",
@@ -247,8 +229,9 @@ def test_failing_reward_function_is_one_line_and_exit_2(tmp_path, fn, ranks, nee
     assert "Traceback" not in proc.stderr
 
 
-def test_reward_error_zero_scores_the_sample_zero_and_finishes(tmp_path):
+def test_reward_error_zero_scores_the_sample_zero_and_finishes(train_cli, tmp_path):
     proc = _train_with_reward_module(
+        train_cli,
         tmp_path,
         f"trainer.run_dir={tmp_path / 'run'}",
         "data.reward=user_rewards:raises",
@@ -263,9 +246,9 @@ def test_reward_error_zero_scores_the_sample_zero_and_finishes(tmp_path):
 
 
 @pytest.mark.parametrize("value", ["''", "notes.txt"])
-def test_bad_run_dir_is_one_line_and_touches_nothing(tmp_path, value):
+def test_bad_run_dir_is_one_line_and_touches_nothing(train_cli, tmp_path, value):
     (tmp_path / "notes.txt").write_text("keep me")
-    proc = _train(f"trainer.run_dir={value}", cwd=tmp_path)
+    proc = train_cli.run(f"trainer.run_dir={value}", cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.startswith("megarl-train")]
     assert len(lines) == 1 and lines[0].startswith("megarl-train: error: trainer.run_dir="), lines
@@ -273,7 +256,7 @@ def test_bad_run_dir_is_one_line_and_touches_nothing(tmp_path, value):
     assert (tmp_path / "notes.txt").read_text() == "keep me"
 
 
-def test_a_late_refusal_leaves_an_existing_run_dir_as_it_was(tmp_path):
+def test_a_late_refusal_leaves_an_existing_run_dir_as_it_was(train_cli, tmp_path):
     """Refused by the last start-up check (the prompts do not fit): by then the random-init model
     was written to a staging folder, but no init_model, metrics rotation or folder reaches
     run_dir."""
@@ -281,7 +264,7 @@ def test_a_late_refusal_leaves_an_existing_run_dir_as_it_was(tmp_path):
     (run_dir / "checkpoints").mkdir(parents=True)
     (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
     before = {p: p.read_bytes() if p.is_file() else None for p in run_dir.rglob("*")}
-    proc = _train(
+    proc = train_cli.run(
         f"trainer.run_dir={run_dir}",
         "model=tiny_llama",
         "model.hf_config.max_position_embeddings=48",
