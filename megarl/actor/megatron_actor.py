@@ -48,6 +48,8 @@ class TrainStepResult:
 
 @dataclass(frozen=True)
 class LossSettings:
+    """The ``actor.*`` loss keys a training micro-batch needs (see ``ActorConfig``)."""
+
     temperature: float
     clip_low: float
     clip_high: float
@@ -55,6 +57,13 @@ class LossSettings:
     kl_coef: float
     kl_estimator: str
     entropy_coef: float
+    policy_loss: str = "vanilla"
+    """A name in :data:`megarl.algo.policy_losses.POLICY_LOSSES`."""
+    clip_ratio_c: float = 3.0
+    """vanilla's dual-clip bound for negative advantages."""
+    loss_scale_factor: float | None = None
+    """seq-mean-token-sum-norm's constant; it is already in the planner's normaliser, so it
+    only matters to a loss computed without one."""
 
 
 class MegatronActor:
@@ -269,6 +278,8 @@ class MegatronActor:
         )
         assert entropy_BL is not None  # asked for with_entropy=True
         old_BL = self._old_logprobs_BL(logp_BL, mb, batch, old)
+        # one row per sequence, packed or not (to_rows): what sequence-level losses and
+        # seq-mean-token-mean reduce over
         mask_BL = mb.loss_mask_BL
         pg = policy_loss(
             logp_BL,
@@ -279,6 +290,9 @@ class MegatronActor:
             loss.clip_high,
             loss.agg,
             denom=denom,
+            loss=loss.policy_loss,
+            clip_ratio_c=loss.clip_ratio_c,
+            loss_scale_factor=loss.loss_scale_factor,
         )
         total = pg.loss
         kl_value = logp_BL.new_zeros(())
@@ -297,6 +311,7 @@ class MegatronActor:
             "kl_loss": kl_value.detach(),
             "entropy_sum": (entropy_BL.detach() * mb.response_mask_BL).sum(),
             "clipfrac_sum": pg.clipfrac * num_tokens,
+            "clipfrac_lower_sum": pg.clipfrac_lower * num_tokens,
             "ppo_kl_sum": pg.ppo_kl * num_tokens,
             "num_tokens": num_tokens.float(),
             "response_tokens": mb.response_mask_BL.sum(),

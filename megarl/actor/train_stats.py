@@ -35,6 +35,8 @@ class OptimizerStepStats:
     ppo_kl_sum: float = 0.0
     num_tokens: float = 0.0
     """Tokens with a non-zero loss weight (what clip fraction and PPO-KL are averaged over)."""
+    clipfrac_lower_sum: float = 0.0
+    """Tokens on which vanilla's dual clip (negative advantages) is active."""
 
     def __add__(self, other: OptimizerStepStats) -> OptimizerStepStats:
         return OptimizerStepStats(
@@ -64,6 +66,8 @@ class UpdateStats:
     num_optimizer_steps: int
     logprob_abs_diff: float
     """Mean |engine - trainer| logprob over the tokens compared (0.0 when none were)."""
+    pg_clipfrac_lower: float = 0.0
+    """Fraction of trained tokens on which the dual clip for negative advantages is active."""
 
     def metrics(self) -> dict[str, float]:
         """verl's metric names."""
@@ -72,6 +76,7 @@ class UpdateStats:
             "actor/kl_loss": self.kl_loss,
             "actor/entropy": self.entropy,
             "actor/pg_clipfrac": self.pg_clipfrac,
+            "actor/pg_clipfrac_lower": self.pg_clipfrac_lower,
             "actor/ppo_kl": self.ppo_kl,
             "actor/grad_norm": self.grad_norm,
             "actor/num_optimizer_steps": self.num_optimizer_steps,
@@ -107,6 +112,7 @@ def summarise_update(
         grad_norm=_mean(list(grad_norms)),
         num_optimizer_steps=n,
         logprob_abs_diff=lp_diff_sum / lp_diff_count if lp_diff_count > 0 else 0.0,
+        pg_clipfrac_lower=_mean([s.clipfrac_lower_sum / s.num_tokens for s in with_tokens]),
     )
 
 

@@ -16,15 +16,19 @@ from megarl.algo.losses import (
     policy_loss,
     token_logprobs_from_logits,
 )
+from megarl.algo.policy_losses import POLICY_LOSS_NAMES, POLICY_LOSSES, get_policy_loss
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "AGG_MODES",
     "KL_PENALTY_KINDS",
+    "POLICY_LOSSES",
+    "POLICY_LOSS_NAMES",
     "PolicyLossOutput",
     "aggregate",
     "entropy_from_logits",
     "get_advantage_estimator",
+    "get_policy_loss",
     "group_relative_advantages",
     "kl_penalty",
     "policy_loss",

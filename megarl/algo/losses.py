@@ -1,9 +1,11 @@
-"""Per-token RL losses: PPO clipped surrogate, KL penalties, entropy, and their aggregation.
+"""Per-token RL losses (policy gradient, KL penalties, entropy) and their aggregation.
 
-All per-token tensors are ``[B, T]`` and come with a response mask ``mask_BT`` (float or bool,
-1 on response tokens, 0 on prompt and padding).  This module is pure tensor code; the trainer
-decides how a mini-batch is split across micro-batches and data-parallel ranks and passes the
-matching ``denom`` so that the pieces add up to the unsplit loss.
+All per-token tensors are ``[B, T]``, one row per sequence, and come with a response mask
+``mask_BT`` (float or bool, 1 on response tokens, 0 on prompt and padding).  The policy losses
+themselves are in :mod:`megarl.algo.policy_losses`, by name.  This module is pure tensor code;
+the trainer decides how a mini-batch is split across micro-batches and data-parallel ranks and
+passes the matching ``denom`` (the planner's normaliser) so that the pieces add up to the
+unsplit loss.
 """
 
 from __future__ import annotations
@@ -13,12 +15,15 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-AGG_MODES: tuple[str, ...] = ("token-mean", "seq-mean-token-sum")
-KL_PENALTY_KINDS: tuple[str, ...] = ("k1", "k2", "k3", "low_var_kl")
+from megarl.algo.policy_losses import MAX_LOG_RATIO, ClipSettings, get_policy_loss
 
-# exp() of a log-ratio beyond this overflows float32 or yields useless giant gradients; such a
-# token is always clipped (positive advantage) or dominated by the unclipped branch anyway.
-MAX_LOG_RATIO = 20.0
+AGG_MODES: tuple[str, ...] = (
+    "token-mean",
+    "seq-mean-token-sum",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum-norm",
+)
+KL_PENALTY_KINDS: tuple[str, ...] = ("k1", "k2", "k3", "low_var_kl")
 # verl's bound on the low-variance KL estimator, which keeps rare outlier tokens from dominating.
 LOW_VAR_KL_BOUND = 10.0
 
@@ -29,13 +34,16 @@ class PolicyLossOutput:
 
     Attributes:
         loss: scalar to backpropagate.
-        clipfrac: fraction of response tokens on which the clipped branch is active (detached).
+        clipfrac: fraction of response tokens on which the clip is active (detached).
         ppo_kl: token-mean of ``old_logp - logp``, how far the policy has moved (detached).
+        clipfrac_lower: fraction of response tokens on which the dual clip for negative
+            advantages is active (detached; 0 for losses without one).
     """
 
     loss: Tensor
     clipfrac: Tensor
     ppo_kl: Tensor
+    clipfrac_lower: Tensor
 
 
 def _check_same_shape(**tensors: Tensor) -> None:
@@ -45,11 +53,24 @@ def _check_same_shape(**tensors: Tensor) -> None:
         raise ValueError(f"per-token tensors must have the same shape, got {shapes}")
 
 
-def _default_denom(mask_BT: Tensor, mode: str) -> Tensor | float:
+def _default_denom(mask_BT: Tensor, mode: str, loss_scale_factor: float | None) -> Tensor | float:
     """The denominator that makes ``aggregate`` a mean over this batch alone."""
     if mode == "token-mean":
         return mask_BT.sum()
-    return float(mask_BT.shape[0])
+    num_sequences = float(mask_BT.shape[0])
+    if mode == "seq-mean-token-sum-norm":
+        scale = loss_scale_factor if loss_scale_factor is not None else mask_BT.shape[1]
+        return num_sequences * scale
+    return num_sequences
+
+
+def _token_weights(mask_BT: Tensor, mode: str) -> Tensor:
+    """Each token's weight in the numerator: the mask, over the row's token count for
+    ``seq-mean-token-mean`` (a weighted mask keeps its weight; an empty row stays 0)."""
+    if mode != "seq-mean-token-mean":
+        return mask_BT
+    num_tokens_B1 = (mask_BT != 0).sum(dim=-1, keepdim=True).clamp(min=1)
+    return mask_BT / num_tokens_B1.to(mask_BT.dtype)
 
 
 def _divide_or_zero(total: Tensor, denom: float | Tensor) -> Tensor:
@@ -71,27 +92,35 @@ def aggregate(
     mask_BT: Tensor,
     mode: str,
     denom: float | Tensor | None = None,
+    loss_scale_factor: float | None = None,
 ) -> Tensor:
-    """Reduce per-token values to a scalar loss.
+    """Reduce per-token values (one row per sequence) to a scalar loss.
 
-    Modes:
-        ``"token-mean"``: ``sum(values * mask) / denom``; denom defaults to the number of
-        response tokens, so every token weighs the same.
-        ``"seq-mean-token-sum"``: ``sum(values * mask) / denom``; denom defaults to the number of
-        sequences ``B``, i.e. sum each sequence's tokens, then average over sequences.
+    Modes (verl's names), each ``sum(values * weight) / denom``:
+        ``"token-mean"``: weight = mask; denom defaults to the number of response tokens, so
+        every token weighs the same.
+        ``"seq-mean-token-sum"``: weight = mask; denom defaults to the number of sequences
+        ``B``: sum each sequence's tokens, then average over sequences.
+        ``"seq-mean-token-mean"``: weight = mask / (the row's response tokens); denom defaults
+        to ``B``: each sequence's token mean, then the mean over sequences.
+        ``"seq-mean-token-sum-norm"`` (Dr. GRPO): weight = mask; denom defaults to
+        ``B * loss_scale_factor`` (``T`` when that is None): token sums over a constant, so a
+        long answer does not dilute each token's weight, averaged over sequences.
 
     ``denom`` exists because the trainer splits a mini-batch into micro-batches and data-parallel
-    shards: normalising every piece by the *whole* mini-batch's count makes the summed pieces (and
-    their summed gradients) equal the unsplit loss, whereas per-piece means would weight tokens
-    differently depending on how the batch happened to be cut.
+    shards: normalising every piece by the *whole* mini-batch's count (the planner's normaliser)
+    makes the summed pieces (and their summed gradients) equal the unsplit loss, whereas
+    per-piece means would weight tokens differently depending on how the batch happened to be
+    cut. The per-token weights depend on the token's own row only, so they survive any split.
+    ``loss_scale_factor`` only shapes the default denom.
     """
     if mode not in AGG_MODES:
         raise ValueError(f"unknown aggregation mode {mode!r}; valid modes: {', '.join(AGG_MODES)}")
     _check_same_shape(values_BT=values_BT, mask_BT=mask_BT)
     mask_BT = mask_BT.to(values_BT.dtype)
-    total = (values_BT * mask_BT).sum()
+    total = (values_BT * _token_weights(mask_BT, mode)).sum()
     if denom is None:
-        denom = _default_denom(mask_BT, mode)
+        denom = _default_denom(mask_BT, mode, loss_scale_factor)
     return _divide_or_zero(total, denom)
 
 
@@ -117,33 +146,36 @@ def policy_loss(
     clip_high: float = 0.2,
     agg: str = "token-mean",
     denom: float | Tensor | None = None,
+    *,
+    loss: str = "vanilla",
+    clip_ratio_c: float = 3.0,
+    loss_scale_factor: float | None = None,
 ) -> PolicyLossOutput:
-    """PPO clipped surrogate, pessimistic over the clipped and unclipped branches.
+    """The policy loss ``loss`` (see :mod:`megarl.algo.policy_losses`), aggregated.
 
-    Per token: ``max(-A * r, -A * clip(r, 1 - clip_low, 1 + clip_high))`` with
-    ``r = exp(logp - old_logp)``.  Separate ``clip_low``/``clip_high`` allow DAPO's
-    "clip-higher", which leaves more room to raise the probability of unlikely tokens.
-    A token with advantage exactly 0 contributes exactly 0 to the loss and its gradient.
+    The default, ``vanilla``, is PPO's clipped surrogate per token,
+    ``max(-A * r, -A * clip(r, 1 - clip_low, 1 + clip_high))`` with ``r = exp(logp - old_logp)``,
+    bounded by ``-A * clip_ratio_c`` where ``A < 0`` (dual-clip).  A token with advantage exactly
+    0 contributes exactly 0 to the loss and its gradient, in every registered loss.
 
-    ``agg`` and ``denom`` are passed to :func:`aggregate` for the loss; the diagnostics are always
-    a token-mean over this call's own mask.
+    ``agg``, ``denom`` and ``loss_scale_factor`` are passed to :func:`aggregate` for the loss;
+    the diagnostics are always a token-mean over this call's own mask.
     """
     _check_same_shape(logp_BT=logp_BT, old_logp_BT=old_logp_BT, mask_BT=mask_BT)
     adv_BT = _per_token_advantages(adv_B_or_BT, logp_BT).to(logp_BT.dtype)
-
-    log_ratio_BT = (logp_BT - old_logp_BT).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-    ratio_BT = torch.exp(log_ratio_BT)
-    unclipped_BT = -adv_BT * ratio_BT
-    clipped_BT = -adv_BT * ratio_BT.clamp(1.0 - clip_low, 1.0 + clip_high)
-    per_token_loss_BT = torch.maximum(unclipped_BT, clipped_BT)
+    clip = ClipSettings(low=clip_low, high=clip_high, ratio_c=clip_ratio_c)
+    token_loss = get_policy_loss(loss).per_token(logp_BT, old_logp_BT, adv_BT, mask_BT, clip)
 
     with torch.no_grad():
-        clipfrac = aggregate((clipped_BT > unclipped_BT).to(logp_BT.dtype), mask_BT, "token-mean")
+        dtype = logp_BT.dtype
+        clipfrac = aggregate(token_loss.clipped_BT.to(dtype), mask_BT, "token-mean")
+        clipfrac_lower = aggregate(token_loss.clipped_lower_BT.to(dtype), mask_BT, "token-mean")
         ppo_kl = aggregate(old_logp_BT - logp_BT, mask_BT, "token-mean")
     return PolicyLossOutput(
-        loss=aggregate(per_token_loss_BT, mask_BT, agg, denom),
+        loss=aggregate(token_loss.loss_BT, mask_BT, agg, denom, loss_scale_factor),
         clipfrac=clipfrac,
         ppo_kl=ppo_kl,
+        clipfrac_lower=clipfrac_lower,
     )
 
 

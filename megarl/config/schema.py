@@ -17,6 +17,7 @@ from typing import Any
 
 from megarl.algo.advantages import ADVANTAGE_ESTIMATOR_NAMES, resolve_estimator_name
 from megarl.algo.losses import AGG_MODES, KL_PENALTY_KINDS
+from megarl.algo.policy_losses import POLICY_LOSS_NAMES, get_policy_loss
 from megarl.data.arithmetic import SUPPORTED_OPS
 from megarl.data.rewards import REWARD_ERROR_POLICIES
 from megarl.engines.base import SLEEP_LEVELS
@@ -204,12 +205,25 @@ class ActorConfig:
     ppo_mini_batches: int = 1
     """Optimizer steps per rollout batch (per epoch)."""
     ppo_epochs: int = 1
+    policy_loss: str = "vanilla"
+    """One of :data:`megarl.algo.policy_losses.POLICY_LOSS_NAMES`: vanilla (PPO clip +
+    dual-clip) | gspo (sequence ratio) | cispo (clipped IS-weight REINFORCE). verl's
+    ``policy_loss.loss_mode``, flattened to one string."""
     clip_ratio_low: float = 0.2
-    """PPO clips the ratio below at ``1 - clip_ratio_low``: in (0, 1)."""
+    """The ratio (cispo: the IS weight) is clipped below at ``1 - clip_ratio_low``: in (0, 1);
+    cispo also takes >= 1 (no lower bound, MiniMax-M1's setting)."""
     clip_ratio_high: float = 0.2
-    """... and above at ``1 + clip_ratio_high`` (> 0; DAPO's clip-higher sets it above low)."""
-    loss_agg: str = "token-mean"
-    """One of :data:`megarl.algo.losses.AGG_MODES`; see :func:`~megarl.algo.losses.aggregate`."""
+    """... and above at ``1 + clip_ratio_high`` (> 0; DAPO's clip-higher sets it above low;
+    gspo's sequence ratio wants ranges like 3e-4 / 4e-4)."""
+    clip_ratio_c: float = 3.0
+    """vanilla's dual-clip for negative advantages: a token's loss is at most
+    ``-A * clip_ratio_c`` (> 1; verl's default 3.0)."""
+    loss_agg: str | None = None
+    """One of :data:`megarl.algo.losses.AGG_MODES` (see :func:`~megarl.algo.losses.aggregate`);
+    None (the default) = the policy loss's own: seq-mean-token-mean for gspo, as verl forces it,
+    token-mean otherwise. Resolved at construction, so it is never None afterwards."""
+    loss_scale_factor: float | None = None
+    """seq-mean-token-sum-norm's constant divisor; None = ``rollout.max_new_tokens``."""
     micro_batch_tokens: int = 4096
     """Token budget of one training micro-batch (sequences are packed up to it)."""
     logprob_micro_batch_tokens: int = 8192
@@ -229,16 +243,28 @@ class ActorConfig:
         _positive("actor.tp", self.tp)
         _positive("actor.pp", self.pp)
         _positive("actor.lr", self.lr)
-        _require(
-            0 < self.clip_ratio_low < 1,
-            f"actor.clip_ratio_low={self.clip_ratio_low}: must be in (0, 1) "
-            "(the ratio is clipped below at 1 - clip_ratio_low)",
-        )
+        _choice("actor.policy_loss", self.policy_loss, POLICY_LOSS_NAMES)
+        if self.policy_loss == "cispo":
+            _positive("actor.clip_ratio_low", self.clip_ratio_low)
+        else:
+            _require(
+                0 < self.clip_ratio_low < 1,
+                f"actor.clip_ratio_low={self.clip_ratio_low}: must be in (0, 1) "
+                "(the ratio is clipped below at 1 - clip_ratio_low)",
+            )
         _positive("actor.clip_ratio_high", self.clip_ratio_high)
+        _require(
+            self.clip_ratio_c > 1,
+            f"actor.clip_ratio_c={self.clip_ratio_c}: must be > 1 "
+            "(the dual-clip bound lies above the clipped ratio)",
+        )
+        _optional_positive("actor.loss_scale_factor", self.loss_scale_factor)
         _require(self.kl_coef >= 0, f"actor.kl_coef={self.kl_coef}: must be >= 0")
         _require(self.entropy_coef >= 0, f"actor.entropy_coef={self.entropy_coef}: must be >= 0")
         _choice("actor.kl_estimator", self.kl_estimator, KL_PENALTY_KINDS)
-        _choice("actor.loss_agg", self.loss_agg, AGG_MODES)
+        if self.loss_agg is None:
+            object.__setattr__(self, "loss_agg", get_policy_loss(self.policy_loss).default_agg)
+        _choice("actor.loss_agg", str(self.loss_agg), AGG_MODES)
         _positive("actor.ppo_mini_batches", self.ppo_mini_batches)
         _positive("actor.ppo_epochs", self.ppo_epochs)
         _positive("actor.micro_batch_tokens", self.micro_batch_tokens)
@@ -475,6 +501,17 @@ class RunConfig:
     @property
     def num_seqs_per_step(self) -> int:
         return self.data.prompts_per_step * self.rollout.n
+
+    @property
+    def loss_agg(self) -> str:
+        """``actor.loss_agg`` as resolved (never None after construction)."""
+        return str(self.actor.loss_agg)
+
+    @property
+    def loss_scale_factor(self) -> float:
+        """``actor.loss_scale_factor``, or ``rollout.max_new_tokens`` when it is null."""
+        factor = self.actor.loss_scale_factor
+        return float(self.rollout.max_new_tokens if factor is None else factor)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

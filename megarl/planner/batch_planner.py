@@ -9,9 +9,14 @@ Why prune. In GRPO a group whose rewards are all equal has advantage exactly 0 f
 With only the policy-gradient term active (``kl_coef == entropy_coef == 0``) such a sequence
 contributes exactly zero gradient, yet costs a full forward+backward. Skipping it is exact as long
 as the loss of a mini-batch keeps the denominator of the *unpruned* mini-batch: every
-micro-batch divides by the whole mini-batch's count (its response tokens for ``token-mean``, its
-sequences for ``seq-mean-token-sum``) because gradients are summed across micro-batches and DP
-ranks, so dropping zero terms from the numerator changes nothing.
+micro-batch divides by the whole mini-batch's count (see :func:`normaliser_of`: its response
+tokens for ``token-mean``, its sequences for the ``seq-mean-*`` modes, times
+``loss_scale_factor`` for ``seq-mean-token-sum-norm``) because gradients are summed across
+micro-batches and DP ranks, so dropping zero terms from the numerator changes nothing. That
+holds for every policy loss (``actor.policy_loss``): each gives a zero-advantage token exactly
+zero loss and gradient, and weighs a token by its own sequence only (``seq-mean-token-mean``'s
+``1 / length`` is the token's own sequence's length), so which sequences share a micro-batch
+never matters.
 
 Modes:
 
@@ -73,8 +78,9 @@ Invariants of every plan (``tests/unit/test_batch_planner.py::assert_invariants`
    least one otherwise.
 4. Every micro-batch holds at most ``micro_batch_tokens`` tokens unless it is a single sequence
    longer than the budget; ``num_tokens`` is the sum of its sequences' ``seq_tokens``.
-5. The normaliser of a step is the unpruned count (response tokens or sequences) of the
-   baseline mini-batch(es) it covers; fillers and pruning never change it.
+5. The normaliser of a step is :func:`normaliser_of` the unpruned baseline mini-batch(es) it
+   covers (response tokens, sequences, or sequences x ``loss_scale_factor``); fillers and
+   pruning never change it.
 6. A step is a ghost step iff the mini-batch(es) it covers contain no kept sequence.
 7. ``off`` and ``match_loss_curve`` have exactly ``ppo_epochs * ppo_mini_batches`` steps in
    (epoch, mini-batch) order; ``fast`` has between ``ppo_epochs`` and that many.
@@ -99,7 +105,14 @@ from megarl.planner.partition import (
 )
 
 PLANNER_MODES: tuple[str, ...] = ("off", "match_loss_curve", "fast")
-LOSS_AGG_MODES: tuple[str, ...] = ("token-mean", "seq-mean-token-sum")
+LOSS_AGG_MODES: tuple[str, ...] = (
+    "token-mean",
+    "seq-mean-token-sum",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum-norm",
+)
+"""The aggregations the planner normalises; ``megarl.algo.losses.AGG_MODES`` implements them
+(kept apart so the planner stays torch-free; a unit test holds the two equal)."""
 
 # Per-step reasons list at most this many padded ranks by number before summarising.
 _MAX_RANKS_NAMED = 4
@@ -177,7 +190,10 @@ class PlannerInputs:
     group_ids: tuple[int, ...] = field(repr=False)
     """GRPO group (prompt) of each sequence; only used for reporting."""
     loss_agg: str = "token-mean"
-    """``token-mean`` (divide by response tokens) or ``seq-mean-token-sum`` (by sequences)."""
+    """One of :data:`LOSS_AGG_MODES`; decides the normaliser (see :func:`normaliser_of`)."""
+    loss_scale_factor: float = 1.0
+    """``seq-mean-token-sum-norm``'s constant (``actor.loss_scale_factor``, by default
+    ``rollout.max_new_tokens``); the normaliser is sequences x this. Unused by other modes."""
     kl_coef: float = 0.0
     """``actor.kl_coef``; pruning is exact only when it is 0."""
     entropy_coef: float = 0.0
@@ -230,9 +246,11 @@ class PlannerInputs:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
                 raise PlannerError(f"{name} must be a positive int, got {value!r}")
-        for name in ("kl_coef", "entropy_coef", "attention_cost_coef"):
+        for name in ("kl_coef", "entropy_coef", "attention_cost_coef", "loss_scale_factor"):
             if not math.isfinite(getattr(self, name)):
                 raise PlannerError(f"{name} must be finite, got {getattr(self, name)!r}")
+        if self.loss_scale_factor <= 0:
+            raise PlannerError(f"loss_scale_factor must be > 0, got {self.loss_scale_factor!r}")
         if self.attention_cost_coef < 0:
             raise PlannerError(
                 f"attention_cost_coef must be >= 0, got {self.attention_cost_coef!r}"
@@ -344,8 +362,8 @@ class OptimizerStepPlan:
     ranks: tuple[RankPlan, ...]
     """One plan per DP rank (``len == dp_size``), all with the same micro-batch count."""
     normaliser: float
-    """Every micro-batch divides its loss sum by this: the unpruned covered mini-batches'
-    response tokens (``token-mean``) or sequences (``seq-mean-token-sum``)."""
+    """Every micro-batch divides its loss sum by this: :func:`normaliser_of` the unpruned
+    covered mini-batches (response tokens, sequences, or sequences x loss_scale_factor)."""
     is_ghost: bool
     """No micro-batch anywhere; the trainer still steps the optimizer on zero gradients."""
     rank_costs: tuple[float, ...] = field(default=())
@@ -641,7 +659,9 @@ def _plan_run(
     members = np.arange(run[0] * batch.mini_batch_size, (run[-1] + 1) * batch.mini_batch_size)
     trained = members[batch.kept[members]]
     label = _step_label(inputs.mode, run_index, run)
-    normaliser = _normaliser(members, inputs.loss_agg, batch)
+    normaliser = normaliser_of(
+        batch.response_tokens[members].tolist(), inputs.loss_agg, inputs.loss_scale_factor
+    )
     if len(trained) == 0:
         ghost = OptimizerStepPlan(
             epoch=0,
@@ -666,11 +686,27 @@ def _plan_run(
     return step, _padding_reasons(label, fillers_per_rank)
 
 
-def _normaliser(members: np.ndarray, loss_agg: str, batch: _BatchArrays) -> float:
-    """The unpruned count of the covered mini-batches: response tokens or sequences."""
+def normaliser_of(
+    response_tokens: Sequence[int], loss_agg: str, loss_scale_factor: float = 1.0
+) -> float:
+    """The denominator of one optimizer step's loss over the sequences it covers, unpruned.
+
+    The loss sums ``value * weight`` over every token of every micro-batch of every rank and
+    divides by this, which equals the aggregation over the unsplit step:
+
+    * ``token-mean``: the response tokens (weight 1 per token);
+    * ``seq-mean-token-sum`` and ``seq-mean-token-mean`` (weight ``1 / own length``): the
+      sequences;
+    * ``seq-mean-token-sum-norm``: sequences x ``loss_scale_factor``, so the scale of a
+      sequence's token sum never depends on how the step was cut into micro-batches.
+    """
+    if loss_agg not in LOSS_AGG_MODES:
+        raise PlannerError(f"loss_agg must be one of {LOSS_AGG_MODES}, got {loss_agg!r}")
     if loss_agg == "token-mean":
-        return float(batch.response_tokens[members].sum())
-    return float(len(members))
+        return float(sum(response_tokens))
+    if loss_agg == "seq-mean-token-sum-norm":
+        return float(len(response_tokens)) * loss_scale_factor
+    return float(len(response_tokens))
 
 
 def _step_label(mode: str, run_index: int, run: tuple[int, ...]) -> str:

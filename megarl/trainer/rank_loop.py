@@ -371,10 +371,13 @@ def _loss_settings(cfg: RunConfig) -> LossSettings:
         temperature=cfg.rollout.temperature,
         clip_low=a.clip_ratio_low,
         clip_high=a.clip_ratio_high,
-        agg=a.loss_agg,
+        agg=cfg.loss_agg,
         kl_coef=a.kl_coef,
         kl_estimator=a.kl_estimator,
         entropy_coef=a.entropy_coef,
+        policy_loss=a.policy_loss,
+        clip_ratio_c=a.clip_ratio_c,
+        loss_scale_factor=cfg.loss_scale_factor,
     )
 
 

@@ -39,6 +39,7 @@ REQUIRED_METRICS = (
     "actor/entropy",
     "actor/grad_norm",
     "actor/pg_clipfrac",
+    "actor/pg_clipfrac_lower",
     "actor/ppo_kl",
     "response_length/mean",
     "rollout/logprob_abs_diff",

@@ -159,6 +159,16 @@ def _worker(ctx, tp: int, hf_config: dict, state):
         losses.append(
             (s_pad.stats.pg_loss, s_pack.stats.pg_loss, s_pad.grad_norm, s_pack.grad_norm)
         )
+    # GSPO's sequence ratio and seq-mean-token-mean's 1 / length are per sequence: the same
+    # whether the sequences sit in padded rows or share one packed row
+    gspo = dataclasses.replace(loss, agg="seq-mean-token-mean", policy_loss="gspo")
+    work = dataclasses.replace(work, normaliser=float(len(SEQ_LENS)))
+    for _ in range(2):
+        s_pad = padded.train_step(batch, work, 0, None, None, gspo)
+        s_pack = packed.train_step(batch, work, 0, None, None, gspo)
+        losses.append(
+            (s_pad.stats.pg_loss, s_pack.stats.pg_loss, s_pad.grad_norm, s_pack.grad_norm)
+        )
     param_diff = max(
         (a - b).abs().max().item()
         for a, b in zip(padded.model.parameters(), packed.model.parameters(), strict=True)

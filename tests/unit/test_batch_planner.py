@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megarl.planner.batch_planner import (
+    LOSS_AGG_MODES,
     MicroBatch,
     OptimizerStepPlan,
     PlannerError,
@@ -18,6 +19,7 @@ from megarl.planner.batch_planner import (
     StepPlan,
     check_pruning_config,
     merge_into_runs,
+    normaliser_of,
     plan_step,
 )
 from megarl.planner.partition import (
@@ -55,6 +57,8 @@ def covered_members(inputs: PlannerInputs, step: OptimizerStepPlan) -> range:
 def unpruned_count(inputs: PlannerInputs, members: range) -> float:
     if inputs.loss_agg == "token-mean":
         return float(sum(inputs.response_tokens[i] for i in members))
+    if inputs.loss_agg == "seq-mean-token-sum-norm":
+        return float(len(members)) * inputs.loss_scale_factor
     return float(len(members))
 
 
@@ -202,6 +206,8 @@ def test_batch_not_divisible_by_mini_batches_names_the_field() -> None:
         ({"loss_agg": "seq-mean"}, "loss_agg"),
         ({"attention_cost_coef": -1.0}, "attention_cost_coef"),
         ({"kl_coef": float("nan")}, "kl_coef"),
+        ({"loss_scale_factor": 0.0}, "loss_scale_factor"),
+        ({"loss_scale_factor": float("inf")}, "loss_scale_factor"),
     ],
 )
 def test_bad_settings_name_the_field(overrides: dict, field: str) -> None:
@@ -315,6 +321,29 @@ def test_off_mode_contiguous_mini_batches_and_normalisers() -> None:
         make_inputs(seq_tokens, [0.0] * 8, ppo_mini_batches=2, loss_agg="seq-mean-token-sum")
     )
     assert [s.normaliser for s in seq_mean.optimizer_steps] == [4.0, 4.0]
+    token_mean_per_seq = plan_step(
+        make_inputs(seq_tokens, [0.0] * 8, ppo_mini_batches=2, loss_agg="seq-mean-token-mean")
+    )
+    assert [s.normaliser for s in token_mean_per_seq.optimizer_steps] == [4.0, 4.0]
+    dr_grpo = plan_step(
+        make_inputs(
+            seq_tokens,
+            [0.0] * 8,
+            ppo_mini_batches=2,
+            loss_agg="seq-mean-token-sum-norm",
+            loss_scale_factor=16.0,
+        )
+    )
+    assert [s.normaliser for s in dr_grpo.optimizer_steps] == [64.0, 64.0]  # 4 seqs x 16
+
+
+def test_normaliser_of_each_aggregation() -> None:
+    assert normaliser_of([3, 5, 0], "token-mean") == 8.0
+    assert normaliser_of([3, 5, 0], "seq-mean-token-sum") == 3.0
+    assert normaliser_of([3, 5, 0], "seq-mean-token-mean") == 3.0
+    assert normaliser_of([3, 5, 0], "seq-mean-token-sum-norm", 512.0) == 3 * 512.0
+    with pytest.raises(PlannerError, match="loss_agg must be one of"):
+        normaliser_of([3], "sum")
 
 
 def test_match_loss_curve_keeps_steps_prunes_and_ghosts() -> None:
@@ -554,7 +583,8 @@ def planner_inputs(draw: st.DrawFn) -> PlannerInputs:
         response_tokens=response_tokens,
         advantages=advantages,
         group_ids=[i // group_size for i in range(num_sequences)],
-        loss_agg=draw(st.sampled_from(["token-mean", "seq-mean-token-sum"])),
+        loss_agg=draw(st.sampled_from(LOSS_AGG_MODES)),
+        loss_scale_factor=draw(st.sampled_from([1.0, 16.0, 0.5])),
         kl_coef=0.05 if approx else 0.0,
         allow_approx=approx,
         dp_size=draw(st.integers(1, 6)),

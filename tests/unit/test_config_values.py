@@ -25,6 +25,12 @@ from megarl.config.schema import ConfigError, build_run_config
         ({"actor": {"clip_ratio_low": 1.0}}, "actor.clip_ratio_low=1.0"),
         ({"actor": {"clip_ratio_high": -0.2}}, "actor.clip_ratio_high=-0.2: must be > 0"),
         ({"actor": {"clip_ratio_high": 0.0}}, "actor.clip_ratio_high=0.0"),
+        ({"actor": {"policy_loss": "ppo"}}, "actor.policy_loss='ppo': must be one of vanilla,"),
+        ({"actor": {"clip_ratio_c": 1.0}}, "actor.clip_ratio_c=1.0: must be > 1"),
+        ({"actor": {"loss_agg": "seq-mean"}}, "actor.loss_agg='seq-mean': must be one of"),
+        ({"actor": {"loss_scale_factor": 0}}, "actor.loss_scale_factor=0: must be a number > 0"),
+        ({"actor": {"policy_loss": "gspo", "clip_ratio_low": 10}}, "actor.clip_ratio_low=10"),
+        ({"actor": {"policy_loss": "cispo", "clip_ratio_low": 0}}, "actor.clip_ratio_low=0"),
         ({"rollout": {"n": 0}}, "rollout.n=0"),
         ({"rollout": {"n": -4}}, "rollout.n=-4"),
         ({"rollout": {"max_new_tokens": 0}}, "rollout.max_new_tokens=0: must be > 0"),
@@ -59,6 +65,9 @@ def test_senseless_values_are_refused_naming_the_key(tree, needle):
         {"actor": {"optim": {"betas": [0.0, 0.0]}}},
         {"actor": {"optim": {"betas": [0, 0.95]}}},  # an integer is a number
         {"actor": {"clip_ratio_low": 0.2, "clip_ratio_high": 0.28}},  # DAPO's clip-higher
+        {"actor": {"policy_loss": "gspo", "clip_ratio_low": 3e-4, "clip_ratio_high": 4e-4}},
+        {"actor": {"policy_loss": "cispo", "clip_ratio_low": 10}},  # MiniMax: no lower bound
+        {"actor": {"clip_ratio_c": 1.001, "loss_scale_factor": 1}},
         {"rollout": {"n": 2, "max_new_tokens": 1, "top_p": 1.0, "temperature": 1e-3}},
         {"rollout": {"max_model_len": 17, "max_new_tokens": 16}},
         {"data": {"prompts_per_step": 1, "max_operand": 1, "ops": ["+", "-", "*"]}},
@@ -67,3 +76,25 @@ def test_senseless_values_are_refused_naming_the_key(tree, needle):
 )
 def test_the_edge_of_each_range_is_accepted(tree):
     build_run_config(tree)
+
+
+@pytest.mark.parametrize(
+    ("actor", "agg"),
+    [
+        ({}, "token-mean"),
+        ({"policy_loss": "cispo"}, "token-mean"),
+        ({"policy_loss": "gspo"}, "seq-mean-token-mean"),  # verl's choice for gspo
+        ({"policy_loss": "gspo", "loss_agg": "token-mean"}, "token-mean"),  # explicit wins
+        ({"loss_agg": None}, "token-mean"),
+    ],
+)
+def test_unset_loss_agg_is_the_policy_losss_own(actor, agg):
+    cfg = build_run_config({"actor": actor})
+    assert cfg.actor.loss_agg == agg
+    assert cfg.loss_agg == agg
+
+
+def test_loss_scale_factor_defaults_to_max_new_tokens():
+    assert build_run_config({"rollout": {"max_new_tokens": 48}}).loss_scale_factor == 48.0
+    cfg = build_run_config({"actor": {"loss_scale_factor": 4096}})
+    assert cfg.loss_scale_factor == 4096.0

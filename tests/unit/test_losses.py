@@ -8,12 +8,15 @@ import pytest
 import torch
 
 from megarl.algo.losses import (
+    AGG_MODES,
     aggregate,
     entropy_from_logits,
     kl_penalty,
     policy_loss,
     token_logprobs_from_logits,
 )
+from megarl.algo.policy_losses import POLICY_LOSS_NAMES, POLICY_LOSSES, get_policy_loss
+from megarl.planner.batch_planner import LOSS_AGG_MODES, PlannerInputs, normaliser_of, plan_step
 
 # ----------------------------------------------------------------------------- aggregate
 
@@ -30,6 +33,30 @@ def test_seq_mean_token_sum_hand_computed() -> None:
     assert aggregate(VALUES_BT, MASK_BT, "seq-mean-token-sum").item() == pytest.approx(3.5)
 
 
+def test_seq_mean_token_mean_hand_computed() -> None:
+    # per-sequence token means (1 + 2) / 2 = 1.5 and 4 / 1 = 4, mean over 2 sequences
+    assert aggregate(VALUES_BT, MASK_BT, "seq-mean-token-mean").item() == pytest.approx(2.75)
+
+
+def test_seq_mean_token_sum_norm_hand_computed() -> None:
+    # Dr. GRPO: per-sequence sums 3 and 4 over the constant, averaged over 2 sequences
+    got = aggregate(VALUES_BT, MASK_BT, "seq-mean-token-sum-norm", loss_scale_factor=4.0)
+    assert got.item() == pytest.approx((3 + 4) / (2 * 4))
+    # no constant: the padded length T = 3, as verl's default
+    assert aggregate(VALUES_BT, MASK_BT, "seq-mean-token-sum-norm").item() == pytest.approx(7 / 6)
+
+
+def test_seq_mean_token_mean_keeps_a_row_weight_and_ignores_empty_rows() -> None:
+    """A weighted mask (a filler row at 0) weighs the row's mean; an all-zero row adds 0."""
+    mask_BT = torch.tensor([[0.5, 0.5, 0.0], [0.0, 0.0, 0.0]])
+    got = aggregate(VALUES_BT, mask_BT, "seq-mean-token-mean", denom=1.0)
+    assert got.item() == pytest.approx(0.5 * 1.5)
+
+
+def test_agg_modes_are_the_planners() -> None:
+    assert AGG_MODES == LOSS_AGG_MODES
+
+
 def test_explicit_denom_overrides_default() -> None:
     assert aggregate(VALUES_BT, MASK_BT, "token-mean", denom=14.0).item() == pytest.approx(0.5)
     denom = torch.tensor(7.0)
@@ -37,7 +64,7 @@ def test_explicit_denom_overrides_default() -> None:
 
 
 def test_bool_mask_equals_float_mask() -> None:
-    for mode in ("token-mean", "seq-mean-token-sum"):
+    for mode in AGG_MODES:
         torch.testing.assert_close(
             aggregate(VALUES_BT, MASK_BT.bool(), mode), aggregate(VALUES_BT, MASK_BT, mode)
         )
@@ -72,15 +99,36 @@ def _random_batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return values_BT, mask_BT
 
 
-@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum"])
+def _aggregate_by_hand(values_BT: torch.Tensor, lengths: list[int], mode: str, scale: float):
+    """The four aggregations as loops over sequences, written from their definitions."""
+    seq_sums = [values_BT[b, :n].sum() for b, n in enumerate(lengths)]
+    if mode == "token-mean":
+        return sum(seq_sums) / sum(lengths)
+    if mode == "seq-mean-token-sum":
+        return sum(seq_sums) / len(lengths)
+    if mode == "seq-mean-token-mean":
+        return sum(total / n for total, n in zip(seq_sums, lengths, strict=True)) / len(lengths)
+    return sum(seq_sums) / (len(lengths) * scale)  # Dr. GRPO: sums over a constant, seq-mean
+
+
+@pytest.mark.parametrize("mode", AGG_MODES)
+def test_every_aggregation_matches_its_definition(mode: str) -> None:
+    values_BT, mask_BT = _random_batch(seed=2)
+    lengths = mask_BT.sum(dim=1).long().tolist()
+    got = aggregate(values_BT, mask_BT, mode, loss_scale_factor=16.0)
+    torch.testing.assert_close(got, _aggregate_by_hand(values_BT, lengths, mode, 16.0))
+
+
+@pytest.mark.parametrize("mode", AGG_MODES)
 @pytest.mark.parametrize("cuts", [[3], [2, 3], [1, 5]])
 def test_split_with_global_denom_equals_unsplit(mode: str, cuts: list[int]) -> None:
     values_BT, mask_BT = _random_batch(seed=1)
     whole_values_BT = values_BT.clone().requires_grad_(True)
-    whole = aggregate(whole_values_BT, mask_BT, mode)
+    whole = aggregate(whole_values_BT, mask_BT, mode, loss_scale_factor=16.0)
     whole.backward()
 
-    global_denom = mask_BT.sum() if mode == "token-mean" else float(mask_BT.shape[0])
+    # the planner's normaliser of the whole batch
+    global_denom = normaliser_of(mask_BT.sum(dim=1).long().tolist(), mode, 16.0)
     split_values_BT = values_BT.clone().requires_grad_(True)
     pieces = zip(
         torch.tensor_split(split_values_BT, cuts), torch.tensor_split(mask_BT, cuts), strict=True
@@ -92,7 +140,7 @@ def test_split_with_global_denom_equals_unsplit(mode: str, cuts: list[int]) -> N
     torch.testing.assert_close(split_values_BT.grad, whole_values_BT.grad)
 
 
-@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum"])
+@pytest.mark.parametrize("mode", AGG_MODES)
 def test_split_with_local_denoms_does_not_equal_unsplit(mode: str) -> None:
     """Why the global denom is needed: averaging per-piece means weights tokens unevenly."""
     values_BT, mask_BT = _random_batch(seed=1)
@@ -195,31 +243,37 @@ def test_per_sequence_advantage_broadcasts_like_per_token() -> None:
     torch.testing.assert_close(per_seq.clipfrac, per_token.clipfrac)
 
 
-def test_zero_advantage_tokens_contribute_exactly_zero() -> None:
+@pytest.mark.parametrize("mode", AGG_MODES)
+@pytest.mark.parametrize("name", POLICY_LOSS_NAMES)
+def test_zero_advantage_tokens_contribute_exactly_zero(name: str, mode: str) -> None:
     gen = torch.Generator().manual_seed(4)
     old_logp_BT = -torch.rand(2, 3, generator=gen) * 3
     # within the trust region, so the non-zero-advantage sequence does get a gradient
     logp_BT = (old_logp_BT + 0.1 * torch.rand(2, 3, generator=gen) - 0.05).requires_grad_(True)
     mask_BT = torch.ones(2, 3)
-    out = policy_loss(logp_BT, old_logp_BT, torch.tensor([0.0, 1.0]), mask_BT, denom=6.0)
+    kwargs = {"agg": mode, "denom": 6.0, "loss": name}
+    out = policy_loss(logp_BT, old_logp_BT, torch.tensor([0.0, 1.0]), mask_BT, **kwargs)
     out.loss.backward()
     assert torch.equal(logp_BT.grad[0], torch.zeros(3))
     assert (logp_BT.grad[1] != 0).any()
 
-    # moving the zero-advantage sequence's log-probs anywhere leaves the loss bit-identical
-    moved_logp_BT = logp_BT.detach().clone()
-    moved_logp_BT[0] += 5.0
-    moved = policy_loss(moved_logp_BT, old_logp_BT, torch.tensor([0.0, 1.0]), mask_BT, denom=6.0)
-    assert moved.loss.item() == out.loss.item()
+    # moving the zero-advantage sequence's log-probs anywhere (even to an overflowing ratio)
+    # leaves the loss bit-identical
+    for shift in (5.0, 100.0, -100.0):
+        moved_logp_BT = logp_BT.detach().clone()
+        moved_logp_BT[0] += shift
+        moved = policy_loss(moved_logp_BT, old_logp_BT, torch.tensor([0.0, 1.0]), mask_BT, **kwargs)
+        assert moved.loss.item() == out.loss.item()
 
-    all_zero = policy_loss(logp_BT, old_logp_BT, torch.zeros(2), mask_BT)
+    all_zero = policy_loss(logp_BT, old_logp_BT, torch.zeros(2), mask_BT, agg=mode, loss=name)
     assert all_zero.loss.item() == 0.0
 
 
-def test_extreme_log_ratio_stays_finite() -> None:
+@pytest.mark.parametrize("name", POLICY_LOSS_NAMES)
+def test_extreme_log_ratio_stays_finite(name: str) -> None:
     logp_BT = torch.tensor([[0.0, -1.0]], requires_grad=True)
     old_logp_BT = torch.tensor([[-200.0, -1.0]])
-    out = policy_loss(logp_BT, old_logp_BT, torch.tensor([-1.0]), torch.ones(1, 2))
+    out = policy_loss(logp_BT, old_logp_BT, torch.tensor([-1.0]), torch.ones(1, 2), loss=name)
     out.loss.backward()
     assert torch.isfinite(out.loss) and torch.isfinite(logp_BT.grad).all()
 
@@ -228,6 +282,283 @@ def test_policy_loss_rejects_wrong_advantage_length() -> None:
     logp_BT = torch.zeros(2, 3)
     with pytest.raises(ValueError, match="per-sequence advantages"):
         policy_loss(logp_BT, logp_BT, torch.zeros(3), torch.ones(2, 3))
+
+
+# ----------------------------------------------------------------------------- policy losses
+
+
+def test_registry_names_and_default_aggregations() -> None:
+    assert POLICY_LOSS_NAMES == ("vanilla", "gspo", "cispo")
+    assert all(entry.default_agg in AGG_MODES for entry in POLICY_LOSSES.values())
+    assert get_policy_loss("gspo").default_agg == "seq-mean-token-mean"  # as verl forces it
+    with pytest.raises(ValueError, match="vanilla, gspo, cispo"):
+        get_policy_loss("ppo")
+
+
+@pytest.mark.parametrize(
+    ("ratio", "adv", "expected_loss", "expected_lower", "expected_grad"),
+    [
+        # A < 0, ratio 5 > c = 3: PPO's max(5, 0.8) = 5 is bounded by -A * c = 3, gradient 0
+        (5.0, -1.0, 3.0, 1.0, 0.0),
+        # A = -2, ratio 4: max(8, 1.6) = 8 bounded by 6
+        (4.0, -2.0, 6.0, 1.0, 0.0),
+        # A < 0, ratio 2 < c: the dual clip is not active, grad = -A * ratio
+        (2.0, -1.0, 2.0, 0.0, 2.0),
+        # A > 0: never dual-clipped, the usual clip at 1 + 0.2
+        (5.0, 1.0, -1.2, 0.0, 0.0),
+    ],
+)
+def test_dual_clip_by_hand(
+    ratio: float, adv: float, expected_loss: float, expected_lower: float, expected_grad: float
+) -> None:
+    logp_BT, old_logp_BT = _single_tokens([ratio])
+    out = policy_loss(logp_BT, old_logp_BT, torch.tensor([adv]), torch.ones(1, 1), clip_ratio_c=3)
+    assert out.loss.item() == pytest.approx(expected_loss)
+    assert out.clipfrac_lower.item() == expected_lower
+    out.loss.backward()
+    assert logp_BT.grad.item() == pytest.approx(expected_grad)
+
+
+def test_dual_clip_matches_the_papers_objective_on_a_batch() -> None:
+    """Ye et al. 2020 (arXiv:1912.09729) eq. 5, as an objective to maximise:
+    ``A < 0: max(min(r A, clip(r) A), c A)``, else ``min(r A, clip(r) A)``."""
+    gen = torch.Generator().manual_seed(11)
+    old_logp_BT = -torch.rand(6, 4, generator=gen, dtype=torch.float64) * 2
+    logp_BT = (old_logp_BT + torch.randn(6, 4, generator=gen, dtype=torch.float64)).detach()
+    adv_B = torch.tensor([-1.5, -0.3, 0.7, 2.0, -2.5, 1.0], dtype=torch.float64)
+    mask_BT = (torch.arange(4)[None, :] < torch.tensor([4, 2, 3, 1, 4, 3])[:, None]).double()
+    c, low, high = 2.0, 0.2, 0.28
+
+    r = torch.exp(logp_BT - old_logp_BT)
+    a = adv_B[:, None]
+    ppo = torch.minimum(r * a, r.clamp(1 - low, 1 + high) * a)
+    objective = torch.where(a < 0, torch.maximum(ppo, c * a), ppo)
+    expected = -(objective * mask_BT).sum() / mask_BT.sum()
+
+    out = policy_loss(logp_BT, old_logp_BT, adv_B, mask_BT, low, high, clip_ratio_c=c)
+    torch.testing.assert_close(out.loss, expected)
+    dual_active = (a < 0) & (ppo < c * a)
+    assert dual_active[mask_BT.bool()].any(), "no token reaches the dual clip"
+    torch.testing.assert_close(out.clipfrac_lower, (dual_active * mask_BT).sum() / mask_BT.sum())
+
+
+def _gspo_batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Three sequences of 3, 2 and 4 tokens, with per-token log-ratios far from their mean."""
+    old_logp_BT = torch.tensor(
+        [[-1.0, -2.0, -0.5, 0.0], [-0.3, -1.2, 0.0, 0.0], [-2.0, -0.1, -0.7, -1.5]],
+        dtype=torch.float64,
+    )
+    log_ratio_BT = torch.tensor(
+        [[0.3, -0.1, 0.1, 0.0], [-0.02, 0.01, 0.0, 0.0], [0.5, -0.4, 0.2, -0.1]],
+        dtype=torch.float64,
+    )
+    mask_BT = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]], dtype=torch.float64)
+    adv_B = torch.tensor([1.0, -0.5, -2.0], dtype=torch.float64)
+    return old_logp_BT + log_ratio_BT, old_logp_BT, adv_B, mask_BT
+
+
+def test_gspo_matches_the_sequence_level_objective_and_its_gradient() -> None:
+    """GSPO (arXiv:2507.18071) eq. 5 with eq. 7's ratio: ``J = 1/G sum_i min(s_i A_i,
+    clip(s_i, 1 - low, 1 + high) A_i)``, ``s_i = exp(1/|y_i| sum_t log(pi / pi_old))``; autograd
+    of J written this way is eq. 10's gradient, which the token-level form must reproduce."""
+    logp_BT, old_logp_BT, adv_B, mask_BT = _gspo_batch()
+    low, high = 0.05, 0.04
+    # sequence means of the log-ratio: 0.1, -0.005, 0.05; s_0 = e^0.1 > 1.04 with A > 0 clips
+    ref_logp_BT = logp_BT.clone().requires_grad_(True)
+    s_B = torch.exp(((ref_logp_BT - old_logp_BT) * mask_BT).sum(dim=1) / mask_BT.sum(dim=1))
+    objective_B = torch.minimum(s_B * adv_B, s_B.clamp(1 - low, 1 + high) * adv_B)
+    expected = -objective_B.mean()
+    expected.backward()
+
+    got_logp_BT = logp_BT.clone().requires_grad_(True)
+    out = policy_loss(
+        got_logp_BT, old_logp_BT, adv_B, mask_BT, low, high, "seq-mean-token-mean", loss="gspo"
+    )
+    out.loss.backward()
+    torch.testing.assert_close(out.loss, expected)
+    torch.testing.assert_close(got_logp_BT.grad, ref_logp_BT.grad)
+    assert (got_logp_BT.grad[0] == 0).all() and (got_logp_BT.grad[2, :4] != 0).all()
+    # clipped: sequence 0's 3 tokens of 9
+    assert out.clipfrac.item() == pytest.approx(3 / 9)
+    assert out.clipfrac_lower.item() == 0.0
+
+
+def test_gspo_ratio_is_the_sequences_on_every_token() -> None:
+    """``s_i,t = sg[s_i] * pi / sg[pi]`` (eq. 13): value s_i, gradient s_i * grad log pi."""
+    logp_BT, old_logp_BT, adv_B, mask_BT = _gspo_batch()
+    logp_BT.requires_grad_(True)
+    out = policy_loss(logp_BT, old_logp_BT, adv_B, mask_BT, 0.9, 0.9, "seq-mean-token-sum")
+    gspo = policy_loss(
+        logp_BT, old_logp_BT, adv_B, mask_BT, 0.9, 0.9, "seq-mean-token-sum", loss="gspo"
+    )
+    (grad_BT,) = torch.autograd.grad(gspo.loss, logp_BT)
+    s_B = torch.exp(((logp_BT - old_logp_BT) * mask_BT).sum(dim=1) / mask_BT.sum(dim=1))
+    # nothing clipped at +-0.9: per token -A * s_i, summed per sequence, mean over 3
+    expected_loss = -(adv_B * s_B * mask_BT.sum(dim=1)).sum() / 3
+    torch.testing.assert_close(gspo.loss, expected_loss)
+    torch.testing.assert_close(grad_BT, (-adv_B * s_B)[:, None] * mask_BT / 3)
+    assert not torch.allclose(gspo.loss, out.loss)  # vanilla's token ratios differ
+
+
+def test_gspo_ignores_padding_and_other_rows() -> None:
+    """A sequence's ratio reads only its own masked tokens: padding values do not matter."""
+    logp_BT, old_logp_BT, adv_B, mask_BT = _gspo_batch()
+    moved_logp_BT = logp_BT + (1 - mask_BT) * 7.0
+    first = policy_loss(logp_BT, old_logp_BT, adv_B, mask_BT, loss="gspo")
+    second = policy_loss(moved_logp_BT, old_logp_BT, adv_B, mask_BT, loss="gspo")
+    assert first.loss.item() == second.loss.item()
+
+
+def test_cispo_matches_the_papers_objective_and_stop_gradient() -> None:
+    """CISPO (arXiv:2506.13585) eq. 4 with token-mean: ``J = 1/sum|o_i| sum_i sum_t
+    sg(r_hat_i,t) A_i log pi_i,t``, ``r_hat = clip(r, 1 - low, 1 + high)`` (eq. 5). The weight
+    is detached, so d(-J)/d log pi_i,t = -r_hat_i,t A_i / N even where r is clipped."""
+    logp_BT, old_logp_BT = _single_tokens([1.5, 0.5, 1.1, 0.9])
+    adv_B = torch.tensor([1.0, -1.0, 2.0, 0.5], dtype=torch.float64)
+    out = policy_loss(logp_BT, old_logp_BT, adv_B, torch.ones(4, 1), 0.2, 0.28, loss="cispo")
+    r_hat = torch.tensor([1.28, 0.8, 1.1, 0.9], dtype=torch.float64)
+    log_pi = torch.log(torch.tensor([1.5, 0.5, 1.1, 0.9], dtype=torch.float64))
+    expected_loss = -(r_hat * adv_B * log_pi).sum() / 4
+    assert out.loss.item() == pytest.approx(expected_loss.item())
+    out.loss.backward()
+    torch.testing.assert_close(logp_BT.grad[:, 0], -r_hat * adv_B / 4)
+    assert out.clipfrac.item() == pytest.approx(0.5)  # ratios 1.5 and 0.5 are clipped
+
+    # where vanilla PPO zeroes a clipped token's gradient, CISPO keeps it
+    ppo_logp_BT = logp_BT.detach().clone().requires_grad_(True)
+    policy_loss(ppo_logp_BT, old_logp_BT, adv_B, torch.ones(4, 1), 0.2, 0.28).loss.backward()
+    assert ppo_logp_BT.grad[0].item() == 0.0 and logp_BT.grad[0].item() != 0.0
+
+
+def test_cispo_without_lower_bound() -> None:
+    """MiniMax-M1 sets no lower bound (verl's example: clip_ratio_low=10)."""
+    logp_BT, old_logp_BT = _single_tokens([0.1])
+    out = policy_loss(
+        logp_BT, old_logp_BT, torch.tensor([-1.0]), torch.ones(1, 1), 10.0, 0.2, loss="cispo"
+    )
+    out.loss.backward()
+    assert logp_BT.grad.item() == pytest.approx(0.1)  # the unclipped weight r = 0.1
+    assert out.clipfrac.item() == 0.0
+
+
+def _policy_batch(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """8 sequences of varied length, a third with advantage 0, ratios around the clip range."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths_B = torch.tensor([5, 1, 3, 4, 2, 5, 3, 4])
+    mask_BT = (torch.arange(5)[None, :] < lengths_B[:, None]).to(torch.float64)
+    old_logp_BT = -torch.rand(8, 5, generator=gen, dtype=torch.float64) * 3
+    logp_BT = old_logp_BT + 0.3 * torch.randn(8, 5, generator=gen, dtype=torch.float64)
+    adv_B = torch.tensor([0.0, 1.2, -0.7, 0.0, 2.0, -1.5, 0.0, 0.4], dtype=torch.float64)
+    return logp_BT, old_logp_BT, adv_B, mask_BT
+
+
+def _loss_and_grad(
+    logp_BT: torch.Tensor,
+    old_logp_BT: torch.Tensor,
+    adv_B: torch.Tensor,
+    mask_BT: torch.Tensor,
+    pieces: list[list[int]],
+    name: str,
+    mode: str,
+    denom: float | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum of ``policy_loss`` over row ``pieces`` (all with ``denom``), and its gradient."""
+    leaf_BT = logp_BT.clone().requires_grad_(True)
+    total = sum(
+        policy_loss(
+            leaf_BT[rows],
+            old_logp_BT[rows],
+            adv_B[rows],
+            mask_BT[rows],
+            0.1,
+            0.15,
+            mode,
+            denom,
+            loss=name,
+            clip_ratio_c=1.5,
+            loss_scale_factor=6.0,
+        ).loss
+        for rows in pieces
+    )
+    assert isinstance(total, torch.Tensor)
+    total.backward()
+    assert leaf_BT.grad is not None
+    return total.detach(), leaf_BT.grad
+
+
+@pytest.mark.parametrize("mode", AGG_MODES)
+@pytest.mark.parametrize("name", POLICY_LOSS_NAMES)
+def test_split_and_pruned_equal_unsplit_for_every_loss_and_aggregation(
+    name: str, mode: str
+) -> None:
+    """Any cut into micro-batches / DP shards (rows in any order), each divided by the planner's
+    normaliser, sums to the unsplit loss and gradient; dropping the zero-advantage rows too."""
+    batch = _policy_batch(seed=7)
+    _, _, adv_B, mask_BT = batch
+    whole, whole_grad = _loss_and_grad(*batch, [list(range(8))], name, mode, None)
+    assert whole != 0 and (whole_grad != 0).any()
+    normaliser = normaliser_of(mask_BT.sum(dim=1).long().tolist(), mode, 6.0)
+    for pieces in ([[0, 1, 2], [3, 4, 5, 6, 7]], [[7], [2, 5], [0, 6, 1, 3, 4]]):
+        split, split_grad = _loss_and_grad(*batch, pieces, name, mode, normaliser)
+        torch.testing.assert_close(split, whole)
+        torch.testing.assert_close(split_grad, whole_grad)
+    kept = [[b for b in rows if adv_B[b] != 0] for rows in ([1, 2, 4], [5, 7])]
+    pruned, pruned_grad = _loss_and_grad(*batch, kept, name, mode, normaliser)
+    torch.testing.assert_close(pruned, whole)
+    torch.testing.assert_close(pruned_grad, whole_grad)
+    assert (whole_grad[adv_B == 0] == 0).all()
+
+
+@pytest.mark.parametrize("mode", AGG_MODES)
+@pytest.mark.parametrize("name", POLICY_LOSS_NAMES)
+@pytest.mark.parametrize("dp_size", [1, 3])
+def test_planned_steps_equal_the_unsplit_mini_batches(name: str, mode: str, dp_size: int) -> None:
+    """What the trainer runs: every micro-batch of every rank of a pruned plan, each with its
+    loss weights as mask and the step's normaliser, sums to the unpruned mini-batch's loss."""
+    logp_BT, old_logp_BT, adv_B, mask_BT = _policy_batch(seed=8)
+    response_tokens = mask_BT.sum(dim=1).long().tolist()
+    plan = plan_step(
+        PlannerInputs(
+            seq_tokens=[n + 3 for n in response_tokens],
+            response_tokens=response_tokens,
+            advantages=adv_B.tolist(),
+            group_ids=[b // 2 for b in range(8)],
+            loss_agg=mode,
+            loss_scale_factor=6.0,
+            dp_size=dp_size,
+            ppo_mini_batches=2,
+            micro_batch_tokens=9,
+            mode="match_loss_curve",
+        )
+    )
+    assert plan.num_kept_sequences < 8 and plan.num_micro_batches > 2
+    for step in plan.optimizer_steps:
+        rows = list(range(4 * step.mini_batch, 4 * step.mini_batch + 4))
+        args = (logp_BT[rows], old_logp_BT[rows], adv_B[rows], mask_BT[rows])
+        whole, _ = _loss_and_grad(*args, [list(range(4))], name, mode, None)
+        leaf_BT = logp_BT.clone().requires_grad_(True)
+        summed = leaf_BT.new_zeros(())
+        for rank in step.ranks:
+            for mb in rank.micro_batches:
+                index = list(mb.seq_indices)
+                weights_B1 = torch.tensor(mb.loss_weights, dtype=torch.float64)[:, None]
+                summed = (
+                    summed
+                    + policy_loss(
+                        leaf_BT[index],
+                        old_logp_BT[index],
+                        adv_B[index],
+                        mask_BT[index] * weights_B1,
+                        0.1,
+                        0.15,
+                        mode,
+                        step.normaliser,
+                        loss=name,
+                        clip_ratio_c=1.5,
+                        loss_scale_factor=6.0,
+                    ).loss
+                )
+        torch.testing.assert_close(summed.detach(), whole)
 
 
 # ----------------------------------------------------------------------------- kl_penalty

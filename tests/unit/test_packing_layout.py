@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from megarl.algo.losses import AGG_MODES, policy_loss
+from megarl.algo.policy_losses import POLICY_LOSS_NAMES
 from megarl.batch import (
     RolloutBatch,
     build_micro_batch,
@@ -65,6 +68,37 @@ def test_to_rows_maps_packed_values_back_and_keeps_gradients():
     rows.sum().backward()
     assert flat.grad.tolist() == [[1.0] * 13]  # every packed token reached exactly once
     assert padded.to_rows(expected) is expected  # padded: identity
+
+
+@pytest.mark.parametrize("agg", AGG_MODES)
+@pytest.mark.parametrize("name", POLICY_LOSS_NAMES)
+def test_sequence_level_losses_see_the_same_sequences_packed_and_padded(name, agg):
+    """Several sequences share one packed row, yet the loss side is one row per sequence
+    (``to_rows``), so GSPO's sequence ratio and seq-mean-token-mean's ``1 / length`` are each
+    sequence's own: loss and gradient equal the padded layout's."""
+    batch = _batch()
+    order, weights = [1, 0, 2], [1.0, 1.0, 0.0]
+    padded = collate(batch, order, pad_id=0, loss_weights=weights)
+    packed = pack(batch, order, loss_weights=weights)
+
+    def logp(mb):  # a model output in the model layout: a function of (token, position)
+        return -(mb.tokens_BL % 7 + mb.position_ids_BL).double() / 10
+
+    def loss_and_grad(mb):
+        model_out = logp(mb).requires_grad_(True)
+        logp_BL = mb.to_rows(model_out)
+        old_BL = mb.to_rows(logp(mb) + 0.05 * (mb.position_ids_BL % 3 - 1))
+        out = policy_loss(
+            logp_BL, old_BL, mb.advantages_B.double(), mb.loss_mask_BL, agg=agg, loss=name
+        )
+        out.loss.backward()
+        return out.loss.detach(), mb.to_rows(model_out.grad)
+
+    padded_loss, padded_grad = loss_and_grad(padded)
+    packed_loss, packed_grad = loss_and_grad(packed)
+    assert padded_loss != 0
+    torch.testing.assert_close(packed_loss, padded_loss)
+    torch.testing.assert_close(packed_grad, padded_grad)
 
 
 def test_response_extraction_round_trip_on_packed():

@@ -26,6 +26,7 @@ def _four_steps() -> list[OptimizerStepStats]:
             clipfrac_sum=3.0,
             ppo_kl_sum=0.9,
             num_tokens=30.0,
+            clipfrac_lower_sum=6.0,
         ),
         OptimizerStepStats(
             pg_loss=0.1,
@@ -68,7 +69,9 @@ def test_two_mini_batches_two_epochs_report_the_mean_over_the_four_optimizer_ste
     assert got.entropy == pytest.approx((2.0 + 1.0 + 1.0 + 2.0) / 4)
     assert got.pg_clipfrac == pytest.approx((0.1 + 0.1 + 0.5 + 0.0) / 4)
     assert got.ppo_kl == pytest.approx((0.01 + 0.03 + 0.05 + 0.01) / 4)
+    assert got.pg_clipfrac_lower == pytest.approx((0.0 + 0.2 + 0.0 + 0.0) / 4)
     metrics = got.metrics()
+    assert metrics["actor/pg_clipfrac_lower"] == pytest.approx(0.05)
     assert metrics["actor/pg_loss"] == pytest.approx(0.2)
     assert metrics["actor/num_optimizer_steps"] == 4
 
@@ -94,7 +97,7 @@ def test_rows_round_trip_and_add() -> None:
     a, b = _four_steps()[:2]
     assert OptimizerStepStats.from_row(a.as_row()) == a
     assert (a + b).num_tokens == 40.0
-    with pytest.raises(ValueError, match="expected 7 statistics"):
+    with pytest.raises(ValueError, match="expected 8 statistics"):
         OptimizerStepStats.from_row([1.0])
     with pytest.raises(ValueError, match="grad norms"):
         summarise_update([a], grad_norms=[])
