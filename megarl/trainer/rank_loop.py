@@ -227,7 +227,11 @@ def _build_rollout_host(
 
 
 def _train(rt: _Runtime) -> None:
-    from megarl.distributed.fault_injection import maybe_die, maybe_freeze  # test-only hooks
+    from megarl.distributed.fault_injection import (  # test-only hooks
+        maybe_die,
+        maybe_freeze,
+        maybe_raise,
+    )
 
     heartbeat.mark("restore")
     last_done = _maybe_restore(rt)
@@ -235,6 +239,7 @@ def _train(rt: _Runtime) -> None:
         maybe_die(dist.get_rank(), step)
         heartbeat.mark("rollout", step)
         maybe_freeze(dist.get_rank(), step)
+        maybe_raise(dist.get_rank(), step)
         timer = PhaseTimer()
         header, rollout, rollout_metrics, engine_state = _broadcast_rollout(rt, step, timer)
         plan = plan_step(
