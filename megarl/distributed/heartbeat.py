@@ -35,6 +35,7 @@ import shutil
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -129,6 +130,22 @@ def mark(phase: str, step: int | None = None) -> None:
     """The main loop entered ``phase`` (of ``step``, if given): progress. No-op without start."""
     if _writer is not None:
         _writer.mark(phase, step)
+
+
+@contextlib.contextmanager
+def published_on_error() -> Iterator[None]:
+    """If the block raises, publish the rank's phase at once, before the error leaves the rank.
+
+    The thread writes every :data:`WRITE_INTERVAL_S`; an error raised soon after a phase began
+    would otherwise be reported with the phase before it.
+    """
+    try:
+        yield
+    except BaseException:
+        if _writer is not None:
+            with contextlib.suppress(OSError):
+                _writer.write()
+        raise
 
 
 # --- in the launcher -------------------------------------------------------------------------

@@ -75,12 +75,17 @@ class RunResult:
 
 def run_rank(ctx: WorkerContext, inputs: RunInputs) -> RunResult | None:
     """Entry point of every rank; returns the run's result on rank 0 (None elsewhere)."""
-    from megarl.distributed import parallel
-    from megarl.distributed.platform import exit_cpu_shims
-
     _quiet_third_party_warnings()
     if ctx.heartbeat_dir is not None:  # the launcher names this rank if its loop stops
         heartbeat.start(ctx.heartbeat_dir, ctx.rank)
+    with heartbeat.published_on_error():  # an error's line names the phase it came from
+        return _run_rank(ctx, inputs)
+
+
+def _run_rank(ctx: WorkerContext, inputs: RunInputs) -> RunResult | None:
+    from megarl.distributed import parallel
+    from megarl.distributed.platform import exit_cpu_shims
+
     runtime = _setup(ctx, inputs)
     try:
         _train(runtime)

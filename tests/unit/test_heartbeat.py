@@ -6,6 +6,8 @@ import json
 import os
 import time
 
+import pytest
+
 from megarl.distributed import heartbeat
 from megarl.distributed.heartbeat import Beat, HeartbeatWatch, beat_path
 
@@ -81,3 +83,23 @@ def test_failure_lines_are_built_once_for_both_launchers():
     assert str(raised) == f"{where} failed: KeyError: 'x' during save of step 3"
     assert (raised.rank, raised.traceback) == (1, "Traceback ...")
     assert str(raised_error_report(0, "OSError: disk", "", None)).endswith("failed: OSError: disk")
+
+
+def test_an_error_publishes_the_phase_it_came_from_at_once(tmp_path):
+    """The thread writes every 2 s; an error right after a phase began is reported with that
+    phase, not the one before (the launcher reads the file as the error arrives)."""
+
+    def rollout_that_raises() -> None:
+        with heartbeat.published_on_error():
+            heartbeat.mark("rollout", step=1)
+            raise KeyError("x")
+
+    heartbeat.start(str(tmp_path), rank=0, interval_s=60)
+    try:
+        heartbeat.mark("build_actor")
+        with pytest.raises(KeyError):
+            rollout_that_raises()
+    finally:
+        heartbeat.stop()
+    [beat] = HeartbeatWatch(str(tmp_path), timeout_s=60).read({0: os.getpid()}).values()
+    assert beat.during == "rollout of step 1"
