@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 from conftest import tiny_overrides
 
 REPO = Path(__file__).resolve().parents[2]
