@@ -60,6 +60,10 @@ def test_fault_injection_only_fires_for_its_rank_and_step(monkeypatch):
     fault_injection.maybe_die(1, 1)  # other step: returns
     monkeypatch.delenv(fault_injection.ENV)
     fault_injection.maybe_die(1, 2)  # unset: returns
+    monkeypatch.setenv(fault_injection.RAISE_ENV, "1:2")
+    fault_injection.maybe_raise(0, 2)  # other rank: returns
+    with pytest.raises(fault_injection.InjectedError, match="rank 1 raises at step 2"):
+        fault_injection.maybe_raise(1, 2)
 
 
 def test_fault_injection_rollout_spec_fires_only_for_the_rollout_actor(monkeypatch):
