@@ -344,22 +344,24 @@ def _hold_run_dir(run_dir: str) -> Iterator[None]:
 
 # --- launcher dispatch ---------------------------------------------------
 def _launch(cfg, device: str, fn, inputs) -> list:
-    """Run ``fn`` on every rank: spawned processes here (local) or Ray actors (ray)."""
+    """Run ``fn`` on every rank: spawned processes here (local) or Ray actors (ray); under both,
+    the ranks' heartbeats in ``<run_dir>/.heartbeat`` name a rank that stops."""
     from megarl.distributed.heartbeat import HeartbeatWatch
     from megarl.distributed.launcher import launch
 
+    watch = HeartbeatWatch(
+        str(Path(cfg.trainer.run_dir) / ".heartbeat"), cfg.trainer.collective_timeout_s
+    )
     if cfg.trainer.launcher == "ray":
         from megarl.distributed.ray_launcher import PlacementError, RayLayout, launch_on_ray
 
         layout = RayLayout(cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node, device)
         with _tracebacks_to_log(cfg):
+            side = _split_rollout(cfg, inputs)
             try:
-                return launch_on_ray(fn, layout, args=(inputs,), side=_split_rollout(cfg, inputs))
+                return launch_on_ray(fn, layout, args=(inputs,), side=side, watch=watch)
             except PlacementError as exc:
                 raise StartupError(str(exc)) from None
-    watch = HeartbeatWatch(
-        str(Path(cfg.trainer.run_dir) / ".heartbeat"), cfg.trainer.collective_timeout_s
-    )
     with _tracebacks_to_log(cfg):
         return launch(fn, cfg.trainer.world_size, args=(inputs,), watch=watch)
 
