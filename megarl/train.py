@@ -34,6 +34,7 @@ def compose_config(overrides: list[str], config_dir: Path | None = None):
     from megarl.config.schema import ConfigError, build_run_config
 
     folder = config_dir or Path(os.environ.get("MEGARL_CONFIG_DIR", CONFIG_DIR))
+    _check_group_choices(overrides, folder)
     try:
         with initialize_config_dir(config_dir=str(folder), version_base=None):
             cfg = compose(config_name="config", overrides=overrides)
@@ -45,6 +46,24 @@ def compose_config(overrides: list[str], config_dir: Path | None = None):
         return build_run_config(tree)
     except ConfigError as exc:
         raise StartupError(str(exc)) from None
+
+
+CONFIG_GROUPS = ("model", "recipe")
+"""Folders of ``configs/`` chosen by name on the command line (``model=tiny_llama``)."""
+
+
+def _check_group_choices(overrides: list[str], folder: Path) -> None:
+    """``recipe=nope`` names the choices there are, instead of Hydra's "Could not find"."""
+    for override in overrides:
+        group, sep, choice = override.lstrip("+").partition("=")
+        if not sep or group not in CONFIG_GROUPS or choice in ("", "null"):
+            continue
+        available = sorted(p.stem for p in (folder / group).glob("*.yaml"))
+        if choice not in available:
+            raise StartupError(
+                f"{group}={choice}: no such {group} in {folder / group}; "
+                f"available: {', '.join(available)}"
+            )
 
 
 def _one_line(exc: BaseException) -> str:
