@@ -68,3 +68,13 @@ def test_advantage_estimator_trains_two_steps(tmp_path, algo):
         assert math.isfinite(row["actor/pg_loss"]), row
         assert abs(row["critic/advantages/mean"]) < 1e-5, row
         assert row["critic/advantages/min"] <= 0.0 <= row["critic/advantages/max"], row
+
+
+def test_dapo_recipe_trains_only_groups_with_signal(tmp_path):
+    """recipe=dapo end to end: dynamic sampling fills each step with groups whose rewards
+    differ (so no advantage is 0) and the overlong shaping reaches the rewards."""
+    [row] = run(tiny_overrides(tmp_path / "run", steps=1, recipe="dapo")).history
+    assert row["critic/advantages/zero_adv_ratio"] == 0.0, row
+    assert row["train/num_gen_batches"] >= 1
+    assert row["critic/rewards/overlong_penalty"] <= 0.0
+    assert math.isfinite(row["actor/pg_loss"]) and row["actor/grad_norm"] > 0

@@ -32,7 +32,7 @@ def _resolved(cfg, dotted: str) -> object:
 
 
 def test_the_recipes_the_readme_promises_exist():
-    assert {"grpo", "dr_grpo", "gspo", "rloo"} <= set(RECIPES)
+    assert {"grpo", "dr_grpo", "gspo", "rloo", "dapo"} <= set(RECIPES)
 
 
 @pytest.mark.parametrize("name", RECIPES)
@@ -61,7 +61,9 @@ def test_dr_grpo_is_grpo_without_std_and_with_the_constant_normaliser():
 
 
 def test_an_unknown_recipe_names_the_ones_there_are():
-    with pytest.raises(StartupError, match=r"recipe=nope: no such recipe .*available: dr_grpo"):
+    with pytest.raises(
+        StartupError, match=r"recipe=nope: no such recipe .*available: dapo, dr_grpo"
+    ):
         compose_config(["recipe=nope"])
 
 
