@@ -220,7 +220,7 @@ def check_context_fit(cfg, model_dir: str, source, max_position_embeddings: int)
         problems = list(source)
     tokenizer = load_hf_tokenizer(model_dir)
     system_prompt = cfg.data.system_prompt
-    lens = [len(encode_prompt(tokenizer, p.prompt, system_prompt)) for p in problems]
+    lens = [len(encode_prompt(tokenizer, p, system_prompt)) for p in problems]
     limit = context_limit(max_position_embeddings, cfg.rollout.engine, cfg.rollout.max_model_len)
     check_prompts_fit(lens, cfg.rollout.max_new_tokens, limit)
 

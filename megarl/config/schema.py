@@ -20,6 +20,7 @@ from megarl.algo.dapo import FILTER_GROUP_METRICS
 from megarl.algo.losses import AGG_MODES, KL_PENALTY_KINDS
 from megarl.algo.policy_losses import POLICY_LOSS_NAMES, get_policy_loss
 from megarl.data.arithmetic import SUPPORTED_OPS
+from megarl.data.loader import PROMPT_TASKS
 from megarl.data.rewards import REWARD_ERROR_POLICIES
 from megarl.engines.base import SLEEP_LEVELS
 from megarl.engines.factory import ENGINE_NAMES
@@ -353,14 +354,24 @@ class RolloutConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    task: str = "arithmetic"
-    """arithmetic (built-in, seeded) | jsonl (GSM8K-style rows: question, answer with #### N)."""
+    task: str = "auto"
+    """auto (files when ``train_files`` is set, jsonl when ``path`` is, else arithmetic) |
+    arithmetic (built-in, seeded) | jsonl (GSM8K-style rows: question, answer with #### N) |
+    files (``train_files`` in verl's row schema, see :mod:`megarl.data.files`). Resolved at
+    construction, so it is never auto afterwards."""
     path: str | None = None
+    train_files: tuple[str, ...] | None = None
+    """verl's key: one file or a list (.parquet, .jsonl, .json)."""
+    prompt_key: str = "prompt"
+    """The column holding the prompt: chat messages or a string (verl's key)."""
+    answer_key: str | None = None
+    """The column holding the answer; None = verl's ``reward_model.ground_truth``."""
     prompts_per_step: int = 4
     max_operand: int = 20
     ops: tuple[str, ...] = ("+",)
     reward: str = "auto"
-    """auto (exact_last_number for arithmetic, gsm8k for jsonl) | exact_last_number | gsm8k |
+    """auto (exact_last_number for arithmetic, else gsm8k: the number after the last ``####``,
+    else the last number) | exact_last_number | gsm8k |
     package.module:function (your own ``(response, answer) -> float``)."""
     reward_error: str = "raise"
     """One of :data:`megarl.data.rewards.REWARD_ERROR_POLICIES`. A reward function that raises
@@ -373,9 +384,25 @@ class DataConfig:
     """None keeps the tokenizer's default system prompt."""
 
     def __post_init__(self) -> None:
-        _choice("data.task", self.task, ("arithmetic", "jsonl"))
+        files = self.train_files
+        if isinstance(files, str):
+            files = (files,)
+        _require(
+            files is None
+            or (isinstance(files, list | tuple) and all(isinstance(f, str) for f in files)),
+            f"data.train_files={files!r}: expected a file or a list of files",
+        )
+        object.__setattr__(self, "train_files", tuple(files) if files is not None else None)
+        if self.task == "auto":
+            task = "files" if files else ("jsonl" if self.path else "arithmetic")
+            object.__setattr__(self, "task", task)
+        _choice("data.task", self.task, PROMPT_TASKS)
         _require(
             self.task != "jsonl" or bool(self.path), "data.path must be set for data.task=jsonl"
+        )
+        _require(
+            self.task != "files" or bool(self.train_files),
+            "data.train_files must name at least one file for data.task=files",
         )
         _positive("data.prompts_per_step", self.prompts_per_step)
         _require(self.max_operand >= 1, f"data.max_operand={self.max_operand}: must be >= 1")

@@ -6,12 +6,14 @@ import random
 from collections.abc import Mapping, Sequence
 
 from megarl.data.arithmetic import ArithmeticTask
+from megarl.data.files import load_problem_files
 from megarl.data.jsonl import load_jsonl_problems
 from megarl.data.problems import Problem
 
 PromptSource = ArithmeticTask | list[Problem]
 
-PROMPT_TASKS: tuple[str, ...] = ("arithmetic", "jsonl")
+PROMPT_TASKS: tuple[str, ...] = ("arithmetic", "jsonl", "files")
+"""``data.task`` once resolved (``auto`` picks one of these from the other ``data.*`` keys)."""
 
 
 class PromptStream:
@@ -144,6 +146,9 @@ def build_prompt_source(
     max_operand: int,
     instruction: str,
     ops: Sequence[str] = ("+",),
+    train_files: Sequence[str] = (),
+    prompt_key: str = "prompt",
+    answer_key: str | None = None,
 ) -> PromptSource:
     """Build the prompt source named by the ``data.*`` config.
 
@@ -155,6 +160,8 @@ def build_prompt_source(
         instruction: Suffix appended to each JSONL question; the arithmetic prompts already
             say how to answer.
         ops: Arithmetic operators, a subset of ``("+", "-", "*")``.
+        train_files, prompt_key, answer_key: ``data.task=files``: the files and their columns
+            (see :func:`megarl.data.files.load_problem_files`).
 
     Raises:
         ValueError: Unknown ``data.task``, or ``data.path`` missing for ``jsonl``; the
@@ -166,6 +173,8 @@ def build_prompt_source(
         if not path:
             raise ValueError("data.path must name a JSONL file when data.task=jsonl")
         return load_jsonl_problems(path, instruction=instruction)
+    if task == "files":
+        return load_problem_files(train_files, prompt_key, answer_key, instruction)
     valid = ", ".join(PROMPT_TASKS)
     raise ValueError(f"data.task must be one of {valid}, got {task!r}")
 

@@ -21,3 +21,13 @@ class Problem:
     prompt: str
     answer: str
     source: str
+    messages: tuple[tuple[str, str], ...] = ()
+    """The prompt as ``(role, content)`` chat messages when the dataset gave them (ending with
+    the user's, whose content is ``prompt``); empty = one user message, ``prompt``."""
+    data_source: str = ""
+    """verl's ``data_source`` column (e.g. ``openai/gsm8k``) where the dataset has one."""
+
+    @property
+    def chat(self) -> tuple[tuple[str, str], ...]:
+        """The messages the chat template is applied to."""
+        return self.messages or (("user", self.prompt),)

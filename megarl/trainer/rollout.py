@@ -32,16 +32,18 @@ def sampling_seed(run_seed: int, step: int, gen_batch: int = 0) -> int:
     return (run_seed * 1_000_003 + step * 7919 + gen_batch * 104_729 + 17) % (2**62)
 
 
-def encode_prompt(tokenizer, prompt: str, system_prompt: str | None) -> list[int]:
-    """The token ids the engine is given for ``prompt``: the chat template when the tokenizer
-    has one (start-up uses the same function to check that prompts fit the context)."""
-    messages = [{"role": "user", "content": prompt}]
-    if system_prompt is not None:
+def encode_prompt(tokenizer, problem: Problem, system_prompt: str | None) -> list[int]:
+    """The token ids the engine is given for ``problem``: its chat messages through the
+    tokenizer's chat template when it has one (start-up uses the same function to check that
+    prompts fit the context). ``data.system_prompt`` is put first unless the dataset's
+    messages bring their own system message."""
+    messages = [{"role": role, "content": content} for role, content in problem.chat]
+    if system_prompt is not None and messages[0]["role"] != "system":
         messages.insert(0, {"role": "system", "content": system_prompt})
     if getattr(tokenizer, "chat_template", None):
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     else:
-        text = prompt
+        text = "\n\n".join(m["content"] for m in messages if m["role"] != "system")
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
@@ -126,7 +128,7 @@ class RolloutProducer:
         self._failures = 0
 
     def encode_prompt(self, problem: Problem) -> list[int]:
-        return encode_prompt(self.tokenizer, problem.prompt, self.settings.system_prompt)
+        return encode_prompt(self.tokenizer, problem, self.settings.system_prompt)
 
     def produce(self, step: int) -> tuple[RolloutBatch, dict[str, float], dict[str, float]]:
         """The step's scored batch, its rollout metrics, and seconds spent per phase.

@@ -242,6 +242,9 @@ def prompt_source(cfg: RunConfig) -> PromptSource:
         cfg.data.max_operand,
         cfg.data.instruction,
         ops=cfg.data.ops,
+        train_files=cfg.data.train_files or (),
+        prompt_key=cfg.data.prompt_key,
+        answer_key=cfg.data.answer_key,
     )
 
 

@@ -175,6 +175,23 @@ def test_malformed_dataset_row_names_file_and_line(train_cli, tmp_path):
     assert f"{data}:2:" in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_bad_parquet_row_names_file_and_row(train_cli, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    data = tmp_path / "train.parquet"
+    rows = [
+        {"prompt": "1+1?", "reward_model": {"ground_truth": "2"}},
+        {"prompt": "2+2?", "reward_model": {"ground_truth": "four"}},
+    ]
+    pq.write_table(pa.Table.from_pylist(rows), data)
+    run_dir = tmp_path / "run"
+    proc = train_cli.run(f"trainer.run_dir={run_dir}", f"data.train_files={data}", cwd=tmp_path)
+    _assert_one_line_exit_2_nothing_written(
+        proc, f"{data}:2: reward_model.ground_truth='four' is not a number", run_dir
+    )
+
+
 _REWARD_MODULE = """
 def returns_nan(response, answer):
     return float("nan")

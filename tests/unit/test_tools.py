@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
-TOOL = Path(__file__).resolve().parents[2] / "tools" / "summarize_run.py"
+REPO = Path(__file__).resolve().parents[2]
+TOOL = REPO / "tools" / "summarize_run.py"
+ENV = {**os.environ, "PYTHONPATH": str(REPO)}
 
 
 def _row(step: int, reward: float) -> dict:
@@ -42,3 +45,48 @@ def test_broken_line_is_named(tmp_path):
         [sys.executable, str(TOOL), str(tmp_path)], capture_output=True, text=True
     )
     assert proc.returncode == 2 and "metrics.jsonl:2:" in proc.stderr
+
+
+def test_prepare_data_writes_verl_rows_that_load_as_training_data(tmp_path):
+    import pyarrow.parquet as pq
+
+    from megarl.data.files import load_problem_files
+
+    source = tmp_path / "gsm8k.jsonl"
+    rows = [
+        {"question": "Ann has 2 cats and gets 3 more. How many?", "answer": "2+3=5\n#### 5"},
+        {"question": "What is 10 x 12?", "answer": "#### 1,200"},
+    ]
+    source.write_text("\n".join(json.dumps(r) for r in rows))
+    out = tmp_path / "out" / "train.parquet"
+    done = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "prepare_data.py"), str(source), str(out)],
+        capture_output=True,
+        text=True,
+        env=ENV,
+    )
+    assert done.returncode == 0, done.stderr
+    first, _ = pq.read_table(out).to_pylist()
+    assert first["data_source"] == "openai/gsm8k"
+    assert first["reward_model"]["ground_truth"] == "5"
+    assert first["prompt"][0]["content"].startswith("Ann has 2 cats and gets 3 more. How many? ")
+    assert [p.answer for p in load_problem_files(str(out))] == ["5", "1200"]
+
+
+def test_prepare_data_names_a_bad_row(tmp_path):
+    source = tmp_path / "bad.jsonl"
+    source.write_text(json.dumps({"question": "q", "answer": "no number here"}) + "\n")
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "tools" / "prepare_data.py"),
+            str(source),
+            str(tmp_path / "o.parquet"),
+        ],
+        capture_output=True,
+        text=True,
+        env=ENV,
+    )
+    assert done.returncode == 2
+    assert done.stderr.startswith(f"prepare_data: error: {source}:1: answer=")
+    assert not (tmp_path / "o.parquet").exists()

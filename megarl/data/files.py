@@ -1,0 +1,210 @@
+"""Prompt datasets from files in verl's row schema (``data.train_files``): parquet, JSONL, JSON.
+
+verl's preprocessing scripts write one row per problem::
+
+    {"data_source": "openai/gsm8k",
+     "prompt": [{"role": "user", "content": "..."}],          # chat messages (or a string)
+     "reward_model": {"style": "rule", "ground_truth": "72"},
+     "extra_info": {...}}
+
+so a dataset prepared for verl trains here as it is. Flat rows work too: ``data.prompt_key``
+names the prompt column and ``data.answer_key`` the answer column (a GSM8K-style
+``"... #### 72"`` answer is reduced to its final number). Parquet is read with pyarrow; every
+row is checked when the file is loaded, and the first bad one is reported as ``file:row``
+(1-based), so a silently shrunken dataset cannot happen.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+
+from megarl.data.errors import DatasetError
+from megarl.data.jsonl import FINAL_ANSWER_MARKER, parse_final_answer
+from megarl.data.numbers import normalize_number
+from megarl.data.problems import Problem
+
+FILE_SUFFIXES: tuple[str, ...] = (".parquet", ".jsonl", ".json")
+CHAT_ROLES: tuple[str, ...] = ("system", "user", "assistant")
+
+
+def load_problem_files(
+    paths: str | Sequence[str],
+    prompt_key: str = "prompt",
+    answer_key: str | None = None,
+    instruction: str = "",
+) -> list[Problem]:
+    """Every row of every file, in order, as :class:`Problem` s.
+
+    Args:
+        paths: One file or a list (``data.train_files``).
+        prompt_key: The column holding the prompt: chat messages or a string.
+        answer_key: The column holding the answer; None = verl's ``reward_model.ground_truth``.
+        instruction: Appended to the last user message (e.g. how to format the answer).
+
+    Raises:
+        DatasetError: a file is missing, unreadable or empty, or a row is malformed; the
+            message names ``file:row``.
+    """
+    files = [paths] if isinstance(paths, str) else list(paths)
+    if not files:
+        raise DatasetError("data.train_files: no file named")
+    problems: list[Problem] = []
+    for path in files:
+        rows = 0
+        for location, row in _read_rows(str(path)):
+            problems.append(_to_problem(row, location, prompt_key, answer_key, instruction))
+            rows += 1
+        if rows == 0:
+            raise DatasetError(f"{path}: dataset has no rows")
+    return problems
+
+
+def _read_rows(path: str) -> Iterator[tuple[str, dict]]:
+    """``(file:row, row)`` for each row; rows are counted from 1 as an editor or pandas shows
+    them (+1)."""
+    suffix = Path(path).suffix.lower()
+    if suffix not in FILE_SUFFIXES:
+        raise DatasetError(
+            f"{path}: unsupported dataset file type {suffix or '(none)'!r}; "
+            f"use one of {', '.join(FILE_SUFFIXES)}"
+        )
+    if not os.path.isfile(path):
+        raise DatasetError(f"{path}: dataset file does not exist")
+    if suffix == ".parquet":
+        rows = _parquet_rows(path)
+    elif suffix == ".jsonl":
+        rows = _jsonl_rows(path)
+    else:
+        rows = _json_rows(path)
+    for number, row in enumerate(rows, start=1):
+        location = f"{path}:{number}"
+        if not isinstance(row, dict):
+            raise DatasetError(f"{location}: row is a {type(row).__name__}, expected an object")
+        yield location, row
+
+
+def _parquet_rows(path: str) -> list[object]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.read_table(path).to_pylist()
+    except (pa.ArrowException, OSError) as exc:
+        raise DatasetError(f"{path}: not a readable parquet file ({exc})") from None
+
+
+def _text(path: str) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise DatasetError(f"{path}: dataset file is not valid UTF-8 ({exc.reason})") from None
+    except OSError as exc:
+        raise DatasetError(f"{path}: cannot read dataset file ({exc.strerror})") from None
+
+
+def _jsonl_rows(path: str) -> Iterator[object]:
+    for number, line in enumerate(_text(path).split("\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            yield json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise DatasetError(f"{path}:{number}: invalid JSON ({exc.msg})") from None
+
+
+def _json_rows(path: str) -> list[object]:
+    try:
+        data = json.loads(_text(path))
+    except json.JSONDecodeError as exc:
+        raise DatasetError(f"{path}: invalid JSON ({exc.msg} at line {exc.lineno})") from None
+    if not isinstance(data, list):
+        raise DatasetError(f"{path}: expected a JSON list of row objects")
+    return data
+
+
+def _to_problem(
+    row: Mapping[str, object],
+    location: str,
+    prompt_key: str,
+    answer_key: str | None,
+    instruction: str,
+) -> Problem:
+    messages = _messages(row, location, prompt_key)
+    if instruction:
+        role, content = messages[-1]
+        messages = (*messages[:-1], (role, f"{content} {instruction}"))
+    answer = _answer(row, location, answer_key)
+    data_source = row.get("data_source")
+    return Problem(
+        prompt=messages[-1][1],
+        answer=answer,
+        source=location,
+        messages=messages,
+        data_source=data_source if isinstance(data_source, str) else "",
+    )
+
+
+def _messages(
+    row: Mapping[str, object], location: str, prompt_key: str
+) -> tuple[tuple[str, str], ...]:
+    """The prompt as ``(role, content)`` pairs ending with a user message."""
+    if prompt_key not in row:
+        raise DatasetError(
+            f"{location}: row has no {prompt_key!r} field (data.prompt_key; "
+            f"the row has {', '.join(sorted(row)) or 'no fields'})"
+        )
+    prompt = row[prompt_key]
+    if isinstance(prompt, str):
+        messages: tuple[tuple[str, str], ...] = (("user", prompt),)
+    elif isinstance(prompt, list) and prompt:
+        messages = tuple(
+            _message(m, f"{location}: {prompt_key}[{i}]") for i, m in enumerate(prompt)
+        )
+    else:
+        raise DatasetError(
+            f"{location}: {prompt_key!r} must be a string or a non-empty list of chat messages, "
+            f"got {type(prompt).__name__}"
+        )
+    if messages[-1][0] != "user" or not messages[-1][1].strip():
+        raise DatasetError(f"{location}: {prompt_key!r} must end with a non-empty user message")
+    return messages
+
+
+def _message(message: object, where: str) -> tuple[str, str]:
+    if not isinstance(message, dict) or not {"role", "content"} <= set(message):
+        raise DatasetError(f"{where} is not a {{'role': ..., 'content': ...}} message")
+    role, content = message["role"], message["content"]
+    if role not in CHAT_ROLES or not isinstance(content, str):
+        raise DatasetError(
+            f"{where}: role must be one of {', '.join(CHAT_ROLES)} and content a string"
+        )
+    return role, content
+
+
+def _answer(row: Mapping[str, object], location: str, answer_key: str | None) -> str:
+    """The ground truth as a normalised number string (the built-in rewards compare numbers)."""
+    if answer_key is None:
+        reward_model = row.get("reward_model")
+        if not isinstance(reward_model, dict) or "ground_truth" not in reward_model:
+            raise DatasetError(
+                f"{location}: row has no reward_model.ground_truth (verl's schema); for flat "
+                "rows name the answer column with data.answer_key"
+            )
+        value, field = reward_model["ground_truth"], "reward_model.ground_truth"
+    elif answer_key not in row:
+        raise DatasetError(f"{location}: row has no {answer_key!r} field (data.answer_key)")
+    else:
+        value, field = row[answer_key], answer_key
+    if isinstance(value, bool) or not isinstance(value, str | int | float):
+        raise DatasetError(f"{location}: {field} must be a string or a number")
+    text = str(value)
+    number = parse_final_answer(text) if FINAL_ANSWER_MARKER in text else normalize_number(text)
+    if number is None:
+        raise DatasetError(
+            f"{location}: {field}={text[:60]!r} is not a number; the built-in rewards compare "
+            "numbers (use data.reward=package.module:function for other answers)"
+        )
+    return number
