@@ -180,7 +180,7 @@ def validate_against_model(cfg, model_dir: str, device: str = "cpu") -> None:
     from megarl.models.spec import VPP_TRAINING_UNSUPPORTED, ModelSpecError, spec_from_hf_config
     from megarl.planner.batch_planner import PlannerError, check_pruning_config
     from megarl.planner.gates import GateConfigError, validate_gate_config
-    from megarl.trainer.rollout_host import prompt_source
+    from megarl.trainer.rollout_host import prompt_source, validation_problems
 
     try:
         spec = spec_from_hf_config(load_hf_config(model_dir))
@@ -196,6 +196,9 @@ def validate_against_model(cfg, model_dir: str, device: str = "cpu") -> None:
         source = prompt_source(cfg)
         get_reward_fn(cfg.data.reward_fn_name)
         check_context_fit(cfg, model_dir, source, spec.max_position_embeddings)
+        if cfg.data.val_files:
+            val = validation_problems(cfg)
+            check_context_fit(cfg, model_dir, val, spec.max_position_embeddings)
     except (ModelSpecError, GateConfigError, PlannerError, DatasetError, ValueError) as exc:
         raise StartupError(str(exc).splitlines()[0]) from None
 

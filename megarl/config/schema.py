@@ -13,7 +13,7 @@ import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, cast
 
 from megarl.algo.advantages import ADVANTAGE_ESTIMATOR_NAMES, resolve_estimator_name
 from megarl.algo.dapo import FILTER_GROUP_METRICS
@@ -58,6 +58,19 @@ def _in_unit_interval(key: str, value: float) -> None:
     _require(0 <= value < 1, f"{key}={value}: must be in [0, 1)")
 
 
+def _file_list(key: str, value: object) -> tuple[str, ...] | None:
+    """None, or one file / a list of files as a tuple (verl's ``data.train_files`` form)."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return (value,)
+    _require(
+        isinstance(value, list | tuple) and all(isinstance(f, str) for f in value),
+        f"{key}={value!r}: expected a file or a list of files",
+    )
+    return tuple(cast("list[str]", value))
+
+
 def _optional_positive(key: str, value: object) -> None:
     """None (automatic) or a number > 0."""
     _require(
@@ -97,6 +110,9 @@ class TrainerConfig:
     debug: bool = False
     """Print a failed rank's full Python traceback on the console (it is always written to
     ``<run_dir>/logs/``); ``HYDRA_FULL_ERROR=1`` does the same."""
+    val_interval: int = 0
+    """Validate on ``data.val_files`` every this many steps and after the last (verl's
+    ``test_freq``); 0 = never."""
     collective_timeout_s: float = 600.0
     """Seconds a rank waits in one collective, and that a rank may go without progress, before
     the run fails naming the rank that stopped. 600 s outlasts a slow first step (a model
@@ -105,6 +121,7 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         _positive("trainer.total_steps", self.total_steps)
         _positive("trainer.collective_timeout_s", self.collective_timeout_s)
+        _require(self.val_interval >= 0, f"trainer.val_interval={self.val_interval}: must be >= 0")
         _require(
             bool(self.run_dir.strip()),
             f"trainer.run_dir={self.run_dir!r}: empty; name the folder the run writes to",
@@ -281,6 +298,23 @@ class ActorConfig:
 
 
 @dataclass(frozen=True)
+class RolloutValConfig:
+    """Sampling for validation (what verl calls its rollout's ``val_kwargs``): greedy by default."""
+
+    n: int = 1
+    temperature: float = 0.0
+    """Used when ``do_sample``; 0 = greedy."""
+    top_p: float = 1.0
+    do_sample: bool = False
+    """false = greedy whatever the temperature."""
+
+    def __post_init__(self) -> None:
+        _positive("rollout.val.n", self.n)
+        _require(self.temperature >= 0, f"rollout.val.temperature={self.temperature}: must be >= 0")
+        _require(0 < self.top_p <= 1, f"rollout.val.top_p={self.top_p}: must be in (0, 1]")
+
+
+@dataclass(frozen=True)
 class RolloutConfig:
     engine: str = "hf"
     """One of :data:`megarl.engines.factory.ENGINE_NAMES`: hf (transformers, embedded default)
@@ -311,6 +345,7 @@ class RolloutConfig:
     """vLLM: sequences decoded concurrently."""
     max_num_batched_tokens: int = 8192
     """vLLM: tokens per engine step (prefill chunking)."""
+    val: RolloutValConfig = field(default_factory=RolloutValConfig)
     # --- placement ---
     n_gpus: int = 0
     """0 = colocated (the engine shares rank 0's device) | N = split placement: the engine runs
@@ -366,6 +401,10 @@ class DataConfig:
     """The column holding the prompt: chat messages or a string (verl's key)."""
     answer_key: str | None = None
     """The column holding the answer; None = verl's ``reward_model.ground_truth``."""
+    val_files: tuple[str, ...] | None = None
+    """Held-out problems (same formats and keys as ``train_files``) for validation."""
+    val_batch_size: int | None = None
+    """Validation prompts per engine call; None = all at once."""
     prompts_per_step: int = 4
     max_operand: int = 20
     ops: tuple[str, ...] = ("+",)
@@ -384,15 +423,10 @@ class DataConfig:
     """None keeps the tokenizer's default system prompt."""
 
     def __post_init__(self) -> None:
-        files = self.train_files
-        if isinstance(files, str):
-            files = (files,)
-        _require(
-            files is None
-            or (isinstance(files, list | tuple) and all(isinstance(f, str) for f in files)),
-            f"data.train_files={files!r}: expected a file or a list of files",
-        )
-        object.__setattr__(self, "train_files", tuple(files) if files is not None else None)
+        files = _file_list("data.train_files", self.train_files)
+        object.__setattr__(self, "train_files", files)
+        object.__setattr__(self, "val_files", _file_list("data.val_files", self.val_files))
+        _optional_positive("data.val_batch_size", self.val_batch_size)
         if self.task == "auto":
             task = "files" if files else ("jsonl" if self.path else "arithmetic")
             object.__setattr__(self, "task", task)
@@ -563,6 +597,10 @@ class RunConfig:
             self.rollout.n_gpus == 0 or self.trainer.launcher == "ray",
             f"rollout.n_gpus={self.rollout.n_gpus}: a split rollout placement needs "
             "trainer.launcher=ray",
+        )
+        _require(
+            self.trainer.val_interval == 0 or bool(self.data.val_files),
+            f"trainer.val_interval={self.trainer.val_interval} needs data.val_files",
         )
         buffer = self.reward.overlong_buffer
         _require(

@@ -125,6 +125,13 @@ def step_line(m: Mapping[str, Any]) -> str:
         f"{m['timing_s/step']:.1f}s",
     ]
     line = " | ".join(parts)
+    scores = {
+        k.removeprefix("val-core/").rsplit("/reward/", 1)[0]: v
+        for k, v in m.items()
+        if k.startswith("val-core/")
+    }
+    if scores:
+        line += "\n         validation: " + ", ".join(f"{s} {v:.3f}" for s, v in scores.items())
     if m.get("planner/summary"):
         line += f"\n         plan: {m['planner/summary']}"
     if m.get("gates/summary"):

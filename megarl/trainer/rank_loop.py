@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from megarl.actor.megatron_actor import LossSettings, MegatronActor, reduce_sums_to_all
 from megarl.actor.train_stats import OptimizerStepStats, UpdateStats, summarise_update
+from megarl.algo.validation import is_validation_step
 from megarl.batch import RolloutBatch, RolloutShard
 from megarl.config import planning
 from megarl.config.schema import RunConfig
@@ -271,8 +272,14 @@ def _train(rt: _Runtime) -> None:
         stats = _update_actor(rt, batch, plan, old, recomputed, ref, timer)
         _sync_weights(rt, gates, timer, step)
         if rt.host is not None:
+            validation = {}
+            if is_validation_step(step, rt.cfg.trainer.total_steps, rt.cfg.trainer.val_interval):
+                heartbeat.mark("validate", step)
+                validation = rt.host.validate(step)
             heartbeat.mark("record_metrics")
-            rt.host.record_step(step, timer, rollout_metrics, plan, gates, stats, rollout)
+            rt.host.record_step(
+                step, timer, rollout_metrics, plan, gates, stats, rollout, validation
+            )
         _maybe_save(rt, step)
 
 

@@ -207,7 +207,7 @@ class RolloutProducer:
         t_generated = time.perf_counter()
         texts = [self.tokenizer.decode(g.response_ids, skip_special_tokens=True) for g in gens]
         answers = [p.answer for p in problems for _ in range(n)]
-        rewards = torch.tensor(self._score(texts, answers, step), dtype=torch.float32)
+        rewards = torch.tensor(self.score(texts, answers, step), dtype=torch.float32)
         overlong = torch.zeros_like(rewards)
         if self.settings.overlong_buffer_len is not None:
             overlong = overlong_penalty(
@@ -220,7 +220,7 @@ class RolloutProducer:
         seconds["adv"] += time.perf_counter() - t_generated
         return _ScoredGroups(problems, gens, texts, rewards + overlong, overlong)
 
-    def _score(self, texts: list[str], answers: list[str], step: int) -> tuple[float, ...]:
+    def score(self, texts: list[str], answers: list[str], step: int) -> tuple[float, ...]:
         """The reward function on every sample, checked; a failure raises (one line, exit 2) or,
         with ``data.reward_error=zero``, scores 0.0, is counted and is warned about once."""
         scored = score_samples(

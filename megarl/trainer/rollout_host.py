@@ -10,6 +10,7 @@ placement and start-up.
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,16 +19,22 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from megarl.actor.train_stats import UpdateStats
+from megarl.algo.validation import validation_metrics
 from megarl.config.schema import RunConfig
+from megarl.data.files import load_problem_files
 from megarl.data.loader import PromptSource, PromptStream, build_prompt_source
+from megarl.data.problems import Problem
 from megarl.data.rewards import get_reward_fn
-from megarl.engines.base import EngineMemoryState
+from megarl.engines.base import EngineMemoryState, SamplingParams
 from megarl.engines.factory import build_engine
 from megarl.models.spec import TransformerSpec, spec_from_hf_config
 from megarl.trainer import perf
 from megarl.trainer.metrics import MetricsWriter, PhaseTimer, run_summary, step_line
 from megarl.trainer.perf import PeakFlops, peak_flops
-from megarl.trainer.rollout import RolloutProducer, RolloutSettings
+from megarl.trainer.rollout import RolloutProducer, RolloutSettings, sampling_seed
+
+VALIDATION_SEED_BATCH = 1_000_003
+"""``sampling_seed``'s batch number for validation: far from dynamic sampling's 1, 2, ..."""
 
 if TYPE_CHECKING:
     from rich.progress import Progress
@@ -49,6 +56,8 @@ class RolloutHost:
         self.cfg = cfg
         self.spec = spec if spec is not None else spec_from_hf_config(load_hf_config(model_dir))
         self.engine, self.sleep_level = _build_engine(cfg, tokenizer, device, model_dir)
+        self.tokenizer = tokenizer
+        self._val_problems: list[Problem] | None = None
         self.stream = PromptStream(prompt_source(cfg), cfg.data.prompts_per_step, cfg.trainer.seed)
         settings = RolloutSettings(
             group_size=cfg.rollout.n,
@@ -80,6 +89,40 @@ class RolloutHost:
 
     def rollout(self, step: int):
         return self.producer.produce(step)
+
+    def validate(self, step: int) -> dict[str, float]:
+        """Generate on ``data.val_files`` with the engine's current weights and score it.
+
+        Sampling follows ``rollout.val.*`` (greedy by default) from its own seed per step, and
+        the engines draw from a generator seeded per call, so a run with validation trains
+        exactly like one without.
+        """
+        val = self.cfg.rollout.val
+        started = time.perf_counter()
+        problems = self._val_problems
+        if problems is None:
+            problems = self._val_problems = validation_problems(self.cfg)
+        params = SamplingParams(
+            temperature=val.temperature if val.do_sample else 0.0,
+            top_p=val.top_p,
+            max_new_tokens=self.cfg.rollout.max_new_tokens,
+            seed=sampling_seed(self.cfg.trainer.seed, step, VALIDATION_SEED_BATCH),
+        )
+        chunk = self.cfg.data.val_batch_size or len(problems)
+        rewards: list[list[float]] = []
+        response_lens: list[int] = []
+        for start in range(0, len(problems), chunk):
+            part = problems[start : start + chunk]
+            prompts = [self.producer.encode_prompt(p) for p in part for _ in range(val.n)]
+            gens = self.engine.generate(prompts, params)
+            texts = [self.tokenizer.decode(g.response_ids, skip_special_tokens=True) for g in gens]
+            answers = [p.answer for p in part for _ in range(val.n)]
+            scores = self.producer.score(texts, answers, step)
+            rewards += [list(scores[i : i + val.n]) for i in range(0, len(scores), val.n)]
+            response_lens += [len(g.response_ids) for g in gens]
+        metrics = validation_metrics([p.data_source for p in problems], rewards, response_lens)
+        metrics["timing_s/testing"] = time.perf_counter() - started
+        return metrics
 
     def record_export_metrics(self, export_metrics: dict[str, float]) -> None:
         """The worker streamed the weights into ``self.engine``; keep its metrics for the step."""
@@ -122,10 +165,19 @@ class RolloutHost:
         )
 
     def record_step(
-        self, step, timer: PhaseTimer, rollout_metrics, plan, gates, stats: UpdateStats, batch
+        self,
+        step,
+        timer: PhaseTimer,
+        rollout_metrics,
+        plan,
+        gates,
+        stats: UpdateStats,
+        batch,
+        validation: Mapping[str, float] | None = None,
     ):
         metrics: dict = {"step": step}
         metrics.update(rollout_metrics)
+        metrics.update(validation or {})
         metrics.update(stats.metrics())
         metrics.update(plan.metrics)
         metrics["planner/summary"] = plan.summary()
@@ -230,6 +282,13 @@ def vllm_settings(cfg: RunConfig, model_dir: str, device: str):
         facts,
         model_dir,
         psutil.virtual_memory().available,
+    )
+
+
+def validation_problems(cfg: RunConfig) -> list[Problem]:
+    """The held-out problems of ``data.val_files`` (start-up loads them once to check them)."""
+    return load_problem_files(
+        cfg.data.val_files or (), cfg.data.prompt_key, cfg.data.answer_key, cfg.data.instruction
     )
 
 

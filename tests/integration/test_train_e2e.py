@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import REQUIRED_METRICS, tiny_overrides
 
 from megarl.train import run
@@ -89,3 +90,31 @@ def test_trains_on_verl_parquet_rows(tmp_path):
     [row] = run(tiny_overrides(tmp_path / "run", steps=1, **overrides)).history
     assert row["prompt_length/mean"] > 40  # GSM8K questions in the chat template, not arithmetic
     assert row["actor/grad_norm"] >= 0 and math.isfinite(row["actor/pg_loss"])
+
+
+def test_validation_reports_scores_and_leaves_training_bitwise_the_same(tmp_path):
+    """Validation samples from its own seed on the synced weights: the run with it trains to the
+    same parameters as the run without, and reports verl's val-core/val-aux keys."""
+    val = tmp_path / "val.jsonl"
+    rows = [
+        {"prompt": f"What is {a} + {a}?", "reward_model": {"ground_truth": str(2 * a)}}
+        for a in range(5)
+    ]
+    val.write_text("\n".join(json.dumps(r) for r in rows))
+    plain = run(tiny_overrides(tmp_path / "plain", steps=3), return_final_state=True)
+    validated = run(
+        tiny_overrides(
+            tmp_path / "val",
+            steps=3,
+            **{"data.val_files": str(val), "trainer.val_interval": 2, "rollout.val.n": 2},
+        ),
+        return_final_state=True,
+    )
+    assert validated.final_state.keys() == plain.final_state.keys()
+    for name, tensor in plain.final_state.items():
+        assert torch.equal(tensor, validated.final_state[name]), name
+    with_val = [r["step"] for r in validated.history if "val-core/unknown/reward/mean@2" in r]
+    assert with_val == [2, 3]  # every 2 steps and after the last
+    row = validated.history[1]
+    assert 0.0 <= row["val-aux/unknown/pass@2"] <= 1.0
+    assert row["val-aux/response_length/mean"] > 0
