@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from megarl.algo.advantages import ADVANTAGE_ESTIMATOR_NAMES
+from megarl.algo.kl_reward import KL_CTRL_TYPES
 from megarl.algo.losses import AGG_MODES, KL_PENALTY_KINDS
 from megarl.config.schema import ROLLOUT_SLEEP_LEVELS, ConfigError, RunConfig, build_run_config
 from megarl.engines.factory import ENGINE_NAMES
@@ -79,6 +80,8 @@ def _readme_row(key: str) -> str:
         ("algo.adv_estimator", ADVANTAGE_ESTIMATOR_NAMES),
         ("actor.loss_agg", AGG_MODES),
         ("actor.kl_estimator", KL_PENALTY_KINDS),
+        ("algo.kl_penalty", KL_PENALTY_KINDS),
+        ("algo.kl_ctrl.type", KL_CTRL_TYPES),
         ("planner.prune_zero_adv", PRUNE_SETTINGS),
         ("planner.old_log_prob", tuple(mode.value for mode in OldLogProbMode)),
     ],
