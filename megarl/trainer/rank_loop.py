@@ -420,11 +420,13 @@ def _reuse_logprobs(
     else:
         recomputed = {i: pre.old[i] for i in mine if i in pre.old}
         old = recomputed
-    if rt.actor.is_last_stage and (len(old) != len(mine) or not gates.ref_log_prob.run):
-        raise RuntimeError(
-            f"KL in the reward precomputed logprobs the gates do not use ({gates.summary()})"
-        )
     ref = {i: pre.ref[i] for i in mine if i in pre.ref}
+    complete = len(old) == len(ref) == len(mine)
+    if rt.actor.is_last_stage and not (complete and gates.ref_log_prob.run):
+        raise RuntimeError(
+            f"KL in the reward precomputed logprobs of {len(ref)}/{len(mine)} sequences, "
+            f"or ones the gates do not use ({gates.summary()})"
+        )
     return old, recomputed, ref
 
 
