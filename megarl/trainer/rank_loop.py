@@ -499,6 +499,9 @@ def _penalise_rewards(
         **advantage_metrics(advantages),
         "critic/kl": result.current_kl,
         "critic/kl_coef": result.beta,
+        # recent verl's names for the same two numbers, for dashboards moved over from it
+        "actor/reward_kl_penalty": result.current_kl,
+        "actor/reward_kl_penalty_coeff": result.beta,
     }
 
 

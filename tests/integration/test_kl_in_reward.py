@@ -44,6 +44,7 @@ def _check_two_steps(rows: list[dict]) -> None:
     assert second["critic/kl_coef"] == pytest.approx(0.045, rel=1e-12)
     assert second["critic/kl"] > 0.0, "one optimizer step moved the actor away from the reference"
     for row in rows:
+        assert row["actor/reward_kl_penalty_coeff"] == row["critic/kl_coef"]
         assert "algo.use_kl_in_reward=true" in row["gates/reasons"]
         assert row["gates/ref_log_prob"] == 1.0 and row["gates/old_log_prob_frac"] == 1.0
 
