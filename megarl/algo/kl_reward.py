@@ -7,7 +7,14 @@ and Ziegler et al. (2019), the token-level reward is the sequence's outcome rewa
 response token minus ``beta * kl_t`` on every response token, with ``kl_t`` an estimate of
 ``KL(old policy || reference)`` at token ``t`` from the sampled tokens' log-probs (the
 estimators of :func:`megarl.algo.losses.kl_penalty`).  The outcome estimators here read one
-score per sequence, the sum of those token rewards: ``reward - beta * sum_t kl_t``.
+score per sequence, the sum of those token rewards: ``reward - beta * sum_t kl_t`` (verl's
+GRPO, RLOO and REINFORCE++-baseline sum the same way; its REINFORCE++ takes a return-to-go per
+token, which megarl's per-sequence advantages do not have).
+
+When the actor still equals the reference (step 1, recomputed old logprobs) every ``kl_t`` is
+exactly 0, the scores are the rewards bit for bit, and a group whose rewards are all equal
+keeps its exactly-zero advantage, so zero-advantage pruning still applies there.  Later, any
+KL difference within a group gives it a (small) signal, and it is trained.
 
 ``beta`` comes from a controller: fixed, or verl's adaptive (proportional) controller, which
 moves ``beta`` so that the observed mean KL tracks a target.  Its one number of state is saved
