@@ -9,8 +9,11 @@ The estimators and their config names follow verl's ``core_algos`` so that a ver
 ``algo.adv_estimator`` means the same here; every difference is named in the estimator's
 docstring.  Two differences hold throughout:
 
-* Outcome rewards only: one scalar per sequence, no per-token rewards, no discount (verl's
-  ``gamma`` is 1 for outcome rewards) and no KL folded into the reward.
+* Outcome rewards only: one scalar per sequence, no per-token rewards and no discount (verl's
+  ``gamma`` is 1 for outcome rewards).  A KL folded into the reward
+  (``algo.use_kl_in_reward``, :mod:`megarl.algo.kl_reward`) reaches the estimators as that
+  scalar: the sum of the penalised token rewards, which is what verl's GRPO, RLOO and
+  REINFORCE++-baseline read too.
 * A baseline that leaves no signal gives *exactly* 0.0, not float residue: a group (or batch)
   whose rewards are all equal, and a group of one.  verl leaves such a sequence's reward
   unchanged or a rounding residue; megarl zeroes it because the batch planner skips
@@ -203,6 +206,8 @@ def reinforce_plus_plus_advantages(rewards_B: Tensor, group_ids_B: Tensor) -> Te
     all got the same reward still gets a signal, relative to the other prompts.  Only a batch
     whose rewards are all equal gives (exactly) 0.  With outcome rewards and no KL in the
     reward, verl's discounted return is the reward itself at every token (``gamma = 1``).
+    With KL in the reward verl's return-to-go differs per token (each token's return leaves
+    out the KL of the tokens before it); here every token gets the whole sequence's score.
     """
     out_dtype = _check_inputs(rewards_B, group_ids_B)
     if rewards_B.numel() == 0:

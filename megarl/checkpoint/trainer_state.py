@@ -10,7 +10,9 @@ What a step of the loop depends on, and where it is saved:
 - torch / numpy / python RNG states of every rank (nothing in the CPU loop draws from them
   today -- dropout is 0 and sampling has its own generator -- but a future consumer must not
   silently break resume); on CUDA also the CUDA and Megatron TP RNG-tracker states;
-- the data position (rank 0's :class:`PromptStream`) and the step counter (the marker).
+- the data position (rank 0's :class:`PromptStream`) and the step counter (the marker);
+- the algorithm's own state (``algo_state.json``): the adaptive KL controller's ``beta``, which
+  depends on every KL observed so far (:mod:`megarl.algo.kl_reward`).
 
 Everything else is a pure function of ``(config, step)`` and so needs no saving: the rollout
 sampling seed (:func:`megarl.trainer.rollout.sampling_seed`), the pass gates and the batch plan,
@@ -76,7 +78,12 @@ def _parallel_ranks() -> tuple[int, int, int, int, int]:
     )
 
 
-def save_training_checkpoint(cfg, step: int, actor, spec, host, model_dir: str) -> float:
+ALGO_STATE_FILE = "algo_state.json"
+
+
+def save_training_checkpoint(
+    cfg, step: int, actor, spec, host, model_dir: str, algo_state: dict | None = None
+) -> float:
     """Collective: every rank writes its part; rank 0 publishes and prunes. Returns seconds.
 
     The marker records each file's size (a truncated copy is then recognisably damaged) and this
@@ -110,6 +117,8 @@ def save_training_checkpoint(cfg, step: int, actor, spec, host, model_dir: str) 
             json.dumps(host.state_dict()), encoding="utf-8"
         )
         copy_model_side_files(model_dir, staging)
+        if algo_state is not None:
+            (staging / ALGO_STATE_FILE).write_text(json.dumps(algo_state), encoding="utf-8")
     dist.barrier()
     if rank == 0:
         marker = {
@@ -151,6 +160,15 @@ def restore_training_checkpoint(path: str, actor, spec, host) -> int:
         metrics_path = Path(host.cfg.trainer.run_dir) / "metrics.jsonl"
         host.load_state_dict(state, layout.read_metrics(metrics_path))
     return info.step
+
+
+def read_algo_state(path: str) -> dict:
+    """The algorithm state a checkpoint saved; empty when it saved none (e.g. no KL in the
+    reward then), so such a run starts its controllers afresh."""
+    state_path = layout.read_checkpoint(path).path / ALGO_STATE_FILE
+    if not state_path.is_file():
+        return {}
+    return json.loads(state_path.read_text(encoding="utf-8"))
 
 
 # --- LoRA adapters (megarl.checkpoint.lora_shards) --------------------------------------------

@@ -36,6 +36,7 @@ def run_facts(cfg: RunConfig) -> RunFacts:
         old_log_prob=OldLogProbMode(cfg.planner.old_log_prob),
         ref_log_prob=RefLogProbMode(cfg.planner.ref_log_prob),
         kl_coef=cfg.actor.kl_coef,
+        kl_in_reward=cfg.algo.use_kl_in_reward,
         lora_enabled=cfg.actor.lora.enabled,
     )
 

@@ -17,6 +17,7 @@ from typing import Any, cast
 
 from megarl.algo.advantages import ADVANTAGE_ESTIMATOR_NAMES, resolve_estimator_name
 from megarl.algo.dapo import FILTER_GROUP_METRICS
+from megarl.algo.kl_reward import KL_CTRL_TYPES
 from megarl.algo.losses import AGG_MODES, KL_PENALTY_KINDS
 from megarl.algo.policy_losses import POLICY_LOSS_NAMES, get_policy_loss
 from megarl.data.arithmetic import SUPPORTED_OPS
@@ -471,6 +472,28 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
+class KLCtrlConfig:
+    """``algo.kl_ctrl``: the coefficient ``beta`` of the KL penalty in the reward (verl's keys
+    and defaults); read only with ``algo.use_kl_in_reward=true``."""
+
+    type: str = "fixed"
+    """fixed (``beta = kl_coef`` throughout) | adaptive (Ziegler et al.'s proportional
+    controller, see :class:`megarl.algo.kl_reward.AdaptiveKLController`)."""
+    kl_coef: float = 0.001
+    """The (initial) ``beta``."""
+    target_kl: float = 0.1
+    """adaptive: the mean per-token KL (``critic/kl``) that ``beta`` steers toward."""
+    horizon: int = 10000
+    """adaptive: sequences over which a 20 % error changes ``beta`` by 20 %."""
+
+    def __post_init__(self) -> None:
+        _choice("algo.kl_ctrl.type", self.type, KL_CTRL_TYPES)
+        _require(self.kl_coef >= 0, f"algo.kl_ctrl.kl_coef={self.kl_coef}: must be >= 0")
+        _positive("algo.kl_ctrl.target_kl", self.target_kl)
+        _positive("algo.kl_ctrl.horizon", self.horizon)
+
+
+@dataclass(frozen=True)
 class FilterGroupsConfig:
     """DAPO's dynamic sampling (verl's ``algorithm.filter_groups``): see
     :mod:`megarl.algo.dapo`."""
@@ -498,10 +521,20 @@ class AlgoConfig:
     norm_adv_by_std_in_grpo: bool = True
     """verl's key: false makes grpo divide by nothing, i.e. grpo_no_std; other estimators
     ignore it. :attr:`estimator` names the estimator that runs."""
+    use_kl_in_reward: bool = False
+    """verl's key: subtract ``beta * KL(old || ref)`` per token from the reward before the
+    advantages (:mod:`megarl.algo.kl_reward`); runs the reference and old-logprob forwards on
+    every sequence first. Independent of the KL *loss* ``actor.kl_coef``."""
+    kl_penalty: str = "k1"
+    """verl's key: the estimator of the reward's KL, one of
+    :data:`megarl.algo.losses.KL_PENALTY_KINDS`; the default ``k1`` is what verl's default
+    ``kl`` computes (``logp - ref_logp``)."""
+    kl_ctrl: KLCtrlConfig = field(default_factory=KLCtrlConfig)
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
 
     def __post_init__(self) -> None:
         _choice("algo.adv_estimator", self.adv_estimator, ADVANTAGE_ESTIMATOR_NAMES)
+        _choice("algo.kl_penalty", self.kl_penalty, KL_PENALTY_KINDS)
         _require(
             isinstance(self.norm_adv_by_std_in_grpo, bool),
             f"algo.norm_adv_by_std_in_grpo={self.norm_adv_by_std_in_grpo!r}: "

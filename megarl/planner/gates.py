@@ -14,8 +14,13 @@ reason. Workers only execute the gates; no skip decision lives inline in GPU cod
   there the training forward's detached logprobs *are* the old logprobs. Under
   ``planner.old_log_prob=auto`` every other slice is recomputed up front, before the first
   optimizer step, for exactly its sequences.
-* **Reference forward**: only while ``actor.kl_coef`` is non-zero. Its source (none, a frozen
-  model copy, or the LoRA actor with its adapters disabled) is decided at start-up.
+* **Reference forward**: only while ``actor.kl_coef`` is non-zero or the KL is in the reward
+  (``algo.use_kl_in_reward``). Its source (none, a frozen model copy, or the LoRA actor with
+  its adapters disabled) is decided at start-up.
+* **KL in the reward** moves both forwards before the advantages: the reward needs
+  ``KL(old || ref)`` of *every* sequence before the advantages exist, and the plan (which
+  prunes by advantage) comes after them. Both gates then name every sequence; the old
+  logprobs are recomputed (or, under ``planner.old_log_prob=rollout``, the engine's).
 * **Weight sync to the rollout engine**: without LoRA the full weights; with LoRA the adapter,
   plus the base weights only when the engine *reports* it freed them (never inferred from
   config: a sleep level that keeps weights is the engine's business, not ours).
@@ -88,7 +93,11 @@ class RunFacts:
     old_log_prob: OldLogProbMode = OldLogProbMode.AUTO
     ref_log_prob: RefLogProbMode = RefLogProbMode.AUTO
     kl_coef: float = 0.0
-    """``actor.kl_coef``: the KL-loss coefficient, the only term that needs reference logprobs."""
+    """``actor.kl_coef``: the KL-loss coefficient; with ``kl_in_reward`` what needs reference
+    logprobs."""
+    kl_in_reward: bool = False
+    """``algo.use_kl_in_reward``: the reward's KL needs reference and old logprobs of every
+    sequence, before the advantages."""
     lora_enabled: bool = False
     """``actor.lora.rank > 0``: only adapters train, the base weights stay the initial model's."""
 
@@ -213,6 +222,8 @@ def needs_reference_model(run: RunFacts) -> PassGate:
         return PassGate(
             run=mode is RefLogProbMode.ALWAYS, reason=f"planner.ref_log_prob={mode.value}"
         )
+    if run.kl_in_reward and run.total_steps > 0:
+        return PassGate(run=True, reason=KL_IN_REWARD)
     if run.kl_coef > 0 and run.total_steps > 0:
         return PassGate(run=True, reason=f"{_kl_term(run.kl_coef)} at step 0")
     return PassGate(run=False, reason=f"{_kl_term(0.0)} for all {run.total_steps} steps")
@@ -262,6 +273,8 @@ def decide_old_log_prob(facts: StepFacts) -> PassGate:
         return _train_forward_gate("planner.old_log_prob=never, on-policy schedule")
     if mode is OldLogProbMode.ALWAYS:
         return _recompute_gate(facts.all_sequences, "planner.old_log_prob=always")
+    if facts.run.kl_in_reward:
+        return _recompute_gate(facts.all_sequences, f"{KL_IN_REWARD}: all, before advantages")
     # Only the first slice of a single epoch trains on the generating weights.
     first_stale = 1 if facts.run.ppo_epochs == 1 else 0
     last = len(facts.slices) - 1
@@ -281,9 +294,9 @@ def decide_ref_log_prob(facts: StepFacts) -> PassGate:
         )
     if mode is RefLogProbMode.NEVER:
         return PassGate(run=False, reason=f"planner.ref_log_prob={mode.value}")
-    if kl_coef > 0:
+    if kl_coef > 0 or facts.run.kl_in_reward:
         source = " (actor without adapters)" if facts.run.lora_enabled else ""
-        reason = _kl_term(kl_coef) + source
+        reason = (KL_IN_REWARD if facts.run.kl_in_reward else _kl_term(kl_coef)) + source
         return PassGate(run=True, seq_indices=facts.all_sequences, reason=reason)
     return PassGate(run=False, reason=_kl_term(0.0))
 
@@ -322,8 +335,22 @@ def _check_forced_modes(run: RunFacts, num_slices: int, step: int) -> None:
         problems.append(
             f"planner.ref_log_prob=never is unsafe with {_kl_term(run.kl_coef)} at step {step}"
         )
+    if run.ref_log_prob is RefLogProbMode.NEVER and run.kl_in_reward:
+        problems.append(
+            f"planner.ref_log_prob=never contradicts {KL_IN_REWARD}: the reward's KL needs "
+            "reference logprobs"
+        )
+    if run.old_log_prob is OldLogProbMode.NEVER and run.kl_in_reward:
+        problems.append(
+            f"planner.old_log_prob=never contradicts {KL_IN_REWARD}: the reward's KL needs old "
+            "logprobs before the update; use 'auto' or 'rollout'"
+        )
     if problems:
         raise GateConfigError("; ".join(problems))
+
+
+KL_IN_REWARD = "algo.use_kl_in_reward=true"
+"""The gates' reason when the KL in the reward is what runs a pass."""
 
 
 def _kl_term(kl_coef: float) -> str:

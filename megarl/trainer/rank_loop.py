@@ -7,6 +7,10 @@ or, in split placement, a proxy to the rollout actor. Every step:
 1. rank 0 generates and scores a :class:`RolloutBatch`, puts the engine to sleep at
    ``rollout.sleep_level`` and takes the engine's own memory report; the batch's metadata
    (lengths, groups, advantages) and the report are broadcast;
+   With ``algo.use_kl_in_reward`` the old and reference logprobs of every sequence are
+   computed next (on an unpruned split), rank 0 penalises the rewards with their KL and
+   recomputes the advantages (:func:`_kl_in_reward`), and the logprobs follow each sequence
+   to the rank the plan gives it, so step 3 does not run them again;
 2. every rank computes the same :class:`StepPlan` (batch planner) and :class:`StepGates`
    (pass gates) from it -- pure functions of broadcast data, so no rank can disagree -- and
    rank 0 scatters to each rank only the sequences its DP rank runs in the plan;
@@ -23,6 +27,7 @@ the restored weights to the engine, then continues at the step after the checkpo
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 from dataclasses import dataclass
@@ -34,6 +39,8 @@ import torch.distributed as dist
 
 from megarl.actor.megatron_actor import LossSettings, MegatronActor, reduce_sums_to_all
 from megarl.actor.train_stats import OptimizerStepStats, UpdateStats, summarise_update
+from megarl.algo.advantages import get_advantage_estimator
+from megarl.algo.kl_reward import KLController, apply_kl_penalty, build_kl_controller
 from megarl.algo.validation import is_validation_step
 from megarl.batch import RolloutBatch, RolloutShard
 from megarl.config import planning
@@ -140,6 +147,19 @@ class _Runtime:
     spec: TransformerSpec
     model_dir: str = ""
     resume_from: str | None = None
+    kl_ctrl: KLController | None = None
+    """``algo.use_kl_in_reward``: the reward KL's coefficient; rank 0's is the one used and
+    checkpointed."""
+
+
+@dataclass(frozen=True)
+class _Precomputed:
+    """Logprobs the KL in the reward computed before the plan, for the sequences this rank
+    runs in it: the step's old-logprob and reference passes reuse them."""
+
+    old: dict[int, torch.Tensor]
+    """Recomputed old logprobs (empty when the engine's stand in, or off the last stage)."""
+    ref: dict[int, torch.Tensor]
 
 
 def _setup(ctx: WorkerContext, inputs: RunInputs) -> _Runtime:
@@ -206,7 +226,15 @@ def _setup(ctx: WorkerContext, inputs: RunInputs) -> _Runtime:
         spec=spec,
         model_dir=inputs.model_dir,
         resume_from=inputs.resume_from,
+        kl_ctrl=_kl_controller(cfg),
     )
+
+
+def _kl_controller(cfg: RunConfig) -> KLController | None:
+    if not cfg.algo.use_kl_in_reward:
+        return None
+    c = cfg.algo.kl_ctrl
+    return build_kl_controller(c.type, c.kl_coef, c.target_kl, c.horizon)
 
 
 def _gather_dp_ranks(dp_rank: int) -> tuple[int, ...]:
@@ -248,6 +276,12 @@ def _train(rt: _Runtime) -> None:
         maybe_raise(dist.get_rank(), step)
         timer = PhaseTimer()
         header, rollout, rollout_metrics, engine_state = _broadcast_rollout(rt, step, timer)
+        merged = None
+        if rt.kl_ctrl is not None:
+            header, rollout, merged, kl_metrics = _kl_in_reward(
+                rt, step, header, rollout, engine_state.base_weights_resident, timer
+            )
+            rollout_metrics = {**rollout_metrics, **kl_metrics}
         plan = plan_step(
             planning.planner_inputs(
                 rt.cfg,
@@ -259,6 +293,7 @@ def _train(rt: _Runtime) -> None:
         )
         heartbeat.mark("scatter")
         batch = _scatter_sequences(rt, rollout, header, plan)
+        precomputed = None if rt.kl_ctrl is None else _scatter_logprobs(rt, merged, plan)
         gates = decide_gates(
             planning.step_facts(
                 rt.cfg,
@@ -268,7 +303,7 @@ def _train(rt: _Runtime) -> None:
                 plan=plan,
             )
         )
-        old, recomputed, ref = _logprob_passes(rt, batch, plan, gates, timer)
+        old, recomputed, ref = _logprob_passes(rt, batch, plan, gates, timer, precomputed)
         stats = _update_actor(rt, batch, plan, old, recomputed, ref, timer)
         _sync_weights(rt, gates, timer, step)
         if rt.host is not None:
@@ -293,6 +328,12 @@ def _maybe_restore(rt: _Runtime) -> int:
     from megarl.checkpoint.trainer_state import restore_training_checkpoint
 
     step = restore_training_checkpoint(rt.resume_from, rt.actor, rt.spec, rt.host)
+    if rt.kl_ctrl is not None:
+        from megarl.checkpoint.trainer_state import read_algo_state
+
+        saved = read_algo_state(rt.resume_from).get("kl_ctrl")
+        if saved is not None:  # else the run had no KL in the reward: start afresh
+            rt.kl_ctrl.load_state_dict(saved)
     _push_weights(rt, base=True, adapter=rt.cfg.actor.lora.enabled)
     return step
 
@@ -305,7 +346,10 @@ def _maybe_save(rt: _Runtime, step: int) -> None:
     from megarl.checkpoint.trainer_state import save_training_checkpoint
 
     heartbeat.mark("save")
-    save_training_checkpoint(rt.cfg, step, rt.actor, rt.spec, rt.host, rt.model_dir)
+    algo_state = None if rt.kl_ctrl is None else {"kl_ctrl": rt.kl_ctrl.state_dict()}
+    save_training_checkpoint(
+        rt.cfg, step, rt.actor, rt.spec, rt.host, rt.model_dir, algo_state=algo_state
+    )
 
 
 def _broadcast_rollout(rt: _Runtime, step: int, timer: PhaseTimer):
@@ -342,10 +386,18 @@ def _scatter_sequences(
 
 
 def _logprob_passes(
-    rt: _Runtime, batch: RolloutShard, plan: StepPlan, gates: StepGates, timer: PhaseTimer
+    rt: _Runtime,
+    batch: RolloutShard,
+    plan: StepPlan,
+    gates: StepGates,
+    timer: PhaseTimer,
+    precomputed: _Precomputed | None = None,
 ):
-    """Run the forwards the gates asked for, over the sequences this DP rank trains."""
+    """Run the forwards the gates asked for, over the sequences this DP rank trains (or take
+    them from ``precomputed``: the KL in the reward ran them on every sequence already)."""
     mine = plan.trained_sequences(rt.dp_rank)
+    if precomputed is not None:
+        return _reuse_logprobs(rt, batch, mine, gates, precomputed)
     temperature = rt.cfg.rollout.temperature
     budget = rt.cfg.actor.logprob_micro_batch_tokens
     recomputed: dict[int, torch.Tensor] = {}
@@ -368,6 +420,125 @@ def _logprob_passes(
         with timer.phase("ref"):
             ref = _reference_logprobs(rt, batch, groups, temperature)
     return old, recomputed, ref
+
+
+def _reuse_logprobs(
+    rt: _Runtime,
+    batch: RolloutShard,
+    mine: tuple[int, ...],
+    gates: StepGates,
+    pre: _Precomputed,
+):
+    """The step's logprob passes when the KL in the reward already ran them on every sequence
+    (the gates then name every sequence; a mismatch would mean the two disagree)."""
+    if gates.old_log_prob.source == "rollout":
+        old = {i: batch.engine_logprobs[i] for i in mine}
+        recomputed: dict[int, torch.Tensor] = {}
+    else:
+        recomputed = {i: pre.old[i] for i in mine if i in pre.old}
+        old = recomputed
+    ref = {i: pre.ref[i] for i in mine if i in pre.ref}
+    complete = len(old) == len(ref) == len(mine)
+    if rt.actor.is_last_stage and not (complete and gates.ref_log_prob.run):
+        raise RuntimeError(
+            f"KL in the reward precomputed logprobs of {len(ref)}/{len(mine)} sequences, "
+            f"or ones the gates do not use ({gates.summary()})"
+        )
+    return old, recomputed, ref
+
+
+def _kl_in_reward(
+    rt: _Runtime,
+    step: int,
+    header: RolloutShard,
+    rollout: RolloutBatch | None,
+    engine_base_weights_resident: bool | None,
+    timer: PhaseTimer,
+) -> tuple[RolloutShard, RolloutBatch | None, dict | None, dict[str, float]]:
+    """Old and reference logprobs of every sequence, then (rank 0) the rewards penalised
+    with their KL and the advantages recomputed from the penalised scores, broadcast.
+
+    The forwards run on an unpruned split (every advantage counts as non-zero), since the
+    advantages that would prune are what this computes. Returns the header and batch with the
+    new advantages, rank 0's ``{seq: (old, ref)}`` of every sequence (None elsewhere) for
+    :func:`_scatter_logprobs`, and the ``critic/kl*`` metrics (rank 0).
+    """
+    cfg = rt.cfg
+    n = header.num_seqs
+    unpruned = plan_step(
+        planning.planner_inputs(
+            cfg, header.seq_lens, header.response_lens, [1.0] * n, header.group_ids.tolist()
+        )
+    )
+    gates = decide_gates(
+        planning.step_facts(cfg, step, n, engine_base_weights_resident=engine_base_weights_resident)
+    )
+    batch = _scatter_sequences(rt, rollout, header, unpruned)
+    old, _, ref = _logprob_passes(rt, batch, unpruned, gates, timer)
+    local = {}
+    if rt.actor.is_last_stage and ref is not None:
+        local = {i: (old[i].float(), ref[i].float()) for i in ref}
+    gathered: list | None = [None] * dist.get_world_size() if rt.host is not None else None
+    dist.gather_object(local, gathered, dst=0)
+    payload: list = [None]
+    merged = None
+    metrics: dict[str, float] = {}
+    if rollout is not None and gathered is not None and rt.kl_ctrl is not None:
+        merged = {i: pair for part in gathered for i, pair in part.items()}
+        rollout, metrics = _penalise_rewards(cfg, rollout, merged, rt.kl_ctrl)
+        payload = [rollout.advantages]
+    dist.broadcast_object_list(payload, src=0)
+    header = dataclasses.replace(header, advantages=payload[0])
+    return header, rollout, merged, metrics
+
+
+def _penalise_rewards(
+    cfg: RunConfig, rollout: RolloutBatch, merged: dict, kl_ctrl: KLController
+) -> tuple[RolloutBatch, dict[str, float]]:
+    """Rank 0: rewards minus ``beta * KL`` (:func:`apply_kl_penalty`, which also updates the
+    controller), the estimator on the penalised scores, the new advantage metrics."""
+    from torch.nn.utils.rnn import pad_sequence
+
+    from megarl.trainer.rollout import advantage_metrics
+
+    if sorted(merged) != list(range(rollout.num_seqs)):
+        raise RuntimeError(f"KL in the reward got logprobs of {len(merged)}/{rollout.num_seqs}")
+    order = range(rollout.num_seqs)
+    old_BT = pad_sequence([merged[i][0] for i in order], batch_first=True)
+    ref_BT = pad_sequence([merged[i][1] for i in order], batch_first=True)
+    mask_BT = pad_sequence([torch.ones(len(merged[i][0])) for i in order], batch_first=True)
+    result = apply_kl_penalty(
+        rollout.rewards, old_BT, ref_BT, mask_BT, cfg.algo.kl_penalty, kl_ctrl
+    )
+    advantages = get_advantage_estimator(cfg.algo.estimator)(result.scores_B, rollout.group_ids)
+    rollout = dataclasses.replace(rollout, advantages=advantages)
+    return rollout, {
+        **advantage_metrics(advantages),
+        "critic/kl": result.current_kl,
+        "critic/kl_coef": result.beta,
+        # recent verl's names for the same two numbers, for dashboards moved over from it
+        "actor/reward_kl_penalty": result.current_kl,
+        "actor/reward_kl_penalty_coeff": result.beta,
+    }
+
+
+def _scatter_logprobs(rt: _Runtime, merged: dict | None, plan: StepPlan) -> _Precomputed:
+    """Rank 0 sends every rank the precomputed logprobs of the sequences it runs in ``plan``
+    (which may put a sequence on another DP rank than the unpruned split did)."""
+    parts = None
+    if merged is not None:
+        by_dp = {
+            dp: {i: merged[i] for i in plan.sequences_on_rank(dp)} for dp in set(rt.rank_to_dp)
+        }
+        parts = [by_dp[dp] for dp in rt.rank_to_dp]
+    received: list = [None]
+    dist.scatter_object_list(received, parts, src=0)
+    mine = received[0]
+    recompute = rt.cfg.planner.old_log_prob != "rollout"
+    return _Precomputed(
+        old={i: old for i, (old, _) in mine.items()} if recompute else {},
+        ref={i: ref for i, (_, ref) in mine.items()},
+    )
 
 
 def _reference_logprobs(rt: _Runtime, batch: RolloutShard, groups, temperature: float):

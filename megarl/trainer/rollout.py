@@ -243,19 +243,27 @@ class RolloutProducer:
         return scored.rewards
 
 
+def advantage_metrics(adv: torch.Tensor) -> dict[str, float]:
+    """The ``critic/advantages/*`` metrics (recomputed when the KL in the reward replaces the
+    advantages after the rollout)."""
+    return {
+        "critic/advantages/mean": float(adv.mean()),
+        "critic/advantages/max": float(adv.max()),
+        "critic/advantages/min": float(adv.min()),
+        "critic/advantages/zero_adv_ratio": float((adv == 0).float().mean()),
+    }
+
+
 def rollout_metrics(
     batch: RolloutBatch, finished: Sequence[bool], max_new_tokens: int
 ) -> dict[str, float]:
-    adv, rewards = batch.advantages, batch.rewards
+    rewards = batch.rewards
     lengths = torch.tensor(batch.response_lens, dtype=torch.float32)
     return {
         "critic/rewards/mean": float(rewards.mean()),
         "critic/rewards/max": float(rewards.max()),
         "critic/rewards/min": float(rewards.min()),
-        "critic/advantages/mean": float(adv.mean()),
-        "critic/advantages/max": float(adv.max()),
-        "critic/advantages/min": float(adv.min()),
-        "critic/advantages/zero_adv_ratio": float((adv == 0).float().mean()),
+        **advantage_metrics(batch.advantages),
         "response_length/mean": float(lengths.mean()),
         "response_length/max": float(lengths.max()),
         "response_length/clip_ratio": float(

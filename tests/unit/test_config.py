@@ -8,6 +8,7 @@ import pytest
 
 from megarl.algo.advantages import ADVANTAGE_ESTIMATOR_NAMES
 from megarl.algo.dapo import FILTER_GROUP_METRICS
+from megarl.algo.kl_reward import KL_CTRL_TYPES
 from megarl.algo.losses import AGG_MODES, KL_PENALTY_KINDS
 from megarl.algo.policy_losses import POLICY_LOSS_NAMES
 from megarl.config.schema import ROLLOUT_SLEEP_LEVELS, ConfigError, RunConfig, build_run_config
@@ -81,6 +82,8 @@ def _readme_row(key: str) -> str:
         ("algo.adv_estimator", ADVANTAGE_ESTIMATOR_NAMES),
         ("actor.loss_agg", AGG_MODES),
         ("actor.kl_estimator", KL_PENALTY_KINDS),
+        ("algo.kl_penalty", KL_PENALTY_KINDS),
+        ("algo.kl_ctrl.type", KL_CTRL_TYPES),
         ("planner.prune_zero_adv", PRUNE_SETTINGS),
         ("actor.policy_loss", POLICY_LOSS_NAMES),
         ("algo.filter_groups.enable", FILTER_GROUP_METRICS),
