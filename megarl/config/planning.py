@@ -37,6 +37,7 @@ def run_facts(cfg: RunConfig) -> RunFacts:
         ref_log_prob=RefLogProbMode(cfg.planner.ref_log_prob),
         kl_coef=cfg.actor.kl_coef,
         lora_enabled=cfg.actor.lora.enabled,
+        rollout_correction=cfg.algo.rollout_correction.enabled,
     )
 
 
