@@ -17,6 +17,13 @@ def _read_metrics(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def _assert_rollout_correction_is_identity(row: dict) -> None:
+    """fp32 on CPU: the engine and the trainer agree, so pi_old / pi_rollout ~ 1."""
+    assert abs(row["rollout_corr/kl"]) <= 1e-4, row
+    assert abs(row["rollout_corr/rollout_is_max"] - 1) <= 1e-3, row
+    assert abs(row["rollout_corr/rollout_is_min"] - 1) <= 1e-3, row
+
+
 def test_single_process_run_writes_every_metric(tmp_path):
     result = run(tiny_overrides(tmp_path / "run", steps=2, **{"trainer.tensorboard": "true"}))
     rows = _read_metrics(tmp_path / "run")
@@ -25,6 +32,7 @@ def test_single_process_run_writes_every_metric(tmp_path):
         missing = [k for k in REQUIRED_METRICS if k not in row]
         assert not missing, missing
         assert row["rollout/logprob_abs_diff"] <= 1e-3
+        _assert_rollout_correction_is_identity(row)
         assert 0.0 <= row["critic/advantages/zero_adv_ratio"] <= 1.0
     assert len(result.history) == 2
     assert any((tmp_path / "run" / "tensorboard").iterdir())
@@ -41,6 +49,7 @@ def test_tp2_pp2_four_processes_engine_agrees_with_trainer(tmp_path):
     )
     for row in result.history:
         assert row["rollout/logprob_abs_diff"] <= 1e-3, row
+        _assert_rollout_correction_is_identity(row)  # reduced over TP / PP / DP ranks
     # the second step's rollout used weights synced after step 1's update
     assert result.history[1]["actor/grad_norm"] > 0
 
