@@ -34,6 +34,7 @@ def compose_config(overrides: list[str], config_dir: Path | None = None):
     from megarl.config.schema import ConfigError, build_run_config
 
     folder = config_dir or Path(os.environ.get("MEGARL_CONFIG_DIR", CONFIG_DIR))
+    _check_group_choices(overrides, folder)
     try:
         with initialize_config_dir(config_dir=str(folder), version_base=None):
             cfg = compose(config_name="config", overrides=overrides)
@@ -45,6 +46,24 @@ def compose_config(overrides: list[str], config_dir: Path | None = None):
         return build_run_config(tree)
     except ConfigError as exc:
         raise StartupError(str(exc)) from None
+
+
+CONFIG_GROUPS = ("model", "recipe")
+"""Folders of ``configs/`` chosen by name on the command line (``model=tiny_llama``)."""
+
+
+def _check_group_choices(overrides: list[str], folder: Path) -> None:
+    """``recipe=nope`` names the choices there are, instead of Hydra's "Could not find"."""
+    for override in overrides:
+        group, sep, choice = override.lstrip("+").partition("=")
+        if not sep or group not in CONFIG_GROUPS or choice in ("", "null"):
+            continue
+        available = sorted(p.stem for p in (folder / group).glob("*.yaml"))
+        if choice not in available:
+            raise StartupError(
+                f"{group}={choice}: no such {group} in {folder / group}; "
+                f"available: {', '.join(available)}"
+            )
 
 
 def _one_line(exc: BaseException) -> str:
@@ -344,22 +363,24 @@ def _hold_run_dir(run_dir: str) -> Iterator[None]:
 
 # --- launcher dispatch ---------------------------------------------------
 def _launch(cfg, device: str, fn, inputs) -> list:
-    """Run ``fn`` on every rank: spawned processes here (local) or Ray actors (ray)."""
+    """Run ``fn`` on every rank: spawned processes here (local) or Ray actors (ray); under both,
+    the ranks' heartbeats in ``<run_dir>/.heartbeat`` name a rank that stops."""
     from megarl.distributed.heartbeat import HeartbeatWatch
     from megarl.distributed.launcher import launch
 
+    watch = HeartbeatWatch(
+        str(Path(cfg.trainer.run_dir) / ".heartbeat"), cfg.trainer.collective_timeout_s
+    )
     if cfg.trainer.launcher == "ray":
         from megarl.distributed.ray_launcher import PlacementError, RayLayout, launch_on_ray
 
         layout = RayLayout(cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node, device)
         with _tracebacks_to_log(cfg):
+            side = _split_rollout(cfg, inputs)
             try:
-                return launch_on_ray(fn, layout, args=(inputs,), side=_split_rollout(cfg, inputs))
+                return launch_on_ray(fn, layout, args=(inputs,), side=side, watch=watch)
             except PlacementError as exc:
                 raise StartupError(str(exc)) from None
-    watch = HeartbeatWatch(
-        str(Path(cfg.trainer.run_dir) / ".heartbeat"), cfg.trainer.collective_timeout_s
-    )
     with _tracebacks_to_log(cfg):
         return launch(fn, cfg.trainer.world_size, args=(inputs,), watch=watch)
 

@@ -413,6 +413,20 @@ def rotate_metrics(metrics_path: Path) -> Path | None:
     return target
 
 
+def rotate_tensorboard(tensorboard_dir: Path) -> Path | None:
+    """A fresh start keeps an earlier run's TensorBoard events under ``tensorboard.<time>``.
+
+    Left in ``tensorboard/``, the old events of the steps the new run has not reached yet would
+    be drawn on the new run's curves (``purge_step`` hides only steps the new run writes again).
+    Beside it, ``tensorboard --logdir <run_dir>`` shows the old run as a run of its own.
+    """
+    if not tensorboard_dir.is_dir() or not any(tensorboard_dir.iterdir()):
+        return None
+    target = _unused(tensorboard_dir.parent, "tensorboard.", "")
+    os.replace(tensorboard_dir, target)
+    return target
+
+
 @dataclass(frozen=True)
 class MetricsCut:
     """What :func:`truncate_metrics` did to ``metrics.jsonl``."""

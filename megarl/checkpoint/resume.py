@@ -9,7 +9,8 @@ on its own: a fallback would quietly throw away every step after the older check
 Nothing in ``run_dir`` is touched until every check below has passed; then what does not belong
 to the continued run is renamed aside, never deleted, and each rename is printed: checkpoints of
 later steps (``abandoned-<time>-step_N``), saves that never finished (``incomplete-...``), on a
-fresh start all checkpoints and the old ``metrics.jsonl`` (``metrics.<time>.jsonl``).
+fresh start all checkpoints, the old ``metrics.jsonl`` (``metrics.<time>.jsonl``) and the old
+TensorBoard events (``tensorboard.<time>``).
 
 Compatibility policy. Resuming continues *the same run*; settings that would make the saved state
 mean something else are errors, everything else may change and is reported:
@@ -51,6 +52,7 @@ from megarl.checkpoint.layout import (
     latest_checkpoint,
     read_checkpoint,
     rotate_metrics,
+    rotate_tensorboard,
     scan_checkpoints,
     set_aside_later,
     set_aside_staging,
@@ -235,8 +237,8 @@ def prepare_resume(cfg, device: str, checks: RunChecks) -> str | None:
 
     Every check comes first, so a refused resume leaves ``run_dir`` as it was. Resuming from
     step k: ``metrics.jsonl`` is cut back to step k (one line per step after the resume) and
-    ``step_N`` folders with N > k are renamed aside. A fresh start sets all checkpoints and the old
-    ``metrics.jsonl`` aside. Nothing is deleted; what was done is printed. Raises
+    ``step_N`` folders with N > k are renamed aside. A fresh start sets all checkpoints, the old
+    ``metrics.jsonl`` and the old ``tensorboard/`` aside. Nothing is deleted; what was done is printed. Raises
     :class:`CheckpointError` (one line) for a bad, damaged or mismatched checkpoint.
     """
     run_dir = cfg.trainer.run_dir
@@ -293,6 +295,8 @@ def _start_fresh(run_dir: str) -> None:
     moved += [p.name for p in set_aside_later(run_dir, 0)]
     rotated = rotate_metrics(Path(run_dir) / "metrics.jsonl")
     moved += [rotated.name] if rotated else []
+    old_events = rotate_tensorboard(Path(run_dir) / "tensorboard")
+    moved += [old_events.name] if old_events else []
     if moved:
         print(
             f"megarl-train: starting fresh in {run_dir}; set aside: {', '.join(moved)}", flush=True

@@ -16,6 +16,7 @@ from enum import Enum
 from typing import Any
 
 from megarl.algo.advantages import ADVANTAGE_ESTIMATOR_NAMES, resolve_estimator_name
+from megarl.algo.dapo import FILTER_GROUP_METRICS
 from megarl.algo.losses import AGG_MODES, KL_PENALTY_KINDS
 from megarl.algo.policy_losses import POLICY_LOSS_NAMES, get_policy_loss
 from megarl.algo.rollout_correction import (
@@ -497,6 +498,27 @@ class RolloutCorrectionConfig:
 
 
 @dataclass(frozen=True)
+class FilterGroupsConfig:
+    """DAPO's dynamic sampling (verl's ``algorithm.filter_groups``): see
+    :mod:`megarl.algo.dapo`."""
+
+    enable: bool = False
+    metric: str = "score"
+    """One of :data:`megarl.algo.dapo.FILTER_GROUP_METRICS`."""
+    max_num_gen_batches: int = 10
+    """Generation batches of ``data.prompts_per_step`` prompts a step may use to fill itself
+    with groups whose scores differ; then the run stops with one line. 0 = no limit."""
+
+    def __post_init__(self) -> None:
+        _choice("algo.filter_groups.metric", self.metric, FILTER_GROUP_METRICS)
+        _require(
+            self.max_num_gen_batches >= 0,
+            f"algo.filter_groups.max_num_gen_batches={self.max_num_gen_batches}: must be >= 0 "
+            "(0 = no limit)",
+        )
+
+
+@dataclass(frozen=True)
 class AlgoConfig:
     adv_estimator: str = "grpo"
     """One of :data:`megarl.algo.advantages.ADVANTAGE_ESTIMATOR_NAMES`: verl's names and math."""
@@ -505,6 +527,7 @@ class AlgoConfig:
     ignore it. :attr:`estimator` names the estimator that runs."""
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     """Truncated IS and rejection between the engine's and the trainer's log-probs."""
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
 
     def __post_init__(self) -> None:
         _choice("algo.adv_estimator", self.adv_estimator, ADVANTAGE_ESTIMATOR_NAMES)
@@ -518,6 +541,32 @@ class AlgoConfig:
     def estimator(self) -> str:
         """The estimator that runs (``grpo`` without std normalisation is ``grpo_no_std``)."""
         return resolve_estimator_name(self.adv_estimator, self.norm_adv_by_std_in_grpo)
+
+
+@dataclass(frozen=True)
+class OverlongBufferConfig:
+    """DAPO's overlong reward shaping: see :func:`megarl.algo.dapo.overlong_penalty`."""
+
+    enable: bool = False
+    len: int | None = None
+    """The last this-many tokens before ``rollout.max_new_tokens`` where the penalty grows;
+    None = a fifth of ``rollout.max_new_tokens`` (DAPO's 4096 of 20480)."""
+    penalty_factor: float = 1.0
+    """The penalty of a response that used every allowed token."""
+
+    def __post_init__(self) -> None:
+        _optional_positive("reward.overlong_buffer.len", self.len)
+        _require(
+            self.penalty_factor >= 0,
+            f"reward.overlong_buffer.penalty_factor={self.penalty_factor}: must be >= 0",
+        )
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    """Shaping applied to the reward function's scores before advantages."""
+
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
 
 
 @dataclass(frozen=True)
@@ -561,6 +610,7 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
     planner: PlannerConfig = field(default_factory=PlannerConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
 
@@ -577,12 +627,26 @@ class RunConfig:
             f"rollout.n_gpus={self.rollout.n_gpus}: a split rollout placement needs "
             "trainer.launcher=ray",
         )
+        buffer = self.reward.overlong_buffer
+        _require(
+            not buffer.enable or buffer.len is None or buffer.len <= self.rollout.max_new_tokens,
+            f"reward.overlong_buffer.len={buffer.len} > rollout.max_new_tokens="
+            f"{self.rollout.max_new_tokens}: the buffer is the last part of the allowed length",
+        )
         num_seqs = self.data.prompts_per_step * self.rollout.n
         _require(
             num_seqs % self.actor.ppo_mini_batches == 0,
             f"data.prompts_per_step x rollout.n = {num_seqs} sequences is not divisible by "
             f"actor.ppo_mini_batches={self.actor.ppo_mini_batches}",
         )
+
+    @property
+    def overlong_buffer_len(self) -> int | None:
+        """The overlong buffer's length in tokens when shaping is on, else None."""
+        buffer = self.reward.overlong_buffer
+        if not buffer.enable:
+            return None
+        return buffer.len if buffer.len is not None else max(1, self.rollout.max_new_tokens // 5)
 
     @property
     def dp(self) -> int:

@@ -1,5 +1,5 @@
 """Test-only fault injection: make one rank, or the split rollout actor, die abruptly at a step;
-or make one rank's main loop freeze.
+or make one rank's main loop freeze, or raise.
 
 ``MEGARL_FAULT_INJECT=<rank>:<step>`` makes that rank call ``os._exit(137)`` (what a SIGKILL or the
 OOM killer looks like from outside) at the start of that step; ``rollout:<step>`` does the same to
@@ -7,8 +7,10 @@ the rollout actor of a split placement when it starts that step's rollout. Befor
 the wall-clock time to ``MEGARL_FAULT_INJECT_MARK`` if set, so tests can measure how fast the
 failure is reported. ``MEGARL_FAULT_FREEZE=<rank>:<step>`` makes that rank's main loop sleep
 forever at the start of that step (after marking the step's first phase), as a deadlock or a
-stuck device would: the process and its heartbeat thread live on, only the loop stops. Unset
-(always, outside tests) each costs one dictionary lookup per step.
+stuck device would: the process and its heartbeat thread live on, only the loop stops.
+``MEGARL_FAULT_RAISE=<rank>:<step>`` makes that rank's main loop raise :class:`InjectedError` at
+the same point, as a bug in the training code would. Unset (always, outside tests) each costs one
+dictionary lookup per step.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import time
 
 ENV = "MEGARL_FAULT_INJECT"
 FREEZE_ENV = "MEGARL_FAULT_FREEZE"
+RAISE_ENV = "MEGARL_FAULT_RAISE"
 MARK_ENV = "MEGARL_FAULT_INJECT_MARK"
 EXIT_CODE = 137
 ROLLOUT = "rollout"
@@ -54,6 +57,17 @@ def maybe_freeze(rank: int, step: int) -> None:
     print(f"fault injection: rank {rank} freezes at step {step}", file=sys.stderr, flush=True)
     while True:
         time.sleep(3600)
+
+
+class InjectedError(RuntimeError):
+    """What ``MEGARL_FAULT_RAISE`` raises: an unexpected error (not a one-line MegarlError)."""
+
+
+def maybe_raise(rank: int, step: int) -> None:
+    """Raise :class:`InjectedError` if ``MEGARL_FAULT_RAISE`` names this rank and step."""
+    spec = os.environ.get(RAISE_ENV)
+    if spec and parse(spec) == (rank, step):
+        raise InjectedError(f"fault injection: rank {rank} raises at step {step}")
 
 
 def _write_mark() -> None:

@@ -2,13 +2,16 @@
 
 A rank that hangs (a deadlock, a stuck kernel, a frozen process) makes its peers wait in their
 next collective; after ``trainer.collective_timeout_s`` they fail with a timeout, which names the
-ranks that *noticed*, not the one that stopped. So every rank of the local launcher runs a daemon
-thread that writes ``<run_dir>/.heartbeat/rank{N}.json`` (atomically, every
+ranks that *noticed*, not the one that stopped. So every rank, under either launcher, runs a
+daemon thread that writes ``<run_dir>/.heartbeat/rank{N}.json`` (atomically, every
 :data:`WRITE_INTERVAL_S`) with its host, pid, step, the phase its main loop last entered and when
-it entered it. The thread keeps writing while the main loop is stuck, so the file stays fresh but
-the progress time grows old: that age is what the launcher judges.
+it entered it (a multi-node Ray run needs ``run_dir`` on a file system every node shares, as its
+checkpoints do; without one the beats are simply not seen, and failures are named as before).
+The thread keeps writing while the main loop is stuck, so the file stays fresh but the progress
+time grows old: that age is what the launcher judges.
 
-The launcher (:class:`HeartbeatWatch`) names the rank whose main loop stopped first:
+The launcher (:class:`HeartbeatWatch`; the checks are
+:func:`megarl.distributed.launcher.raise_if_stuck`) names the rank whose main loop stopped first:
 
 - when peers fail (e.g. their collective timed out) while a live rank that reported nothing has
   made no progress for half the timeout, and stopped before the failed peers last advanced,
@@ -32,6 +35,7 @@ import shutil
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,11 +62,12 @@ class Beat:
         """What the main loop was doing: ``update_actor of step 3``."""
         return f"{self.phase} of step {self.step}" if self.step else self.phase
 
-    def describe(self, now: float) -> str:
-        during = self.during
+    def describe(self, now: float, with_pid: bool = True) -> str:
+        """What went wrong, for the failure line (``with_pid=False`` where it names the pid)."""
+        pid = f" (pid {self.pid})" if with_pid else ""
         return (
             f"stopped responding: no progress for {now - self.progress_at:.0f} s "
-            f"during {during} (pid {self.pid})"
+            f"during {self.during}{pid}"
         )
 
 
@@ -125,6 +130,22 @@ def mark(phase: str, step: int | None = None) -> None:
     """The main loop entered ``phase`` (of ``step``, if given): progress. No-op without start."""
     if _writer is not None:
         _writer.mark(phase, step)
+
+
+@contextlib.contextmanager
+def published_on_error() -> Iterator[None]:
+    """If the block raises, publish the rank's phase at once, before the error leaves the rank.
+
+    The thread writes every :data:`WRITE_INTERVAL_S`; an error raised soon after a phase began
+    would otherwise be reported with the phase before it.
+    """
+    try:
+        yield
+    except BaseException:
+        if _writer is not None:
+            with contextlib.suppress(OSError):
+                _writer.write()
+        raise
 
 
 # --- in the launcher -------------------------------------------------------------------------

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-from megarl.distributed.heartbeat import STALE_GRACE_S, HeartbeatWatch
+from megarl.distributed.heartbeat import STALE_GRACE_S, Beat, HeartbeatWatch
 from megarl.errors import MegarlError
 
 POLL_S = 0.2
@@ -93,6 +93,54 @@ class WorkerFailed(RuntimeError):
 def role_of(rank: int) -> str:
     """What a rank hosts, for failure reports: rank 0 also runs the rollout engine (colocated)."""
     return "actor+rollout" if rank == 0 else "actor"
+
+
+# --- failure reports, the same under both launchers -------------------------------------------
+
+
+def stuck_rank_report(beat: Beat, now: float, peers_failed: int, where: str = "") -> WorkerFailed:
+    """The one line for a rank whose main loop stopped: how long it made no progress, in which
+    phase, and how many peers failed after it (their errors, timeouts waiting for it, are its
+    consequence). ``where`` (the Ray launcher's placement) defaults to role, rank and the node
+    its heartbeat names."""
+    peers = f"; then {peers_failed} other rank(s) failed" if peers_failed else ""
+    detail = beat.describe(now, with_pid=not where) + peers  # a placement names the pid
+    where = where or f"{role_of(beat.rank)} rank {beat.rank} on node {beat.host}"
+    return WorkerFailed(beat.rank, None, detail, where=where)
+
+
+def raised_error_report(
+    rank: int,
+    error: str,
+    trace: str,
+    beat: Beat | None,
+    where: str = "",
+    exitcode: int | None = None,
+) -> WorkerFailed:
+    """The one line for a rank whose code raised: the error's first line and the phase its main
+    loop was in (from its heartbeat, when it has one); the traceback travels on the exception,
+    kept off the line (``megarl.train`` writes it to ``logs/error-rank<N>.txt``)."""
+    during = f" during {beat.during}" if beat is not None else ""
+    summary = error.splitlines()[0] if error else "error"
+    return WorkerFailed(rank, exitcode, summary + during, where=where, traceback=trace)
+
+
+def raise_if_stuck(
+    watch: HeartbeatWatch,
+    live: dict[int, int],
+    failed: dict[int, int],
+    older_than_s: float,
+    in_steps_only: bool = False,
+    where: Callable[[int], str] | None = None,
+) -> None:
+    """Raise :func:`stuck_rank_report` for the rank of ``live`` (``{rank: pid}``) whose main
+    loop stopped first, if it has been stuck longer than ``older_than_s`` and before the
+    ``failed`` ranks last advanced (see :meth:`HeartbeatWatch.stalest`). ``where(rank)``: the
+    launcher's own text for where a rank runs."""
+    beat = watch.stalest(live, older_than_s, failed, in_steps_only)
+    if beat is not None:
+        place = where(beat.rank) if where is not None else ""
+        raise stuck_rank_report(beat, time.time(), len(failed), place)
 
 
 @dataclass(frozen=True)
@@ -253,12 +301,7 @@ def _raise_if_stuck(
         if p.is_alive() and r not in results and r not in errors
     }
     failed = {r: procs[r].pid for r in errors}
-    beat = watch.stalest(live, older_than_s, failed, in_steps_only)
-    if beat is None:
-        return
-    peers = f"; then {len(errors)} other rank(s) failed" if errors else ""
-    where = f"{role_of(beat.rank)} rank {beat.rank} on node {beat.host}"
-    raise WorkerFailed(beat.rank, None, beat.describe(time.time()) + peers, where=where)
+    raise_if_stuck(watch, live, failed, older_than_s, in_steps_only)
 
 
 # --- which rank caused a failure ----------------------------------------------------
@@ -310,8 +353,5 @@ def _raise_root_cause(procs, queue, results, errors, watch: HeartbeatWatch | Non
         exit_code, message = payload
         raise WorkerFailed(rank, None, message, exit_code=exit_code)
     summary, _, trace = str(payload).partition("\n")
-    during = ""
-    if watch is not None:
-        beat = watch.read({rank: procs[rank].pid}).get(rank)
-        during = f" during {beat.during}" if beat is not None else ""
-    raise WorkerFailed(rank, procs[rank].exitcode, summary + during, traceback=trace)
+    beat = watch.read({rank: procs[rank].pid}).get(rank) if watch is not None else None
+    raise raised_error_report(rank, summary, trace, beat, exitcode=procs[rank].exitcode)

@@ -16,7 +16,12 @@ The controller is named steps (:func:`launch_on_ray`):
                   rank to die or raise stops the run with :class:`WorkerFailed` naming role, rank
                   and node, and every actor and the placement group are released. A rank that
                   finds the rollout actor dead raises :class:`SideActorFailed`, and the report
-                  names the rollout actor and its node instead of the rank that noticed.
+                  names the rollout actor and its node instead of the rank that noticed. With a
+                  :class:`HeartbeatWatch`, a rank whose main loop stopped is named as under the
+                  local launcher (the same checks and report, :mod:`megarl.distributed.launcher`).
+
+A SIGTERM or SIGINT that the caller turns into an exception (``stop_on_signals``) stops the run
+the same way: the actors are killed, and their death confirmed, before it propagates.
 
 :class:`RankActor` is a plain class (tests build it without Ray); the Ray actor is a thin shell
 made by ``ray.remote(RankActor)`` at launch time.
@@ -28,13 +33,24 @@ import contextlib
 import dataclasses
 import os
 import re
+import signal
 import socket
 import sys
-from collections.abc import Callable
+import threading
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from megarl.distributed.launcher import WorkerContext, WorkerFailed, role_of
+from megarl.distributed.heartbeat import STALE_GRACE_S, HeartbeatWatch
+from megarl.distributed.launcher import (
+    WATCH_POLL_S,
+    WorkerContext,
+    WorkerFailed,
+    raise_if_stuck,
+    raised_error_report,
+    role_of,
+)
 from megarl.errors import MegarlError
 
 CPU_PER_RANK = 0.01
@@ -43,6 +59,8 @@ RESERVE_TIMEOUT_S = float(os.environ.get("MEGARL_RAY_RESERVE_TIMEOUT_S", 120))
 POLL_S = 0.5
 CAUSE_GRACE_S = 2.0  # how long a rank's error waits for Ray to report a killed peer
 LOCAL_START_ATTEMPTS = 3
+KILL_WAIT_S = 10.0
+"""How long the controller waits for Ray to confirm that the killed actors are dead."""
 
 
 class PlacementError(RuntimeError):
@@ -230,32 +248,89 @@ class SideActor:
 
 
 def launch_on_ray(
-    fn: Callable[..., Any], layout: RayLayout, args: tuple = (), side: SideActor | None = None
+    fn: Callable[..., Any],
+    layout: RayLayout,
+    args: tuple = (),
+    side: SideActor | None = None,
+    watch: HeartbeatWatch | None = None,
 ) -> list[Any]:
-    """Run ``fn(WorkerContext, *args)`` on every rank of ``layout``; return each rank's result."""
+    """Run ``fn(WorkerContext, *args)`` on every rank of ``layout``; return each rank's result.
+
+    With ``watch``, each rank is told where to publish its heartbeat (a folder every node can
+    write: ``run_dir`` on a shared file system) and a rank that stops is named.
+    """
     import ray
 
-    connected_here = connect()
-    group, actors, side_group, side_actor = None, [], None, None
-    try:
-        group = reserve(layout)
-        if side is not None:
-            side_group, side_actor = start_side_actor(side, layout.device)
-            args = side.attach(side_actor, args)
-        actors = start_ranks(layout, group)
-        placements = ray.get([a.placement.remote() for a in actors])
-        if side is not None:  # rank 0 only drives the side actor: not "actor+rollout"
-            placements = [dataclasses.replace(p, role="actor") for p in placements]
-        report_placements(placements)
-        master_addr, master_port = rendezvous(actors[0], placements[0])
-        return run_ranks(actors, placements, fn, master_addr, master_port, args)
-    finally:
-        release_group(side_group)  # before `release`, which may disconnect from Ray
-        release(
-            actors + ([side_actor] if side_actor is not None else []),
-            group,
-            disconnect=connected_here,
-        )
+    if watch is not None:
+        watch.reset()
+    with DeferredSignals() as signals:
+        connected_here = connect()
+        group, actors, side_group, side_actor = None, [], None, None
+        try:
+            signals.check()
+            group = reserve(layout)
+            if side is not None:
+                side_group, side_actor = start_side_actor(side, layout.device)
+                args = side.attach(side_actor, args)
+            actors = start_ranks(layout, group)
+            placements = ray.get([a.placement.remote() for a in actors])
+            if side is not None:  # rank 0 only drives the side actor: not "actor+rollout"
+                placements = [dataclasses.replace(p, role="actor") for p in placements]
+            report_placements(placements)
+            master_addr, master_port = rendezvous(actors[0], placements[0])
+            signals.check()
+            ranks = (actors, placements, fn, master_addr, master_port, args)
+            return run_ranks(*ranks, watch=watch, poll=signals.check)
+        finally:
+            release_group(side_group)  # before `release`, which may disconnect from Ray
+            release(
+                actors + ([side_actor] if side_actor is not None else []),
+                group,
+                disconnect=connected_here,
+            )
+            if watch is not None:
+                watch.reset()
+
+
+class DeferredSignals:
+    """The caller's SIGTERM/SIGINT handlers, run between Ray calls instead of inside them.
+
+    A Python handler that raises (``stop_on_signals``'s ``RunStopped``) while the main thread is
+    inside one of Ray's Cython calls (``ray.wait``, ``ray.get``, ``ray.init``) comes out as
+    ``SystemError: ... returned a result with an exception set``, which would be reported as a
+    rank's failure. So for this block a signal is only recorded, and :meth:`check` (called
+    between start-up steps and at every poll of the run) runs the caller's handler in plain
+    Python. A signal without a Python handler (``SIG_DFL``, ``SIG_IGN``) is left as it is.
+    """
+
+    def __init__(self) -> None:
+        self.handlers: dict[int, Callable] = {}
+        self.received: int | None = None
+
+    def __enter__(self) -> DeferredSignals:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                handler = signal.getsignal(sig)
+                if callable(handler):
+                    self.handlers[sig] = handler
+                    signal.signal(sig, self._record)
+        return self
+
+    def _record(self, signum: int, _frame) -> None:
+        if self.received is None:
+            self.received = signum
+
+    def check(self) -> None:
+        """Run the handler of a signal received since the last check (it may raise)."""
+        if self.received is not None:
+            signum, self.received = self.received, None
+            self.handlers[signum](signum, None)
+
+    def __exit__(self, exc_type, _exc, _tb) -> None:
+        for sig, handler in self.handlers.items():
+            signal.signal(sig, handler)
+        if exc_type is None:  # a signal that came during the clean-up still stops the caller
+            self.check()
 
 
 def connect() -> bool:
@@ -272,18 +347,42 @@ def connect() -> bool:
         "configure_logging": True,
     }
     if os.environ.get("RAY_ADDRESS"):
-        ray.init(address="auto", **{k: v for k, v in quiet.items() if k != "include_dashboard"})
+        with _keep_signal_handlers():
+            ray.init(address="auto", **{k: v for k, v in quiet.items() if k != "include_dashboard"})
         return True
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     for attempt in range(LOCAL_START_ATTEMPTS):
         try:
-            ray.init(**quiet)
+            with _keep_signal_handlers():
+                ray.init(**quiet)
             return True
         except Exception as exc:  # Ray waits a fixed 30 s for its raylet; an overloaded host
             ray.shutdown()  # can miss it once, so retry before giving up.
             if "timed out during startup" not in str(exc) or attempt + 1 == LOCAL_START_ATTEMPTS:
                 raise
     return False  # unreachable: the last attempt returns or raises
+
+
+@contextlib.contextmanager
+def _keep_signal_handlers() -> Iterator[None]:
+    """Put back the caller's Python SIGTERM/SIGINT handlers after ``ray.init``.
+
+    ``ray.init`` installs its own SIGTERM handler in the driver, which exits (code 1, or 15
+    when joining a cluster) past the launcher: no one-line report, no exit 143. With the
+    caller's handler back (``stop_on_signals``, through :class:`DeferredSignals`), the stop
+    unwinds through :func:`release`, which kills the actors and stops a private Ray. A default
+    (non-Python) handler is left replaced: then Ray's own cleanup is the better one.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            if callable(handler):
+                signal.signal(sig, handler)
 
 
 def reserve(layout: RayLayout):
@@ -381,51 +480,79 @@ def run_ranks(
     master_addr: str,
     master_port: int,
     args: tuple,
+    watch: HeartbeatWatch | None = None,
+    poll: Callable[[], None] = lambda: None,
 ) -> list[Any]:
-    """Start every rank and wait; the first failure (death or exception) ends the run."""
-    import ray.exceptions
+    """Start every rank and wait; the first failure (death, exception, or with ``watch`` a main
+    loop that stopped) ends the run. ``poll`` runs first at every poll (a stop signal comes
+    before the ranks' errors, which may be its consequence). With ``watch`` the stuck-rank
+    checks are the local launcher's (:func:`raise_if_stuck`): while no rank failed, one in the
+    step loop without progress for the collective timeout + :data:`STALE_GRACE_S`; once one
+    raised, a live rank that stopped before it (half the timeout), whose stop its error most
+    likely is."""
+    import ray
 
     world = len(actors)
-    pending = {
-        actor.run.remote(fn, WorkerContext(rank, world, master_addr, master_port), args): rank
-        for rank, actor in enumerate(actors)
-    }
+    beat_dir = watch.folder if watch is not None else None
+    contexts = [WorkerContext(r, world, master_addr, master_port, beat_dir) for r in range(world)]
+    pending = {actor.run.remote(fn, contexts[r], args): r for r, actor in enumerate(actors)}
     results: dict[int, Any] = {}
+    next_watch = time.monotonic() + WATCH_POLL_S
     while pending:
         done, _ = ray.wait(list(pending), num_returns=1, timeout=POLL_S)
+        poll()
         for ref in done:
             rank = pending.pop(ref)
-            try:
-                results[rank] = ray.get(ref)
-            except ray.exceptions.RayActorError as exc:
-                raise WorkerFailed(
-                    rank, None, _death_cause(exc), where=placements[rank].describe()
-                ) from None
-            except ray.exceptions.RayTaskError as exc:
-                cause = exc.cause if isinstance(exc.cause, BaseException) else exc
-                if isinstance(cause, SideActorFailed):  # the rollout actor, not this rank
-                    raise WorkerFailed(
-                        -1, None, cause.detail, where=cause.where, exit_code=cause.exit_code
-                    ) from None
-                if isinstance(cause, MegarlError):  # e.g. a bad reward function: exit 2
-                    raise WorkerFailed(
-                        rank,
-                        None,
-                        str(cause),
-                        where=placements[rank].describe(),
-                        exit_code=cause.exit_code,
-                    ) from None
-                _raise_if_a_rank_died(pending, placements)  # the cause, not this symptom
-                if isinstance(cause, SystemExit):
-                    raise SystemExit(cause.code) from None
-                raise WorkerFailed(
-                    rank,
-                    None,
-                    f"{type(cause).__name__}: {cause}".splitlines()[0],
-                    where=placements[rank].describe(),
-                    traceback=str(exc),  # Ray's text of the remote traceback
-                ) from None
+            results[rank] = _result_of(ref, rank, pending, placements, watch)
+        if watch is not None and time.monotonic() >= next_watch:
+            next_watch = time.monotonic() + WATCH_POLL_S
+            # no rank failed, yet one in the step loop stopped: a collective that never times out
+            live = _pids(pending.values(), placements)
+            stale_s = watch.timeout_s + STALE_GRACE_S
+            raise_if_stuck(watch, live, {}, stale_s, True, lambda r: placements[r].describe())
     return [results[r] for r in range(world)]
+
+
+def _pids(ranks, placements: list[RankPlacement]) -> dict[int, int]:
+    return {rank: placements[rank].pid for rank in ranks}
+
+
+def _result_of(
+    ref, rank: int, pending: dict, placements: list[RankPlacement], watch: HeartbeatWatch | None
+) -> Any:
+    """A finished rank's result, or the run's :class:`WorkerFailed`: the rank's own error, or
+    the peer that caused it (killed, or with ``watch`` stuck: the error is then a collective that
+    timed out waiting for it)."""
+    import ray.exceptions
+
+    where = placements[rank].describe()
+    try:
+        return ray.get(ref)
+    except ray.exceptions.RayActorError as exc:
+        raise WorkerFailed(rank, None, _death_cause(exc), where=where) from None
+    except ray.exceptions.RayTaskError as exc:
+        cause = exc.cause if isinstance(exc.cause, BaseException) else exc
+        if isinstance(cause, SideActorFailed):  # the rollout actor, not this rank
+            raise WorkerFailed(
+                -1, None, cause.detail, where=cause.where, exit_code=cause.exit_code
+            ) from None
+        if isinstance(cause, MegarlError):  # e.g. a bad reward function: exit 2
+            raise WorkerFailed(
+                rank, None, str(cause), where=where, exit_code=cause.exit_code
+            ) from None
+        _raise_if_a_rank_died(pending, placements)  # the cause, not this symptom
+        if isinstance(cause, SystemExit):
+            raise SystemExit(cause.code) from None
+        beat = None
+        if watch is not None:
+            live, failed = _pids(pending.values(), placements), _pids([rank], placements)
+            raise_if_stuck(
+                watch, live, failed, watch.timeout_s / 2, where=lambda r: placements[r].describe()
+            )
+            beat = watch.read(failed).get(rank)
+        error = f"{type(cause).__name__}: {cause}"
+        trace = str(exc)  # Ray's text of the remote traceback
+        raise raised_error_report(rank, error, trace, beat, where=where) from None
 
 
 def _raise_if_a_rank_died(pending: dict, placements: list[RankPlacement]) -> None:
@@ -471,9 +598,25 @@ def release(actors: list, group, disconnect: bool = True) -> None:
     for actor in actors:
         with contextlib.suppress(Exception):  # already dead
             ray.kill(actor, no_restart=True)
+    _wait_until_dead(actors)
     release_group(group)
     if disconnect:
-        ray.shutdown()
+        ray.shutdown(wait_for_processes=True)
+
+
+def _wait_until_dead(actors: list) -> None:
+    """Wait (at most :data:`KILL_WAIT_S`) until Ray reports each killed actor dead: a call to it
+    then fails. ``ray.kill`` only asks; without this a run stopped on a shared cluster could
+    report its ranks stopped while they still run."""
+    import ray
+
+    probes = []
+    for actor in actors:
+        with contextlib.suppress(Exception):
+            probes.append(actor.__ray_ready__.remote())
+    if probes:
+        with contextlib.suppress(Exception):
+            ray.wait(probes, num_returns=len(probes), timeout=KILL_WAIT_S)
 
 
 def release_group(group) -> None:

@@ -81,12 +81,17 @@ class RunResult:
 
 def run_rank(ctx: WorkerContext, inputs: RunInputs) -> RunResult | None:
     """Entry point of every rank; returns the run's result on rank 0 (None elsewhere)."""
-    from megarl.distributed import parallel
-    from megarl.distributed.platform import exit_cpu_shims
-
     _quiet_third_party_warnings()
     if ctx.heartbeat_dir is not None:  # the launcher names this rank if its loop stops
         heartbeat.start(ctx.heartbeat_dir, ctx.rank)
+    with heartbeat.published_on_error():  # an error's line names the phase it came from
+        return _run_rank(ctx, inputs)
+
+
+def _run_rank(ctx: WorkerContext, inputs: RunInputs) -> RunResult | None:
+    from megarl.distributed import parallel
+    from megarl.distributed.platform import exit_cpu_shims
+
     runtime = _setup(ctx, inputs)
     try:
         _train(runtime)
@@ -233,7 +238,11 @@ def _build_rollout_host(
 
 
 def _train(rt: _Runtime) -> None:
-    from megarl.distributed.fault_injection import maybe_die, maybe_freeze  # test-only hooks
+    from megarl.distributed.fault_injection import (  # test-only hooks
+        maybe_die,
+        maybe_freeze,
+        maybe_raise,
+    )
 
     heartbeat.mark("restore")
     last_done = _maybe_restore(rt)
@@ -241,6 +250,7 @@ def _train(rt: _Runtime) -> None:
         maybe_die(dist.get_rank(), step)
         heartbeat.mark("rollout", step)
         maybe_freeze(dist.get_rank(), step)
+        maybe_raise(dist.get_rank(), step)
         timer = PhaseTimer()
         header, rollout, rollout_metrics, engine_state = _broadcast_rollout(rt, step, timer)
         plan = plan_step(

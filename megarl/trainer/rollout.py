@@ -15,16 +15,21 @@ from dataclasses import dataclass
 import torch
 
 from megarl.algo.advantages import get_advantage_estimator
+from megarl.algo.dapo import FilterDecision, groups_with_signal, overlong_penalty
 from megarl.batch import RolloutBatch
 from megarl.data.loader import PromptStream
 from megarl.data.problems import Problem
 from megarl.data.rewards import score_samples
-from megarl.engines.base import RolloutEngine, SamplingParams
+from megarl.engines.base import Generation, RolloutEngine, SamplingParams
+from megarl.errors import MegarlError
 
 
-def sampling_seed(run_seed: int, step: int) -> int:
-    """A per-step seed for the rollout stream, independent of every other RNG in the run."""
-    return (run_seed * 1_000_003 + step * 7919 + 17) % (2**62)
+def sampling_seed(run_seed: int, step: int, gen_batch: int = 0) -> int:
+    """A per-step seed for the rollout stream, independent of every other RNG in the run.
+
+    ``gen_batch`` numbers the extra generation batches of dynamic sampling; the first (0) is
+    the seed every step uses without it, so turning the filter on changes no first batch."""
+    return (run_seed * 1_000_003 + step * 7919 + gen_batch * 104_729 + 17) % (2**62)
 
 
 def encode_prompt(tokenizer, prompt: str, system_prompt: str | None) -> list[int]:
@@ -52,6 +57,53 @@ class RolloutSettings:
     """``data.reward`` as configured: errors from the reward function name it."""
     reward_error: str = "raise"
     """``data.reward_error``: ``raise`` | ``zero`` (see :func:`megarl.data.rewards.score_samples`)."""
+    overlong_buffer_len: int | None = None
+    """DAPO's overlong shaping: the buffer in tokens, None = off."""
+    overlong_penalty_factor: float = 1.0
+    filter_groups: bool = False
+    """DAPO's dynamic sampling: keep only groups whose scores differ, generate more to refill."""
+    max_num_gen_batches: int = 10
+    """Generation batches a step may use with ``filter_groups`` (0 = no limit)."""
+
+
+class FilterGroupsExhausted(MegarlError):
+    """Dynamic sampling found too few groups with differing scores within its limit."""
+
+
+@dataclass(frozen=True)
+class _ScoredGroups:
+    """Whole groups of one or more generation batches, scored, in prompt order."""
+
+    problems: list[Problem]
+    gens: list[Generation]
+    texts: list[str]
+    rewards: torch.Tensor
+    overlong: torch.Tensor
+    """The overlong penalty included in ``rewards`` (0 where shaping is off)."""
+
+    def groups(self, keep: torch.Tensor, n: int) -> _ScoredGroups:
+        """Only the groups where ``keep`` (one bool per group) is true."""
+        groups = [g for g in range(len(self.problems)) if bool(keep[g])]
+        seqs = [g * n + i for g in groups for i in range(n)]
+        return _ScoredGroups(
+            problems=[self.problems[g] for g in groups],
+            gens=[self.gens[i] for i in seqs],
+            texts=[self.texts[i] for i in seqs],
+            rewards=self.rewards[seqs],
+            overlong=self.overlong[seqs],
+        )
+
+    @staticmethod
+    def join(parts: Sequence[_ScoredGroups], num_groups: int, n: int) -> _ScoredGroups:
+        """The first ``num_groups`` groups of ``parts`` in order."""
+        problems = [p for part in parts for p in part.problems][:num_groups]
+        return _ScoredGroups(
+            problems=problems,
+            gens=[g for part in parts for g in part.gens][: num_groups * n],
+            texts=[t for part in parts for t in part.texts][: num_groups * n],
+            rewards=torch.cat([part.rewards for part in parts])[: num_groups * n],
+            overlong=torch.cat([part.overlong for part in parts])[: num_groups * n],
+        )
 
 
 class RolloutProducer:
@@ -80,8 +132,65 @@ class RolloutProducer:
         """The step's scored batch, its rollout metrics, and seconds spent per phase.
 
         ``gen`` covers prompt encoding and sampling; ``adv`` covers decoding, rewards and
-        advantages.
+        advantages. With dynamic sampling a step may generate several batches of prompts and
+        keeps the first ``data.prompts_per_step`` groups whose scores differ.
         """
+        settings, n = self.settings, self.settings.group_size
+        needed = self.stream.prompts_per_step
+        parts: list[_ScoredGroups] = []
+        seconds = {"gen": 0.0, "adv": 0.0}
+        kept = dropped = gen_batches = 0
+        while True:
+            part = self._generate_and_score(step, gen_batches, seconds)
+            gen_batches += 1
+            if settings.filter_groups:
+                group_ids = torch.arange(len(part.problems)).repeat_interleave(n)
+                keep = groups_with_signal(part.rewards, group_ids)
+                dropped += int((~keep).sum())
+                part = part.groups(keep, n)
+            parts.append(part)
+            kept += len(part.problems)
+            decision = FilterDecision(kept, needed, gen_batches, settings.max_num_gen_batches)
+            if not settings.filter_groups or decision.enough:
+                break
+            if decision.give_up:
+                raise FilterGroupsExhausted(decision.message(step))
+        t_adv = time.perf_counter()
+        scored = _ScoredGroups.join(parts, needed, n)
+        group_ids = torch.arange(len(scored.problems)).repeat_interleave(n)
+        batch = RolloutBatch(
+            tokens=tuple(
+                torch.tensor(list(g.prompt_ids) + list(g.response_ids), dtype=torch.long)
+                for g in scored.gens
+            ),
+            prompt_lens=tuple(len(g.prompt_ids) for g in scored.gens),
+            group_ids=group_ids,
+            rewards=scored.rewards,
+            advantages=self.advantage_fn(scored.rewards, group_ids),
+            engine_logprobs=tuple(
+                torch.tensor(g.response_logprobs, dtype=torch.float32) for g in scored.gens
+            ),
+        )
+        self.last_samples = [
+            (scored.problems[i // n].prompt, scored.texts[i], float(scored.rewards[i]))
+            for i in range(0, len(scored.gens), n)
+        ]
+        metrics = rollout_metrics(batch, [g.finished for g in scored.gens], settings.max_new_tokens)
+        metrics["critic/rewards/failed"] = float(self._failures)
+        if settings.overlong_buffer_len is not None:
+            metrics["critic/rewards/overlong_penalty"] = float(scored.overlong.mean())
+            metrics["critic/rewards/overlong_frac"] = float((scored.overlong < 0).float().mean())
+        if settings.filter_groups:
+            metrics["train/num_gen_batches"] = float(gen_batches)
+            metrics["train/filtered_groups"] = float(dropped)
+        seconds["adv"] += time.perf_counter() - t_adv
+        return batch, metrics, seconds
+
+    def _generate_and_score(
+        self, step: int, gen_batch: int, seconds: dict[str, float]
+    ) -> _ScoredGroups:
+        """The next ``data.prompts_per_step`` prompts, ``rollout.n`` responses each, scored
+        (overlong shaping included); adds its time to ``seconds``."""
         t_start = time.perf_counter()
         problems = self.stream.next_batch()
         n = self.settings.group_size
@@ -90,35 +199,24 @@ class RolloutProducer:
             temperature=self.settings.temperature,
             top_p=self.settings.top_p,
             max_new_tokens=self.settings.max_new_tokens,
-            seed=sampling_seed(self.run_seed, step),
+            seed=sampling_seed(self.run_seed, step, gen_batch),
         )
         gens = self.engine.generate([ids for ids in prompt_ids for _ in range(n)], params)
         t_generated = time.perf_counter()
         texts = [self.tokenizer.decode(g.response_ids, skip_special_tokens=True) for g in gens]
         answers = [p.answer for p in problems for _ in range(n)]
         rewards = torch.tensor(self._score(texts, answers, step), dtype=torch.float32)
-        group_ids = torch.arange(len(problems)).repeat_interleave(n)
-        advantages = self.advantage_fn(rewards, group_ids)
-        batch = RolloutBatch(
-            tokens=tuple(
-                torch.tensor(list(g.prompt_ids) + list(g.response_ids), dtype=torch.long)
-                for g in gens
-            ),
-            prompt_lens=tuple(len(g.prompt_ids) for g in gens),
-            group_ids=group_ids,
-            rewards=rewards,
-            advantages=advantages,
-            engine_logprobs=tuple(
-                torch.tensor(g.response_logprobs, dtype=torch.float32) for g in gens
-            ),
-        )
-        self.last_samples = [
-            (problems[i // n].prompt, texts[i], float(rewards[i])) for i in range(0, len(gens), n)
-        ]
-        metrics = rollout_metrics(batch, [g.finished for g in gens], self.settings.max_new_tokens)
-        metrics["critic/rewards/failed"] = float(self._failures)
-        phase_seconds = {"gen": t_generated - t_start, "adv": time.perf_counter() - t_generated}
-        return batch, metrics, phase_seconds
+        overlong = torch.zeros_like(rewards)
+        if self.settings.overlong_buffer_len is not None:
+            overlong = overlong_penalty(
+                [len(g.response_ids) for g in gens],
+                self.settings.max_new_tokens,
+                self.settings.overlong_buffer_len,
+                self.settings.overlong_penalty_factor,
+            )
+        seconds["gen"] += t_generated - t_start
+        seconds["adv"] += time.perf_counter() - t_generated
+        return _ScoredGroups(problems, gens, texts, rewards + overlong, overlong)
 
     def _score(self, texts: list[str], answers: list[str], step: int) -> tuple[float, ...]:
         """The reward function on every sample, checked; a failure raises (one line, exit 2) or,

@@ -59,6 +59,10 @@ class RolloutHost:
             system_prompt=cfg.data.system_prompt,
             reward_name=cfg.data.reward_fn_name,
             reward_error=cfg.data.reward_error,
+            overlong_buffer_len=cfg.overlong_buffer_len,
+            overlong_penalty_factor=cfg.reward.overlong_buffer.penalty_factor,
+            filter_groups=cfg.algo.filter_groups.enable,
+            max_num_gen_batches=cfg.algo.filter_groups.max_num_gen_batches,
         )
         self.producer = RolloutProducer(
             self.engine,

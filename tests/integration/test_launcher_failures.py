@@ -88,6 +88,39 @@ def test_killed_rollout_actor_is_named_not_rank_0(tmp_path):
     assert detect_s < DETECT_BOUND_S
 
 
+def test_an_error_raised_in_a_ray_rank_is_one_line_with_its_phase_and_a_logged_traceback(
+    tmp_path,
+):
+    """Rank 1's loop raises as step 1's rollout begins: exit 1, one line naming its placement,
+    the error and the phase; the remote traceback (down to the raising frame) is in
+    logs/error-rank1.txt, not on the console."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO), str(Path(__file__).parent)]),
+        "MEGARL_FAULT_RAISE": "1:1",
+    }
+    run_dir = tmp_path / "run"
+    layout = {"trainer.launcher": "ray", "trainer.n_gpus_per_node": 2, "actor.tp": 2}
+    done = subprocess.run(
+        [sys.executable, "-m", "megarl.train", *tiny_overrides(run_dir, steps=1, **layout)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 1, done.stderr[-3000:]
+    [line] = [row for row in done.stderr.splitlines() if row.startswith("megarl-train: error")]
+    log = run_dir / "logs" / "error-rank1.txt"
+    assert line.startswith("megarl-train: error: actor rank 1 on node "), line
+    assert line.endswith(
+        "failed: InjectedError: fault injection: rank 1 raises at step 1 during rollout of "
+        f"step 1 (traceback: {log})"
+    ), line
+    assert "in maybe_raise" in log.read_text()
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+
+
 def test_killed_rank_then_resume_auto_completes_the_run(tmp_path):
     """The failure-injection test: rank 1 dies at the start of step 3 (after the step-2
     checkpoint was published), the run stops within the bound naming rank 1; the same command

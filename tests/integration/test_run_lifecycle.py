@@ -1,5 +1,6 @@
-"""A run's lifecycle under the local launcher: one run per run_dir, workers that die with the
-launcher, and a frozen rank that is named instead of hanging the run."""
+"""A run's lifecycle: one run per run_dir, workers that die with the launcher, a stop signal
+that stops every rank, and a frozen rank that is named instead of hanging the run -- under the
+local launcher, and (the signal and the frozen rank) under the Ray launcher."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 from conftest import tiny_overrides
 
 REPO = Path(__file__).resolve().parents[2]
@@ -154,4 +156,76 @@ def test_frozen_rank_is_named_with_its_phase(tmp_path):
     assert "during rollout of step 2" in line, line
     _assert_gone(workers, 1.0)
     print(f"rank 1 frozen at step 2 -> exit in {detect_s:.1f} s: {line}")
+    assert detect_s < timeout_s + 15
+
+
+# --- the Ray launcher: the same guarantees ------------------------------------------------------
+
+RAY = {"trainer.launcher": "ray"}
+
+
+def _ray_started(launcher, ready, timeout_s: float = 240) -> list[psutil.Process]:
+    """Wait until ``ready()``; every process the driver's private Ray started (GCS, raylet,
+    agents, the rank actors), after checking that both rank actors are among them."""
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        assert launcher.poll() is None, launcher.stderr.read()[-3000:]
+        assert time.monotonic() < deadline, "the ranks did not start in time"
+        time.sleep(0.5)
+    processes = psutil.Process(launcher.pid).children(recursive=True)
+    ranks = [p for p in processes if "RankActor" in p.name()]
+    assert len(ranks) == 2, [p.name() for p in processes]
+    return processes
+
+
+@pytest.mark.slow
+def test_ray_sigterm_stops_every_actor_with_one_line(tmp_path):
+    """SIGTERM as soon as both rank actors run: the driver kills them and stops its Ray, prints
+    the local launcher's one line and exits 143; no ray:: process outlives it."""
+    launcher = _start(tmp_path, steps=60, **RAY)
+    beats = tmp_path / "run" / ".heartbeat"
+    try:
+        processes = _ray_started(launcher, lambda: len(list(beats.glob("rank*.json"))) == 2)
+        sent = time.monotonic()
+        launcher.send_signal(signal.SIGTERM)
+        _, stderr = launcher.communicate(timeout=60)
+        exited_s = time.monotonic() - sent
+    finally:
+        launcher.kill()
+    assert launcher.returncode == 143, stderr[-3000:]
+    said = [line for line in stderr.splitlines() if line.startswith("megarl-train:")]
+    assert said == ["megarl-train: stopped by SIGTERM: every rank was stopped"], stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    _assert_gone(processes, 1.0)
+    assert not (tmp_path / "run" / ".megarl.lock").exists()
+    print(f"ray, SIGTERM: {len(processes)} Ray processes stopped, exit 143 in {exited_s:.1f} s")
+    assert exited_s < 15
+
+
+@pytest.mark.slow
+def test_ray_frozen_rank_is_named_with_its_phase(tmp_path):
+    """Rank 1's loop freezes at step 1 inside its Ray actor; rank 0's collective times out. The
+    one line names rank 1, its node and phase (not rank 0's timeout) within the timeout plus a
+    margin, and no ray:: process is left."""
+    timeout_s, mark = 8, tmp_path / "frozen_at"
+    launcher = _start(
+        tmp_path,
+        steps=2,
+        env={"MEGARL_FAULT_FREEZE": "1:1", "MEGARL_FAULT_INJECT_MARK": str(mark)},
+        **RAY,
+        **{"trainer.collective_timeout_s": timeout_s},
+    )
+    try:
+        processes = _ray_started(launcher, mark.exists)
+        _, stderr = launcher.communicate(timeout=300)
+        detect_s = time.time() - float(mark.read_text())
+    finally:
+        launcher.kill()
+    assert launcher.returncode == 1, stderr[-3000:]
+    [line] = _errors(stderr)
+    assert f"actor rank 1 on node {socket.gethostname()} (" in line, line
+    assert "failed: stopped responding: no progress for" in line, line
+    assert line.endswith("during rollout of step 1; then 1 other rank(s) failed"), line
+    _assert_gone(processes, 1.0)
+    print(f"ray, rank 1 frozen at step 1 -> exit in {detect_s:.1f} s: {line}")
     assert detect_s < timeout_s + 15

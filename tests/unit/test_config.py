@@ -7,7 +7,9 @@ from pathlib import Path
 import pytest
 
 from megarl.algo.advantages import ADVANTAGE_ESTIMATOR_NAMES
+from megarl.algo.dapo import FILTER_GROUP_METRICS
 from megarl.algo.losses import AGG_MODES, KL_PENALTY_KINDS
+from megarl.algo.policy_losses import POLICY_LOSS_NAMES
 from megarl.algo.rollout_correction import ROLLOUT_IS_LEVELS, ROLLOUT_RS_LEVELS, CorrectionSettings
 from megarl.config.schema import ROLLOUT_SLEEP_LEVELS, ConfigError, RunConfig, build_run_config
 from megarl.engines.factory import ENGINE_NAMES
@@ -81,6 +83,8 @@ def _readme_row(key: str) -> str:
         ("actor.loss_agg", AGG_MODES),
         ("actor.kl_estimator", KL_PENALTY_KINDS),
         ("planner.prune_zero_adv", PRUNE_SETTINGS),
+        ("actor.policy_loss", POLICY_LOSS_NAMES),
+        ("algo.filter_groups.enable", FILTER_GROUP_METRICS),
         ("planner.old_log_prob", tuple(mode.value for mode in OldLogProbMode)),
         ("algo.rollout_correction.rollout_is", ROLLOUT_IS_LEVELS),
         ("algo.rollout_correction.rollout_rs", ROLLOUT_RS_LEVELS),

@@ -31,6 +31,23 @@ from megarl.config.schema import ConfigError, build_run_config
         ({"actor": {"loss_scale_factor": 0}}, "actor.loss_scale_factor=0: must be a number > 0"),
         ({"actor": {"policy_loss": "gspo", "clip_ratio_low": 10}}, "actor.clip_ratio_low=10"),
         ({"actor": {"policy_loss": "cispo", "clip_ratio_low": 0}}, "actor.clip_ratio_low=0"),
+        ({"algo": {"filter_groups": {"metric": "acc"}}}, "algo.filter_groups.metric='acc'"),
+        (
+            {"algo": {"filter_groups": {"max_num_gen_batches": -1}}},
+            "algo.filter_groups.max_num_gen_batches=-1: must be >= 0",
+        ),
+        ({"reward": {"overlong_buffer": {"len": 0}}}, "reward.overlong_buffer.len=0"),
+        (
+            {"reward": {"overlong_buffer": {"penalty_factor": -1.0}}},
+            "reward.overlong_buffer.penalty_factor=-1.0: must be >= 0",
+        ),
+        (
+            {
+                "reward": {"overlong_buffer": {"enable": True, "len": 64}},
+                "rollout": {"max_new_tokens": 32},
+            },
+            "reward.overlong_buffer.len=64 > rollout.max_new_tokens=32",
+        ),
         ({"rollout": {"n": 0}}, "rollout.n=0"),
         ({"rollout": {"n": -4}}, "rollout.n=-4"),
         ({"rollout": {"max_new_tokens": 0}}, "rollout.max_new_tokens=0: must be > 0"),

@@ -6,6 +6,8 @@ import json
 import os
 import time
 
+import pytest
+
 from megarl.distributed import heartbeat
 from megarl.distributed.heartbeat import Beat, HeartbeatWatch, beat_path
 
@@ -59,3 +61,45 @@ def test_start_up_is_left_to_the_collective_timeout(tmp_path):
     watch = HeartbeatWatch(str(tmp_path), timeout_s=15)
     assert watch.stalest({0: 100}, older_than_s=25, in_steps_only=True) is None
     assert watch.stalest({0: 100}, older_than_s=25) == beat
+
+
+def test_failure_lines_are_built_once_for_both_launchers():
+    """The local launcher's line names the node from the heartbeat and the pid in the detail; a
+    Ray placement (which already names the pid) replaces the first part only."""
+    from megarl.distributed.launcher import raised_error_report, stuck_rank_report
+
+    beat = Beat(1, "node7", 4242, 3, "save", 1000.0)
+    local = stuck_rank_report(beat, now=1012.0, peers_failed=1)
+    assert str(local) == (
+        "actor rank 1 on node node7 failed: stopped responding: no progress for 12 s during "
+        "save of step 3 (pid 4242); then 1 other rank(s) failed"
+    )
+    where = "actor rank 1 on node node7 (10.0.0.7, ray node abcd1234, pid 4242)"
+    ray_line = stuck_rank_report(beat, now=1012.0, peers_failed=0, where=where)
+    assert str(ray_line) == (
+        f"{where} failed: stopped responding: no progress for 12 s during save of step 3"
+    )
+    raised = raised_error_report(1, "KeyError: 'x'\nmore", "Traceback ...", beat, where=where)
+    assert str(raised) == f"{where} failed: KeyError: 'x' during save of step 3"
+    assert (raised.rank, raised.traceback) == (1, "Traceback ...")
+    assert str(raised_error_report(0, "OSError: disk", "", None)).endswith("failed: OSError: disk")
+
+
+def test_an_error_publishes_the_phase_it_came_from_at_once(tmp_path):
+    """The thread writes every 2 s; an error right after a phase began is reported with that
+    phase, not the one before (the launcher reads the file as the error arrives)."""
+
+    def rollout_that_raises() -> None:
+        with heartbeat.published_on_error():
+            heartbeat.mark("rollout", step=1)
+            raise KeyError("x")
+
+    heartbeat.start(str(tmp_path), rank=0, interval_s=60)
+    try:
+        heartbeat.mark("build_actor")
+        with pytest.raises(KeyError):
+            rollout_that_raises()
+    finally:
+        heartbeat.stop()
+    [beat] = HeartbeatWatch(str(tmp_path), timeout_s=60).read({0: os.getpid()}).values()
+    assert beat.during == "rollout of step 1"

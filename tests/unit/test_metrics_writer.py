@@ -49,3 +49,27 @@ def test_a_file_of_whole_lines_is_left_as_it_is(tmp_path, capsys):
     path.write_text('{"st')  # a torn first line: nothing complete to keep
     MetricsWriter(tmp_path, tensorboard=False).close()
     assert path.read_text() == ""
+
+
+def test_a_fresh_start_sets_the_old_events_aside_instead_of_mixing_them_in(tmp_path, capsys):
+    """resume=never: the old run went to step 4, the new one to step 2. Its curve holds only its
+    own two points (purge_step alone would leave the old steps 3 and 4 on it); the old events
+    are kept, byte for byte, in tensorboard.<time>, and the move is printed."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from megarl.checkpoint.resume import RunChecks, prepare_resume
+    from megarl.config.schema import RunConfig, TrainerConfig
+
+    _write(tmp_path, [1, 2, 3, 4], value_offset=0.0)
+    old_events = {p.name: p.read_bytes() for p in (tmp_path / "tensorboard").iterdir()}
+    cfg = RunConfig(trainer=TrainerConfig(run_dir=str(tmp_path), resume="never"))
+    assert prepare_resume(cfg, "cpu", RunChecks(model_spec=dict)) is None
+    [aside] = tmp_path.glob("tensorboard.*")
+    said = capsys.readouterr().out
+    assert "set aside: metrics." in said and f".jsonl, {aside.name}" in said, said
+    assert {p.name: p.read_bytes() for p in aside.iterdir()} == old_events
+    _write(tmp_path, [1, 2], value_offset=0.5)
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("actor/pg_loss")] == [(1, 1.5), (2, 2.5)]

@@ -60,6 +60,10 @@ def test_fault_injection_only_fires_for_its_rank_and_step(monkeypatch):
     fault_injection.maybe_die(1, 1)  # other step: returns
     monkeypatch.delenv(fault_injection.ENV)
     fault_injection.maybe_die(1, 2)  # unset: returns
+    monkeypatch.setenv(fault_injection.RAISE_ENV, "1:2")
+    fault_injection.maybe_raise(0, 2)  # other rank: returns
+    with pytest.raises(fault_injection.InjectedError, match="rank 1 raises at step 2"):
+        fault_injection.maybe_raise(1, 2)
 
 
 def test_fault_injection_rollout_spec_fires_only_for_the_rollout_actor(monkeypatch):
@@ -150,3 +154,126 @@ def test_a_bad_input_error_in_the_rollout_actor_keeps_its_line_and_exit_2(monkey
     error = WorkerFailed(-1, None, failure.detail, where=failure.where, exit_code=failure.exit_code)
     assert error.exit_code == 2
     assert str(error) == "rollout actor on node n failed: data.reward=m:f: sample 0 during rollout"
+
+
+def _placements() -> list:
+    from megarl.distributed.ray_launcher import RankPlacement
+
+    return [
+        RankPlacement(
+            rank, role_of(rank), f"10.0.0.{rank}", f"gpu{rank}", "abcd1234ffff", 40 + rank
+        )
+        for rank in range(2)
+    ]
+
+
+def _beat(folder, rank: int, phase: str, step: int, age_s: float) -> None:
+    import json
+    import time
+
+    from megarl.distributed.heartbeat import Beat, beat_path
+
+    beat_path(folder, rank).parent.mkdir(parents=True, exist_ok=True)
+    beat = Beat(rank, f"gpu{rank}", 40 + rank, step, phase, time.time() - age_s)
+    beat_path(folder, rank).write_text(json.dumps(beat.__dict__))
+
+
+def _task_error(cause: BaseException):
+    import ray.exceptions
+
+    return ray.exceptions.RayTaskError(
+        "RankActor.run", "Traceback (most recent call last):\n  in rank_loop.py\n", cause
+    )
+
+
+def test_a_ray_rank_that_raised_is_one_line_with_its_phase_and_a_logged_traceback(
+    tmp_path, monkeypatch
+):
+    """Rank 1's code raised during update_actor of step 2: the line names its placement, error
+    and phase (from its heartbeat); Ray's remote traceback goes to logs/error-rank1.txt."""
+    import ray
+
+    from megarl.config.schema import RunConfig, TrainerConfig
+    from megarl.distributed.heartbeat import HeartbeatWatch
+    from megarl.distributed.ray_launcher import _result_of
+    from megarl.train import _tracebacks_to_log
+
+    watch = HeartbeatWatch(str(tmp_path / ".heartbeat"), timeout_s=60)
+    _beat(watch.folder, 1, "update_actor", 2, age_s=1)
+
+    def raising_get(ref):
+        raise _task_error(KeyError("no such column"))
+
+    monkeypatch.setattr(ray, "get", raising_get)
+    cfg = RunConfig(trainer=TrainerConfig(run_dir=str(tmp_path)))
+    with pytest.raises(WorkerFailed) as failed, _tracebacks_to_log(cfg):
+        _result_of(object(), 1, {}, _placements(), watch)
+    log = tmp_path / "logs" / "error-rank1.txt"
+    where = _placements()[1].describe()
+    assert str(failed.value) == (
+        f"{where} failed: KeyError: 'no such column' during update_actor of step 2 "
+        f"(traceback: {log})"
+    )
+    assert "in rank_loop.py" in log.read_text()
+
+
+def test_a_ray_rank_stuck_before_its_peers_timeout_is_named_not_the_peer(tmp_path, monkeypatch):
+    """Rank 0's collective timed out waiting for rank 1, whose loop stopped 20 s ago during the
+    rollout: the line names rank 1 (the local launcher's check and text), not rank 0's error."""
+    import ray
+
+    from megarl.distributed.heartbeat import HeartbeatWatch
+    from megarl.distributed.ray_launcher import _result_of
+
+    watch = HeartbeatWatch(str(tmp_path), timeout_s=10)
+    _beat(tmp_path, 0, "broadcast_rollout", 2, age_s=11)
+    _beat(tmp_path, 1, "rollout", 2, age_s=20)
+
+    def raising_get(ref):
+        raise _task_error(RuntimeError("Gloo timed out"))
+
+    monkeypatch.setattr(ray, "get", raising_get)
+    monkeypatch.setattr(ray, "wait", lambda refs, **kw: ([], refs))  # rank 1 lives on
+    rank1_task = object()
+    with pytest.raises(WorkerFailed) as failed:
+        _result_of(object(), 0, {rank1_task: 1}, _placements(), watch)
+    assert failed.value.rank == 1
+    assert str(failed.value) == (
+        f"{_placements()[1].describe()} failed: stopped responding: no progress for 20 s "
+        "during rollout of step 2; then 1 other rank(s) failed"
+    )
+    _beat(tmp_path, 1, "rollout", 2, age_s=3)  # rank 1 was fine: rank 0's own error is named
+    with pytest.raises(WorkerFailed) as failed:
+        _result_of(object(), 0, {rank1_task: 1}, _placements(), watch)
+    assert "actor+rollout rank 0" in str(failed.value)
+    assert "RuntimeError: Gloo timed out during broadcast_rollout of step 2" in str(failed.value)
+
+
+def test_a_stop_signal_inside_ray_calls_waits_for_the_next_check():
+    """A handler raising inside one of Ray's Cython calls would surface as a SystemError blamed
+    on a rank; deferred, it raises at the controller's next check, and handlers are restored."""
+    import os
+    import signal
+
+    from megarl.distributed.launcher import RunStopped, stop_on_signals
+    from megarl.distributed.ray_launcher import DeferredSignals
+
+    reached = []
+
+    def signal_then_check() -> None:
+        with DeferredSignals() as signals:
+            os.kill(os.getpid(), signal.SIGTERM)
+            reached.append("after the signal")
+            signals.check()
+            reached.append("after the check")
+
+    with stop_on_signals():
+        ours = signal.getsignal(signal.SIGTERM)
+        with pytest.raises(RunStopped) as stopped:
+            signal_then_check()
+        assert reached == ["after the signal"]
+        assert stopped.value.exit_code == 143
+        assert signal.getsignal(signal.SIGTERM) is ours
+        with pytest.raises(RunStopped), DeferredSignals():  # received during clean-up
+            os.kill(os.getpid(), signal.SIGINT)
+        assert signal.getsignal(signal.SIGTERM) is ours
