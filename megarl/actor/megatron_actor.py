@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, cast
 
@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from megarl.actor.train_stats import OptimizerStepStats
 from megarl.algo.losses import aggregate, kl_penalty, policy_loss
+from megarl.algo.rollout_correction import CorrectionSettings, compute_correction
 from megarl.batch import (
     MicroBatchTensors,
     Rollouts,
@@ -64,6 +65,8 @@ class LossSettings:
     loss_scale_factor: float | None = None
     """seq-mean-token-sum-norm's constant; it is already in the planner's normaliser, so it
     only matters to a loss computed without one."""
+    rollout_correction: CorrectionSettings = field(default_factory=CorrectionSettings)
+    """``algo.rollout_correction``: IS weights and rejection from old vs engine logprobs."""
 
 
 class MegatronActor:
@@ -293,6 +296,7 @@ class MegatronActor:
             loss=loss.policy_loss,
             clip_ratio_c=loss.clip_ratio_c,
             loss_scale_factor=loss.loss_scale_factor,
+            token_weights_BT=self._correction_weights_BL(old_BL, mb, batch, loss),
         )
         total = pg.loss
         kl_value = logp_BL.new_zeros(())
@@ -325,6 +329,20 @@ class MegatronActor:
             captured = per_token_to_response(logp_BL, mb, batch)
             stats["train_logprobs"] = {i: captured[i] for i in trained}
         return total, num_tokens, stats
+
+    @staticmethod
+    def _correction_weights_BL(old_BL, mb, batch, loss: LossSettings) -> torch.Tensor | None:
+        """The rollout correction's per-token factor (IS weight x rejection mask) from the old
+        logprobs, which are the trainer's own (the gates never let the engine's stand in while
+        it is on), against the engine's; None while it is off."""
+        if not loss.rollout_correction.enabled:
+            return None
+        engine = {i: batch.engine_logprobs[i] for i in mb.seq_indices}
+        rollout_BL = response_values_to_BL(engine, mb, batch)
+        correction = compute_correction(
+            old_BL, rollout_BL, mb.loss_mask_BL, loss.rollout_correction
+        )
+        return correction.token_weights_BT
 
     @staticmethod
     def _old_logprobs_BL(logp_BL, mb, batch, old) -> torch.Tensor:
@@ -429,6 +447,14 @@ def _step_result(per_micro_batch: list[dict], grad_norm: float) -> TrainStepResu
         captured.update(entry.pop("train_logprobs", {}))
         totals = totals + OptimizerStepStats(**{k: float(v) for k, v in entry.items()})
     return TrainStepResult(stats=totals, grad_norm=grad_norm, train_logprobs=captured)
+
+
+def reduce_max_to_all(values: Sequence[float]) -> list[float]:
+    """Element-wise maximum of per-rank values over the whole world (replicas change nothing)."""
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    tensor = torch.tensor(list(values), dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor.cpu().tolist()
 
 
 def reduce_sums_to_all(rows: Sequence[Sequence[float]], tp: int) -> list[list[float]]:

@@ -13,8 +13,8 @@ mini-batches and epochs, while the gradient norm was averaged: the two disagreed
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import astuple, dataclass, fields
+from collections.abc import Mapping, Sequence
+from dataclasses import astuple, dataclass, field, fields
 
 
 @dataclass(frozen=True)
@@ -68,6 +68,8 @@ class UpdateStats:
     """Mean |engine - trainer| logprob over the tokens compared (0.0 when none were)."""
     pg_clipfrac_lower: float = 0.0
     """Fraction of trained tokens on which the dual clip for negative advantages is active."""
+    rollout_corr: Mapping[str, float] = field(default_factory=dict)
+    """The ``rollout_corr/*`` engine-vs-trainer mismatch metrics of the same tokens."""
 
     def metrics(self) -> dict[str, float]:
         """verl's metric names."""
@@ -81,6 +83,7 @@ class UpdateStats:
             "actor/grad_norm": self.grad_norm,
             "actor/num_optimizer_steps": self.num_optimizer_steps,
             "rollout/logprob_abs_diff": self.logprob_abs_diff,
+            **self.rollout_corr,
         }
 
 
@@ -89,6 +92,7 @@ def summarise_update(
     grad_norms: Sequence[float],
     lp_diff_sum: float = 0.0,
     lp_diff_count: float = 0.0,
+    rollout_corr: Mapping[str, float] | None = None,
 ) -> UpdateStats:
     """Mean over optimizer steps of each step's value.
 
@@ -113,6 +117,7 @@ def summarise_update(
         num_optimizer_steps=n,
         logprob_abs_diff=lp_diff_sum / lp_diff_count if lp_diff_count > 0 else 0.0,
         pg_clipfrac_lower=_mean([s.clipfrac_lower_sum / s.num_tokens for s in with_tokens]),
+        rollout_corr=dict(rollout_corr or {}),
     )
 
 

@@ -150,6 +150,7 @@ def policy_loss(
     loss: str = "vanilla",
     clip_ratio_c: float = 3.0,
     loss_scale_factor: float | None = None,
+    token_weights_BT: Tensor | None = None,
 ) -> PolicyLossOutput:
     """The policy loss ``loss`` (see :mod:`megarl.algo.policy_losses`), aggregated.
 
@@ -159,12 +160,20 @@ def policy_loss(
     0 contributes exactly 0 to the loss and its gradient, in every registered loss.
 
     ``agg``, ``denom`` and ``loss_scale_factor`` are passed to :func:`aggregate` for the loss;
-    the diagnostics are always a token-mean over this call's own mask.
+    the diagnostics are always a token-mean over this call's own mask. ``token_weights_BT``
+    (detached, e.g. the rollout correction's IS weight times its rejection mask, see
+    :mod:`megarl.algo.rollout_correction`) multiplies each token's loss in the numerator only:
+    the mask, and so the row counts and the normaliser, stay as they are, which keeps every
+    split exact and a zero-advantage token at exactly 0.
     """
     _check_same_shape(logp_BT=logp_BT, old_logp_BT=old_logp_BT, mask_BT=mask_BT)
     adv_BT = _per_token_advantages(adv_B_or_BT, logp_BT).to(logp_BT.dtype)
     clip = ClipSettings(low=clip_low, high=clip_high, ratio_c=clip_ratio_c)
     token_loss = get_policy_loss(loss).per_token(logp_BT, old_logp_BT, adv_BT, mask_BT, clip)
+    loss_BT = token_loss.loss_BT
+    if token_weights_BT is not None:
+        _check_same_shape(logp_BT=logp_BT, token_weights_BT=token_weights_BT)
+        loss_BT = loss_BT * token_weights_BT.detach().to(loss_BT.dtype)
 
     with torch.no_grad():
         dtype = logp_BT.dtype
@@ -172,7 +181,7 @@ def policy_loss(
         clipfrac_lower = aggregate(token_loss.clipped_lower_BT.to(dtype), mask_BT, "token-mean")
         ppo_kl = aggregate(old_logp_BT - logp_BT, mask_BT, "token-mean")
     return PolicyLossOutput(
-        loss=aggregate(token_loss.loss_BT, mask_BT, agg, denom, loss_scale_factor),
+        loss=aggregate(loss_BT, mask_BT, agg, denom, loss_scale_factor),
         clipfrac=clipfrac,
         ppo_kl=ppo_kl,
         clipfrac_lower=clipfrac_lower,

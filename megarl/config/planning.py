@@ -38,6 +38,7 @@ def run_facts(cfg: RunConfig) -> RunFacts:
         kl_coef=cfg.actor.kl_coef,
         kl_in_reward=cfg.algo.use_kl_in_reward,
         lora_enabled=cfg.actor.lora.enabled,
+        rollout_correction=cfg.algo.rollout_correction.enabled,
     )
 
 

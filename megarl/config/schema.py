@@ -20,6 +20,12 @@ from megarl.algo.dapo import FILTER_GROUP_METRICS
 from megarl.algo.kl_reward import KL_CTRL_TYPES
 from megarl.algo.losses import AGG_MODES, KL_PENALTY_KINDS
 from megarl.algo.policy_losses import POLICY_LOSS_NAMES, get_policy_loss
+from megarl.algo.rollout_correction import (
+    DEFAULT_IS_THRESHOLD,
+    ROLLOUT_IS_LEVELS,
+    ROLLOUT_RS_LEVELS,
+    CorrectionSettings,
+)
 from megarl.data.arithmetic import SUPPORTED_OPS
 from megarl.data.loader import PROMPT_TASKS
 from megarl.data.rewards import REWARD_ERROR_POLICIES
@@ -471,6 +477,88 @@ class ModelConfig:
         _choice("model.dtype", self.dtype, ("auto", "float32", "bfloat16"))
 
 
+def _optional_choice(key: str, value: object, choices: tuple[str, ...]) -> None:
+    _require(
+        value is None or value in choices,
+        f"{key}={value!r}: must be one of {', '.join(choices)}, or null",
+    )
+
+
+def _optional_number(key: str, value: object) -> None:
+    _require(
+        value is None or (isinstance(value, int | float) and not isinstance(value, bool)),
+        f"{key}={value!r}: expected a number, or null",
+    )
+
+
+@dataclass(frozen=True)
+class RolloutCorrectionConfig:
+    """``algo.rollout_correction``: correct the policy loss for the engine's sampling policy
+    differing from the trainer's (:mod:`megarl.algo.rollout_correction`); verl's keys. All off
+    by default; the ``rollout_corr/*`` mismatch metrics are reported either way."""
+
+    rollout_is: str | None = None
+    """token | sequence | null: truncated importance-sampling weight ``min(pi_old /
+    pi_rollout, rollout_is_threshold)`` per token, or with the response's product of ratios."""
+    rollout_is_threshold: float = DEFAULT_IS_THRESHOLD
+    """Truncation of the IS weight (verl's default 2.0)."""
+    rollout_rs: str | None = None
+    """token | sequence | geometric | null: reject (weight 0) a token, or a response by the
+    product or geometric mean of its ratios, outside the bounds below."""
+    rollout_rs_threshold: float | None = None
+    """Upper rejection bound, >= 1; null = ``rollout_is_threshold`` (as verl)."""
+    rollout_rs_threshold_lower: float | None = None
+    """Lower rejection bound, in [0, 1]; null = ``1 / rollout_rs_threshold`` (as verl)."""
+
+    def __post_init__(self) -> None:
+        key = "algo.rollout_correction"
+        _optional_choice(f"{key}.rollout_is", self.rollout_is, ROLLOUT_IS_LEVELS)
+        _optional_choice(f"{key}.rollout_rs", self.rollout_rs, ROLLOUT_RS_LEVELS)
+        _positive(f"{key}.rollout_is_threshold", self.rollout_is_threshold)
+        _optional_number(f"{key}.rollout_rs_threshold", self.rollout_rs_threshold)
+        _optional_number(f"{key}.rollout_rs_threshold_lower", self.rollout_rs_threshold_lower)
+        if self.rollout_rs is None:
+            return  # the bounds are unused
+        upper, lower = self.rs_bounds
+        _require(
+            upper >= 1,
+            f"{key}.rollout_rs_threshold={self.rollout_rs_threshold!r}: the upper rejection bound "
+            f"({upper:g}) must be >= 1",
+        )
+        _require(
+            0 <= lower <= 1 and lower < upper,
+            f"{key}.rollout_rs_threshold_lower={self.rollout_rs_threshold_lower!r}: the lower "
+            f"rejection bound ({lower:g}) must be in [0, 1] and below the upper ({upper:g})",
+        )
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the loss changes (then the old log-probs must be the trainer's own)."""
+        return self.rollout_is is not None or self.rollout_rs is not None
+
+    @property
+    def rs_bounds(self) -> tuple[float, float]:
+        """(upper, lower) rejection bounds, nulls resolved as verl resolves them."""
+        upper = self.rollout_rs_threshold
+        upper = float(self.rollout_is_threshold if upper is None else upper)
+        lower = self.rollout_rs_threshold_lower
+        if lower is None:
+            lower = 1 / upper if upper > 0 else 0.0
+        return upper, float(lower)
+
+    @property
+    def settings(self) -> CorrectionSettings:
+        """What :mod:`megarl.algo.rollout_correction` computes with."""
+        upper, lower = self.rs_bounds
+        return CorrectionSettings(
+            rollout_is=self.rollout_is,
+            is_threshold=float(self.rollout_is_threshold),
+            rollout_rs=self.rollout_rs,
+            rs_upper=upper,
+            rs_lower=lower,
+        )
+
+
 @dataclass(frozen=True)
 class KLCtrlConfig:
     """``algo.kl_ctrl``: the coefficient ``beta`` of the KL penalty in the reward (verl's keys
@@ -530,6 +618,8 @@ class AlgoConfig:
     :data:`megarl.algo.losses.KL_PENALTY_KINDS`; the default ``k1`` is what verl's default
     ``kl`` computes (``logp - ref_logp``)."""
     kl_ctrl: KLCtrlConfig = field(default_factory=KLCtrlConfig)
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    """Truncated IS and rejection between the engine's and the trainer's log-probs."""
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
 
     def __post_init__(self) -> None:

@@ -13,7 +13,11 @@ reason. Workers only execute the gates; no skip decision lives inline in GPU cod
   the first slice of the first epoch therefore trains on the weights that generated the rollout;
   there the training forward's detached logprobs *are* the old logprobs. Under
   ``planner.old_log_prob=auto`` every other slice is recomputed up front, before the first
-  optimizer step, for exactly its sequences.
+  optimizer step, for exactly its sequences. Rollout correction (``algo.rollout_correction``)
+  compares these old logprobs with the engine's, so they must be the trainer's own: the
+  recomputed ones or, on the first slice, the training forward's (the same weights, so the same
+  numbers: no extra pass is needed there either); ``planner.old_log_prob=rollout`` would make
+  the engine's logprobs "old" and the correction the identity, so start-up refuses it.
 * **Reference forward**: only while ``actor.kl_coef`` is non-zero or the KL is in the reward
   (``algo.use_kl_in_reward``). Its source (none, a frozen model copy, or the LoRA actor with
   its adapters disabled) is decided at start-up.
@@ -100,6 +104,9 @@ class RunFacts:
     sequence, before the advantages."""
     lora_enabled: bool = False
     """``actor.lora.rank > 0``: only adapters train, the base weights stay the initial model's."""
+    rollout_correction: bool = False
+    """``algo.rollout_correction`` reweights or rejects tokens by ``pi_old / pi_rollout``: the
+    old logprobs must be the trainer's, never the engine's."""
 
 
 @dataclass(frozen=True)
@@ -180,13 +187,21 @@ class StepGates:
             "gates/reasons": "; ".join(reasons),
         }
 
-    def summary(self) -> str:
-        """One console line, e.g. ``old_lp: 8/16 recompute (mb1 after step) | ref: skip
-        (actor.kl_coef=0) | sync: adapter only (engine kept base)``."""
+    def _old_action(self) -> str:
+        """Which logprobs are "old": the engine's, or the trainer's (recomputed, and the
+        training forward's for the rest)."""
         if self.old_log_prob.source is OldLogProbSource.ROLLOUT:
-            old_action = "rollout logprobs"
-        else:
-            old_action = f"{len(self.old_log_prob.seq_indices)}/{self.num_sequences} recompute"
+            return "rollout logprobs"
+        recomputed = len(self.old_log_prob.seq_indices)
+        if recomputed == 0:
+            return "train forward"
+        action = f"{recomputed}/{self.num_sequences} recompute"
+        return action if recomputed == self.num_sequences else f"{action}, rest train forward"
+
+    def summary(self) -> str:
+        """One console line, e.g. ``old_lp: 8/16 recompute, rest train forward (mb1 after
+        step) | ref: skip (actor.kl_coef=0) | sync: adapter only (engine kept base)``."""
+        old_action = self._old_action()
         if not self.adapter_sync.run:
             sync_action = "full weights"
         else:
@@ -279,6 +294,8 @@ def decide_old_log_prob(facts: StepFacts) -> PassGate:
     first_stale = 1 if facts.run.ppo_epochs == 1 else 0
     last = len(facts.slices) - 1
     if first_stale > last:
+        if facts.run.rollout_correction:
+            return _train_forward_gate(f"on-policy: {_CORRECTION_OLD}")
         return _train_forward_gate("on-policy")
     seqs = tuple(sorted(i for s in facts.slices[first_stale:] for i in s))
     label = f"mb{first_stale}" if first_stale == last else f"mb{first_stale}-{last}"
@@ -331,6 +348,11 @@ def _check_forced_modes(run: RunFacts, num_slices: int, step: int) -> None:
             f"planner.old_log_prob=never is unsafe with {settings}: slices are consumed after an "
             "optimizer step; use 'auto'"
         )
+    if run.old_log_prob is OldLogProbMode.ROLLOUT and run.rollout_correction:
+        problems.append(
+            "planner.old_log_prob=rollout makes the engine's logprobs the old ones, so "
+            "algo.rollout_correction would compare them with themselves; use 'auto'"
+        )
     if run.ref_log_prob is RefLogProbMode.NEVER and run.kl_coef > 0:
         problems.append(
             f"planner.ref_log_prob=never is unsafe with {_kl_term(run.kl_coef)} at step {step}"
@@ -351,6 +373,7 @@ def _check_forced_modes(run: RunFacts, num_slices: int, step: int) -> None:
 
 KL_IN_REWARD = "algo.use_kl_in_reward=true"
 """The gates' reason when the KL in the reward is what runs a pass."""
+_CORRECTION_OLD = "the train forward is pi_old for algo.rollout_correction"
 
 
 def _kl_term(kl_coef: float) -> str:

@@ -37,10 +37,16 @@ from typing import TYPE_CHECKING, cast
 import torch
 import torch.distributed as dist
 
-from megarl.actor.megatron_actor import LossSettings, MegatronActor, reduce_sums_to_all
+from megarl.actor.megatron_actor import (
+    LossSettings,
+    MegatronActor,
+    reduce_max_to_all,
+    reduce_sums_to_all,
+)
 from megarl.actor.train_stats import OptimizerStepStats, UpdateStats, summarise_update
 from megarl.algo.advantages import get_advantage_estimator
 from megarl.algo.kl_reward import KLController, apply_kl_penalty, build_kl_controller
+from megarl.algo.rollout_correction import MismatchStats, mismatch_stats_of_sequences
 from megarl.algo.validation import is_validation_step
 from megarl.batch import RolloutBatch, RolloutShard
 from megarl.config import planning
@@ -566,6 +572,7 @@ def _loss_settings(cfg: RunConfig) -> LossSettings:
         policy_loss=a.policy_loss,
         clip_ratio_c=a.clip_ratio_c,
         loss_scale_factor=cfg.loss_scale_factor,
+        rollout_correction=cfg.algo.rollout_correction.settings,
     )
 
 
@@ -578,6 +585,7 @@ def _update_actor(
     per_step: list[OptimizerStepStats] = []
     grad_norms: list[float] = []
     lp_diff = [0.0, 0.0]  # |engine - trainer| summed, tokens compared
+    mismatch = MismatchStats()  # rollout_corr/*: the same tokens, old vs engine
     with timer.phase("update_actor"):
         for index, opt_step in enumerate(plan.optimizer_steps):
             heartbeat.mark("update_actor")  # each optimizer step is progress
@@ -587,14 +595,23 @@ def _update_actor(
             per_step.append(result.stats if rt.actor.is_last_stage else OptimizerStepStats())
             grad_norms.append(result.grad_norm)
             if index == 0 and rt.actor.is_last_stage:
-                lp_diff = _logprob_diff(batch, {**result.train_logprobs, **recomputed})
+                trainer_logprobs = {**result.train_logprobs, **recomputed}
+                lp_diff = _logprob_diff(batch, trainer_logprobs)
+                mismatch = mismatch_stats_of_sequences(
+                    trainer_logprobs, batch.engine_logprobs, loss.rollout_correction
+                )
     tp = rt.cfg.actor.tp
     global_steps = [
         OptimizerStepStats.from_row(row)
         for row in reduce_sums_to_all([s.as_row() for s in per_step], tp)
     ]
-    [[lp_diff_sum, lp_diff_count]] = reduce_sums_to_all([lp_diff], tp)
-    return summarise_update(global_steps, grad_norms, lp_diff_sum, lp_diff_count)
+    [[lp_diff_sum, lp_diff_count, *mismatch_sums]] = reduce_sums_to_all(
+        [lp_diff + mismatch.sum_row()], tp
+    )
+    mismatch = MismatchStats.from_rows(mismatch_sums, reduce_max_to_all(mismatch.max_row()))
+    return summarise_update(
+        global_steps, grad_norms, lp_diff_sum, lp_diff_count, mismatch.metrics()
+    )
 
 
 def _logprob_diff(batch: RolloutShard, trainer_logprobs: dict) -> list[float]:

@@ -43,6 +43,8 @@ REQUIRED_METRICS = (
     "actor/ppo_kl",
     "response_length/mean",
     "rollout/logprob_abs_diff",
+    "rollout_corr/kl",
+    "rollout_corr/rollout_is_mean",
     "perf/throughput",
 )
 

@@ -56,6 +56,14 @@ _VLLM_CASES = (
         (["data.task=jsonl", "data.path=/nonexistent/data.jsonl"], "/nonexistent/data.jsonl"),
         (["planner.prune_zero_adv=match_loss_curve", "actor.kl_coef=0.1"], "actor.kl_coef"),
         (["planner.ref_log_prob=never", "actor.kl_coef=0.1"], "planner.ref_log_prob"),
+        (
+            ["planner.old_log_prob=rollout", "algo.rollout_correction.rollout_is=token"],
+            "planner.old_log_prob=rollout makes the engine's logprobs the old ones",
+        ),
+        (
+            ["algo.rollout_correction.rollout_rs=geo"],
+            "algo.rollout_correction.rollout_rs='geo': must be one of token, sequence, geometric",
+        ),
         (["trainer.resume=/nonexistent/ckpt"], "checkpoint /nonexistent/ckpt: no such directory"),
         (["actor.optim.grad_clip=-1"], "actor.optim.grad_clip=-1.0: must be >= 0 (0 = no clip"),
         (["rollout.temperature=0"], "rollout.temperature=0.0: must be > 0"),

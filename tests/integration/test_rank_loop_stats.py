@@ -6,6 +6,7 @@ planner's optimizer steps through the all-reduce to the reported numbers runs in
 
 from __future__ import annotations
 
+import math
 import socket
 from types import SimpleNamespace
 
@@ -79,3 +80,50 @@ def test_two_mini_batches_two_epochs_report_means_not_sums(one_rank_world) -> No
     assert metrics["actor/pg_loss"] == pytest.approx(0.2)  # the sum would be 0.8
     assert metrics["actor/entropy"] == pytest.approx(2.0)
     assert metrics["actor/grad_norm"] == pytest.approx(3.0)
+
+
+class _LogprobActor(_ScriptedActor):
+    """Also hands back training-forward logprobs of the first optimizer step's sequences."""
+
+    def __init__(self, script, train_logprobs: dict[int, torch.Tensor]) -> None:
+        super().__init__(script)
+        self.train_logprobs = train_logprobs
+
+    def train_step(self, batch, step, dp_rank, old, ref, loss, capture_logprobs=False):
+        result = super().train_step(batch, step, dp_rank, old, ref, loss, capture_logprobs)
+        captured = self.train_logprobs if capture_logprobs else {}
+        return TrainStepResult(
+            stats=result.stats, grad_norm=result.grad_norm, train_logprobs=captured
+        )
+
+
+def test_rollout_corr_metrics_cover_train_forward_and_recomputed_sequences(one_rank_world) -> None:
+    """The first step's training-forward logprobs and the recomputed ones, against the engine's
+    (all 0): sequence i's tokens have log-ratio (i - 3.5) / 10, so the extremes are seqs 0, 7."""
+    n = 8
+    batch = RolloutBatch(
+        tokens=tuple(torch.arange(6) for _ in range(n)),
+        prompt_lens=(2,) * n,
+        group_ids=torch.tensor([0, 0, 0, 0, 1, 1, 1, 1]),
+        rewards=torch.zeros(n),
+        advantages=torch.tensor([1.0, -1.0] * 4),
+        engine_logprobs=tuple(torch.zeros(4) for _ in range(n)),
+    )
+    plan = plan_step(
+        PlannerInputs(
+            seq_tokens=tuple(batch.seq_lens),
+            response_tokens=tuple(batch.response_lens),
+            advantages=tuple(batch.advantages.tolist()),
+            group_ids=tuple(batch.group_ids.tolist()),
+            ppo_mini_batches=2,
+        )
+    )
+    trainer = {i: torch.full((4,), (i - 3.5) / 10) for i in range(n)}
+    actor = _LogprobActor([(0.1, 1.0, 1.0)] * 2, {i: trainer[i] for i in range(4)})
+    rt = SimpleNamespace(cfg=RunConfig(), actor=actor, dp_rank=0)
+    recomputed = {i: trainer[i] for i in range(4, n)}
+    metrics = _update_actor(rt, batch, plan, recomputed, recomputed, None, PhaseTimer()).metrics()
+    assert metrics["rollout_corr/kl"] == pytest.approx(0.0, abs=1e-6)
+    assert metrics["rollout_corr/rollout_is_max"] == pytest.approx(math.exp(0.35), rel=1e-6)
+    assert metrics["rollout_corr/rollout_is_min"] == pytest.approx(math.exp(-0.35), rel=1e-6)
+    assert metrics["rollout_corr/rollout_rs_masked_fraction"] == 0.0

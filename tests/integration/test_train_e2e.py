@@ -20,6 +20,13 @@ def _read_metrics(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def _assert_rollout_correction_is_identity(row: dict) -> None:
+    """fp32 on CPU: the engine and the trainer agree, so pi_old / pi_rollout ~ 1."""
+    assert abs(row["rollout_corr/kl"]) <= 1e-4, row
+    assert abs(row["rollout_corr/rollout_is_max"] - 1) <= 1e-3, row
+    assert abs(row["rollout_corr/rollout_is_min"] - 1) <= 1e-3, row
+
+
 def test_single_process_run_writes_every_metric_and_syncs_the_moved_policy(tmp_path):
     """lr 5e-2 moves the policy far in step 1, so step 2's logprobs match the trainer only if
     the weight sync really reached the engine (a silent failure would show a large diff)."""
@@ -31,6 +38,7 @@ def test_single_process_run_writes_every_metric_and_syncs_the_moved_policy(tmp_p
         missing = [k for k in REQUIRED_METRICS if k not in row]
         assert not missing, missing
         assert row["rollout/logprob_abs_diff"] <= 1e-3
+        _assert_rollout_correction_is_identity(row)
         assert 0.0 <= row["critic/advantages/zero_adv_ratio"] <= 1.0
     assert len(result.history) == 2
     assert result.history[0]["actor/grad_norm"] > 0
@@ -48,6 +56,7 @@ def test_tp2_pp2_four_processes_engine_agrees_with_trainer(tmp_path):
     )
     for row in result.history:
         assert row["rollout/logprob_abs_diff"] <= 1e-3, row
+        _assert_rollout_correction_is_identity(row)  # reduced over TP / PP / DP ranks
     # the second step's rollout used weights synced after step 1's update
     assert result.history[1]["actor/grad_norm"] > 0
 

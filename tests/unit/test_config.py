@@ -11,6 +11,7 @@ from megarl.algo.dapo import FILTER_GROUP_METRICS
 from megarl.algo.kl_reward import KL_CTRL_TYPES
 from megarl.algo.losses import AGG_MODES, KL_PENALTY_KINDS
 from megarl.algo.policy_losses import POLICY_LOSS_NAMES
+from megarl.algo.rollout_correction import ROLLOUT_IS_LEVELS, ROLLOUT_RS_LEVELS, CorrectionSettings
 from megarl.config.schema import ROLLOUT_SLEEP_LEVELS, ConfigError, RunConfig, build_run_config
 from megarl.engines.factory import ENGINE_NAMES
 from megarl.planner.batch_planner import PRUNE_SETTINGS
@@ -88,6 +89,8 @@ def _readme_row(key: str) -> str:
         ("actor.policy_loss", POLICY_LOSS_NAMES),
         ("algo.filter_groups.enable", FILTER_GROUP_METRICS),
         ("planner.old_log_prob", tuple(mode.value for mode in OldLogProbMode)),
+        ("algo.rollout_correction.rollout_is", ROLLOUT_IS_LEVELS),
+        ("algo.rollout_correction.rollout_rs", ROLLOUT_RS_LEVELS),
     ],
 )
 def test_readme_lists_every_choice(key, choices):
@@ -95,3 +98,59 @@ def test_readme_lists_every_choice(key, choices):
     row = _readme_row(key)
     missing = [choice for choice in choices if f"`{choice}`" not in row]
     assert not missing, f"README row for {key} lacks {missing}"
+
+
+RC = "algo.rollout_correction"
+
+
+@pytest.mark.parametrize(
+    ("section", "needle"),
+    [
+        (
+            {"rollout_is": "geometric"},
+            f"{RC}.rollout_is='geometric': must be one of token, sequence",
+        ),
+        ({"rollout_rs": "seq"}, f"{RC}.rollout_rs='seq'"),
+        ({"rollout_is_threshold": 0.0}, f"{RC}.rollout_is_threshold=0.0"),
+        ({"rollout_rs_threshold": "high"}, f"{RC}.rollout_rs_threshold='high'"),
+        ({"rollout_rs": "token", "rollout_rs_threshold": 0.9}, f"{RC}.rollout_rs_threshold=0.9"),
+        (
+            {"rollout_rs": "token", "rollout_is_threshold": 0.5},
+            f"{RC}.rollout_rs_threshold=None: the upper rejection bound (0.5) must be >= 1",
+        ),
+        (
+            {"rollout_rs": "geometric", "rollout_rs_threshold_lower": 1.5},
+            f"{RC}.rollout_rs_threshold_lower=1.5",
+        ),
+        ({"bogus": 1}, f"unknown config key {RC}.bogus"),
+    ],
+)
+def test_rollout_correction_bad_values_name_the_key(section, needle):
+    with pytest.raises(ConfigError) as info:
+        build_run_config({"algo": {"rollout_correction": section}})
+    assert needle in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_rollout_correction_defaults_off_and_resolves_bounds_as_verl():
+    off = build_run_config({}).algo.rollout_correction
+    assert not off.enabled and off.settings == CorrectionSettings()
+    on = build_run_config(
+        {"algo": {"rollout_correction": {"rollout_is": "token", "rollout_rs": "geometric"}}}
+    ).algo.rollout_correction
+    assert on.enabled
+    assert on.settings == CorrectionSettings(
+        rollout_is="token", is_threshold=2.0, rollout_rs="geometric", rs_upper=2.0, rs_lower=0.5
+    )
+    explicit = build_run_config(
+        {"algo": {"rollout_correction": {"rollout_rs": "token", "rollout_rs_threshold": 4}}}
+    ).algo.rollout_correction
+    assert explicit.rs_bounds == (4.0, 0.25)
+
+
+def test_rollout_correction_reaches_the_gates():
+    from megarl.config.planning import run_facts
+
+    cfg = build_run_config({"algo": {"rollout_correction": {"rollout_rs": "sequence"}}})
+    assert run_facts(cfg).rollout_correction
+    assert not run_facts(build_run_config({})).rollout_correction

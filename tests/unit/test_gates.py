@@ -301,7 +301,7 @@ def test_metrics_have_exactly_the_four_keys_and_values() -> None:
 def test_summary_line() -> None:
     gates = decide_gates(_facts(2, 1, lora_enabled=True, engine_base_weights_resident=True))
     assert gates.summary() == (
-        "old_lp: 8/16 recompute (mb1 after step) | ref: skip (actor.kl_coef=0) "
+        "old_lp: 8/16 recompute, rest train forward (mb1 after step) | ref: skip (actor.kl_coef=0) "
         "| sync: adapter only (engine kept base)"
     )
 
@@ -309,3 +309,60 @@ def test_summary_line() -> None:
 def test_a_gate_that_does_not_run_names_no_sequences() -> None:
     with pytest.raises(ValueError, match="cannot name sequences"):
         PassGate(run=False, reason="x", seq_indices=(1,))
+
+
+# ---------------------------------------------------------------------------------------------
+# Rollout correction: the old logprobs must be the trainer's own
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("mini_batches", "epochs"), [(1, 1), (2, 1), (1, 2), (3, 2)])
+@pytest.mark.parametrize("mode", [OldLogProbMode.AUTO, OldLogProbMode.ALWAYS])
+def test_correction_never_takes_the_engines_logprobs_as_old(
+    mini_batches: int, epochs: int, mode: OldLogProbMode
+) -> None:
+    """Every sequence's old logprobs are recomputed or come from the training forward on the
+    generating weights, the same oracle as without correction; never the engine's."""
+    validate_gate_config(_run(mini_batches, epochs, old_log_prob=mode, rollout_correction=True))
+    gates = decide_gates(_facts(mini_batches, epochs, old_log_prob=mode, rollout_correction=True))
+    assert gates.old_log_prob.source is not OldLogProbSource.ROLLOUT
+    stale = simulate_stale_slices(mini_batches, epochs)
+    if mode is OldLogProbMode.ALWAYS:
+        stale = set(range(mini_batches))
+    expected = tuple(i for k in sorted(stale) for i in range(k * 8, (k + 1) * 8))
+    assert gates.old_log_prob.seq_indices == expected
+    assert "rollout logprobs" not in gates.summary()
+
+
+def test_correction_on_policy_says_the_train_forward_is_old() -> None:
+    gates = decide_gates(_facts(rollout_correction=True))
+    assert gates.old_log_prob.source is OldLogProbSource.TRAIN_FORWARD
+    assert gates.old_log_prob.reason == (
+        "on-policy: the train forward is pi_old for algo.rollout_correction"
+    )
+    assert gates.summary().startswith(
+        "old_lp: train forward (on-policy: the train forward is pi_old for algo.rollout_correction)"
+    )
+    assert decide_gates(_facts()).old_log_prob.reason == "on-policy"
+
+
+def test_correction_with_rollout_logprobs_as_old_is_refused_at_start_up() -> None:
+    run = _run(old_log_prob=OldLogProbMode.ROLLOUT, rollout_correction=True)
+    with pytest.raises(GateConfigError) as err:
+        validate_gate_config(run)
+    message = str(err.value)
+    assert "planner.old_log_prob=rollout" in message and "algo.rollout_correction" in message
+    assert "\n" not in message
+    validate_gate_config(_run(old_log_prob=OldLogProbMode.ROLLOUT))  # no correction: allowed
+    validate_gate_config(_run(old_log_prob=OldLogProbMode.NEVER, rollout_correction=True))
+
+
+@pytest.mark.parametrize(
+    ("recomputed_slices", "action"),
+    [(0, "train forward"), (1, "8/16 recompute, rest train forward"), (2, "16/16 recompute")],
+)
+def test_summary_names_which_logprobs_are_old(recomputed_slices: int, action: str) -> None:
+    mode = {0: OldLogProbMode.NEVER, 1: OldLogProbMode.AUTO, 2: OldLogProbMode.ALWAYS}
+    mini_batches = 1 if recomputed_slices == 0 else 2
+    gates = decide_gates(_facts(mini_batches, old_log_prob=mode[recomputed_slices]))
+    assert gates.summary().startswith(f"old_lp: {action} (")

@@ -1,0 +1,251 @@
+"""Rollout correction (truncated IS, rejection) and its mismatch metrics on hand-made numbers.
+
+The reference is the definition in verl's rollout-correction docs (decoupled mode): the IS
+weight of a token is ``min(rho, threshold)`` with ``rho = pi_old / pi_rollout`` of the token
+(``token``) or the product over its response (``sequence``); rejection drops a token or
+response whose ratio (token, product, or geometric mean) leaves ``[lower, upper]``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from megarl.algo.losses import AGG_MODES, policy_loss
+from megarl.algo.policy_losses import POLICY_LOSS_NAMES
+from megarl.algo.rollout_correction import (
+    METRIC_NAMES,
+    CorrectionSettings,
+    MismatchStats,
+    compute_correction,
+    mismatch_stats,
+    mismatch_stats_of_sequences,
+)
+from megarl.planner.batch_planner import normaliser_of
+
+# Row 0: token ratios 2, 1, 1/4 (three tokens); row 1: ratios 3, 1/2 and one padding slot.
+RATIOS_BT = torch.tensor([[2.0, 1.0, 0.25], [3.0, 0.5, 1.0]], dtype=torch.float64)
+MASK_BT = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]], dtype=torch.float64)
+ROLLOUT_LOGP_BT = torch.log(torch.tensor([[0.2, 0.5, 0.8], [0.1, 0.6, 0.3]], dtype=torch.float64))
+OLD_LOGP_BT = ROLLOUT_LOGP_BT + RATIOS_BT.log()
+
+
+def _correction(**settings: object):
+    return compute_correction(OLD_LOGP_BT, ROLLOUT_LOGP_BT, MASK_BT, CorrectionSettings(**settings))  # type: ignore[arg-type]
+
+
+def _assert_rows(got: torch.Tensor, expected: list[list[float]]) -> None:
+    torch.testing.assert_close(got, torch.tensor(expected, dtype=torch.float64))
+
+
+def test_off_is_weight_one_on_tokens_zero_on_padding() -> None:
+    corr = _correction()
+    _assert_rows(corr.token_weights_BT, [[1, 1, 1], [1, 1, 0]])
+    assert not CorrectionSettings().enabled
+
+
+def test_token_is_is_the_truncated_token_ratio() -> None:
+    corr = _correction(rollout_is="token", is_threshold=1.5)
+    _assert_rows(corr.is_weights_BT, [[1.5, 1.0, 0.25], [1.5, 0.5, 0.0]])
+    _assert_rows(corr.keep_BT, [[1, 1, 1], [1, 1, 0]])
+
+
+def test_sequence_is_is_the_truncated_product_on_every_token() -> None:
+    # products: 2 * 1 * 0.25 = 0.5; 3 * 0.5 = 1.5 (the padding slot's ratio does not count)
+    corr = _correction(rollout_is="sequence", is_threshold=1.2)
+    _assert_rows(corr.is_weights_BT, [[0.5, 0.5, 0.5], [1.2, 1.2, 0.0]])
+
+
+def test_token_rejection_drops_tokens_outside_the_bounds() -> None:
+    corr = _correction(rollout_rs="token", rs_lower=0.5, rs_upper=2.0)
+    _assert_rows(corr.keep_BT, [[1, 1, 0], [0, 1, 0]])  # 2 and 0.5 are inside (closed bounds)
+    _assert_rows(corr.is_weights_BT, [[1, 1, 1], [1, 1, 0]])
+
+
+def test_sequence_rejection_judges_the_product() -> None:
+    # products 0.5 and 1.5: with [0.6, 2] the first response goes, the second stays
+    corr = _correction(rollout_rs="sequence", rs_lower=0.6, rs_upper=2.0)
+    _assert_rows(corr.keep_BT, [[0, 0, 0], [1, 1, 0]])
+
+
+def test_geometric_rejection_judges_the_geometric_mean() -> None:
+    # geometric means 0.5^(1/3) = 0.794 and 1.5^(1/2) = 1.225
+    corr = _correction(rollout_rs="geometric", rs_lower=0.8, rs_upper=1.3)
+    _assert_rows(corr.keep_BT, [[0, 0, 0], [1, 1, 0]])
+    corr = _correction(rollout_rs="geometric", rs_lower=0.75, rs_upper=1.2)
+    _assert_rows(corr.keep_BT, [[1, 1, 1], [0, 0, 0]])
+
+
+def test_is_and_rejection_combine() -> None:
+    corr = _correction(rollout_is="token", is_threshold=2.0, rollout_rs="token", rs_lower=0.3)
+    _assert_rows(corr.token_weights_BT, [[2.0, 1.0, 0.0], [0.0, 0.5, 0.0]])
+
+
+def test_weights_are_detached_and_extreme_ratios_finite() -> None:
+    old_BT = torch.tensor([[0.0, -200.0]], requires_grad=True)
+    rollout_BT = torch.tensor([[-200.0, 0.0]])
+    corr = compute_correction(
+        old_BT, rollout_BT, torch.ones(1, 2), CorrectionSettings(rollout_is="sequence")
+    )
+    assert not corr.is_weights_BT.requires_grad
+    assert torch.isfinite(corr.token_weights_BT).all()
+
+
+@pytest.mark.parametrize(
+    ("settings", "match"),
+    [
+        ({"rollout_is": "geometric"}, "rollout_is"),
+        ({"rollout_rs": "tokens"}, "rollout_rs"),
+        ({"is_threshold": 0.0}, "is_threshold"),
+        ({"rollout_rs": "token", "rs_lower": 1.1, "rs_upper": 2.0}, "lower <= 1 <= upper"),
+        ({"rollout_rs": "token", "rs_lower": 0.5, "rs_upper": 0.9}, "lower <= 1 <= upper"),
+        ({"rollout_rs": "sequence", "rs_lower": 1.0, "rs_upper": 1.0}, "lower < upper"),
+    ],
+)
+def test_settings_are_validated(settings: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        CorrectionSettings(**settings)
+
+
+# ----------------------------------------------------------------------------- the loss
+
+
+def _policy_batch() -> tuple[torch.Tensor, ...]:
+    """8 rows of varied length, a third with advantage 0, a rollout policy off by ~0.4 nats."""
+    gen = torch.Generator().manual_seed(3)
+    lengths_B = torch.tensor([5, 1, 3, 4, 2, 5, 3, 4])
+    mask_BT = (torch.arange(5)[None, :] < lengths_B[:, None]).to(torch.float64)
+    old_BT = -torch.rand(8, 5, generator=gen, dtype=torch.float64) * 3
+    logp_BT = old_BT + 0.3 * torch.randn(8, 5, generator=gen, dtype=torch.float64)
+    rollout_BT = old_BT + 0.4 * torch.randn(8, 5, generator=gen, dtype=torch.float64)
+    adv_B = torch.tensor([0.0, 1.2, -0.7, 0.0, 2.0, -1.5, 0.0, 0.4], dtype=torch.float64)
+    return logp_BT, old_BT, rollout_BT, adv_B, mask_BT
+
+
+SETTINGS = CorrectionSettings(rollout_is="sequence", is_threshold=1.5, rollout_rs="token")
+
+
+def _weighted_loss(pieces: list[list[int]], name: str, mode: str, denom: float | None):
+    logp_BT, old_BT, rollout_BT, adv_B, mask_BT = _policy_batch()
+    leaf_BT = logp_BT.clone().requires_grad_(True)
+    total = leaf_BT.new_zeros(())
+    for rows in pieces:
+        corr = compute_correction(old_BT[rows], rollout_BT[rows], mask_BT[rows], SETTINGS)
+        total = (
+            total
+            + policy_loss(
+                leaf_BT[rows],
+                old_BT[rows],
+                adv_B[rows],
+                mask_BT[rows],
+                0.2,
+                0.2,
+                mode,
+                denom,
+                loss=name,
+                loss_scale_factor=6.0,
+                token_weights_BT=corr.token_weights_BT,
+            ).loss
+        )
+    total.backward()
+    assert leaf_BT.grad is not None
+    return total.detach(), leaf_BT.grad, adv_B, mask_BT
+
+
+@pytest.mark.parametrize("mode", AGG_MODES)
+@pytest.mark.parametrize("name", POLICY_LOSS_NAMES)
+def test_corrected_loss_is_split_and_prune_exact(name: str, mode: str) -> None:
+    """With the weights applied, any cut into pieces sharing the planner's normaliser (which
+    counts rejected tokens) sums to the unsplit loss and gradient, zero-advantage rows dropped
+    or not, and their gradient is exactly 0."""
+    whole, whole_grad, adv_B, mask_BT = _weighted_loss([list(range(8))], name, mode, None)
+    normaliser = normaliser_of(mask_BT.sum(dim=1).long().tolist(), mode, 6.0)
+    assert (whole_grad[adv_B == 0] == 0).all()
+    for pieces in ([[0, 1, 2], [3, 4, 5, 6, 7]], [[7], [2, 5], [0, 6, 1, 3, 4]]):
+        split, split_grad, _, _ = _weighted_loss(pieces, name, mode, normaliser)
+        torch.testing.assert_close(split, whole)
+        torch.testing.assert_close(split_grad, whole_grad)
+    kept = [[b for b in rows if adv_B[b] != 0] for rows in ([1, 2, 4], [5, 7])]
+    pruned, pruned_grad, _, _ = _weighted_loss(kept, name, mode, normaliser)
+    torch.testing.assert_close(pruned, whole)
+    torch.testing.assert_close(pruned_grad, whole_grad)
+
+
+def test_token_weights_multiply_each_tokens_loss_and_keep_the_denominator() -> None:
+    """vanilla at ratio 1 (logp = old): loss per token is -A; token-mean over all 5 response
+    tokens, rejected ones included: (-w1 - w2 - 0 - w4 - w5) * A / 5."""
+    logp_BT = torch.zeros(1, 5, dtype=torch.float64, requires_grad=True)
+    weights_BT = torch.tensor([[1.5, 1.0, 0.0, 0.25, 2.0]], dtype=torch.float64)
+    out = policy_loss(
+        logp_BT,
+        logp_BT.detach(),
+        torch.tensor([2.0]),
+        torch.ones(1, 5),
+        token_weights_BT=weights_BT,
+    )
+    assert out.loss.item() == pytest.approx(-2.0 * (1.5 + 1.0 + 0.25 + 2.0) / 5)
+    out.loss.backward()
+    assert logp_BT.grad is not None
+    torch.testing.assert_close(logp_BT.grad, -2.0 * weights_BT / 5)
+
+
+# ----------------------------------------------------------------------------- metrics
+
+
+def test_metrics_of_a_known_injected_mismatch() -> None:
+    """Engine log-probs shifted by +0.3 on even tokens and -1.0 on odd ones (rho = e^-0.3 and
+    e^1): every metric follows from the two values."""
+    old_BT = torch.full((2, 4), -1.5, dtype=torch.float64)
+    shift_BT = torch.tensor([0.3, -1.0, 0.3, -1.0], dtype=torch.float64).expand(2, 4)
+    settings = CorrectionSettings(rollout_is="token", rollout_rs="token")  # bounds [0.5, 2]
+    m = mismatch_stats(old_BT, old_BT + shift_BT, torch.ones(2, 4), settings).metrics()
+    lo, hi = math.exp(-0.3), math.e
+    assert m["rollout_corr/kl"] == pytest.approx((0.3 - 1.0) / 2)
+    assert m["rollout_corr/k3_kl"] == pytest.approx(((lo + 0.3 - 1) + (hi - 1.0 - 1)) / 2)
+    assert m["rollout_corr/chi2_token"] == pytest.approx((lo**2 + hi**2) / 2 - 1)
+    assert m["rollout_corr/chi2_seq"] == pytest.approx((lo * hi) ** 4 - 1)
+    assert m["rollout_corr/rollout_is_mean"] == pytest.approx((lo + hi) / 2)
+    assert m["rollout_corr/rollout_is_max"] == pytest.approx(hi)
+    assert m["rollout_corr/rollout_is_min"] == pytest.approx(lo)
+    assert m["rollout_corr/rollout_is_ratio_fraction_high"] == pytest.approx(0.5)
+    assert m["rollout_corr/rollout_rs_masked_fraction"] == pytest.approx(0.5)
+    assert m["rollout_corr/rollout_rs_seq_masked_fraction"] == pytest.approx(1.0)
+    assert set(m) == set(METRIC_NAMES)
+
+
+def test_metrics_at_sequence_level_and_when_policies_agree() -> None:
+    settings = CorrectionSettings(rollout_is="sequence", is_threshold=1.2)
+    m = mismatch_stats(OLD_LOGP_BT, ROLLOUT_LOGP_BT, MASK_BT, settings).metrics()
+    assert m["rollout_corr/rollout_is_mean"] == pytest.approx((0.5 + 1.5) / 2)
+    assert m["rollout_corr/rollout_is_max"] == pytest.approx(1.5)
+    assert m["rollout_corr/rollout_is_ratio_fraction_high"] == pytest.approx(0.5)
+    assert m["rollout_corr/rollout_rs_masked_fraction"] == 0.0
+    same = mismatch_stats(OLD_LOGP_BT, OLD_LOGP_BT, MASK_BT, settings).metrics()
+    for name in ("kl", "k3_kl", "chi2_token", "chi2_seq"):
+        assert same[f"rollout_corr/{name}"] == pytest.approx(0.0, abs=1e-12)
+    assert same["rollout_corr/rollout_is_mean"] == pytest.approx(1.0)
+
+
+def test_stats_merge_like_one_batch_and_survive_the_rows() -> None:
+    """What the ranks do: sum rows, take the maximum of the max rows."""
+    settings = CorrectionSettings(rollout_rs="geometric", rs_lower=0.8, rs_upper=1.3)
+    whole = mismatch_stats(OLD_LOGP_BT, ROLLOUT_LOGP_BT, MASK_BT, settings)
+    parts = [
+        mismatch_stats(OLD_LOGP_BT[[r]], ROLLOUT_LOGP_BT[[r]], MASK_BT[[r]], settings)
+        for r in (0, 1)
+    ]
+    merged = parts[0].merge(parts[1])
+    assert merged.metrics() == pytest.approx(whole.metrics())
+    assert MismatchStats.from_rows(whole.sum_row(), whole.max_row()) == whole
+    assert MismatchStats().merge(whole) == whole
+
+
+def test_stats_of_sequences_equal_the_padded_batch() -> None:
+    old = {4: OLD_LOGP_BT[0], 9: OLD_LOGP_BT[1, :2]}
+    rollout = {4: ROLLOUT_LOGP_BT[0], 9: ROLLOUT_LOGP_BT[1, :2], 5: torch.zeros(7)}
+    settings = CorrectionSettings(rollout_rs="token")
+    got = mismatch_stats_of_sequences(old, rollout, settings)
+    assert got == mismatch_stats(OLD_LOGP_BT, ROLLOUT_LOGP_BT, MASK_BT, settings)
+    assert math.isnan(mismatch_stats_of_sequences({}, {}, settings).metrics()["rollout_corr/kl"])
