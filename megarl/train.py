@@ -180,7 +180,7 @@ def validate_against_model(cfg, model_dir: str, device: str = "cpu") -> None:
     from megarl.models.spec import VPP_TRAINING_UNSUPPORTED, ModelSpecError, spec_from_hf_config
     from megarl.planner.batch_planner import PlannerError, check_pruning_config
     from megarl.planner.gates import GateConfigError, validate_gate_config
-    from megarl.trainer.rollout_host import prompt_source, validation_problems
+    from megarl.trainer.rollout_host import training_source, validation_problems
 
     try:
         spec = spec_from_hf_config(load_hf_config(model_dir))
@@ -193,7 +193,18 @@ def validate_against_model(cfg, model_dir: str, device: str = "cpu") -> None:
         check_pruning_config(
             prune_mode(cfg)[0], cfg.actor.kl_coef, cfg.actor.entropy_coef, cfg.planner.allow_approx
         )
-        source = prompt_source(cfg)
+        source, dropped = training_source(cfg, model_dir, spec.max_position_embeddings)
+        if dropped and isinstance(source, list):
+            if not source:
+                raise StartupError(
+                    f"data.filter_overlong_prompts: all {dropped} prompts are over the prompt "
+                    "budget; raise data.max_prompt_length or lower rollout.max_new_tokens"
+                )
+            print(
+                f"data: data.filter_overlong_prompts left out {dropped} of "
+                f"{dropped + len(source)} prompts that do not fit",
+                flush=True,
+            )
         get_reward_fn(cfg.data.reward_fn_name)
         check_context_fit(cfg, model_dir, source, spec.max_position_embeddings)
         if cfg.data.val_files:
@@ -225,7 +236,7 @@ def check_context_fit(cfg, model_dir: str, source, max_position_embeddings: int)
     system_prompt = cfg.data.system_prompt
     lens = [len(encode_prompt(tokenizer, p, system_prompt)) for p in problems]
     limit = context_limit(max_position_embeddings, cfg.rollout.engine, cfg.rollout.max_model_len)
-    check_prompts_fit(lens, cfg.rollout.max_new_tokens, limit)
+    check_prompts_fit(lens, cfg.rollout.max_new_tokens, limit, cfg.data.max_prompt_length)
 
 
 def check_vllm(cfg, model_dir: str, device: str) -> None:
@@ -302,13 +313,15 @@ def resolve_resume(cfg, model_dir: str, device: str) -> str | None:
     from megarl.data.loader import PromptStream
     from megarl.models.hf_io import load_hf_config
     from megarl.models.spec import spec_from_hf_config
-    from megarl.trainer.rollout_host import prompt_source
+    from megarl.trainer.rollout_host import training_source
 
     def model_spec() -> dict:
         return dataclasses.asdict(spec_from_hf_config(load_hf_config(model_dir)))
 
     def load_position(state) -> None:  # the rollout host's stream, as it will be built
-        stream = PromptStream(prompt_source(cfg), cfg.data.prompts_per_step, cfg.trainer.seed)
+        context = spec_from_hf_config(load_hf_config(model_dir)).max_position_embeddings
+        source, _ = training_source(cfg, model_dir, context)
+        stream = PromptStream(source, cfg.data.prompts_per_step, cfg.trainer.seed)
         stream.load_state_dict(state)
 
     checks = RunChecks(model_spec=model_spec, model_dir=model_dir, load_position=load_position)

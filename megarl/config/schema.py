@@ -408,6 +408,12 @@ class DataConfig:
     """The column holding the prompt: chat messages or a string (verl's key)."""
     answer_key: str | None = None
     """The column holding the answer; None = verl's ``reward_model.ground_truth``."""
+    max_prompt_length: int | None = None
+    """verl's key: the most tokens a prompt (chat template included) may have; None = what the
+    context leaves after ``rollout.max_new_tokens``."""
+    filter_overlong_prompts: bool = False
+    """verl's key: drop the dataset's prompts over that budget at load time (counted on the
+    console) instead of refusing the run."""
     val_files: tuple[str, ...] | None = None
     """Held-out problems (same formats and keys as ``train_files``) for validation."""
     val_batch_size: int | None = None
@@ -434,6 +440,7 @@ class DataConfig:
         object.__setattr__(self, "train_files", files)
         object.__setattr__(self, "val_files", _file_list("data.val_files", self.val_files))
         _optional_positive("data.val_batch_size", self.val_batch_size)
+        _optional_positive("data.max_prompt_length", self.max_prompt_length)
         if self.task == "auto":
             task = "files" if files else ("jsonl" if self.path else "arithmetic")
             object.__setattr__(self, "task", task)

@@ -31,7 +31,7 @@ from megarl.models.spec import TransformerSpec, spec_from_hf_config
 from megarl.trainer import perf
 from megarl.trainer.metrics import MetricsWriter, PhaseTimer, run_summary, step_line
 from megarl.trainer.perf import PeakFlops, peak_flops
-from megarl.trainer.rollout import RolloutProducer, RolloutSettings, sampling_seed
+from megarl.trainer.rollout import RolloutProducer, RolloutSettings, encode_prompt, sampling_seed
 
 VALIDATION_SEED_BATCH = 1_000_003
 """``sampling_seed``'s batch number for validation: far from dynamic sampling's 1, 2, ..."""
@@ -58,7 +58,10 @@ class RolloutHost:
         self.engine, self.sleep_level = _build_engine(cfg, tokenizer, device, model_dir)
         self.tokenizer = tokenizer
         self._val_problems: list[Problem] | None = None
-        self.stream = PromptStream(prompt_source(cfg), cfg.data.prompts_per_step, cfg.trainer.seed)
+        source, _ = training_source(
+            cfg, model_dir, self.spec.max_position_embeddings, tokenizer=tokenizer
+        )
+        self.stream = PromptStream(source, cfg.data.prompts_per_step, cfg.trainer.seed)
         settings = RolloutSettings(
             group_size=cfg.rollout.n,
             max_new_tokens=cfg.rollout.max_new_tokens,
@@ -283,6 +286,36 @@ def vllm_settings(cfg: RunConfig, model_dir: str, device: str):
         model_dir,
         psutil.virtual_memory().available,
     )
+
+
+def fitting_problems(
+    cfg: RunConfig, problems: list[Problem], tokenizer, max_position_embeddings: int
+) -> tuple[list[Problem], int]:
+    """The problems whose prompt is within budget (:func:`megarl.config.context.prompt_budget`)
+    and how many were left out, as ``data.filter_overlong_prompts`` trains on them. Start-up
+    and the rollout host both call this, so they agree on the dataset."""
+    from megarl.config.context import context_limit, overlong, prompt_budget
+
+    limit = context_limit(max_position_embeddings, cfg.rollout.engine, cfg.rollout.max_model_len)
+    budget = prompt_budget(limit, cfg.rollout.max_new_tokens, cfg.data.max_prompt_length)
+    lens = [len(encode_prompt(tokenizer, p, cfg.data.system_prompt)) for p in problems]
+    dropped = set(overlong(lens, budget))
+    return [p for i, p in enumerate(problems) if i not in dropped], len(dropped)
+
+
+def training_source(
+    cfg: RunConfig, model_dir: str, max_position_embeddings: int, tokenizer=None
+) -> tuple[PromptSource, int]:
+    """The prompts the run trains on and how many ``data.filter_overlong_prompts`` left out
+    (the tokenizer is loaded from ``model_dir`` only when filtering needs it)."""
+    source = prompt_source(cfg)
+    if not (cfg.data.filter_overlong_prompts and isinstance(source, list)):
+        return source, 0
+    if tokenizer is None:
+        from megarl.models.hf_io import load_hf_tokenizer
+
+        tokenizer = load_hf_tokenizer(model_dir)
+    return fitting_problems(cfg, source, tokenizer, max_position_embeddings)
 
 
 def validation_problems(cfg: RunConfig) -> list[Problem]:

@@ -200,6 +200,39 @@ def test_bad_parquet_row_names_file_and_row(train_cli, tmp_path):
     )
 
 
+def test_overlong_prompts_are_refused_or_filtered_by_the_key(train_cli, tmp_path):
+    """GSM8K in a 128-token context: 14 of the 64 sample prompts cannot fit. Refused with one
+    line that names the key; with it, left out and counted, and the run trains on the rest."""
+    data = Path(__file__).resolve().parents[2] / "examples" / "data" / "gsm8k" / "train.parquet"
+    common = [
+        "model=tiny_llama",
+        "model.hf_config.max_position_embeddings=128",
+        f"data.train_files={data}",
+        "rollout.max_new_tokens=6",
+    ]
+    refused = train_cli.run(f"trainer.run_dir={tmp_path / 'refused'}", *common, cwd=tmp_path)
+    _assert_one_line_exit_2_nothing_written(
+        refused, "14 of 64 prompts do not fit", tmp_path / "refused"
+    )
+    assert "data.filter_overlong_prompts=true" in refused.stderr
+    filtered = train_cli.run(
+        f"trainer.run_dir={tmp_path / 'filtered'}",
+        *common,
+        "data.filter_overlong_prompts=true",
+        "trainer.total_steps=1",
+        "trainer.tensorboard=false",
+        "rollout.n=2",
+        "data.prompts_per_step=2",
+        cwd=tmp_path,
+    )
+    assert filtered.returncode == 0, filtered.stderr[-2000:]
+    assert "left out 14 of 64 prompts that do not fit" in filtered.stdout
+    [row] = [
+        json.loads(r) for r in (tmp_path / "filtered" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert row["prompt_length/mean"] <= 128 - 6
+
+
 _REWARD_MODULE = """
 def returns_nan(response, answer):
     return float("nan")

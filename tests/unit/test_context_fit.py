@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from megarl.config.context import check_prompts_fit, context_limit
+from megarl.config.context import check_prompts_fit, context_limit, overlong, prompt_budget
 from megarl.config.schema import ConfigError
 
 
@@ -42,3 +42,20 @@ def test_a_vllm_max_model_len_limit_says_it_can_be_raised():
     message = str(info.value)
     assert "(rollout.max_model_len=100)" in message
     assert "raise rollout.max_model_len (the model allows 512)" in message
+
+
+def test_the_prompt_budget_is_the_context_left_or_max_prompt_length_if_smaller():
+    limit = context_limit(512, "hf", None)
+    assert prompt_budget(limit, 12, None) == 500
+    assert prompt_budget(limit, 12, 64) == 64
+    assert prompt_budget(limit, 12, 10_000) == 500
+    assert overlong([10, 64, 65, 501], 64) == [2, 3]
+
+
+def test_prompts_over_max_prompt_length_are_refused_naming_it_and_the_filter():
+    with pytest.raises(ConfigError) as info:
+        check_prompts_fit([10, 80, 90], 12, context_limit(512, "hf", None), max_prompt_length=64)
+    message = str(info.value)
+    assert message.startswith("2 of 3 prompts are longer than data.max_prompt_length=64 tokens")
+    assert "(the longest has 90)" in message
+    assert message.endswith("or drop them with data.filter_overlong_prompts=true")
