@@ -51,8 +51,9 @@ class _ScriptedActor:
         return TrainStepResult(stats=stats, grad_norm=grad_norm, train_logprobs={})
 
 
-def test_two_mini_batches_two_epochs_report_means_not_sums(one_rank_world) -> None:
-    n = 8
+def _batch_and_plan(n: int = 8, ppo_epochs: int = 1):
+    """Two groups of four 6-token sequences (4 response tokens, engine logprobs all 0), planned
+    into two mini-batches."""
     batch = RolloutBatch(
         tokens=tuple(torch.arange(6) for _ in range(n)),
         prompt_lens=(2,) * n,
@@ -68,9 +69,14 @@ def test_two_mini_batches_two_epochs_report_means_not_sums(one_rank_world) -> No
             advantages=tuple(batch.advantages.tolist()),
             group_ids=tuple(batch.group_ids.tolist()),
             ppo_mini_batches=2,
-            ppo_epochs=2,
+            ppo_epochs=ppo_epochs,
         )
     )
+    return batch, plan
+
+
+def test_two_mini_batches_two_epochs_report_means_not_sums(one_rank_world) -> None:
+    batch, plan = _batch_and_plan(ppo_epochs=2)
     actor = _ScriptedActor([(0.4, 1.0, 1.0), (-0.2, 2.0, 2.0), (0.1, 3.0, 3.0), (0.5, 2.0, 6.0)])
     rt = SimpleNamespace(cfg=RunConfig(), actor=actor, dp_rank=0)
     stats = _update_actor(rt, batch, plan, {}, {}, None, PhaseTimer())
@@ -101,23 +107,7 @@ def test_rollout_corr_metrics_cover_train_forward_and_recomputed_sequences(one_r
     """The first step's training-forward logprobs and the recomputed ones, against the engine's
     (all 0): sequence i's tokens have log-ratio (i - 3.5) / 10, so the extremes are seqs 0, 7."""
     n = 8
-    batch = RolloutBatch(
-        tokens=tuple(torch.arange(6) for _ in range(n)),
-        prompt_lens=(2,) * n,
-        group_ids=torch.tensor([0, 0, 0, 0, 1, 1, 1, 1]),
-        rewards=torch.zeros(n),
-        advantages=torch.tensor([1.0, -1.0] * 4),
-        engine_logprobs=tuple(torch.zeros(4) for _ in range(n)),
-    )
-    plan = plan_step(
-        PlannerInputs(
-            seq_tokens=tuple(batch.seq_lens),
-            response_tokens=tuple(batch.response_lens),
-            advantages=tuple(batch.advantages.tolist()),
-            group_ids=tuple(batch.group_ids.tolist()),
-            ppo_mini_batches=2,
-        )
-    )
+    batch, plan = _batch_and_plan(n)
     trainer = {i: torch.full((4,), (i - 3.5) / 10) for i in range(n)}
     actor = _LogprobActor([(0.1, 1.0, 1.0)] * 2, {i: trainer[i] for i in range(4)})
     rt = SimpleNamespace(cfg=RunConfig(), actor=actor, dp_rank=0)
