@@ -26,8 +26,9 @@ import torch
 from megarl.models.spec import ModelSpecError, TransformerSpec
 
 LAYOUTS = ("replicated", "column", "row", "vocab", "qkv", "gate_up")
-DIMS = ("vocab", "hidden", "ffn", "q", "kv")
-"""Symbolic dims of HF tensor shapes: ``q`` = heads x head_dim, ``kv`` = KV heads x head_dim."""
+DIMS = ("vocab", "hidden", "ffn", "q", "kv", "head")
+"""Symbolic dims of HF tensor shapes: ``q`` = heads x head_dim, ``kv`` = KV heads x head_dim,
+``head`` = head_dim."""
 
 
 @dataclass(frozen=True)
@@ -116,10 +117,28 @@ QKV_BIAS_RULE = ParamRule(
     (("q",), ("kv",), ("kv",)),
 )
 
+QK_NORM_RULES = (
+    ParamRule(
+        _L + "self_attention.q_layernorm.weight",
+        (_H + "self_attn.q_norm.weight",),
+        "replicated",
+        (("head",),),
+    ),
+    ParamRule(
+        _L + "self_attention.k_layernorm.weight",
+        (_H + "self_attn.k_norm.weight",),
+        "replicated",
+        (("head",),),
+    ),
+)
+"""Qwen3's per-head query/key RMSNorm: one ``head_dim`` weight shared by every head, so every TP
+rank holds all of it."""
+
 FAMILY_RULES: dict[str, tuple[ParamRule, ...]] = {
     "llama": LLAMA_RULES,
     "mistral": LLAMA_RULES,
     "qwen2": (*LLAMA_RULES, QKV_BIAS_RULE),
+    "qwen3": (*LLAMA_RULES, *QK_NORM_RULES),
 }
 
 
@@ -139,6 +158,7 @@ def hf_shapes(rule: ParamRule, spec: TransformerSpec) -> tuple[tuple[int, ...], 
         "ffn": spec.ffn_hidden_size,
         "q": spec.num_heads * spec.head_dim,
         "kv": spec.num_kv_heads * spec.head_dim,
+        "head": spec.head_dim,
     }
     return tuple(tuple(sizes[d] for d in shape) for shape in rule.shapes)
 

@@ -43,6 +43,7 @@ def transformer_config(
         activation_func=torch.nn.functional.silu,
         add_bias_linear=False,
         add_qkv_bias=spec.qkv_bias,
+        qk_layernorm=spec.qk_norm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         bias_activation_fusion=False,
@@ -69,7 +70,7 @@ def transformer_config(
     )
 
 
-def layer_spec(use_transformer_engine: bool = False):
+def layer_spec(use_transformer_engine: bool = False, qk_layernorm: bool = False):
     """Local Megatron layer spec with SDPA core attention, or the transformer-engine spec."""
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
@@ -77,8 +78,8 @@ def layer_spec(use_transformer_engine: bool = False):
     )
 
     if use_transformer_engine:
-        return get_gpt_layer_with_transformer_engine_spec()
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_layernorm)
     # ModuleSpec.submodules is typed ``object`` in Megatron; the local spec's layout is fixed
     attention = spec.submodules.self_attention  # pyright: ignore[reportAttributeAccessIssue]
     attention.submodules.core_attention = SDPACoreAttention
@@ -110,7 +111,7 @@ def build_gpt_model(
     post = parallel_state.is_pipeline_last_stage(ignore_virtual=vpp is None, vp_stage=vp_stage)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(use_transformer_engine),
+        transformer_layer_spec=layer_spec(use_transformer_engine, qk_layernorm=spec.qk_norm),
         vocab_size=spec.padded_vocab_size(tp),
         max_sequence_length=spec.max_position_embeddings,
         pre_process=pre,

@@ -3,7 +3,8 @@
 Pure code (no megatron, no torch.distributed): the Megatron builder, the weight mapping, the
 exporter and the config validation all read one :class:`TransformerSpec`, so a model family is
 described once. Supported families share the Llama block (RMSNorm, RoPE, SwiGLU, GQA) and differ
-in small flags (Qwen2: bias on q/k/v).
+in small flags (Qwen2: bias on q/k/v; Qwen3: RMSNorm on each query and key head, and a head size
+that need not be hidden/heads).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED_FAMILIES = ("llama", "qwen2", "mistral")
+SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 VOCAB_DIVISIBLE_BY = 128
 VPP_TRAINING_UNSUPPORTED = (
     "actor.vpp > 1 is supported for loading, forward logprobs and export, not for training yet "
@@ -43,6 +44,9 @@ class TransformerSpec:
     tie_embeddings: bool
     qkv_bias: bool
     max_position_embeddings: int
+    qk_norm: bool = False
+    """RMSNorm over each query and key head before RoPE (Qwen3's ``q_norm``/``k_norm``; Megatron's
+    ``qk_layernorm``), with the block's ``rms_norm_eps``."""
 
     def __post_init__(self) -> None:
         if self.family not in SUPPORTED_FAMILIES:
@@ -69,6 +73,7 @@ class TransformerSpec:
         h, f, d = self.hidden_size, self.ffn_hidden_size, self.head_dim
         attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)
         attn += d * 2 * self.num_kv_heads + d * self.num_heads if self.qkv_bias else 0
+        attn += 2 * d if self.qk_norm else 0
         per_layer = attn + 3 * h * f + 2 * h
         embed = self.vocab_size * h * (1 if self.tie_embeddings else 2)
         return self.num_layers * per_layer + embed + h
@@ -110,7 +115,7 @@ def _rope_theta(config: Mapping[str, Any]) -> float:
 def _reject_unmapped_features(family: str, config: Mapping[str, Any]) -> None:
     """Features the Megatron block and the mapping tables do not carry: refuse, never drop them.
 
-    Llama/Mistral ``attention_bias`` also biases ``o_proj`` and ``mlp_bias`` biases the MLP; a
+    Llama/Mistral/Qwen3 ``attention_bias`` also biases ``o_proj`` and ``mlp_bias`` biases the MLP; a
     sliding attention window changes attention beyond the window. Silently ignoring any of them
     would train a different model than the checkpoint.
     """
@@ -158,4 +163,5 @@ def spec_from_hf_config(config: Mapping[str, Any] | Any) -> TransformerSpec:
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
         qkv_bias=family == "qwen2" or bool(config.get("attention_bias", False)),
         max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
+        qk_norm=family == "qwen3",
     )

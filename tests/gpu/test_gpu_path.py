@@ -135,6 +135,49 @@ def test_megatron_matches_hf_in_bf16(te):
     assert r["mean"] <= BF16_MEAN_LOGP_TOL and r["max"] <= BF16_MAX_LOGP_TOL, r
 
 
+def _tiny_qwen3_vs_hf_worker(ctx, te: bool):
+    """A random-init Qwen3 (q/k norms, head size apart from hidden / heads) in bf16 against its
+    HF model in fp32: the per-head norms on the local and the transformer-engine layer specs."""
+    from megarl.distributed import parallel
+    from megarl.models.random_init import build_random_hf_model
+    from megarl.models.spec import spec_from_hf_config
+
+    _init(ctx)
+    config = dict(TINY, model_type="qwen3", head_dim=128)
+    hf = build_random_hf_model(config, 3)
+    with torch.no_grad():  # norms start at ones: make them differ, so a mis-mapped norm shows
+        for name, param in hf.named_parameters():
+            if "norm" in name:
+                param.add_(0.1 * torch.randn_like(param))
+    state = {k: v.clone() for k, v in hf.state_dict().items()}
+    hf = hf.cuda().eval()
+    batch = _batch(config["vocab_size"])
+    actor = _actor(spec_from_hf_config(config), state, _plan(packed=te, te=te, dtype="bfloat16"))
+    got = actor.compute_logprobs(batch, [list(range(batch.num_seqs))], temperature=1.0)
+    diffs = []
+    with torch.no_grad():
+        for i, toks in enumerate(batch.tokens):
+            logits = hf(toks.unsqueeze(0).cuda()).logits[0]
+            ref = (
+                torch.log_softmax(logits, -1)[:-1]
+                .gather(-1, toks[1:].cuda().unsqueeze(-1))
+                .squeeze(-1)[batch.prompt_lens[i] - 1 :]
+            )
+            diffs.append((got[i].cuda().float() - ref).abs())
+    parallel.destroy()
+    flat = torch.cat(diffs)
+    return {"mean": flat.mean().item(), "max": flat.max().item()}
+
+
+@pytest.mark.parametrize("te", [False, True], ids=["local-sdpa", "transformer-engine"])
+def test_tiny_qwen3_matches_hf_in_bf16(te):
+    (require_transformer_engine if te else require_cuda)()
+    from megarl.distributed.launcher import launch
+
+    [r] = launch(_tiny_qwen3_vs_hf_worker, 1, args=(te,), timeout_s=600)
+    assert r["mean"] <= BF16_MEAN_LOGP_TOL and r["max"] <= BF16_MAX_LOGP_TOL, r
+
+
 # --- packed == padded ----------------------------------------------------------------------
 
 

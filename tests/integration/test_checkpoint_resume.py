@@ -100,6 +100,28 @@ def test_resume_at_another_layout(straight, tmp_path):
     assert _max_diff(straight_state, result.final_state) <= 1e-6
 
 
+def test_qwen3_saved_at_tp2_resumes_at_tp1(tmp_path):
+    """Qwen3 (q/k norms) with the HF engine: a checkpoint written at TP=2 reassembles bitwise to
+    the stopped run's weights, and a TP=1 run resumes from it and trains on."""
+    run_dir = tmp_path / "qwen3"
+    common = {**COMMON, "model": "tiny_qwen3", "trainer.save_interval": 2}
+    stopped = run(
+        tiny_overrides(run_dir, 2, **common, **{"actor.tp": 2, "trainer.n_gpus_per_node": 2}),
+        return_final_state=True,
+    )
+    saved = read_checkpoint(run_dir / "checkpoints" / "step_000002")
+    assert (saved.tp, saved.pp) == (2, 1)
+    (tmp_path / "hf").mkdir()
+    write_hf_folder(saved, tmp_path / "hf", progress=False)
+    resharded = load_hf_state_dict(tmp_path / "hf")
+    assert "model.layers.0.self_attn.q_norm.weight" in resharded
+    assert sorted(resharded) == sorted(stopped.final_state)
+    assert all(torch.equal(stopped.final_state[k], resharded[k]) for k in resharded)
+    resumed = run(tiny_overrides(run_dir, 3, **common), return_final_state=True)
+    assert [r["step"] for r in _metrics(run_dir)] == [1, 2, 3]
+    assert _max_diff(resharded, resumed.final_state) > 0, "the resumed step trained nothing"
+
+
 def test_keep_last_and_mismatched_resume(tmp_path):
     """keep_last prunes older checkpoints; a resume that changes what matters is one line."""
     run_dir = tmp_path / "run"

@@ -22,12 +22,16 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module")
-def tiny_hf(tmp_path_factory) -> Path:
+def _save_tiny(name: str, out: Path) -> Path:
     from megarl.models.random_init import save_random_hf_model
 
-    cfg = yaml.safe_load((REPO / "configs" / "model" / "tiny_llama.yaml").read_text())
-    return save_random_hf_model(cfg["hf_config"], 3, tmp_path_factory.mktemp("tiny") / "hf")
+    cfg = yaml.safe_load((REPO / "configs" / "model" / f"{name}.yaml").read_text())
+    return save_random_hf_model(cfg["hf_config"], 3, out)
+
+
+@pytest.fixture(scope="module")
+def tiny_hf(tmp_path_factory) -> Path:
+    return _save_tiny("tiny_llama", tmp_path_factory.mktemp("tiny") / "hf")
 
 
 def _convert_both_ways(hf: Path, tmp_path: Path, tp: int, pp: int) -> Path:
@@ -80,6 +84,15 @@ def test_tiny_round_trip_tp2_pp2(tiny_hf, tmp_path):
     back = _convert_both_ways(tiny_hf, tmp_path, tp=2, pp=2)
     _assert_bitwise(tiny_hf, back)
     _assert_same_logits(tiny_hf, back)
+
+
+def test_tiny_qwen3_round_trip_tp2_pp2(tmp_path):
+    """Qwen3's q/k norms and its head size apart from hidden / heads survive both directions."""
+    original = _save_tiny("tiny_qwen3", tmp_path / "hf")
+    back = _convert_both_ways(original, tmp_path, tp=2, pp=2)
+    assert "model.layers.3.self_attn.k_norm.weight" in load_hf_state_dict(back)
+    _assert_bitwise(original, back)
+    _assert_same_logits(original, back)
 
 
 def test_smollm2_round_trip_tp3_pp2(tmp_path):

@@ -23,6 +23,10 @@ BUCKET_BYTES = 64 * 1024  # the tiny model is ~0.6 MB: several buckets
 def _reference(hf_config: dict, seed: int):
     model = build_random_hf_model(hf_config, seed)
     gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # norms start at ones: make them differ, so a mis-mapped norm shows
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(0.1 * torch.randn(param.shape, generator=gen))
     ids = torch.randint(0, hf_config["vocab_size"], (3, 11), generator=gen)
     with torch.no_grad():
         logits = model(ids).logits
@@ -85,6 +89,23 @@ def test_tiny_llama_matches_hf(tp, pp, tied):
     for r in last:
         assert r["logits_diff"] <= 1e-4, r
         assert r["logp_diff"] <= 1e-4, r
+    assert results[0]["export_equal"] is True
+
+
+QWEN3 = dict(TINY, model_type="qwen3", head_dim=32)
+"""Qwen3 block: per-head q/k RMSNorm and a head size (32) that is not hidden / heads (16)."""
+
+
+@pytest.mark.parametrize(("tp", "pp"), [(1, 1), (2, 1), (1, 2)], ids=["tp1", "tp2", "pp2"])
+def test_tiny_qwen3_matches_hf(tp, pp):
+    ids, ref_logits, state = _reference(QWEN3, seed=5)
+    assert any(".self_attn.q_norm." in name for name in state)
+    results = launch(_worker, tp * pp, args=(tp, pp, QWEN3, ids, ref_logits, state), timeout_s=240)
+    last = [r for r in results if r["logits_diff"] is not None]
+    assert last, "no rank reported last-stage logits"
+    for r in last:
+        assert r["logits_diff"] <= 1e-5, r
+        assert r["logp_diff"] <= 1e-5, r
     assert results[0]["export_equal"] is True
 
 

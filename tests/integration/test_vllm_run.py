@@ -19,12 +19,16 @@ LP_DIFF_BOUND = 1e-4
 
 
 def test_colocated_at_actor_tp2_serves_the_trainers_weights_every_step(tmp_path):
-    """Inside rank 0 of a 2-rank run: vLLM's own processes keep it off the trainer's group."""
+    """Inside rank 0 of a 2-rank run: vLLM's own processes keep it off the trainer's group.
+
+    The model is Qwen3 (the split run below is Llama): its per-head q/k norms and its head size
+    apart from hidden / heads go through the exporter into vLLM's own Qwen3 model."""
     result = run(
         tiny_overrides(
             tmp_path / "run",
             steps=3,
             **{
+                "model": "tiny_qwen3",
                 "rollout.engine": "vllm",
                 "actor.tp": 2,
                 "trainer.n_gpus_per_node": 2,

@@ -24,7 +24,7 @@ TINY = {
 }
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
 @pytest.mark.parametrize("tied", [False, True])
 def test_table_matches_transformers_state_dict(family, tied):
     from megarl.models.random_init import build_random_hf_model
@@ -32,6 +32,8 @@ def test_table_matches_transformers_state_dict(family, tied):
     cfg = dict(TINY, model_type=family, tie_word_embeddings=tied)
     if family == "mistral":
         cfg["sliding_window"] = None
+    if family == "qwen3":
+        cfg["head_dim"] = 16  # Qwen3 sets head_dim apart from hidden / heads (here 8)
     model = build_random_hf_model(cfg, seed=0)
     state = model.state_dict()
     if tied:
@@ -46,6 +48,8 @@ def test_table_matches_transformers_state_dict(family, tied):
     assert sorted(shapes) == sorted(state) == sorted(mapping.expected_hf_names(spec))
     assert {k: tuple(v.shape) for k, v in state.items()} == shapes
     assert spec.qkv_bias == (family == "qwen2")
+    assert spec.qk_norm == (family == "qwen3")
+    assert spec.num_parameters() == sum(t.numel() for t in state.values())
 
 
 @pytest.mark.parametrize(
@@ -54,6 +58,7 @@ def test_table_matches_transformers_state_dict(family, tied):
         ({"model_type": "llama", "attention_bias": True}, "attention_bias"),
         ({"model_type": "llama", "mlp_bias": True}, "mlp_bias"),
         ({"model_type": "mistral", "sliding_window": 16}, "sliding_window"),
+        ({"model_type": "qwen3", "attention_bias": True}, "attention_bias"),
     ],
 )
 def test_unmapped_features_are_refused(extra, words):
