@@ -184,7 +184,12 @@ def validate_against_model(cfg, model_dir: str, device: str = "cpu") -> None:
 
     try:
         spec = spec_from_hf_config(load_hf_config(model_dir))
-        spec.check_parallelism(cfg.actor.tp, cfg.actor.pp, cfg.actor.vpp)
+        spec.check_parallelism(cfg.actor.tp, cfg.actor.pp, cfg.actor.vpp, cfg.actor.ep)
+        if spec.is_moe and cfg.actor.lora.enabled:
+            raise StartupError(
+                f"actor.lora.rank={cfg.actor.lora.rank}: LoRA on a mixture-of-experts model "
+                f"({spec.family}) is not supported; set actor.lora.rank=0"
+            )
         if cfg.actor.vpp > 1:  # VPP builds, loads and exports, but cannot train yet
             raise StartupError(VPP_TRAINING_UNSUPPORTED)
         if cfg.rollout.engine == "vllm":

@@ -79,16 +79,28 @@ def _counts_for_norm(param) -> bool:
 
 
 def global_grad_norm(params) -> float:
-    """L2 norm of all gradients across TP and PP ranks (DP replicas hold equal grads)."""
+    """L2 norm of all gradients across TP and PP ranks (DP replicas hold equal grads).
+
+    A mixture-of-experts model's expert parameters (Megatron marks them ``allreduce=False``)
+    differ across expert-parallel ranks, so their squares are summed over the expert groups
+    (EP x expert-TP x PP) instead.
+    """
     from megatron.core import parallel_state as ps
 
-    sq = torch.zeros((), dtype=torch.float64)
+    dense = torch.zeros((), dtype=torch.float64)
+    expert = torch.zeros((), dtype=torch.float64)
     for p in params:
         if p.grad is not None and _counts_for_norm(p):
-            sq += p.grad.detach().double().pow(2).sum()
+            square = p.grad.detach().double().pow(2).sum()
+            if getattr(p, "allreduce", True):
+                dense += square
+            else:
+                expert += square
     if ps.get_model_parallel_group() is not None and dist.is_initialized():
-        dist.all_reduce(sq, group=ps.get_model_parallel_group())
-    return math.sqrt(float(sq))
+        dist.all_reduce(dense, group=ps.get_model_parallel_group())
+        # dense models too (0 everywhere): a collective every rank of the group takes part in
+        dist.all_reduce(expert, group=ps.get_expert_tensor_model_pipeline_parallel_group())
+    return math.sqrt(float(dense + expert))
 
 
 class MegatronOptimizer:

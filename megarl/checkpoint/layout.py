@@ -89,17 +89,26 @@ class CheckpointInfo:
     def pp(self) -> int:
         return int(self.marker["layout"]["pp"])
 
+    @property
+    def ep(self) -> int:
+        """Expert-parallel size it was saved at (1 for dense models and older checkpoints)."""
+        return int(self.marker["layout"].get("ep", 1))
+
 
 def step_dir_name(step: int) -> str:
     return f"step_{step:06d}"
 
 
-def model_file(tp_rank: int, pp_rank: int) -> str:
-    return f"model_tp{tp_rank}_pp{pp_rank}.safetensors"
+def model_file(tp_rank: int, pp_rank: int, ep_rank: int = 0) -> str:
+    """Expert-parallel rank 0's file holds every other parameter too; rank ``e > 0``'s holds
+    only its experts (named by global expert index)."""
+    suffix = f"_ep{ep_rank}" if ep_rank else ""
+    return f"model_tp{tp_rank}_pp{pp_rank}{suffix}.safetensors"
 
 
-def optim_file(tp_rank: int, pp_rank: int) -> str:
-    return f"optim_tp{tp_rank}_pp{pp_rank}.safetensors"
+def optim_file(tp_rank: int, pp_rank: int, ep_rank: int = 0) -> str:
+    suffix = f"_ep{ep_rank}" if ep_rank else ""
+    return f"optim_tp{tp_rank}_pp{pp_rank}{suffix}.safetensors"
 
 
 def rng_file(rank: int) -> str:

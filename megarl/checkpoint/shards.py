@@ -74,8 +74,9 @@ class ShardReader:
         files = [model_file] + ([optim_file] if optimizer else [])
         for t in range(self.saved_tp):
             for p in range(info.pp):
-                for name_of in files:
-                    self._index(t, info.path / name_of(t, p))
+                for e in range(info.ep):
+                    for name_of in files:
+                        self._index(t, info.path / name_of(t, p, e))
 
     def _index(self, tp_rank: int, path: Path) -> None:
         from safetensors import safe_open

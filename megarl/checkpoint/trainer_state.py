@@ -46,6 +46,7 @@ from megarl.checkpoint.shards import (
     rank_shards,
     save_tensors,
 )
+from megarl.models import mapping
 
 MODEL_SIDE_FILES = (
     "config.json",
@@ -78,6 +79,17 @@ def _parallel_ranks() -> tuple[int, int, int, int, int]:
     )
 
 
+def _expert_ranks() -> tuple[int, int, int]:
+    """(expert-parallel rank, size, replica index among ranks holding the same experts)."""
+    from megatron.core import parallel_state as ps
+
+    return (
+        ps.get_expert_model_parallel_rank(),
+        ps.get_expert_model_parallel_world_size(),
+        ps.get_expert_data_parallel_rank(),
+    )
+
+
 ALGO_STATE_FILE = "algo_state.json"
 
 
@@ -98,6 +110,7 @@ def save_training_checkpoint(
     dist.barrier()
     staging = layout.staging_dir(root, name)
     tp_rank, tp, pp_rank, pp, dp_rank = _parallel_ranks()
+    ep_rank, ep, expert_dp_rank = _expert_ranks()
     sites = _adapter_sites(actor, spec)
     if dp_rank == 0:
         save_tensors(
@@ -110,6 +123,13 @@ def save_training_checkpoint(
                 **rank_adapter_optimizer_state(sites, actor.optimizer),
             },
             staging / layout.optim_file(tp_rank, pp_rank),
+        )
+    elif expert_dp_rank == 0:  # the first replica of expert-parallel rank ep_rank > 0
+        experts = [item for item in actor.local_params() if mapping.expert_of(item[0]) is not None]
+        save_tensors(rank_shards(experts), staging / layout.model_file(tp_rank, pp_rank, ep_rank))
+        save_tensors(
+            rank_optimizer_state(experts, actor.optimizer),
+            staging / layout.optim_file(tp_rank, pp_rank, ep_rank),
         )
     torch.save({**_rng_state(), **_adapter_rng_state(sites)}, staging / layout.rng_file(rank))
     if rank == 0:
@@ -125,7 +145,7 @@ def save_training_checkpoint(
             "format": layout.FORMAT_VERSION,
             "kind": "training",
             "step": step,
-            "layout": {"tp": tp, "pp": pp, "world_size": dist.get_world_size()},
+            "layout": {"tp": tp, "pp": pp, "ep": ep, "world_size": dist.get_world_size()},
             "config": config_tree(cfg),
             "spec": dataclasses.asdict(spec),
             "files": sorted(p.name for p in staging.iterdir()),

@@ -221,6 +221,10 @@ class ActorConfig:
     pp: int = 1
     vpp: int = 1
     """Virtual pipeline stages (model chunks) per pipeline rank; > 1 needs pp > 1."""
+    ep: int = 1
+    """Expert parallel size (Megatron's ``expert_model_parallel_size``): a mixture-of-experts
+    model's experts are split over this many ranks of the data-parallel dimension, which it must
+    divide; tokens travel to their experts and back."""
     lr: float = 1e-6
     kl_coef: float = 0.0
     """Weight of the KL(actor || reference) loss; 0 = no reference model is built."""
@@ -297,6 +301,7 @@ class ActorConfig:
         _positive("actor.logprob_micro_batch_tokens", self.logprob_micro_batch_tokens)
         _positive("actor.logprob_chunk_tokens", self.logprob_chunk_tokens)
         _positive("actor.vpp", self.vpp)
+        _positive("actor.ep", self.ep)
         _require(
             self.vpp == 1 or self.pp > 1,
             f"actor.vpp={self.vpp}: virtual pipeline stages need actor.pp > 1",
@@ -722,6 +727,11 @@ class RunConfig:
             world % model_parallel == 0,
             f"actor.tp={self.actor.tp} x actor.pp={self.actor.pp} does not divide "
             f"trainer.nnodes x trainer.n_gpus_per_node = {world} ranks",
+        )
+        _require(
+            (world // model_parallel) % self.actor.ep == 0,
+            f"actor.ep={self.actor.ep} does not divide the {world // model_parallel} "
+            "data-parallel ranks (experts are split over data-parallel ranks)",
         )
         _require(
             self.rollout.n_gpus == 0 or self.trainer.launcher == "ray",

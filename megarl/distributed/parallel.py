@@ -54,15 +54,22 @@ def init_process_group(
 
 
 def init_model_parallel(
-    tp: int, pp: int, vpp: int | None = None, timeout_s: float = DEFAULT_TIMEOUT_S
+    tp: int,
+    pp: int,
+    vpp: int | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    ep: int = 1,
 ) -> ParallelLayout:
-    """Create Megatron's TP/PP/DP groups on top of the global group, with the same timeout."""
+    """Create Megatron's TP/PP/DP (and expert-parallel) groups on top of the global group, with
+    the same timeout. Experts are split over ``ep`` ranks of the data-parallel dimension, each
+    expert's weights over TP as the dense layers' are."""
     from megatron.core import parallel_state
 
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp,
+        expert_model_parallel_size=ep,
         # annotated int, but only ever given to timedelta(minutes=...), which takes a float
         distributed_timeout_minutes=timeout_s / 60,  # pyright: ignore[reportArgumentType]
     )

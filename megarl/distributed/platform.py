@@ -1,6 +1,6 @@
 """Everything megarl does to make Megatron-Core run on a CPU, in one place.
 
-Megatron-Core is written for CUDA. On CPU (gloo) it works once three things are handled
+Megatron-Core is written for CUDA. On CPU (gloo) it works once four things are handled
 (measured in ``shared/GUIDE.md`` section 1):
 
 1. ``DotProductAttention`` from the local spec takes scratch memory on the current CUDA device.
@@ -12,10 +12,16 @@ Megatron-Core is written for CUDA. On CPU (gloo) it works once three things are 
 3. Pipeline schedules and DDP buffers create tensors with ``device="cuda"``, and tied
    embeddings across pipeline stages call ``weight.data.cuda()``: :class:`CudaToCpuMode`, a
    ``TorchFunctionMode``, rewrites such a ``device`` keyword to CPU and makes ``Tensor.cuda`` a
-   no-op.
+   no-op. A mode switches itself off while its own handler runs, so a backward entered through
+   ``torch.autograd.backward`` would run unshimmed; the model config has Megatron's schedule call
+   the autograd engine directly instead (``deallocate_pipeline_outputs``), which MoE's backward
+   gathers need.
+4. Megatron's MoE router calls transformer-engine's GEMM whenever TE imports: set to None.
 
-Nothing here is entered on a CUDA device. ``tests/integration/test_platform_shims.py`` fails loudly
-if a Megatron upgrade breaks an assumption, rather than letting training hang or crash obscurely.
+Nothing here is entered on a CUDA device. The equivalence tests
+(``tests/integration/test_megatron_equivalence.py``, dense and MoE, forward and backward at
+TP/PP/EP > 1) fail loudly if a Megatron upgrade breaks an assumption, rather than letting
+training hang or crash obscurely.
 """
 
 from __future__ import annotations
@@ -53,6 +59,23 @@ class CudaToCpuMode(TorchFunctionMode):
 
 
 @contextlib.contextmanager
+def _no_te_router_gemm() -> Iterator[None]:
+    """Megatron's MoE router uses transformer-engine's GEMM whenever TE imports, which on a CPU
+    tensor fails; without it the router is a plain matmul."""
+    try:
+        from megatron.core.transformer.moe import moe_utils
+    except ImportError:
+        yield
+        return
+    saved = getattr(moe_utils, "te_general_gemm", None)
+    moe_utils.te_general_gemm = None
+    try:
+        yield
+    finally:
+        moe_utils.te_general_gemm = saved
+
+
+@contextlib.contextmanager
 def _patched_cuda_queries() -> Iterator[None]:
     saved = (torch.cuda.current_device, torch.cuda.synchronize)
     torch.cuda.current_device = lambda: 0  # type: ignore[assignment]
@@ -76,6 +99,7 @@ def enter_cpu_shims() -> None:
     if _active_depth == 0:
         _exit_stack = contextlib.ExitStack()
         _exit_stack.enter_context(_patched_cuda_queries())
+        _exit_stack.enter_context(_no_te_router_gemm())
         _exit_stack.enter_context(CudaToCpuMode())
     _active_depth += 1
 

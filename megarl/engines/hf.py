@@ -222,6 +222,42 @@ def _copy_lora_tensors(
 # --- the engine ------------------------------------------------------------------------------
 
 
+ParamSlice = tuple[torch.nn.Parameter, tuple]
+"""A parameter and the index of the part of it one checkpoint tensor is."""
+
+
+def checkpoint_views(params: dict[str, torch.nn.Parameter], config: Any) -> dict[str, ParamSlice]:
+    """Checkpoint name -> (parameter, index) for tensors transformers holds fused in memory.
+
+    transformers 5 keeps a mixture-of-experts layer's experts as two stacked parameters,
+    ``mlp.experts.gate_up_proj`` ``[E, 2F, H]`` (each expert's gate rows, then its up rows) and
+    ``mlp.experts.down_proj`` ``[E, H, F]``, while checkpoints, vLLM and the exporter name one
+    tensor per expert (Mixtral also under ``block_sparse_moe``). ``param[index]`` is a view a
+    weight sync writes in place (taken at use: sleeping swaps the parameter's storage). Dense
+    models have none.
+    """
+    from megarl.models.mapping import MOE_HF_NAMES
+    from megarl.models.spec import spec_from_hf_config
+
+    if getattr(config, "model_type", None) not in MOE_HF_NAMES:
+        return {}
+    spec = spec_from_hf_config(config)
+    module, (gate, up, down) = MOE_HF_NAMES[spec.family]
+    f = spec.moe_ffn_hidden_size
+    views: dict[str, ParamSlice] = {}
+    for layer in range(spec.num_layers):
+        mem, disk = f"model.layers.{layer}.mlp.", f"model.layers.{layer}.{module}."
+        router = params[mem + "gate.weight"]
+        views[disk + "gate.weight"] = (router, ())
+        gate_up, down_proj = params[mem + "experts.gate_up_proj"], params[mem + "experts.down_proj"]
+        for e in range(spec.num_experts):
+            expert = f"{disk}experts.{e}."
+            views[expert + f"{gate}.weight"] = (gate_up, (e, slice(0, f)))
+            views[expert + f"{up}.weight"] = (gate_up, (e, slice(f, 2 * f)))
+            views[expert + f"{down}.weight"] = (down_proj, (e,))
+    return views
+
+
 @dataclass(frozen=True)
 class _FreedParam:
     """What a parameter looked like before ``sleep(2)`` emptied it."""
@@ -252,6 +288,7 @@ class HFEngine(RolloutEngine):
         self._params_by_name: dict[str, torch.nn.Parameter] = dict(
             model.named_parameters(remove_duplicate=False)
         )
+        self._checkpoint_views = checkpoint_views(self._params_by_name, model.config)
         self._sleep = SleepState()
         self._freed: list[_FreedParam] = []
         self._adapter_loaded = False
@@ -362,28 +399,40 @@ class HFEngine(RolloutEngine):
         num_applied = 0
         with torch.no_grad():
             for name, tensor in named_tensors:
-                param = self._param_for(name, tensor)
-                param.copy_(tensor)
+                target, param = self._target_for(name, tensor)
+                target.copy_(tensor)
                 self._sleep.mark_reloaded([id(param)])
                 num_applied += 1
         return num_applied
 
     def weight_checksums(self, dtype: torch.dtype) -> dict[str, tuple[int, int]]:
-        return {
-            name: tensor_checksum(param.detach().to(dtype))
-            for name, param in self._params_by_name.items()
-        }
+        """Per checkpoint name: a fused expert tensor is checked as the per-expert tensors the
+        exporter sends."""
+        fused = {id(param) for param, _ in self._checkpoint_views.values()}
+        named = {n: p for n, p in self._params_by_name.items() if id(p) not in fused}
+        named.update((n, param[index]) for n, (param, index) in self._checkpoint_views.items())
+        return {name: tensor_checksum(t.detach().to(dtype)) for name, t in named.items()}
 
-    def _param_for(self, name: str, tensor: torch.Tensor) -> torch.nn.Parameter:
-        """The base parameter ``name`` refers to, checked against ``tensor``'s shape."""
-        param = self._params_by_name.get(name)
-        if param is None:
-            raise ValueError(f"unknown parameter name {name!r} for {type(self._model).__name__}")
-        if tuple(tensor.shape) != tuple(param.shape):
+    def _target_for(
+        self, name: str, tensor: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.nn.Parameter]:
+        """The tensor ``name`` writes into (a parameter, or a view of a fused expert parameter)
+        and the parameter it belongs to, checked against ``tensor``'s shape."""
+        if name in self._checkpoint_views:
+            param, index = self._checkpoint_views[name]
+            target = param[index]
+        else:
+            param = self._params_by_name.get(name)
+            if param is None:
+                raise ValueError(
+                    f"unknown parameter name {name!r} for {type(self._model).__name__}"
+                )
+            target = param
+        if tuple(tensor.shape) != tuple(target.shape):
             raise ValueError(
-                f"parameter {name!r} has shape {tuple(param.shape)}, got {tuple(tensor.shape)}"
+                f"parameter {name!r} has shape {tuple(target.shape)}, got {tuple(tensor.shape)}"
             )
-        return param
+        return target, param
 
     def load_lora_adapter(
         self,

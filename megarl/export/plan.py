@@ -13,7 +13,8 @@ Invariants (tested in ``tests/unit/test_export_plan.py``):
   travels alone;
 - an item's owner is the pipeline rank whose model chunk holds it: layer ``l`` lives in virtual
   chunk ``l // layers_per_chunk``, and chunk ``c`` sits on pipeline rank ``c % pp`` (Megatron's
-  interleaved assignment; ``vpp = 1`` reduces to contiguous stages).
+  interleaved assignment; ``vpp = 1`` reduces to contiguous stages); an expert ``e``'s
+  parameters also name their expert-parallel rank, ``e // (experts / ep)``.
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ class ExportItem:
     """Bytes of the HF tensors (what the engine receives)."""
     gathered_nbytes: int
     """Bytes of all TP shards together on the gathering rank (vocab padding included)."""
+    ep_rank: int | None = None
+    """Expert-parallel rank holding an expert's parameter; None for everything else (which every
+    expert-parallel rank holds)."""
 
 
 @dataclass(frozen=True)
@@ -87,8 +91,10 @@ def _item(
     spec: TransformerSpec,
     tp: int,
     element_size: int,
+    ep: int = 1,
 ) -> ExportItem:
     shapes = mapping.hf_shapes(rule, spec)
+    expert = mapping.expert_of(rule)
     numel = sum(_numel(s) for s in shapes)
     gathered = numel
     if rule.layout == "vocab":
@@ -99,6 +105,7 @@ def _item(
         rule=rule,
         layer=layer,
         pp_rank=pp_rank,
+        ep_rank=None if expert is None else expert // (spec.num_experts // ep),
         hf_names=rule.hf_names(layer),
         hf_shapes=shapes,
         nbytes=numel * element_size,
@@ -120,7 +127,7 @@ def _layer_number(item: ExportItem) -> int:
 
 
 def export_items(
-    spec: TransformerSpec, tp: int, pp: int, vpp: int, element_size: int
+    spec: TransformerSpec, tp: int, pp: int, vpp: int, element_size: int, ep: int = 1
 ) -> list[ExportItem]:
     """Every exported parameter in model order, with its owning pipeline rank."""
     head: list[ExportItem] = []
@@ -132,7 +139,7 @@ def export_items(
         if rule.per_layer:
             for layer in range(spec.num_layers):
                 owner = owner_pp_rank(layer, spec.num_layers, pp, vpp)
-                layers.append(_item(rule, layer, owner, spec, tp, element_size))
+                layers.append(_item(rule, layer, owner, spec, tp, element_size, ep))
         elif rule.mcore.startswith("embedding."):
             head.append(_item(rule, None, 0, spec, tp, element_size))
         else:
@@ -160,7 +167,13 @@ def plan_buckets(items: list[ExportItem], bucket_bytes: int) -> ExportPlan:
 
 
 def plan_export(
-    spec: TransformerSpec, tp: int, pp: int, vpp: int, element_size: int, bucket_bytes: int
+    spec: TransformerSpec,
+    tp: int,
+    pp: int,
+    vpp: int,
+    element_size: int,
+    bucket_bytes: int,
+    ep: int = 1,
 ) -> ExportPlan:
     spec.check_parallelism(tp, pp, vpp)
-    return plan_buckets(export_items(spec, tp, pp, vpp, element_size), bucket_bytes)
+    return plan_buckets(export_items(spec, tp, pp, vpp, element_size, ep), bucket_bytes)

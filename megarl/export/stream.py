@@ -49,6 +49,13 @@ class ExportRanks:
     """Global rank of TP rank 0 in this rank's TP group."""
     stage_leaders: tuple[int, ...]
     """Global rank of the leader (TP 0, DP 0) of each pipeline stage; meaningful on rank 0."""
+    ep_rank: int = 0
+    expert_dp_rank: int = 0
+    """Replica index among the ranks holding the same experts; replica 0 exports them."""
+    expert_leaders: tuple[int, ...] = (0,)
+    """Global rank exporting each expert-parallel rank's experts; meaningful on rank 0. These are
+    rank 0's expert-parallel group: mixture-of-experts models run at TP=1 and PP=1
+    (``TransformerSpec.check_parallelism``), so rank 0's peers there are the leaders."""
 
     @staticmethod
     def from_megatron() -> ExportRanks:
@@ -56,6 +63,7 @@ class ExportRanks:
 
         pp_group = _one_group(ps.get_pipeline_model_parallel_group())
         leaders = tuple(dist.get_process_group_ranks(pp_group))
+        ep_group = _one_group(ps.get_expert_model_parallel_group())
         return ExportRanks(
             rank=dist.get_rank(),
             pp_rank=ps.get_pipeline_model_parallel_rank(),
@@ -65,6 +73,9 @@ class ExportRanks:
             tp_group=_one_group(ps.get_tensor_model_parallel_group()),
             tp_leader=ps.get_tensor_model_parallel_src_rank(),
             stage_leaders=leaders,
+            ep_rank=ps.get_expert_model_parallel_rank(),
+            expert_dp_rank=ps.get_expert_data_parallel_rank(),
+            expert_leaders=tuple(dist.get_process_group_ranks(ep_group)),
         )
 
 
@@ -120,10 +131,16 @@ class BucketStream:
     def peak_bytes(self) -> int:
         return self.meter.peak_bytes
 
-    @property
-    def _in_export(self) -> bool:
-        """Only data-parallel replica 0 exports; the other replicas hold the same weights."""
-        return self.ranks.dp_rank == 0
+    def _exports(self, item: ExportItem) -> bool:
+        """Whether this rank's TP group sends ``item``: data-parallel replica 0 of its pipeline
+        stage (the other replicas hold the same weights), and for an expert's parameter replica 0
+        of the expert-parallel rank that holds the expert."""
+        r = self.ranks
+        if r.pp_rank != item.pp_rank:
+            return False
+        if item.ep_rank is None:
+            return r.dp_rank == 0
+        return r.ep_rank == item.ep_rank and r.expert_dp_rank == 0
 
     def buckets(self) -> Iterator[NamedTensors]:
         """Yield each bucket's ``(hf_name, tensor)`` list on rank 0 (empty lists elsewhere)."""
@@ -158,7 +175,7 @@ class BucketStream:
 
     def _export_item(self, item: ExportItem, held: list[torch.Tensor]) -> NamedTensors:
         r = self.ranks
-        owns = self._in_export and r.pp_rank == item.pp_rank
+        owns = self._exports(item)
         produced: NamedTensors = []
         if owns:
             tensors = self._gather_and_convert(item, held)
@@ -224,7 +241,10 @@ class BucketStream:
                 dist.send(pair, dst=0)
 
     def _receive(self, item: ExportItem) -> NamedTensors:
-        src = self.ranks.stage_leaders[item.pp_rank]
+        if item.ep_rank is None:
+            src = self.ranks.stage_leaders[item.pp_rank]
+        else:
+            src = self.ranks.expert_leaders[item.ep_rank]
         out: NamedTensors = []
         for name, shape in zip(item.hf_names, item.hf_shapes, strict=True):
             buffer = torch.empty(shape, dtype=self.dtype, device=self.device)
@@ -256,6 +276,7 @@ def open_stream(
         vpp,
         torch.empty((), dtype=dtype).element_size(),
         bucket_bytes,
+        ps.get_expert_model_parallel_world_size(),
     )
     return BucketStream(plan, spec, params, dtype, ExportRanks.from_megatron(), checksums)
 

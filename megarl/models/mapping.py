@@ -18,17 +18,19 @@ Layer names use *global* layer numbers; pipeline stages translate with their lay
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import torch
 
 from megarl.models.spec import ModelSpecError, TransformerSpec
 
 LAYOUTS = ("replicated", "column", "row", "vocab", "qkv", "gate_up")
-DIMS = ("vocab", "hidden", "ffn", "q", "kv", "head")
+DIMS = ("vocab", "hidden", "ffn", "q", "kv", "head", "experts", "expert_ffn")
 """Symbolic dims of HF tensor shapes: ``q`` = heads x head_dim, ``kv`` = KV heads x head_dim,
-``head`` = head_dim."""
+``head`` = head_dim, ``expert_ffn`` = one expert's intermediate size."""
 
 
 @dataclass(frozen=True)
@@ -139,14 +141,65 @@ FAMILY_RULES: dict[str, tuple[ParamRule, ...]] = {
     "mistral": LLAMA_RULES,
     "qwen2": (*LLAMA_RULES, QKV_BIAS_RULE),
     "qwen3": (*LLAMA_RULES, *QK_NORM_RULES),
+    "qwen3_moe": (*LLAMA_RULES, *QK_NORM_RULES),
+    "mixtral": LLAMA_RULES,
 }
 
+DENSE_MLP = (_L + "mlp.linear_fc1.weight", _L + "mlp.linear_fc2.weight")
+"""The dense MLP's parameters, which a mixture-of-experts layer replaces."""
 
+MOE_HF_NAMES: dict[str, tuple[str, tuple[str, str, str]]] = {
+    "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
+}
+"""Per MoE family: the HF module holding the router (``.gate``) and the experts, and the names
+of an expert's gate, up and down projections. These are the checkpoint's names (what
+``save_pretrained`` writes and vLLM loads); transformers 5 fuses the experts in memory."""
+
+
+def moe_rules(spec: TransformerSpec) -> tuple[ParamRule, ...]:
+    """The router and one gate_up / down pair per expert, expert ``e`` named by its global index.
+
+    Megatron's ``SequentialMLP`` names its experts ``local_experts.{i}`` on each expert-parallel
+    rank; :func:`megarl.models.megatron_gpt.iter_local_params` turns local indices into global
+    ones, so everything downstream (loading, export, checkpoints) sees one name per expert.
+    """
+    module, (gate, up, down) = MOE_HF_NAMES[spec.family]
+    hf = _H + module + "."
+    rules = [
+        ParamRule(
+            _L + "mlp.router.weight", (hf + "gate.weight",), "replicated", (("experts", "hidden"),)
+        )
+    ]
+    for e in range(spec.num_experts):
+        mc, he = f"{_L}mlp.experts.local_experts.{e}.", f"{hf}experts.{e}."
+        rules.append(
+            ParamRule(
+                mc + "linear_fc1.weight",
+                (he + f"{gate}.weight", he + f"{up}.weight"),
+                "gate_up",
+                (("expert_ffn", "hidden"), ("expert_ffn", "hidden")),
+            )
+        )
+        rules.append(
+            ParamRule(
+                mc + "linear_fc2.weight",
+                (he + f"{down}.weight",),
+                "row",
+                (("hidden", "expert_ffn"),),
+            )
+        )
+    return tuple(rules)
+
+
+@functools.cache
 def rules_for(spec: TransformerSpec) -> tuple[ParamRule, ...]:
-    """The family's table, adjusted for per-model flags (qkv bias)."""
+    """The family's table, adjusted for per-model flags (qkv bias; experts instead of an MLP)."""
     rules = FAMILY_RULES[spec.family]
     if spec.qkv_bias and QKV_BIAS_RULE not in rules:
         rules = (*rules, QKV_BIAS_RULE)
+    if spec.is_moe:
+        rules = (*(r for r in rules if r.mcore not in DENSE_MLP), *moe_rules(spec))
     return rules
 
 
@@ -159,6 +212,8 @@ def hf_shapes(rule: ParamRule, spec: TransformerSpec) -> tuple[tuple[int, ...], 
         "q": spec.num_heads * spec.head_dim,
         "kv": spec.num_kv_heads * spec.head_dim,
         "head": spec.head_dim,
+        "experts": spec.num_experts,
+        "expert_ffn": spec.moe_ffn_hidden_size,
     }
     return tuple(tuple(sizes[d] for d in shape) for shape in rule.shapes)
 
@@ -273,6 +328,29 @@ def expected_hf_names(spec: TransformerSpec) -> list[str]:
     return names
 
 
+LOCAL_EXPERTS = ".mlp.experts.local_experts."
+
+
+def globalize_expert(mcore_name: str, first_expert: int) -> str:
+    """``...local_experts.{i}...`` -> ``...local_experts.{first_expert + i}...``.
+
+    An expert-parallel rank holds experts ``[first_expert, first_expert + E / ep)`` under local
+    indices from 0; the mapping tables, the exporter and checkpoints name each expert by its
+    global index, so a checkpoint reads back at any expert-parallel size.
+    """
+    head, found, tail = mcore_name.partition(LOCAL_EXPERTS)
+    if not found or not first_expert:
+        return mcore_name
+    index, rest = tail.split(".", 1)
+    return f"{head}{LOCAL_EXPERTS}{int(index) + first_expert}.{rest}"
+
+
+def expert_of(rule: ParamRule) -> int | None:
+    """The global expert a rule's parameter belongs to; None outside the experts."""
+    _, found, tail = rule.mcore.partition(LOCAL_EXPERTS)
+    return int(tail.split(".", 1)[0]) if found else None
+
+
 def split_layer_name(mcore_name: str) -> tuple[str, int | None]:
     """``decoder.layers.7.mlp...`` -> (``decoder.layers.{layer}.mlp...``, 7)."""
     prefix = "decoder.layers."
@@ -282,6 +360,7 @@ def split_layer_name(mcore_name: str) -> tuple[str, int | None]:
     return f"{prefix}{{layer}}.{rest}", int(index)
 
 
+@functools.cache
 def rule_index(spec: TransformerSpec) -> Mapping[str, ParamRule]:
     """Megatron name template -> rule."""
-    return {rule.mcore: rule for rule in rules_for(spec)}
+    return MappingProxyType({rule.mcore: rule for rule in rules_for(spec)})

@@ -26,11 +26,13 @@ def transformer_config(
     use_cpu_initialization: bool,
     vpp: int | None = None,
     recompute: str | None = None,
+    ep: int = 1,
 ):
     """Megatron ``TransformerConfig`` for a Llama-style block; fusions off so CPU can run it."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     return TransformerConfig(
+        **_moe_config(spec, ep),
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
         ffn_hidden_size=spec.ffn_hidden_size,
@@ -60,8 +62,10 @@ def transformer_config(
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
-        variable_seq_lengths=True,
-        moe_token_dispatcher_type="alltoall",  # irrelevant (dense) but required with variable lengths
+        # Megatron's schedule then runs backward through the autograd engine itself rather than
+        # torch.autograd.backward, which a TorchFunctionMode (the CPU shims) would see and
+        # switch itself off for: MoE's backward gathers allocate on the "current device".
+        deallocate_pipeline_outputs=True,
         init_method_std=0.02,
         # Megatron's Literal: the config allows only selective | full here (none arrives as None)
         recompute_granularity=recompute,  # pyright: ignore[reportArgumentType]
@@ -70,16 +74,53 @@ def transformer_config(
     )
 
 
-def layer_spec(use_transformer_engine: bool = False, qk_layernorm: bool = False):
-    """Local Megatron layer spec with SDPA core attention, or the transformer-engine spec."""
+def _moe_config(spec: TransformerSpec, ep: int) -> dict:
+    """The ``TransformerConfig`` fields that differ between a dense and a mixture-of-experts block.
+
+    The router follows the HF model: softmax in fp32; Mixtral (and Qwen3-MoE with
+    ``norm_topk_prob``) renormalise the top-k weights, which is Megatron's top-k-then-softmax;
+    otherwise the weights are the full softmax's (``moe_router_pre_softmax``). No auxiliary
+    load-balancing loss (RL fine-tunes a trained router; a batch-dependent loss term would also
+    make a sequence's gradient depend on which others share its batch). The allgather token
+    dispatcher runs on CPU; it needs fixed sequence lengths across pipeline stages, which is why
+    MoE runs at PP=1, and Megatron trains MoE under TP only with sequence parallelism, hence TP=1
+    (``TransformerSpec.check_parallelism``).
+    """
+    if not spec.is_moe:
+        # irrelevant (dense) but the alltoall dispatcher is the one allowing variable lengths
+        return {"variable_seq_lengths": True, "moe_token_dispatcher_type": "alltoall"}
+    return {
+        "variable_seq_lengths": False,
+        "num_moe_experts": spec.num_experts,
+        "moe_router_topk": spec.moe_top_k,
+        "moe_ffn_hidden_size": spec.moe_ffn_hidden_size,
+        "moe_router_pre_softmax": not spec.moe_norm_topk_prob,
+        "moe_router_dtype": "fp32",
+        "moe_router_load_balancing_type": "none",
+        "moe_aux_loss_coeff": 0.0,
+        "moe_token_dispatcher_type": "allgather",
+        "moe_grouped_gemm": False,
+        "expert_model_parallel_size": ep,
+    }
+
+
+def layer_spec(
+    use_transformer_engine: bool = False, qk_layernorm: bool = False, num_experts: int = 0
+):
+    """Local Megatron layer spec with SDPA core attention, or the transformer-engine spec.
+
+    Experts are Megatron's ``SequentialMLP`` (one linear pair per expert, no grouped GEMM), whose
+    per-expert parameters map one to one onto the checkpoint's per-expert tensors.
+    """
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
     )
 
+    moe = {"num_experts": num_experts or None, "moe_grouped_gemm": False}
     if use_transformer_engine:
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_layernorm)
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm, **moe)
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_layernorm, **moe)
     # ModuleSpec.submodules is typed ``object`` in Megatron; the local spec's layout is fixed
     attention = spec.submodules.self_attention  # pyright: ignore[reportAttributeAccessIssue]
     attention.submodules.core_attention = SDPACoreAttention
@@ -105,13 +146,22 @@ def build_gpt_model(
     from megatron.core.models.gpt import GPTModel
 
     config = transformer_config(
-        spec, tp, pp, dtype, use_cpu_initialization=device == "cpu", vpp=vpp, recompute=recompute
+        spec,
+        tp,
+        pp,
+        dtype,
+        use_cpu_initialization=device == "cpu",
+        vpp=vpp,
+        recompute=recompute,
+        ep=parallel_state.get_expert_model_parallel_world_size(),
     )
     pre = parallel_state.is_pipeline_first_stage(ignore_virtual=vpp is None, vp_stage=vp_stage)
     post = parallel_state.is_pipeline_last_stage(ignore_virtual=vpp is None, vp_stage=vp_stage)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(use_transformer_engine, qk_layernorm=spec.qk_norm),
+        transformer_layer_spec=layer_spec(
+            use_transformer_engine, qk_layernorm=spec.qk_norm, num_experts=spec.num_experts
+        ),
         vocab_size=spec.padded_vocab_size(tp),
         max_sequence_length=spec.max_position_embeddings,
         pre_process=pre,
@@ -174,10 +224,12 @@ def iter_local_params(model, spec: TransformerSpec):
         return
     rules = mapping.rule_index(spec)
     offset = layer_offset(model)
+    first_expert = _first_local_expert(spec)
     for name, param in unwrap(model).named_parameters():
         if is_adapter_param_name(name):
             continue  # LoRA adapters are exported by megarl.export.lora, not as base weights
-        template, local_layer = mapping.split_layer_name(canonical_param_name(name))
+        global_name = mapping.globalize_expert(canonical_param_name(name), first_expert)
+        template, local_layer = mapping.split_layer_name(global_name)
         rule = rules.get(template)
         if rule is None:
             raise KeyError(f"Megatron parameter {name} has no mapping for family {spec.family}")
@@ -185,6 +237,16 @@ def iter_local_params(model, spec: TransformerSpec):
             rule = rules["embedding.word_embeddings.weight"]
         layer = None if local_layer is None else local_layer + offset
         yield rule, layer, param
+
+
+def _first_local_expert(spec: TransformerSpec) -> int:
+    """Global index of this rank's first expert (experts are split evenly over EP ranks)."""
+    if not spec.is_moe:
+        return 0
+    from megatron.core import parallel_state
+
+    ep = parallel_state.get_expert_model_parallel_world_size()
+    return parallel_state.get_expert_model_parallel_rank() * (spec.num_experts // ep)
 
 
 # transformer-engine's layer spec fuses each pre-norm into the following linear layer

@@ -4,7 +4,9 @@ Pure code (no megatron, no torch.distributed): the Megatron builder, the weight 
 exporter and the config validation all read one :class:`TransformerSpec`, so a model family is
 described once. Supported families share the Llama block (RMSNorm, RoPE, SwiGLU, GQA) and differ
 in small flags (Qwen2: bias on q/k/v; Qwen3: RMSNorm on each query and key head, and a head size
-that need not be hidden/heads).
+that need not be hidden/heads). Mixture-of-experts families (Qwen3-MoE, Mixtral) replace every
+layer's MLP by a router and ``num_experts`` SwiGLU experts of which each token uses ``moe_top_k``.
+
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral")
+MOE_FAMILIES = ("qwen3_moe", "mixtral")
 VOCAB_DIVISIBLE_BY = 128
 VPP_TRAINING_UNSUPPORTED = (
     "actor.vpp > 1 is supported for loading, forward logprobs and export, not for training yet "
@@ -47,6 +50,15 @@ class TransformerSpec:
     qk_norm: bool = False
     """RMSNorm over each query and key head before RoPE (Qwen3's ``q_norm``/``k_norm``; Megatron's
     ``qk_layernorm``), with the block's ``rms_norm_eps``."""
+    num_experts: int = 0
+    """Experts per layer; 0 for a dense model (every layer's MLP is then ``ffn_hidden_size``)."""
+    moe_top_k: int = 0
+    """Experts each token is routed to."""
+    moe_ffn_hidden_size: int = 0
+    """Each expert's intermediate size."""
+    moe_norm_topk_prob: bool = True
+    """Renormalise the top-k routing weights to sum to 1 (Mixtral always; Qwen3-MoE's
+    ``norm_topk_prob``). Otherwise the weights are the full softmax's entries."""
 
     def __post_init__(self) -> None:
         if self.family not in SUPPORTED_FAMILIES:
@@ -59,6 +71,10 @@ class TransformerSpec:
                 f"num_attention_heads={self.num_heads} is not a multiple of "
                 f"num_key_value_heads={self.num_kv_heads}"
             )
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     @property
     def heads_per_group(self) -> int:
@@ -74,12 +90,16 @@ class TransformerSpec:
         attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)
         attn += d * 2 * self.num_kv_heads + d * self.num_heads if self.qkv_bias else 0
         attn += 2 * d if self.qk_norm else 0
-        per_layer = attn + 3 * h * f + 2 * h
+        mlp = (
+            self.num_experts * (h + 3 * h * self.moe_ffn_hidden_size) if self.is_moe else 3 * h * f
+        )
+        per_layer = attn + mlp + 2 * h
         embed = self.vocab_size * h * (1 if self.tie_embeddings else 2)
         return self.num_layers * per_layer + embed + h
 
-    def check_parallelism(self, tp: int, pp: int, vpp: int = 1) -> None:
-        """Raise :class:`ModelSpecError` naming ``actor.tp``/``actor.pp`` when the layout cannot fit."""
+    def check_parallelism(self, tp: int, pp: int, vpp: int = 1, ep: int = 1) -> None:
+        """Raise :class:`ModelSpecError` naming ``actor.tp``/``actor.pp``/``actor.ep`` when the
+        layout cannot fit."""
         if tp < 1 or pp < 1:
             raise ModelSpecError(f"actor.tp={tp} and actor.pp={pp} must be >= 1")
         if self.num_heads % tp:
@@ -95,6 +115,25 @@ class TransformerSpec:
                 f"actor.pp={pp}"
                 + (f" x actor.vpp={vpp}" if vpp > 1 else "")
                 + f" does not divide the model's {self.num_layers} layers"
+            )
+        if ep > 1 and not self.is_moe:
+            raise ModelSpecError(f"actor.ep={ep} needs a mixture-of-experts model")
+        if self.is_moe and self.num_experts % ep:
+            raise ModelSpecError(
+                f"actor.ep={ep} does not divide the model's {self.num_experts} experts"
+            )
+        if self.is_moe and self.moe_ffn_hidden_size % tp:
+            raise ModelSpecError(
+                f"actor.tp={tp} does not divide the experts' intermediate size "
+                f"{self.moe_ffn_hidden_size}"
+            )
+        if self.is_moe and (pp > 1 or tp > 1):
+            # Megatron's allgather token dispatcher (the one that runs on CPU) needs fixed
+            # sequence lengths across pipeline stages, where packed RL batches vary; and its MoE
+            # layer trains under TP only with sequence parallelism, which megarl does not use.
+            raise ModelSpecError(
+                f"actor.tp={tp}, actor.pp={pp}: mixture-of-experts models train at actor.tp=1 "
+                "and actor.pp=1 for now; split the experts with actor.ep"
             )
 
 
@@ -124,7 +163,7 @@ def _reject_unmapped_features(family: str, config: Mapping[str, Any]) -> None:
     if config.get("mlp_bias"):
         raise ModelSpecError("mlp_bias=True is not supported")
     window = config.get("sliding_window")
-    uses_window = config.get("use_sliding_window", family == "mistral")
+    uses_window = config.get("use_sliding_window", family in ("mistral", "mixtral"))
     if window and uses_window and int(window) < int(config.get("max_position_embeddings", 0)):
         raise ModelSpecError(
             f"sliding_window={window} < max_position_embeddings: windowed attention is not "
@@ -146,6 +185,7 @@ def spec_from_hf_config(config: Mapping[str, Any] | Any) -> TransformerSpec:
             f"hidden_act={config['hidden_act']!r}: only SwiGLU (silu) is supported"
         )
     _reject_unmapped_features(family, config)
+    moe = _moe_fields(family, config)
     num_heads = int(config["num_attention_heads"])
     hidden = int(config["hidden_size"])
     head_dim = config.get("head_dim") or hidden // num_heads
@@ -163,5 +203,40 @@ def spec_from_hf_config(config: Mapping[str, Any] | Any) -> TransformerSpec:
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
         qkv_bias=family == "qwen2" or bool(config.get("attention_bias", False)),
         max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
-        qk_norm=family == "qwen3",
+        qk_norm=family in ("qwen3", "qwen3_moe"),
+        **moe,
     )
+
+
+def _moe_fields(family: str, config: Mapping[str, Any]) -> dict[str, Any]:
+    """The mixture-of-experts fields of the spec; refuses layouts the Megatron block lacks.
+
+    Qwen3-MoE can keep dense MLPs in some layers (``decoder_sparse_step``, ``mlp_only_layers``)
+    and Mixtral can jitter the router in training; Megatron's layer stack here is all-MoE and
+    deterministic, so those are refused rather than trained as another model.
+    """
+    if family not in MOE_FAMILIES:
+        return {}
+    if family == "qwen3_moe":
+        if int(config.get("decoder_sparse_step", 1)) != 1 or config.get("mlp_only_layers"):
+            raise ModelSpecError(
+                "decoder_sparse_step != 1 or mlp_only_layers: dense layers between MoE layers "
+                "are not supported"
+            )
+        # checkpoints say num_experts; transformers 5's to_dict says num_local_experts
+        experts = config.get("num_experts") or config["num_local_experts"]
+        ffn = config["moe_intermediate_size"]
+        norm = bool(config.get("norm_topk_prob", False))
+    else:
+        if float(config.get("router_jitter_noise") or 0.0):
+            raise ModelSpecError("router_jitter_noise > 0 is not supported")
+        experts, ffn, norm = config["num_local_experts"], config["intermediate_size"], True
+    top_k = int(config["num_experts_per_tok"])
+    if not 0 < top_k <= int(experts):
+        raise ModelSpecError(f"num_experts_per_tok={top_k} must be in [1, {experts}]")
+    return {
+        "num_experts": int(experts),
+        "moe_top_k": top_k,
+        "moe_ffn_hidden_size": int(ffn),
+        "moe_norm_topk_prob": norm,
+    }

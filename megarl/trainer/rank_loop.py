@@ -190,7 +190,11 @@ def _setup(ctx: WorkerContext, inputs: RunInputs) -> _Runtime:
         inputs.device, ctx.rank, ctx.world_size, ctx.master_addr, ctx.master_port, timeout_s
     )
     parallel.init_model_parallel(
-        cfg.actor.tp, cfg.actor.pp, cfg.actor.vpp if cfg.actor.vpp > 1 else None, timeout_s
+        cfg.actor.tp,
+        cfg.actor.pp,
+        cfg.actor.vpp if cfg.actor.vpp > 1 else None,
+        timeout_s,
+        ep=cfg.actor.ep,
     )
     spec = spec_from_hf_config(load_hf_config(inputs.model_dir))
     tokenizer = load_hf_tokenizer(inputs.model_dir)

@@ -279,6 +279,7 @@ def vllm_settings(cfg: RunConfig, model_dir: str, device: str):
         num_kv_heads=spec.num_kv_heads,
         head_dim=spec.head_dim,
         max_position_embeddings=spec.max_position_embeddings,
+        num_experts=spec.num_experts,
     )
     return decide_vllm_settings(
         vllm_request(cfg, device, execution.params_dtype),

@@ -52,6 +52,13 @@ _VLLM_CASES = (
             "actor.pp=3 does not divide the model's 4 layers",
         ),
         (["actor.ppo_mini_batches=5"], "actor.ppo_mini_batches=5"),
+        (["actor.ep=2", "trainer.n_gpus_per_node=2"], "actor.ep=2 needs a mixture-of-experts"),
+        (["actor.ep=2"], "actor.ep=2 does not divide the 1 data-parallel ranks"),
+        (
+            ["model=tiny_qwen3_moe", "actor.tp=2", "trainer.n_gpus_per_node=2"],
+            "mixture-of-experts models train at actor.tp=1 and actor.pp=1",
+        ),
+        (["model=tiny_qwen3_moe", "actor.lora.rank=8"], "LoRA on a mixture-of-experts model"),
         (["model.path=/nonexistent/model"], "model.path=/nonexistent/model"),
         (["data.task=jsonl", "data.path=/nonexistent/data.jsonl"], "/nonexistent/data.jsonl"),
         (["planner.prune_zero_adv=match_loss_curve", "actor.kl_coef=0.1"], "actor.kl_coef"),

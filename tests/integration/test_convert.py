@@ -95,6 +95,15 @@ def test_tiny_qwen3_round_trip_tp2_pp2(tmp_path):
     _assert_same_logits(original, back)
 
 
+def test_tiny_qwen3_moe_round_trip(tmp_path):
+    """Per-expert tensors and the router come back bitwise (experts train at TP=1 x PP=1)."""
+    original = _save_tiny("tiny_qwen3_moe", tmp_path / "hf")
+    back = _convert_both_ways(original, tmp_path, tp=1, pp=1)
+    assert "model.layers.3.mlp.experts.3.down_proj.weight" in load_hf_state_dict(back)
+    _assert_bitwise(original, back)
+    _assert_same_logits(original, back)
+
+
 def test_smollm2_round_trip_tp3_pp2(tmp_path):
     original = resolve_model_path(None)
     back = _convert_both_ways(original, tmp_path, tp=3, pp=2)

@@ -117,3 +117,25 @@ def test_checksum_steps_and_engine_mismatch_is_an_error_naming_the_tensor():
     stale = dict(weights, b=weights["b"] + 1)
     with pytest.raises(ExportChecksumError, match="'b' differs"):
         verify_engine_checksums(stream, engine_holding(stale))
+
+
+def test_experts_are_owned_by_their_expert_parallel_rank():
+    """Expert e of E lives on expert-parallel rank e // (E / ep); everything else on all ranks."""
+    spec = spec_from_hf_config(
+        dict(
+            CFG,
+            model_type="qwen3_moe",
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            head_dim=8,
+        )
+    )
+    items = [i for b in plan_export(spec, 1, 1, 1, 4, 10**9, ep=4).buckets for i in b.items]
+    names = {n: i.ep_rank for i in items for n in i.hf_names}
+    assert sorted(names) == sorted(mapping.expected_hf_names(spec))
+    assert names["model.layers.2.mlp.experts.5.up_proj.weight"] == 2
+    assert names["model.layers.7.mlp.experts.0.down_proj.weight"] == 0
+    assert names["model.layers.7.mlp.experts.7.gate_proj.weight"] == 3
+    assert names["model.layers.2.mlp.gate.weight"] is None
+    assert names["model.layers.2.self_attn.q_norm.weight"] is None

@@ -52,6 +52,37 @@ def test_table_matches_transformers_state_dict(family, tied):
     assert spec.num_parameters() == sum(t.numel() for t in state.values())
 
 
+MOE = {
+    "qwen3_moe": {"num_experts": 4, "moe_intermediate_size": 24, "head_dim": 16},
+    "mixtral": {"num_local_experts": 4},
+}
+
+
+@pytest.mark.parametrize("family", sorted(MOE))
+def test_moe_table_matches_the_saved_checkpoint(family, tmp_path):
+    """MoE tables name the checkpoint's per-expert tensors (what ``save_pretrained`` writes and
+    vLLM loads), not transformers 5's fused in-memory experts."""
+    from safetensors import safe_open
+
+    from megarl.models.random_init import build_random_hf_model
+
+    cfg = dict(TINY, model_type=family, num_experts_per_tok=2, **MOE[family])
+    model = build_random_hf_model(cfg, seed=0)
+    model.save_pretrained(tmp_path)
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        saved = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118
+    spec = spec_from_hf_config(model.config)
+    assert (spec.num_experts, spec.moe_top_k, spec.is_moe) == (4, 2, True)
+    shapes = {}
+    for rule in mapping.rules_for(spec):
+        for layer in range(spec.num_layers) if rule.per_layer else [None]:
+            shapes.update(zip(rule.hf_names(layer), mapping.hf_shapes(rule, spec), strict=True))
+    assert shapes == saved
+    assert sorted(mapping.expected_hf_names(spec)) == sorted(saved)
+    assert spec.num_parameters() == sum(t.numel() for t in model.state_dict().values())
+    assert spec.qk_norm == (family == "qwen3_moe")
+
+
 @pytest.mark.parametrize(
     ("extra", "words"),
     [
@@ -59,6 +90,38 @@ def test_table_matches_transformers_state_dict(family, tied):
         ({"model_type": "llama", "mlp_bias": True}, "mlp_bias"),
         ({"model_type": "mistral", "sliding_window": 16}, "sliding_window"),
         ({"model_type": "qwen3", "attention_bias": True}, "attention_bias"),
+        (
+            {
+                "model_type": "qwen3_moe",
+                "num_experts": 4,
+                "moe_intermediate_size": 8,
+                "num_experts_per_tok": 2,
+                "mlp_only_layers": [1],
+            },
+            "mlp_only_layers",
+        ),
+        (
+            {
+                "model_type": "mixtral",
+                "num_local_experts": 4,
+                "num_experts_per_tok": 2,
+                "router_jitter_noise": 0.1,
+            },
+            "router_jitter_noise",
+        ),
+        (
+            {"model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 5},
+            "num_experts_per_tok",
+        ),
+        (
+            {
+                "model_type": "mixtral",
+                "num_local_experts": 4,
+                "num_experts_per_tok": 2,
+                "sliding_window": 16,
+            },
+            "sliding_window",
+        ),
     ],
 )
 def test_unmapped_features_are_refused(extra, words):
@@ -76,3 +139,39 @@ def test_qwen2_sliding_window_off_by_default_is_accepted():
 def test_rule_with_unknown_dim_is_rejected():
     with pytest.raises(ValueError, match="unknown dims"):
         mapping.ParamRule("x.weight", ("y.weight",), "column", (("hidden", "heads"),))
+
+
+@pytest.mark.parametrize(
+    ("tp", "pp", "ep", "words"),
+    [
+        (2, 1, 1, "actor.tp=2, actor.pp=1: mixture-of-experts"),
+        (1, 2, 1, "actor.tp=1, actor.pp=2: mixture-of-experts"),
+        (1, 1, 3, "actor.ep=3 does not divide the model's 4 experts"),
+    ],
+)
+def test_moe_layouts_megarl_cannot_train_are_refused(tp, pp, ep, words):
+    spec = spec_from_hf_config(
+        dict(TINY, model_type="mixtral", num_local_experts=4, num_experts_per_tok=2)
+    )
+    spec.check_parallelism(1, 1, ep=2)
+    with pytest.raises(ModelSpecError, match=words):
+        spec.check_parallelism(tp, pp, ep=ep)
+
+
+def test_expert_parallel_needs_experts():
+    with pytest.raises(ModelSpecError, match="actor.ep=2 needs a mixture-of-experts model"):
+        spec_from_hf_config(dict(TINY, model_type="llama")).check_parallelism(1, 1, ep=2)
+
+
+def test_expert_names_are_global_on_every_expert_parallel_rank():
+    name = "decoder.layers.1.mlp.experts.local_experts.1.linear_fc2.weight"
+    assert mapping.globalize_expert(name, 0) == name
+    assert mapping.globalize_expert(name, 2) == name.replace("local_experts.1.", "local_experts.3.")
+    assert mapping.globalize_expert("decoder.layers.1.mlp.router.weight", 2).endswith(
+        "router.weight"
+    )
+    spec = spec_from_hf_config(
+        dict(TINY, model_type="mixtral", num_local_experts=4, num_experts_per_tok=2)
+    )
+    experts = [mapping.expert_of(rule) for rule in mapping.rules_for(spec)]
+    assert [e for e in experts if e is not None] == [0, 0, 1, 1, 2, 2, 3, 3]

@@ -88,6 +88,13 @@ def test_cpu_attention_head_size_is_checked():
     decide(GPU, ModelFacts(4, 4, 16, 512))  # CUDA attention takes it
 
 
+def test_mixture_of_experts_is_refused_on_cpu_only():
+    moe = ModelFacts(4, 4, 64, 512, num_experts=8)
+    with pytest.raises(VLLMSettingsError, match="mixture-of-experts.*rollout.engine=hf"):
+        decide(CPU, moe)
+    decide(GPU, moe)
+
+
 def test_max_model_len_beyond_the_model_is_refused():
     with pytest.raises(VLLMSettingsError, match="rollout.max_model_len=9000"):
         decide(VLLMRequest("cpu", "float32", max_model_len=9000))
