@@ -303,6 +303,16 @@ def check_engine_installed(engine: str) -> None:
         raise StartupError(VLLM_MISSING_MESSAGE)
 
 
+def check_loggers_installed(loggers: tuple[str, ...]) -> None:
+    """``trainer.logger``'s optional libraries are importable (wandb), checked at start-up."""
+    import importlib.util
+
+    if "wandb" in loggers and importlib.util.find_spec("wandb") is None:
+        from megarl.trainer.metrics import WANDB_MISSING_MESSAGE
+
+        raise StartupError(WANDB_MISSING_MESSAGE)
+
+
 def resolve_resume(cfg, model_dir: str, device: str) -> str | None:
     """The checkpoint this run continues from (``trainer.resume``), checked against the config,
     the model's tokenizer and the dataset; see :func:`megarl.checkpoint.resume.prepare_resume`."""
@@ -342,6 +352,7 @@ def run(overrides: list[str], return_final_state: bool = False):
     cfg = compose_config(overrides)
     check_run_dir(cfg.trainer.run_dir)
     check_engine_installed(cfg.rollout.engine)
+    check_loggers_installed(cfg.trainer.logger)
     device = resolve_device(cfg.trainer.device, cfg)
     with contextlib.ExitStack() as held:
         with tempfile.TemporaryDirectory(prefix="megarl-init-") as tmp:

@@ -13,6 +13,7 @@ import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
+from pathlib import Path
 from typing import Any, cast
 
 from megarl.algo.advantages import ADVANTAGE_ESTIMATOR_NAMES, resolve_estimator_name
@@ -36,6 +37,11 @@ from megarl.planner.gates import OldLogProbMode, RefLogProbMode
 
 ROLLOUT_SLEEP_LEVELS: tuple[int, ...] = (0, *SLEEP_LEVELS)
 """``rollout.sleep_level``: 0 (the engine never sleeps) or a level the engines sleep at."""
+
+LOGGER_NAMES: tuple[str, ...] = ("console", "jsonl", "tensorboard", "wandb")
+"""``trainer.logger``: the metric sinks (verl's key and names; verl's ``file`` is ``jsonl``). The
+console is the rollout host's; the others are :class:`megarl.trainer.metrics.MetricsWriter`'s
+(the trainer sits above config, so the list lives here)."""
 
 
 class ConfigError(ValueError):
@@ -103,9 +109,20 @@ class TrainerConfig:
     """Ranks per node; on CPU the number of worker processes."""
     launcher: str = "local"
     """local (spawn workers on this machine) | ray."""
-    log_console: bool = True
-    """Progress bar and one line per step."""
-    tensorboard: bool = True
+    logger: tuple[str, ...] = ("console", "jsonl", "tensorboard")
+    """Where metrics go (verl's key), any of :data:`LOGGER_NAMES`: console (progress bar and one
+    line per step) | jsonl (``<run_dir>/metrics.jsonl``, which a resume cuts back and reads its
+    history from) | tensorboard (``<run_dir>/tensorboard``) | wandb (Weights & Biases: needs
+    ``pip install wandb``; a resumed run continues the checkpoint's wandb run)."""
+    project_name: str = "megarl"
+    """wandb project (verl's key)."""
+    experiment_name: str | None = None
+    """wandb run name (verl's key); None = the name of ``run_dir``'s folder."""
+    log_console: bool | None = None
+    """Older spelling, kept for existing command lines: true / false adds / removes ``console``
+    in ``logger``. None = ``logger`` decides."""
+    tensorboard: bool | None = None
+    """Older spelling, as ``log_console``, for ``tensorboard``."""
     save_interval: int = 0
     """Save a training checkpoint every this many steps (and at the last step); 0 = never."""
     keep_last: int = 2
@@ -128,6 +145,7 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         _positive("trainer.total_steps", self.total_steps)
         _positive("trainer.collective_timeout_s", self.collective_timeout_s)
+        self._resolve_loggers()
         _require(self.val_interval >= 0, f"trainer.val_interval={self.val_interval}: must be >= 0")
         _require(
             bool(self.run_dir.strip()),
@@ -149,9 +167,44 @@ class TrainerConfig:
             "use trainer.launcher=ray for several nodes",
         )
 
+    def _resolve_loggers(self) -> None:
+        """Check ``logger`` and fold the older booleans into it (first mention order kept)."""
+        for name in self.logger:
+            _require(
+                isinstance(name, str) and name in LOGGER_NAMES,
+                f"trainer.logger: unknown logger {name!r}; choose from {', '.join(LOGGER_NAMES)}",
+            )
+        loggers = list(dict.fromkeys(self.logger))
+        for key, name in (("log_console", "console"), ("tensorboard", "tensorboard")):
+            flag = getattr(self, key)
+            _require(
+                flag is None or isinstance(flag, bool),
+                f"trainer.{key}={flag!r}: expected true or false",
+            )
+            if flag and name not in loggers:
+                loggers.append(name)
+            elif flag is False and name in loggers:
+                loggers.remove(name)
+        object.__setattr__(self, "logger", tuple(loggers))
+        _require(
+            bool(self.project_name.strip()), "trainer.project_name: empty; name the wandb project"
+        )
+        _require(
+            self.experiment_name is None or bool(str(self.experiment_name).strip()),
+            "trainer.experiment_name: empty; name the run, or null for run_dir's folder name",
+        )
+
     @property
     def world_size(self) -> int:
         return self.nnodes * self.n_gpus_per_node
+
+    @property
+    def experiment(self) -> str:
+        """``experiment_name``, or the run directory's folder name when it is None."""
+        if self.experiment_name is not None:
+            return str(self.experiment_name)
+        name = Path(self.run_dir).expanduser().resolve().name
+        return name or "megarl"
 
 
 @dataclass(frozen=True)

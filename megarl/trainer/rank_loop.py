@@ -179,7 +179,7 @@ def _setup(ctx: WorkerContext, inputs: RunInputs) -> _Runtime:
 
     cfg = inputs.cfg
     execution = execution_plan_for(cfg, inputs.device)
-    if ctx.rank == 0 and cfg.trainer.log_console:
+    if ctx.rank == 0 and "console" in cfg.trainer.logger:
         print(f"execution: {execution.summary()}\n  " + "\n  ".join(execution.reasons), flush=True)
     if execution.cpu_shims:
         enter_cpu_shims()
@@ -212,7 +212,7 @@ def _setup(ctx: WorkerContext, inputs: RunInputs) -> _Runtime:
     heartbeat.mark("build_actor")
     actor = build(trainable=True, init_seed=cfg.trainer.seed)
     reference_plan = decide_reference(planning.run_facts(cfg))
-    if ctx.rank == 0 and cfg.trainer.log_console:
+    if ctx.rank == 0 and "console" in cfg.trainer.logger:
         print(
             f"pruning: {planning.prune_mode(cfg)[1]}\nreference: {reference_plan.reason}",
             flush=True,

@@ -29,7 +29,14 @@ from megarl.engines.base import EngineMemoryState, SamplingParams
 from megarl.engines.factory import build_engine
 from megarl.models.spec import TransformerSpec, spec_from_hf_config
 from megarl.trainer import perf
-from megarl.trainer.metrics import MetricsWriter, PhaseTimer, run_summary, step_line
+from megarl.trainer.metrics import (
+    MetricsWriter,
+    PhaseTimer,
+    WandbRun,
+    new_wandb_run_id,
+    run_summary,
+    step_line,
+)
 from megarl.trainer.perf import PeakFlops, peak_flops
 from megarl.trainer.rollout import RolloutProducer, RolloutSettings, encode_prompt, sampling_seed
 
@@ -84,10 +91,10 @@ class RolloutHost:
             settings,
             cfg.trainer.seed,
         )
-        self.writer = MetricsWriter(Path(cfg.trainer.run_dir), cfg.trainer.tensorboard)
+        self.writer = metrics_writer(cfg)
         self.history: list[dict] = []
         self._export_metrics: dict[str, float] = {}
-        self.console = Console(cfg.trainer.total_steps, enabled=cfg.trainer.log_console)
+        self.console = Console(cfg.trainer.total_steps, enabled="console" in cfg.trainer.logger)
         self._perf = _PerfContext.build(model_dir, device, cfg.trainer.world_size)
 
     def rollout(self, step: int):
@@ -200,11 +207,17 @@ class RolloutHost:
     # --- checkpoint state (megarl.checkpoint.trainer_state) ----------------------------------
 
     def state_dict(self) -> dict:
-        return {"stream": self.stream.state_dict()}
+        state: dict = {"stream": self.stream.state_dict()}
+        if self.writer.wandb_run_id is not None:
+            state["wandb_run_id"] = self.writer.wandb_run_id
+        return state
 
     def load_state_dict(self, state: dict, history: list[dict]) -> None:
-        """Continue the data stream where the checkpoint stopped; ``history`` = its metrics."""
+        """Continue the data stream where the checkpoint stopped, and its wandb run if it saved
+        one (with wandb on); ``history`` = its metrics."""
         self.stream.load_state_dict(state["stream"])
+        if state.get("wandb_run_id"):
+            self.writer.continue_wandb_run(state["wandb_run_id"])
         self.history = list(history)
         self.console.skip(len(history))
 
@@ -214,6 +227,26 @@ class RolloutHost:
         close_engine = getattr(self.engine, "close", None)
         if close_engine is not None:
             close_engine()
+
+
+def metrics_writer(cfg: RunConfig) -> MetricsWriter:
+    """The sinks ``trainer.logger`` names (the console is :class:`Console`)."""
+    loggers = cfg.trainer.logger
+    wandb = None
+    if "wandb" in loggers:
+        wandb = WandbRun(
+            project=cfg.trainer.project_name,
+            name=cfg.trainer.experiment,
+            run_id=new_wandb_run_id(),
+            config=cfg.to_dict(),
+            directory=Path(cfg.trainer.run_dir),
+        )
+    return MetricsWriter(
+        Path(cfg.trainer.run_dir),
+        tensorboard="tensorboard" in loggers,
+        jsonl="jsonl" in loggers,
+        wandb=wandb,
+    )
 
 
 # --- MFU of the update phase ---
