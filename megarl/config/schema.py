@@ -137,6 +137,12 @@ class TrainerConfig:
     val_interval: int = 0
     """Validate on ``data.val_files`` every this many steps and after the last (verl's
     ``test_freq``); 0 = never."""
+    val_before_train: bool = False
+    """Validate the initial weights before step 1, logged as step 0 with the same
+    ``val-core/...`` names (verl's key). verl's default is true, but verl validates only when it
+    has validation data; here a run without ``data.val_files`` would be refused, so the default
+    is false. A resumed run does not validate again (verl does):
+    :func:`megarl.algo.validation.validates_before_training` says why."""
     collective_timeout_s: float = 600.0
     """Seconds a rank waits in one collective, and that a rank may go without progress, before
     the run fails naming the rank that stopped. 600 s outlasts a slow first step (a model
@@ -784,6 +790,10 @@ class RunConfig:
         _require(
             self.trainer.val_interval == 0 or bool(self.data.val_files),
             f"trainer.val_interval={self.trainer.val_interval} needs data.val_files",
+        )
+        _require(
+            not self.trainer.val_before_train or bool(self.data.val_files),
+            "trainer.val_before_train=true needs data.val_files",
         )
         buffer = self.reward.overlong_buffer
         _require(

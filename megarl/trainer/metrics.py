@@ -239,18 +239,31 @@ def step_line(m: Mapping[str, Any]) -> str:
         f"{m['timing_s/step']:.1f}s",
     ]
     line = " | ".join(parts)
-    scores = {
-        k.removeprefix("val-core/").rsplit("/reward/", 1)[0]: v
-        for k, v in m.items()
-        if k.startswith("val-core/")
-    }
+    scores = _validation_scores(m)
     if scores:
-        line += "\n         validation: " + ", ".join(f"{s} {v:.3f}" for s, v in scores.items())
+        line += f"\n         validation: {scores}"
     if m.get("planner/summary"):
         line += f"\n         plan: {m['planner/summary']}"
     if m.get("gates/summary"):
         line += f"\n         gates: {m['gates/summary']}"
     return line
+
+
+def validation_line(m: Mapping[str, Any]) -> str:
+    """The console line of a validation outside a training step (step 0: the initial weights)."""
+    seconds = m.get("timing_s/testing")
+    took = f" | {seconds:.1f}s" if isinstance(seconds, int | float) else ""
+    return f"step {m['step']:>3} | validation: {_validation_scores(m)}{took}"
+
+
+def _validation_scores(m: Mapping[str, Any]) -> str:
+    """``<data_source> <mean reward>`` of every ``val-core/`` key; empty without any."""
+    scores = {
+        k.removeprefix("val-core/").rsplit("/reward/", 1)[0]: v
+        for k, v in m.items()
+        if k.startswith("val-core/")
+    }
+    return ", ".join(f"{s} {v:.3f}" for s, v in scores.items())
 
 
 def run_summary(history: Sequence[Mapping[str, Any]], window: int = 3) -> str:

@@ -47,7 +47,7 @@ from megarl.actor.train_stats import OptimizerStepStats, UpdateStats, summarise_
 from megarl.algo.advantages import get_advantage_estimator
 from megarl.algo.kl_reward import KLController, apply_kl_penalty, build_kl_controller
 from megarl.algo.rollout_correction import MismatchStats, mismatch_stats_of_sequences
-from megarl.algo.validation import is_validation_step
+from megarl.algo.validation import is_validation_step, validates_before_training
 from megarl.batch import RolloutBatch, RolloutShard
 from megarl.config import planning
 from megarl.config.schema import RunConfig
@@ -275,6 +275,11 @@ def _train(rt: _Runtime) -> None:
 
     heartbeat.mark("restore")
     last_done = _maybe_restore(rt)
+    if rt.host is not None and validates_before_training(
+        rt.cfg.trainer.val_before_train, last_done
+    ):
+        heartbeat.mark("validate", 0)
+        rt.host.record_validation(0, rt.host.validate(0))
     for step in range(last_done + 1, rt.cfg.trainer.total_steps + 1):
         maybe_die(dist.get_rank(), step)
         heartbeat.mark("rollout", step)

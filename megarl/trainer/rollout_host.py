@@ -36,6 +36,7 @@ from megarl.trainer.metrics import (
     new_wandb_run_id,
     run_summary,
     step_line,
+    validation_line,
 )
 from megarl.trainer.perf import PeakFlops, peak_flops
 from megarl.trainer.rollout import RolloutProducer, RolloutSettings, encode_prompt, sampling_seed
@@ -204,6 +205,13 @@ class RolloutHost:
         self.history.append(metrics)
         self.console.step(metrics, self.producer.last_samples)
 
+    def record_validation(self, step: int, validation: Mapping[str, float]) -> None:
+        """A validation outside a training step (``trainer.val_before_train``: step 0): a record
+        of its own in every sink, not part of the training history."""
+        metrics = {"step": step, **validation}
+        self.writer.write(metrics)
+        self.console.validation(metrics)
+
     # --- checkpoint state (megarl.checkpoint.trainer_state) ----------------------------------
 
     def state_dict(self) -> dict:
@@ -218,8 +226,8 @@ class RolloutHost:
         self.stream.load_state_dict(state["stream"])
         if state.get("wandb_run_id"):
             self.writer.continue_wandb_run(state["wandb_run_id"])
-        self.history = list(history)
-        self.console.skip(len(history))
+        self.history = [row for row in history if row.get("step", 0) >= 1]  # training steps
+        self.console.skip(len(self.history))
 
     def close(self) -> None:
         self.console.finish(self.history)
@@ -419,6 +427,10 @@ class Console:
                 f"         sample: {prompt!r} -> {text.strip()[:60]!r} (reward {reward:g})"
             )
         self._progress.advance(self._task)
+
+    def validation(self, metrics: dict) -> None:
+        if self._progress is not None:
+            self._progress.console.print(validation_line(metrics))
 
     def skip(self, steps: int) -> None:
         """Steps already done before a resume."""

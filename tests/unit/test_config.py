@@ -200,3 +200,13 @@ def test_experiment_name_defaults_to_the_run_dirs_folder():
     assert named.trainer.experiment == "b" and named.trainer.project_name == "megarl"
     with pytest.raises(ConfigError, match="trainer.project_name: empty"):
         build_run_config({"trainer": {"project_name": " "}})
+
+
+def test_val_before_train_is_off_by_default_and_needs_validation_files():
+    assert build_run_config({}).trainer.val_before_train is False
+    with pytest.raises(ConfigError, match=r"^trainer.val_before_train=true needs data.val_files$"):
+        build_run_config({"trainer": {"val_before_train": True}})
+    cfg = build_run_config(
+        {"trainer": {"val_before_train": True}, "data": {"val_files": "v.jsonl"}}
+    )
+    assert cfg.trainer.val_before_train
