@@ -143,6 +143,13 @@ class TrainerConfig:
     has validation data; here a run without ``data.val_files`` would be refused, so the default
     is false. A resumed run does not validate again (verl does):
     :func:`megarl.algo.validation.validates_before_training` says why."""
+    rollout_data_dir: str | None = None
+    """Dump every step's generations to ``<rollout_data_dir>/<step>.jsonl`` (verl's key): prompt,
+    response, answer, reward, advantage and whether the step trained the sequence, one line per
+    sequence (:mod:`megarl.trainer.generations`); None = no dump."""
+    validation_data_dir: str | None = None
+    """The same for validation samples, ``<validation_data_dir>/<step>.jsonl`` (verl's key);
+    None = no dump."""
     collective_timeout_s: float = 600.0
     """Seconds a rank waits in one collective, and that a rank may go without progress, before
     the run fails naming the rank that stopped. 600 s outlasts a slow first step (a model
@@ -195,6 +202,12 @@ class TrainerConfig:
         _require(
             bool(self.project_name.strip()), "trainer.project_name: empty; name the wandb project"
         )
+        for key in ("rollout_data_dir", "validation_data_dir"):
+            folder = getattr(self, key)
+            _require(
+                folder is None or (isinstance(folder, str) and bool(folder.strip())),
+                f"trainer.{key}={folder!r}: expected a folder, or null for no dump",
+            )
         _require(
             self.experiment_name is None or bool(str(self.experiment_name).strip()),
             "trainer.experiment_name: empty; name the run, or null for run_dir's folder name",

@@ -29,6 +29,7 @@ from megarl.engines.base import EngineMemoryState, SamplingParams
 from megarl.engines.factory import build_engine
 from megarl.models.spec import TransformerSpec, spec_from_hf_config
 from megarl.trainer import perf
+from megarl.trainer.generations import rollout_records, validation_records, write_step_file
 from megarl.trainer.metrics import (
     MetricsWriter,
     PhaseTimer,
@@ -122,6 +123,7 @@ class RolloutHost:
         chunk = self.cfg.data.val_batch_size or len(problems)
         rewards: list[list[float]] = []
         response_lens: list[int] = []
+        samples: list[tuple[str, str, str]] = []
         for start in range(0, len(problems), chunk):
             part = problems[start : start + chunk]
             prompts = [self.producer.encode_prompt(p) for p in part for _ in range(val.n)]
@@ -131,7 +133,14 @@ class RolloutHost:
             scores = self.producer.score(texts, answers, step)
             rewards += [list(scores[i : i + val.n]) for i in range(0, len(scores), val.n)]
             response_lens += [len(g.response_ids) for g in gens]
-        metrics = validation_metrics([p.data_source for p in problems], rewards, response_lens)
+            samples += [(part[i // val.n].prompt, texts[i], answers[i]) for i in range(len(gens))]
+        sources = [p.data_source for p in problems]
+        metrics = validation_metrics(sources, rewards, response_lens)
+        if self.cfg.trainer.validation_data_dir is not None:
+            per_sample = [source for source in sources for _ in range(val.n)]
+            flat = [reward for prompt_rewards in rewards for reward in prompt_rewards]
+            records = validation_records(step, per_sample, samples, flat)
+            write_step_file(Path(self.cfg.trainer.validation_data_dir), step, records)
         metrics["timing_s/testing"] = time.perf_counter() - started
         return metrics
 
@@ -201,9 +210,25 @@ class RolloutHost:
         metrics["perf/total_num_tokens"] = total_tokens
         metrics["perf/throughput"] = total_tokens / max(metrics["timing_s/step"], 1e-9)
         metrics.update(self._perf.update_metrics(plan, batch, timer.times))
+        if self.cfg.trainer.rollout_data_dir is not None:
+            self._dump_rollout(step, batch, plan)
         self.writer.write(metrics)
         self.history.append(metrics)
         self.console.step(metrics, self.producer.last_samples)
+
+    def _dump_rollout(self, step: int, batch, plan) -> None:
+        """``trainer.rollout_data_dir``: the step's sequences, and which the plan trained."""
+        num_dp = len(plan.optimizer_steps[0].ranks)
+        trained = {i for dp in range(num_dp) for i in plan.trained_sequences(dp)}
+        records = rollout_records(
+            step,
+            self.producer.last_texts,
+            batch.rewards.tolist(),
+            batch.advantages.tolist(),
+            batch.group_ids.tolist(),
+            trained,
+        )
+        write_step_file(Path(str(self.cfg.trainer.rollout_data_dir)), step, records)
 
     def record_validation(self, step: int, validation: Mapping[str, float]) -> None:
         """A validation outside a training step (``trainer.val_before_train``: step 0): a record
