@@ -68,12 +68,16 @@ class _WandbSink:
             raise RuntimeError("the wandb run already started; a saved run id came too late")
         self.run = dataclasses.replace(self.run, run_id=run_id)
 
-    def write(self, step: int, scalars: Mapping[str, float]) -> None:
+    def start(self):
+        """The wandb run, started on first use."""
         if self._active is None:
-            self._active = self._start()
-        self._active.log(dict(scalars), step=step)
+            self._active = self._init()
+        return self._active
 
-    def _start(self):
+    def write(self, step: int, scalars: Mapping[str, float]) -> None:
+        self.start().log(dict(scalars), step=step)
+
+    def _init(self):
         import wandb
 
         directory = None if os.environ.get("WANDB_DIR") else str(self.run.directory)
@@ -150,6 +154,12 @@ class MetricsWriter:
         write only. Ignored without wandb."""
         if self._wandb is not None:
             self._wandb.continue_run(run_id)
+
+    def start(self) -> None:
+        """Start the wandb run now (else at the first write): a resumed run calls this once it
+        has passed the saved run id, so a wandb that cannot start stops the run before step 1."""
+        if self._wandb is not None:
+            self._wandb.start()
 
     def write(self, metrics: Mapping[str, Any]) -> None:
         if self._jsonl is not None:

@@ -275,6 +275,8 @@ def _train(rt: _Runtime) -> None:
 
     heartbeat.mark("restore")
     last_done = _maybe_restore(rt)
+    if rt.host is not None:  # wandb's run id is known now: a wandb that cannot start stops here
+        rt.host.start_loggers()
     if rt.host is not None and validates_before_training(
         rt.cfg.trainer.val_before_train, last_done
     ):

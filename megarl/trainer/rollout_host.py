@@ -230,6 +230,10 @@ class RolloutHost:
         )
         write_step_file(Path(str(self.cfg.trainer.rollout_data_dir)), step, records)
 
+    def start_loggers(self) -> None:
+        """Start the metric sinks that connect somewhere (wandb), after a resume's restore."""
+        self.writer.start()
+
     def record_validation(self, step: int, validation: Mapping[str, float]) -> None:
         """A validation outside a training step (``trainer.val_before_train``: step 0): a record
         of its own in every sink, not part of the training history."""

@@ -126,3 +126,14 @@ def test_a_resumed_run_continues_its_wandb_run_and_a_fresh_start_gets_a_new_one(
             assert values["_step"] == row["step"]
             assert values["actor/pg_loss"] == row["actor/pg_loss"]
             assert values["critic/rewards/mean"] == row["critic/rewards/mean"]
+
+
+def test_start_opens_the_run_before_any_step(tmp_path, wandb_offline):
+    writer = MetricsWriter(tmp_path, tensorboard=False, wandb=_wandb_run(tmp_path, "s1"))
+    writer.start()
+    with pytest.raises(RuntimeError, match="already started"):  # a saved id would come too late
+        writer.continue_wandb_run("zz")
+    writer.close()
+    [run] = offline_runs(wandb_offline)
+    assert (run.run_id, run.history, run.finished) == ("s1", [], True)
+    assert run.config["trainer"] == {"seed": 7}
