@@ -889,6 +889,10 @@ def _field_class(fld: dataclasses.Field) -> type[Any] | None:
     return None
 
 
+ONE_OR_A_LIST = ("trainer.logger",)
+"""List keys that also take one name alone (``trainer.logger=wandb``, as verl takes it)."""
+
+
 def _convert_leaf(fld: dataclasses.Field, key: str, value: Any) -> Any:
     default = fld.default if fld.default is not dataclasses.MISSING else None
     if isinstance(default, bool):
@@ -907,6 +911,8 @@ def _convert_leaf(fld: dataclasses.Field, key: str, value: Any) -> Any:
         )
         return float(value)
     if isinstance(default, tuple):
+        if key in ONE_OR_A_LIST and isinstance(value, str):
+            return (value,)
         _require(isinstance(value, list | tuple), f"{key}={value!r}: expected a list")
         return tuple(value)
     if isinstance(default, str):

@@ -175,8 +175,9 @@ def test_an_unknown_logger_is_one_line_listing_the_choices():
     assert str(info.value) == (
         "trainer.logger: unknown logger 'mlflow'; choose from console, jsonl, tensorboard, wandb"
     )
-    with pytest.raises(ConfigError, match=r"trainer.logger='wandb': expected a list"):
-        build_run_config({"trainer": {"logger": "wandb"}})
+    with pytest.raises(ConfigError, match=r"^trainer.logger=7: expected a list$"):
+        build_run_config({"trainer": {"logger": 7}})
+    assert build_run_config({"trainer": {"logger": "wandb"}}).trainer.logger == ("wandb",)
 
 
 @pytest.mark.parametrize(
