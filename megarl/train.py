@@ -308,6 +308,55 @@ def check_engine_installed(engine: str) -> None:
         raise StartupError(VLLM_MISSING_MESSAGE)
 
 
+def check_loggers_installed(loggers: tuple[str, ...]) -> None:
+    """``trainer.logger``'s optional libraries are importable (wandb), checked at start-up."""
+    import importlib.util
+
+    if "wandb" in loggers and importlib.util.find_spec("wandb") is None:
+        from megarl.trainer.metrics import WANDB_MISSING_MESSAGE
+
+        raise StartupError(WANDB_MISSING_MESSAGE)
+
+
+def check_dump_dirs(cfg) -> None:
+    """``trainer.rollout_data_dir`` / ``validation_data_dir`` hold no step file this run is going
+    to write (another run's, or steps an interrupted run dumped past the checkpoint a resume
+    continues from): refused in one line, since a dump never overwrites a file."""
+    from megarl.algo.validation import validates_before_training
+    from megarl.checkpoint.layout import CheckpointError
+    from megarl.checkpoint.resume import find_resume_checkpoint
+    from megarl.trainer.generations import conflicting_step_files
+
+    t = cfg.trainer
+    folders = [
+        ("rollout_data_dir", t.rollout_data_dir),
+        ("validation_data_dir", t.validation_data_dir),
+    ]
+    folders = [(key, Path(folder).expanduser()) for key, folder in folders if folder is not None]
+    if not folders:
+        return
+    for key, folder in folders:
+        if folder.exists() and not folder.is_dir():
+            raise StartupError(f"trainer.{key}={folder}: exists and is not a folder")
+    try:
+        info = find_resume_checkpoint(t.resume, t.run_dir)
+    except CheckpointError as exc:
+        raise StartupError(str(exc)) from None
+    start = info.step if info is not None else 0
+    for key, folder in folders:
+        step_zero = key == "validation_data_dir" and validates_before_training(
+            t.val_before_train, start
+        )
+        taken = conflicting_step_files(folder, start + 1, step_zero)
+        if taken:
+            shown = ", ".join(taken[:3]) + (f" and {len(taken) - 3} more" if len(taken) > 3 else "")
+            raise StartupError(
+                f"trainer.{key}={folder}: {shown} already exist (this run writes steps "
+                f"{start + 1} onwards and never overwrites a file); move them or choose another "
+                "folder"
+            )
+
+
 def resolve_resume(cfg, model_dir: str, device: str) -> str | None:
     """The checkpoint this run continues from (``trainer.resume``), checked against the config,
     the model's tokenizer and the dataset; see :func:`megarl.checkpoint.resume.prepare_resume`."""
@@ -347,12 +396,14 @@ def run(overrides: list[str], return_final_state: bool = False):
     cfg = compose_config(overrides)
     check_run_dir(cfg.trainer.run_dir)
     check_engine_installed(cfg.rollout.engine)
+    check_loggers_installed(cfg.trainer.logger)
     device = resolve_device(cfg.trainer.device, cfg)
     with contextlib.ExitStack() as held:
         with tempfile.TemporaryDirectory(prefix="megarl-init-") as tmp:
             staging = Path(tmp) / "init_model"
             model_dir = resolve_model_dir(cfg, staging)
             validate_against_model(cfg, model_dir, device)
+            check_dump_dirs(cfg)
             held.enter_context(_hold_run_dir(cfg.trainer.run_dir))
             resume_from = resolve_resume(cfg, model_dir, device)
             model_dir = place_model_dir(cfg, model_dir, staging)

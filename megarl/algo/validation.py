@@ -59,3 +59,16 @@ def validation_metrics(
 def is_validation_step(step: int, total_steps: int, interval: int) -> bool:
     """Every ``interval`` steps and after the last one (verl's ``test_freq``); 0 = never."""
     return interval > 0 and (step % interval == 0 or step == total_steps)
+
+
+def validates_before_training(val_before_train: bool, resumed_step: int) -> bool:
+    """Whether ``trainer.val_before_train`` validates the weights the run starts from, logged
+    as step 0 (``resumed_step`` = the checkpoint's step, 0 for a fresh start).
+
+    A fresh start only. verl validates again after a resume and logs it at the checkpoint's
+    step; here that step already has its record in ``metrics.jsonl``, TensorBoard and the wandb
+    run the resume continues, and a second record of it would replace the first on the next
+    resume (one line per step is kept), be hidden from TensorBoard's curves with the step's
+    training values (``purge_step``), or be dropped by wandb (its steps only go forward).
+    """
+    return val_before_train and resumed_step == 0

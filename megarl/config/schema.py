@@ -13,6 +13,7 @@ import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
+from pathlib import Path
 from typing import Any, cast
 
 from megarl.algo.advantages import ADVANTAGE_ESTIMATOR_NAMES, resolve_estimator_name
@@ -36,6 +37,11 @@ from megarl.planner.gates import OldLogProbMode, RefLogProbMode
 
 ROLLOUT_SLEEP_LEVELS: tuple[int, ...] = (0, *SLEEP_LEVELS)
 """``rollout.sleep_level``: 0 (the engine never sleeps) or a level the engines sleep at."""
+
+LOGGER_NAMES: tuple[str, ...] = ("console", "jsonl", "tensorboard", "wandb")
+"""``trainer.logger``: the metric sinks (verl's key and names; verl's ``file`` is ``jsonl``). The
+console is the rollout host's; the others are :class:`megarl.trainer.metrics.MetricsWriter`'s
+(the trainer sits above config, so the list lives here)."""
 
 
 class ConfigError(ValueError):
@@ -103,9 +109,20 @@ class TrainerConfig:
     """Ranks per node; on CPU the number of worker processes."""
     launcher: str = "local"
     """local (spawn workers on this machine) | ray."""
-    log_console: bool = True
-    """Progress bar and one line per step."""
-    tensorboard: bool = True
+    logger: tuple[str, ...] = ("console", "jsonl", "tensorboard")
+    """Where metrics go (verl's key), any of :data:`LOGGER_NAMES`: console (progress bar and one
+    line per step) | jsonl (``<run_dir>/metrics.jsonl``, which a resume cuts back and reads its
+    history from) | tensorboard (``<run_dir>/tensorboard``) | wandb (Weights & Biases: needs
+    ``pip install wandb``; a resumed run continues the checkpoint's wandb run)."""
+    project_name: str = "megarl"
+    """wandb project (verl's key)."""
+    experiment_name: str | None = None
+    """wandb run name (verl's key); None = the name of ``run_dir``'s folder."""
+    log_console: bool | None = None
+    """Older spelling, kept for existing command lines: true / false adds / removes ``console``
+    in ``logger``. None = ``logger`` decides."""
+    tensorboard: bool | None = None
+    """Older spelling, as ``log_console``, for ``tensorboard``."""
     save_interval: int = 0
     """Save a training checkpoint every this many steps (and at the last step); 0 = never."""
     keep_last: int = 2
@@ -120,6 +137,19 @@ class TrainerConfig:
     val_interval: int = 0
     """Validate on ``data.val_files`` every this many steps and after the last (verl's
     ``test_freq``); 0 = never."""
+    val_before_train: bool = False
+    """Validate the initial weights before step 1, logged as step 0 with the same
+    ``val-core/...`` names (verl's key). verl's default is true, but verl validates only when it
+    has validation data; here a run without ``data.val_files`` would be refused, so the default
+    is false. A resumed run does not validate again (verl does):
+    :func:`megarl.algo.validation.validates_before_training` says why."""
+    rollout_data_dir: str | None = None
+    """Dump every step's generations to ``<rollout_data_dir>/<step>.jsonl`` (verl's key): prompt,
+    response, answer, reward, advantage and whether the step trained the sequence, one line per
+    sequence (:mod:`megarl.trainer.generations`); None = no dump."""
+    validation_data_dir: str | None = None
+    """The same for validation samples, ``<validation_data_dir>/<step>.jsonl`` (verl's key);
+    None = no dump."""
     collective_timeout_s: float = 600.0
     """Seconds a rank waits in one collective, and that a rank may go without progress, before
     the run fails naming the rank that stopped. 600 s outlasts a slow first step (a model
@@ -128,6 +158,7 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         _positive("trainer.total_steps", self.total_steps)
         _positive("trainer.collective_timeout_s", self.collective_timeout_s)
+        self._resolve_loggers()
         _require(self.val_interval >= 0, f"trainer.val_interval={self.val_interval}: must be >= 0")
         _require(
             bool(self.run_dir.strip()),
@@ -149,9 +180,50 @@ class TrainerConfig:
             "use trainer.launcher=ray for several nodes",
         )
 
+    def _resolve_loggers(self) -> None:
+        """Check ``logger`` and fold the older booleans into it (first mention order kept)."""
+        for name in self.logger:
+            _require(
+                isinstance(name, str) and name in LOGGER_NAMES,
+                f"trainer.logger: unknown logger {name!r}; choose from {', '.join(LOGGER_NAMES)}",
+            )
+        loggers = list(dict.fromkeys(self.logger))
+        for key, name in (("log_console", "console"), ("tensorboard", "tensorboard")):
+            flag = getattr(self, key)
+            _require(
+                flag is None or isinstance(flag, bool),
+                f"trainer.{key}={flag!r}: expected true or false",
+            )
+            if flag and name not in loggers:
+                loggers.append(name)
+            elif flag is False and name in loggers:
+                loggers.remove(name)
+        object.__setattr__(self, "logger", tuple(loggers))
+        _require(
+            bool(self.project_name.strip()), "trainer.project_name: empty; name the wandb project"
+        )
+        for key in ("rollout_data_dir", "validation_data_dir"):
+            folder = getattr(self, key)
+            _require(
+                folder is None or (isinstance(folder, str) and bool(folder.strip())),
+                f"trainer.{key}={folder!r}: expected a folder, or null for no dump",
+            )
+        _require(
+            self.experiment_name is None or bool(str(self.experiment_name).strip()),
+            "trainer.experiment_name: empty; name the run, or null for run_dir's folder name",
+        )
+
     @property
     def world_size(self) -> int:
         return self.nnodes * self.n_gpus_per_node
+
+    @property
+    def experiment(self) -> str:
+        """``experiment_name``, or the run directory's folder name when it is None."""
+        if self.experiment_name is not None:
+            return str(self.experiment_name)
+        name = Path(self.run_dir).expanduser().resolve().name
+        return name or "megarl"
 
 
 @dataclass(frozen=True)
@@ -742,6 +814,10 @@ class RunConfig:
             self.trainer.val_interval == 0 or bool(self.data.val_files),
             f"trainer.val_interval={self.trainer.val_interval} needs data.val_files",
         )
+        _require(
+            not self.trainer.val_before_train or bool(self.data.val_files),
+            "trainer.val_before_train=true needs data.val_files",
+        )
         buffer = self.reward.overlong_buffer
         _require(
             not buffer.enable or buffer.len is None or buffer.len <= self.rollout.max_new_tokens,
@@ -823,6 +899,10 @@ def _field_class(fld: dataclasses.Field) -> type[Any] | None:
     return None
 
 
+ONE_OR_A_LIST = ("trainer.logger",)
+"""List keys that also take one name alone (``trainer.logger=wandb``, as verl takes it)."""
+
+
 def _convert_leaf(fld: dataclasses.Field, key: str, value: Any) -> Any:
     default = fld.default if fld.default is not dataclasses.MISSING else None
     if isinstance(default, bool):
@@ -841,6 +921,8 @@ def _convert_leaf(fld: dataclasses.Field, key: str, value: Any) -> Any:
         )
         return float(value)
     if isinstance(default, tuple):
+        if key in ONE_OR_A_LIST and isinstance(value, str):
+            return (value,)
         _require(isinstance(value, list | tuple), f"{key}={value!r}: expected a list")
         return tuple(value)
     if isinstance(default, str):

@@ -173,9 +173,16 @@ class RayLayout:
         return rank // self.ranks_per_node
 
 
+FORWARDED_ENV_PREFIXES = ("MEGARL_", "WANDB_")
+"""The driver's settings that travel to every Ray actor: megarl's own (timeouts, test hooks) and
+wandb's (``WANDB_MODE``, ``WANDB_DIR``, ``WANDB_API_KEY``...), which the actor that logs
+metrics reads; an actor on a node of a running cluster does not inherit the driver's
+environment."""
+
+
 def forwarded_env() -> dict[str, str]:
-    """The driver's ``MEGARL_*`` settings (timeouts, test hooks) travel to every rank."""
-    return {k: v for k, v in os.environ.items() if k.startswith("MEGARL_")}
+    """The driver's environment variables named by :data:`FORWARDED_ENV_PREFIXES`."""
+    return {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV_PREFIXES)}
 
 
 class RankActor:

@@ -1,26 +1,113 @@
-"""Where step metrics go: ``metrics.jsonl`` (flushed every step), TensorBoard, and the console.
+"""Where step metrics go: ``metrics.jsonl`` (flushed every step), TensorBoard, Weights & Biases
+and the console (``trainer.logger``, verl's key and names).
 
 Metric names follow verl's where one exists (``timing_s/update_actor``, ``critic/rewards/mean``,
 ``actor/pg_loss``) so runs can be compared across frameworks.
+
+wandb is imported only when ``wandb`` is among the loggers, and its run starts at the first step
+written, so a resumed run can first be told the run id its checkpoint saved
+(:meth:`MetricsWriter.continue_wandb_run`): the resumed run continues the same wandb run
+(``resume="allow"``), a fresh start gets a new id.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
+import secrets
+import string
 import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 PHASES = ("gen", "old_log_prob", "ref", "adv", "update_actor", "update_weights")
 
+WANDB_MISSING_MESSAGE = (
+    "trainer.logger names wandb, which is not installed: pip install wandb "
+    "(or leave wandb out of trainer.logger)"
+)
+
+
+def new_wandb_run_id() -> str:
+    """A fresh wandb run id: 8 characters of ``[a-z0-9]``, as wandb makes its own."""
+    alphabet = string.ascii_lowercase + string.digits
+    return "".join(secrets.choice(alphabet) for _ in range(8))
+
+
+@dataclass(frozen=True)
+class WandbRun:
+    """Which wandb run the metrics go to, and what it records about the run."""
+
+    project: str
+    """``trainer.project_name``."""
+    name: str
+    """``trainer.experiment_name`` (the run's display name)."""
+    run_id: str
+    """New for a fresh start; the checkpoint's for a resumed run."""
+    config: Mapping[str, Any]
+    """The resolved run configuration, logged as the wandb run's config."""
+    directory: Path
+    """Where wandb keeps its files (``<directory>/wandb/``) unless ``WANDB_DIR`` says otherwise."""
+
+
+class _WandbSink:
+    """One wandb step per training step: ``log(scalars, step=step)``."""
+
+    def __init__(self, run: WandbRun):
+        self.run = run
+        self._active = None
+
+    def continue_run(self, run_id: str) -> None:
+        if self._active is not None:
+            raise RuntimeError("the wandb run already started; a saved run id came too late")
+        self.run = dataclasses.replace(self.run, run_id=run_id)
+
+    def start(self):
+        """The wandb run, started on first use."""
+        if self._active is None:
+            self._active = self._init()
+        return self._active
+
+    def write(self, step: int, scalars: Mapping[str, float]) -> None:
+        self.start().log(dict(scalars), step=step)
+
+    def _init(self):
+        import wandb
+
+        directory = None if os.environ.get("WANDB_DIR") else str(self.run.directory)
+        if directory is not None:
+            Path(directory).mkdir(parents=True, exist_ok=True)
+        return wandb.init(
+            project=self.run.project,
+            name=self.run.name,
+            id=self.run.run_id,
+            resume="allow",
+            config=dict(self.run.config),
+            dir=directory,
+            # megarl prints its own console; wandb must not wrap stdout/stderr
+            settings=wandb.Settings(console="off", x_disable_stats=True),
+        )
+
+    def close(self) -> None:
+        """Finish the run and stop wandb's service process, which is when its files are
+        complete: a spawned rank ends with ``os._exit``, so wandb's own exit hook never runs."""
+        if self._active is not None:
+            import wandb
+
+            self._active.finish()
+            self._active = None
+            wandb.teardown()
+
 
 class MetricsWriter:
-    """Append one JSON object per step to ``<run_dir>/metrics.jsonl``; mirror scalars to TensorBoard.
+    """Append one JSON object per step to ``<run_dir>/metrics.jsonl``; mirror scalars to
+    TensorBoard and wandb. Each sink is optional (``trainer.logger``).
 
     The TensorBoard writer opens at the first step written, with ``purge_step`` = that step: after a
     resume from step k (``metrics.jsonl`` already cut back to k), events of steps > k left by the
@@ -31,9 +118,21 @@ class MetricsWriter:
     complete record) and says so on stderr.
     """
 
-    def __init__(self, run_dir: Path, tensorboard: bool = True):
+    def __init__(
+        self,
+        run_dir: Path,
+        tensorboard: bool = True,
+        jsonl: bool = True,
+        wandb: WandbRun | None = None,
+    ):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._jsonl = self._open_jsonl() if jsonl else None
+        self._tensorboard = tensorboard
+        self._tb = None
+        self._wandb = _WandbSink(wandb) if wandb is not None else None
+
+    def _open_jsonl(self):
         path = self.run_dir / "metrics.jsonl"
         torn = cut_torn_tail(path)
         if torn:
@@ -43,21 +142,43 @@ class MetricsWriter:
                 file=sys.stderr,
                 flush=True,
             )
-        self._jsonl = open(path, "a", encoding="utf-8")  # noqa: SIM115
-        self._tensorboard = tensorboard
-        self._tb = None
+        return open(path, "a", encoding="utf-8")
+
+    @property
+    def wandb_run_id(self) -> str | None:
+        """The wandb run this writer logs to (None without wandb): saved with a checkpoint."""
+        return self._wandb.run.run_id if self._wandb is not None else None
+
+    def continue_wandb_run(self, run_id: str) -> None:
+        """Log to the wandb run ``run_id`` (a resumed run's checkpoint saved it); before the first
+        write only. Ignored without wandb."""
+        if self._wandb is not None:
+            self._wandb.continue_run(run_id)
+
+    def start(self) -> None:
+        """Start the wandb run now (else at the first write): a resumed run calls this once it
+        has passed the saved run id, so a wandb that cannot start stops the run before step 1."""
+        if self._wandb is not None:
+            self._wandb.start()
 
     def write(self, metrics: Mapping[str, Any]) -> None:
-        record = {k: _jsonable(v) for k, v in metrics.items()}
-        self._jsonl.write(json.dumps(record) + "\n")
-        self._jsonl.flush()
+        if self._jsonl is not None:
+            record = {k: _jsonable(v) for k, v in metrics.items()}
+            self._jsonl.write(json.dumps(record) + "\n")
+            self._jsonl.flush()
         step = int(metrics["step"])
+        scalars = {
+            key: value
+            for key, value in metrics.items()
+            if isinstance(value, int | float) and not isinstance(value, bool) and key != "step"
+        }
         tb = self._tensorboard_from(step)
         if tb is not None:
-            for key, value in metrics.items():
-                if isinstance(value, int | float) and not isinstance(value, bool) and key != "step":
-                    tb.add_scalar(key, value, step)
+            for key, value in scalars.items():
+                tb.add_scalar(key, value, step)
             tb.flush()
+        if self._wandb is not None:
+            self._wandb.write(step, scalars)
 
     def _tensorboard_from(self, first_step: int):
         if self._tb is None and self._tensorboard:
@@ -72,9 +193,12 @@ class MetricsWriter:
         return self._tb
 
     def close(self) -> None:
-        self._jsonl.close()
+        if self._jsonl is not None:
+            self._jsonl.close()
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            self._wandb.close()
 
 
 def cut_torn_tail(path: Path) -> int:
@@ -125,18 +249,31 @@ def step_line(m: Mapping[str, Any]) -> str:
         f"{m['timing_s/step']:.1f}s",
     ]
     line = " | ".join(parts)
-    scores = {
-        k.removeprefix("val-core/").rsplit("/reward/", 1)[0]: v
-        for k, v in m.items()
-        if k.startswith("val-core/")
-    }
+    scores = _validation_scores(m)
     if scores:
-        line += "\n         validation: " + ", ".join(f"{s} {v:.3f}" for s, v in scores.items())
+        line += f"\n         validation: {scores}"
     if m.get("planner/summary"):
         line += f"\n         plan: {m['planner/summary']}"
     if m.get("gates/summary"):
         line += f"\n         gates: {m['gates/summary']}"
     return line
+
+
+def validation_line(m: Mapping[str, Any]) -> str:
+    """The console line of a validation outside a training step (step 0: the initial weights)."""
+    seconds = m.get("timing_s/testing")
+    took = f" | {seconds:.1f}s" if isinstance(seconds, int | float) else ""
+    return f"step {m['step']:>3} | validation: {_validation_scores(m)}{took}"
+
+
+def _validation_scores(m: Mapping[str, Any]) -> str:
+    """``<data_source> <mean reward>`` of every ``val-core/`` key; empty without any."""
+    scores = {
+        k.removeprefix("val-core/").rsplit("/reward/", 1)[0]: v
+        for k, v in m.items()
+        if k.startswith("val-core/")
+    }
+    return ", ".join(f"{s} {v:.3f}" for s, v in scores.items())
 
 
 def run_summary(history: Sequence[Mapping[str, Any]], window: int = 3) -> str:

@@ -47,7 +47,7 @@ from megarl.actor.train_stats import OptimizerStepStats, UpdateStats, summarise_
 from megarl.algo.advantages import get_advantage_estimator
 from megarl.algo.kl_reward import KLController, apply_kl_penalty, build_kl_controller
 from megarl.algo.rollout_correction import MismatchStats, mismatch_stats_of_sequences
-from megarl.algo.validation import is_validation_step
+from megarl.algo.validation import is_validation_step, validates_before_training
 from megarl.batch import RolloutBatch, RolloutShard
 from megarl.config import planning
 from megarl.config.schema import RunConfig
@@ -179,7 +179,7 @@ def _setup(ctx: WorkerContext, inputs: RunInputs) -> _Runtime:
 
     cfg = inputs.cfg
     execution = execution_plan_for(cfg, inputs.device)
-    if ctx.rank == 0 and cfg.trainer.log_console:
+    if ctx.rank == 0 and "console" in cfg.trainer.logger:
         print(f"execution: {execution.summary()}\n  " + "\n  ".join(execution.reasons), flush=True)
     if execution.cpu_shims:
         enter_cpu_shims()
@@ -216,7 +216,7 @@ def _setup(ctx: WorkerContext, inputs: RunInputs) -> _Runtime:
     heartbeat.mark("build_actor")
     actor = build(trainable=True, init_seed=cfg.trainer.seed)
     reference_plan = decide_reference(planning.run_facts(cfg))
-    if ctx.rank == 0 and cfg.trainer.log_console:
+    if ctx.rank == 0 and "console" in cfg.trainer.logger:
         print(
             f"pruning: {planning.prune_mode(cfg)[1]}\nreference: {reference_plan.reason}",
             flush=True,
@@ -279,6 +279,13 @@ def _train(rt: _Runtime) -> None:
 
     heartbeat.mark("restore")
     last_done = _maybe_restore(rt)
+    if rt.host is not None:  # wandb's run id is known now: a wandb that cannot start stops here
+        rt.host.start_loggers()
+    if rt.host is not None and validates_before_training(
+        rt.cfg.trainer.val_before_train, last_done
+    ):
+        heartbeat.mark("validate", 0)
+        rt.host.record_validation(0, rt.host.validate(0))
     for step in range(last_done + 1, rt.cfg.trainer.total_steps + 1):
         maybe_die(dist.get_rank(), step)
         heartbeat.mark("rollout", step)

@@ -124,6 +124,8 @@ class RolloutProducer:
         self.reward_fn, self.settings, self.run_seed = reward_fn, settings, run_seed
         self.advantage_fn = get_advantage_estimator(settings.adv_estimator)
         self.last_samples: list[tuple[str, str, float]] = []
+        self.last_texts: list[tuple[str, str, str]] = []
+        """The last batch's (prompt, response, answer) per sequence, for the generations dump."""
         self._warned_reward_failure = False
         self._failures = 0
 
@@ -176,6 +178,10 @@ class RolloutProducer:
         self.last_samples = [
             (scored.problems[i // n].prompt, scored.texts[i], float(scored.rewards[i]))
             for i in range(0, len(scored.gens), n)
+        ]
+        self.last_texts = [
+            (scored.problems[i // n].prompt, scored.texts[i], scored.problems[i // n].answer)
+            for i in range(len(scored.gens))
         ]
         metrics = rollout_metrics(batch, [g.finished for g in scored.gens], settings.max_new_tokens)
         metrics["critic/rewards/failed"] = float(self._failures)

@@ -29,7 +29,16 @@ from megarl.engines.base import EngineMemoryState, SamplingParams
 from megarl.engines.factory import build_engine
 from megarl.models.spec import TransformerSpec, spec_from_hf_config
 from megarl.trainer import perf
-from megarl.trainer.metrics import MetricsWriter, PhaseTimer, run_summary, step_line
+from megarl.trainer.generations import rollout_records, validation_records, write_step_file
+from megarl.trainer.metrics import (
+    MetricsWriter,
+    PhaseTimer,
+    WandbRun,
+    new_wandb_run_id,
+    run_summary,
+    step_line,
+    validation_line,
+)
 from megarl.trainer.perf import PeakFlops, peak_flops
 from megarl.trainer.rollout import RolloutProducer, RolloutSettings, encode_prompt, sampling_seed
 
@@ -84,10 +93,10 @@ class RolloutHost:
             settings,
             cfg.trainer.seed,
         )
-        self.writer = MetricsWriter(Path(cfg.trainer.run_dir), cfg.trainer.tensorboard)
+        self.writer = metrics_writer(cfg)
         self.history: list[dict] = []
         self._export_metrics: dict[str, float] = {}
-        self.console = Console(cfg.trainer.total_steps, enabled=cfg.trainer.log_console)
+        self.console = Console(cfg.trainer.total_steps, enabled="console" in cfg.trainer.logger)
         self._perf = _PerfContext.build(model_dir, device, cfg.trainer.world_size)
 
     def rollout(self, step: int):
@@ -114,6 +123,7 @@ class RolloutHost:
         chunk = self.cfg.data.val_batch_size or len(problems)
         rewards: list[list[float]] = []
         response_lens: list[int] = []
+        samples: list[tuple[str, str, str]] = []
         for start in range(0, len(problems), chunk):
             part = problems[start : start + chunk]
             prompts = [self.producer.encode_prompt(p) for p in part for _ in range(val.n)]
@@ -123,7 +133,14 @@ class RolloutHost:
             scores = self.producer.score(texts, answers, step)
             rewards += [list(scores[i : i + val.n]) for i in range(0, len(scores), val.n)]
             response_lens += [len(g.response_ids) for g in gens]
-        metrics = validation_metrics([p.data_source for p in problems], rewards, response_lens)
+            samples += [(part[i // val.n].prompt, texts[i], answers[i]) for i in range(len(gens))]
+        sources = [p.data_source for p in problems]
+        metrics = validation_metrics(sources, rewards, response_lens)
+        if self.cfg.trainer.validation_data_dir is not None:
+            per_sample = [source for source in sources for _ in range(val.n)]
+            flat = [reward for prompt_rewards in rewards for reward in prompt_rewards]
+            records = validation_records(step, per_sample, samples, flat)
+            write_step_file(Path(self.cfg.trainer.validation_data_dir), step, records)
         metrics["timing_s/testing"] = time.perf_counter() - started
         return metrics
 
@@ -193,20 +210,53 @@ class RolloutHost:
         metrics["perf/total_num_tokens"] = total_tokens
         metrics["perf/throughput"] = total_tokens / max(metrics["timing_s/step"], 1e-9)
         metrics.update(self._perf.update_metrics(plan, batch, timer.times))
+        if self.cfg.trainer.rollout_data_dir is not None:
+            self._dump_rollout(step, batch, plan)
         self.writer.write(metrics)
         self.history.append(metrics)
         self.console.step(metrics, self.producer.last_samples)
 
+    def _dump_rollout(self, step: int, batch, plan) -> None:
+        """``trainer.rollout_data_dir``: the step's sequences, and which the plan trained."""
+        num_dp = len(plan.optimizer_steps[0].ranks)
+        trained = {i for dp in range(num_dp) for i in plan.trained_sequences(dp)}
+        records = rollout_records(
+            step,
+            self.producer.last_texts,
+            batch.rewards.tolist(),
+            batch.advantages.tolist(),
+            batch.group_ids.tolist(),
+            trained,
+        )
+        write_step_file(Path(str(self.cfg.trainer.rollout_data_dir)), step, records)
+
+    def start_loggers(self) -> None:
+        """Start the metric sinks that connect somewhere (wandb), after a resume's restore."""
+        self.writer.start()
+
+    def record_validation(self, step: int, validation: Mapping[str, float]) -> None:
+        """A validation outside a training step (``trainer.val_before_train``: step 0): a record
+        of its own in every sink, not part of the training history."""
+        metrics = {"step": step, **validation}
+        self.writer.write(metrics)
+        self.console.validation(metrics)
+
     # --- checkpoint state (megarl.checkpoint.trainer_state) ----------------------------------
 
     def state_dict(self) -> dict:
-        return {"stream": self.stream.state_dict()}
+        state: dict = {"stream": self.stream.state_dict()}
+        if self.writer.wandb_run_id is not None:
+            state["wandb_run_id"] = self.writer.wandb_run_id
+        return state
 
     def load_state_dict(self, state: dict, history: list[dict]) -> None:
-        """Continue the data stream where the checkpoint stopped; ``history`` = its metrics."""
+        """Continue the data stream where the checkpoint stopped, and its wandb run if it saved
+        one (with wandb on); ``history`` = its metrics."""
         self.stream.load_state_dict(state["stream"])
-        self.history = list(history)
-        self.console.skip(len(history))
+        if state.get("wandb_run_id"):
+            self.writer.continue_wandb_run(state["wandb_run_id"])
+        self.history = [row for row in history if row.get("step", 0) >= 1]  # training steps
+        self.console.skip(len(self.history))
 
     def close(self) -> None:
         self.console.finish(self.history)
@@ -214,6 +264,26 @@ class RolloutHost:
         close_engine = getattr(self.engine, "close", None)
         if close_engine is not None:
             close_engine()
+
+
+def metrics_writer(cfg: RunConfig) -> MetricsWriter:
+    """The sinks ``trainer.logger`` names (the console is :class:`Console`)."""
+    loggers = cfg.trainer.logger
+    wandb = None
+    if "wandb" in loggers:
+        wandb = WandbRun(
+            project=cfg.trainer.project_name,
+            name=cfg.trainer.experiment,
+            run_id=new_wandb_run_id(),
+            config=cfg.to_dict(),
+            directory=Path(cfg.trainer.run_dir),
+        )
+    return MetricsWriter(
+        Path(cfg.trainer.run_dir),
+        tensorboard="tensorboard" in loggers,
+        jsonl="jsonl" in loggers,
+        wandb=wandb,
+    )
 
 
 # --- MFU of the update phase ---
@@ -387,6 +457,10 @@ class Console:
                 f"         sample: {prompt!r} -> {text.strip()[:60]!r} (reward {reward:g})"
             )
         self._progress.advance(self._task)
+
+    def validation(self, metrics: dict) -> None:
+        if self._progress is not None:
+            self._progress.console.print(validation_line(metrics))
 
     def skip(self, steps: int) -> None:
         """Steps already done before a resume."""

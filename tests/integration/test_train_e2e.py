@@ -102,8 +102,10 @@ def test_trains_on_verl_parquet_rows(tmp_path):
 
 
 def test_validation_reports_scores_and_leaves_training_bitwise_the_same(tmp_path):
-    """Validation samples from its own seed on the synced weights: the run with it trains to the
-    same parameters as the run without, and reports verl's val-core/val-aux keys."""
+    """Validation samples from its own seed on the synced weights: the run with it (before
+    training too) trains to the same parameters as the run without, and reports verl's
+    val-core/val-aux keys. ``val_before_train`` logs the initial weights' scores as step 0, and a
+    resume does not validate before training again."""
     val = tmp_path / "val.jsonl"
     rows = [
         {"prompt": f"What is {a} + {a}?", "reward_model": {"ground_truth": str(2 * a)}}
@@ -111,19 +113,39 @@ def test_validation_reports_scores_and_leaves_training_bitwise_the_same(tmp_path
     ]
     val.write_text("\n".join(json.dumps(r) for r in rows))
     plain = run(tiny_overrides(tmp_path / "plain", steps=3), return_final_state=True)
+    validation = {
+        "data.val_files": str(val),
+        "trainer.val_interval": 2,
+        "rollout.val.n": 2,
+        "trainer.val_before_train": "true",
+        "trainer.save_interval": 3,
+    }
     validated = run(
-        tiny_overrides(
-            tmp_path / "val",
-            steps=3,
-            **{"data.val_files": str(val), "trainer.val_interval": 2, "rollout.val.n": 2},
-        ),
-        return_final_state=True,
+        tiny_overrides(tmp_path / "val", steps=3, **validation), return_final_state=True
     )
     assert validated.final_state.keys() == plain.final_state.keys()
     for name, tensor in plain.final_state.items():
         assert torch.equal(tensor, validated.final_state[name]), name
     with_val = [r["step"] for r in validated.history if "val-core/unknown/reward/mean@2" in r]
-    assert with_val == [2, 3]  # every 2 steps and after the last
+    assert with_val == [2, 3]  # every 2 steps and after the last; step 0 is no training step
     row = validated.history[1]
     assert 0.0 <= row["val-aux/unknown/pass@2"] <= 1.0
     assert row["val-aux/response_length/mean"] > 0
+
+    run(tiny_overrides(tmp_path / "val", steps=4, **validation))  # resumes from step 3
+    lines = (tmp_path / "val" / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    assert [r["step"] for r in records] == [0, 1, 2, 3, 4]
+    initial = records[0]
+    assert sorted(initial) == [
+        "step",
+        "timing_s/testing",
+        "val-aux/response_length/mean",
+        "val-aux/unknown/pass@2",
+        "val-aux/unknown/reward/best@2/mean",
+        "val-aux/unknown/reward/std@2",
+        "val-aux/unknown/reward/worst@2/mean",
+        "val-core/unknown/reward/mean@2",
+    ]
+    assert 0.0 <= initial["val-core/unknown/reward/mean@2"] <= 1.0
+    assert "val-core/unknown/reward/mean@2" in records[4]  # the new last step

@@ -12,7 +12,13 @@ from megarl.algo.kl_reward import KL_CTRL_TYPES
 from megarl.algo.losses import AGG_MODES, KL_PENALTY_KINDS
 from megarl.algo.policy_losses import POLICY_LOSS_NAMES
 from megarl.algo.rollout_correction import ROLLOUT_IS_LEVELS, ROLLOUT_RS_LEVELS, CorrectionSettings
-from megarl.config.schema import ROLLOUT_SLEEP_LEVELS, ConfigError, RunConfig, build_run_config
+from megarl.config.schema import (
+    LOGGER_NAMES,
+    ROLLOUT_SLEEP_LEVELS,
+    ConfigError,
+    RunConfig,
+    build_run_config,
+)
 from megarl.engines.factory import ENGINE_NAMES
 from megarl.planner.batch_planner import PRUNE_SETTINGS
 from megarl.planner.gates import OldLogProbMode
@@ -91,6 +97,7 @@ def _readme_row(key: str) -> str:
         ("planner.old_log_prob", tuple(mode.value for mode in OldLogProbMode)),
         ("algo.rollout_correction.rollout_is", ROLLOUT_IS_LEVELS),
         ("algo.rollout_correction.rollout_rs", ROLLOUT_RS_LEVELS),
+        ("trainer.logger", LOGGER_NAMES),
     ],
 )
 def test_readme_lists_every_choice(key, choices):
@@ -154,3 +161,53 @@ def test_rollout_correction_reaches_the_gates():
     cfg = build_run_config({"algo": {"rollout_correction": {"rollout_rs": "sequence"}}})
     assert run_facts(cfg).rollout_correction
     assert not run_facts(build_run_config({})).rollout_correction
+
+
+def test_loggers_default_to_console_jsonl_tensorboard_and_keep_their_order():
+    assert build_run_config({}).trainer.logger == ("console", "jsonl", "tensorboard")
+    cfg = build_run_config({"trainer": {"logger": ["wandb", "console", "wandb"]}})
+    assert cfg.trainer.logger == ("wandb", "console")
+
+
+def test_an_unknown_logger_is_one_line_listing_the_choices():
+    with pytest.raises(ConfigError) as info:
+        build_run_config({"trainer": {"logger": ["console", "mlflow"]}})
+    assert str(info.value) == (
+        "trainer.logger: unknown logger 'mlflow'; choose from console, jsonl, tensorboard, wandb"
+    )
+    with pytest.raises(ConfigError, match=r"^trainer.logger=7: expected a list$"):
+        build_run_config({"trainer": {"logger": 7}})
+    assert build_run_config({"trainer": {"logger": "wandb"}}).trainer.logger == ("wandb",)
+
+
+@pytest.mark.parametrize(
+    ("trainer", "loggers"),
+    [
+        ({"log_console": False}, ("jsonl", "tensorboard")),
+        ({"tensorboard": False, "log_console": True}, ("console", "jsonl")),
+        ({"logger": ["jsonl"], "tensorboard": True}, ("jsonl", "tensorboard")),
+        ({"logger": ["jsonl"], "log_console": None}, ("jsonl",)),
+    ],
+)
+def test_the_older_booleans_add_or_remove_their_logger(trainer, loggers):
+    assert build_run_config({"trainer": trainer}).trainer.logger == loggers
+
+
+def test_experiment_name_defaults_to_the_run_dirs_folder():
+    assert (
+        build_run_config({"trainer": {"run_dir": "runs/gsm8k-a"}}).trainer.experiment == "gsm8k-a"
+    )
+    named = build_run_config({"trainer": {"run_dir": "runs/x/", "experiment_name": "b"}})
+    assert named.trainer.experiment == "b" and named.trainer.project_name == "megarl"
+    with pytest.raises(ConfigError, match="trainer.project_name: empty"):
+        build_run_config({"trainer": {"project_name": " "}})
+
+
+def test_val_before_train_is_off_by_default_and_needs_validation_files():
+    assert build_run_config({}).trainer.val_before_train is False
+    with pytest.raises(ConfigError, match=r"^trainer.val_before_train=true needs data.val_files$"):
+        build_run_config({"trainer": {"val_before_train": True}})
+    cfg = build_run_config(
+        {"trainer": {"val_before_train": True}, "data": {"val_files": "v.jsonl"}}
+    )
+    assert cfg.trainer.val_before_train

@@ -73,3 +73,16 @@ def test_a_fresh_start_sets_the_old_events_aside_instead_of_mixing_them_in(tmp_p
     events = EventAccumulator(str(tmp_path / "tensorboard"))
     events.Reload()
     assert [(e.step, e.value) for e in events.Scalars("actor/pg_loss")] == [(1, 1.5), (2, 2.5)]
+
+
+def test_the_initial_validation_has_a_console_line_of_its_own():
+    from megarl.trainer.metrics import validation_line
+
+    record = {
+        "step": 0,
+        "val-core/gsm8k/reward/mean@1": 0.25,
+        "val-core/math/reward/mean@1": 0.5,
+        "val-aux/response_length/mean": 9.0,
+        "timing_s/testing": 3.04,
+    }
+    assert validation_line(record) == "step   0 | validation: gsm8k 0.250, math 0.500 | 3.0s"

@@ -277,3 +277,14 @@ def test_a_stop_signal_inside_ray_calls_waits_for_the_next_check():
         with pytest.raises(RunStopped), DeferredSignals():  # received during clean-up
             os.kill(os.getpid(), signal.SIGINT)
         assert signal.getsignal(signal.SIGTERM) is ours
+
+
+def test_megarl_and_wandb_settings_travel_to_the_actors(monkeypatch):
+    from megarl.distributed.ray_launcher import forwarded_env
+
+    monkeypatch.setenv("MEGARL_COLLECTIVE_X", "1")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("NOT_FORWARDED_X", "1")
+    env = forwarded_env()
+    assert env["MEGARL_COLLECTIVE_X"] == "1" and env["WANDB_MODE"] == "offline"
+    assert "NOT_FORWARDED_X" not in env

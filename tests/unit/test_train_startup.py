@@ -104,3 +104,24 @@ def test_an_earlier_init_model_is_kept_if_equal_and_set_aside_otherwise(tmp_path
     [aside] = (tmp_path / "run").glob("replaced-*-init_model")
     assert (aside / "model.safetensors").read_bytes() == b"weights"
     assert capsys.readouterr().err.count("renamed") == 1
+
+
+def test_wandb_missing_is_one_line_exit_2_before_anything_is_written(tmp_path, monkeypatch, capsys):
+    from megarl.train import EXIT_BAD_INPUT, check_loggers_installed, main
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *args: None if name == "wandb" else real_find_spec(name, *args),
+    )
+    check_loggers_installed(("console", "jsonl", "tensorboard"))  # wandb is not asked for
+    run_dir = tmp_path / "run"
+    code = main([f"trainer.run_dir={run_dir}", "trainer.logger=[console,wandb]"])
+    err = capsys.readouterr().err
+    assert code == EXIT_BAD_INPUT
+    assert err == (
+        "megarl-train: error: trainer.logger names wandb, which is not installed: pip install "
+        "wandb (or leave wandb out of trainer.logger)\n"
+    )
+    assert not run_dir.exists()

@@ -46,3 +46,11 @@ def test_uneven_samples_are_refused():
 )
 def test_validation_steps_are_every_interval_and_the_last(step, total, interval, expected):
     assert is_validation_step(step, total, interval) is expected
+
+
+def test_validation_before_training_runs_on_a_fresh_start_only():
+    from megarl.algo.validation import validates_before_training
+
+    assert validates_before_training(True, 0)
+    assert not validates_before_training(True, 3)  # a resume: step 3 has its record already
+    assert not validates_before_training(False, 0)
