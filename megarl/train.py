@@ -191,7 +191,11 @@ def validate_against_model(cfg, model_dir: str, device: str = "cpu") -> None:
             check_vllm(cfg, model_dir, device)
         validate_gate_config(run_facts(cfg))
         check_pruning_config(
-            prune_mode(cfg)[0], cfg.actor.kl_coef, cfg.actor.entropy_coef, cfg.planner.allow_approx
+            prune_mode(cfg)[0],
+            cfg.actor.kl_coef,
+            cfg.actor.entropy_coef,
+            cfg.planner.allow_approx,
+            cfg.algo.adv_estimator,
         )
         source, dropped = training_source(cfg, model_dir, spec.max_position_embeddings)
         if dropped and isinstance(source, list):

@@ -23,7 +23,12 @@ from megarl.planner.gates import OldLogProbMode, RefLogProbMode, RunFacts, StepF
 def prune_mode(cfg: RunConfig) -> tuple[str, str]:
     """The planner mode ``planner.prune_zero_adv`` resolves to, and why (``auto``: see
     :func:`~megarl.planner.batch_planner.resolve_prune_mode`)."""
-    return resolve_prune_mode(cfg.planner.prune_zero_adv, cfg.actor.kl_coef, cfg.actor.entropy_coef)
+    return resolve_prune_mode(
+        cfg.planner.prune_zero_adv,
+        cfg.actor.kl_coef,
+        cfg.actor.entropy_coef,
+        cfg.algo.adv_estimator,
+    )
 
 
 def run_facts(cfg: RunConfig) -> RunFacts:
@@ -114,4 +119,5 @@ def planner_inputs(
         micro_batch_tokens=a.micro_batch_tokens,
         mode=prune_mode(cfg)[0],
         allow_approx=cfg.planner.allow_approx,
+        adv_estimator=cfg.algo.adv_estimator,
     )
