@@ -90,16 +90,7 @@ class MegatronActor:
         self.execution = execution or default_execution(cfg, device)
         torch.manual_seed(init_seed)
         # --- virtual pipeline: the model is a list of chunks -------------------
-        chunks = megatron_gpt.build_model_chunks(
-            spec,
-            cfg.tp,
-            cfg.pp,
-            cfg.vpp,
-            dtype=dtype,
-            device=device,
-            use_transformer_engine=self.execution.use_transformer_engine,
-            recompute=self.execution.recompute,
-        )
+        chunks = self._build_chunks(dtype, init_seed)
         if hf_weights is not None:
             megatron_gpt.load_hf_weights(chunks, spec, hf_weights)
         if trainable and cfg.vpp > 1:
@@ -134,6 +125,20 @@ class MegatronActor:
         """Model chunks in virtual-pipeline order (one unless ``actor.vpp > 1``)."""
 
     # --- construction ----------------------------------------------------------------------
+
+    def _build_chunks(self, dtype: torch.dtype, init_seed: int) -> list:
+        """This rank's model chunks, not yet loaded (the critic adds a value head here)."""
+        del init_seed  # every actor weight comes from the checkpoint
+        return megatron_gpt.build_model_chunks(
+            self.spec,
+            self.cfg.tp,
+            self.cfg.pp,
+            self.cfg.vpp,
+            dtype=dtype,
+            device=self.device,
+            use_transformer_engine=self.execution.use_transformer_engine,
+            recompute=self.execution.recompute,
+        )
 
     def _wrap_ddp(self, model):
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
