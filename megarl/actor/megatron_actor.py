@@ -239,13 +239,15 @@ class MegatronActor:
         ref_logprobs: Mapping[int, torch.Tensor] | None,
         loss: LossSettings,
         capture_logprobs: bool = False,
+        token_advantages: Mapping[int, torch.Tensor] | None = None,
     ) -> TrainStepResult:
         """Run ``step``'s micro-batches for DP rank ``dp_rank`` and take the optimizer step.
 
         ``old_logprobs`` missing a sequence means "on-policy": the training forward's own
         detached logprobs serve as old logprobs (the gate decided the separate pass was waste).
         With ``capture_logprobs`` the detached training-forward logprobs of the trained
-        sequences come back in the result.
+        sequences come back in the result. ``token_advantages`` (a critic's GAE, per response
+        token of every sequence this rank runs) replace the batch's per-sequence advantages.
         """
         if self.optimizer is None:
             raise RuntimeError("train_step on a frozen model (built with trainable=False)")
@@ -263,6 +265,7 @@ class MegatronActor:
                 loss=loss,
                 denom=step.normaliser,
                 capture=capture_logprobs,
+                token_advantages=token_advantages,
             )
             stats = self._run_schedule(mbs, loss_fn, forward_only=False)
         self._finalize_grads()
@@ -280,6 +283,7 @@ class MegatronActor:
         loss: LossSettings,
         denom: float,
         capture: bool,
+        token_advantages: Mapping[int, torch.Tensor] | None = None,
     ):
         logp_BL, entropy_BL = self._logprobs_and_entropy(
             logits, mb, loss.temperature, with_entropy=True
@@ -289,10 +293,15 @@ class MegatronActor:
         # one row per sequence, packed or not (to_rows): what sequence-level losses and
         # seq-mean-token-mean reduce over
         mask_BL = mb.loss_mask_BL
+        advantages = mb.advantages_B
+        if token_advantages is not None:
+            advantages = response_values_to_BL(
+                {i: token_advantages[i] for i in mb.seq_indices}, mb, batch
+            )
         pg = policy_loss(
             logp_BL,
             old_BL,
-            mb.advantages_B,
+            advantages,
             mask_BL,
             loss.clip_low,
             loss.clip_high,

@@ -50,7 +50,8 @@ class ValueHead(torch.nn.Module):
 
 
 def attach_value_head(model, hidden_size: int, dtype: torch.dtype, init_std: float, seed: int):
-    """Replace ``model.output_layer`` (last pipeline stage only) with a :class:`ValueHead`."""
+    """Replace the model's ``output_layer`` (last pipeline stage only) with a
+    :class:`ValueHead`."""
     if getattr(model, "post_process", False):
         model.output_layer = ValueHead(hidden_size, dtype, init_std, seed)
     return model

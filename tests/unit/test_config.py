@@ -154,3 +154,29 @@ def test_rollout_correction_reaches_the_gates():
     cfg = build_run_config({"algo": {"rollout_correction": {"rollout_rs": "sequence"}}})
     assert run_facts(cfg).rollout_correction
     assert not run_facts(build_run_config({})).rollout_correction
+
+
+def test_gae_builds_a_critic_with_verls_keys_and_defaults():
+    cfg = build_run_config({"algo": {"adv_estimator": "gae"}, "actor": {"ppo_mini_batches": 2}})
+    assert cfg.algo.uses_critic
+    assert (cfg.algo.gamma, cfg.algo.lam) == (1.0, 1.0)
+    assert (cfg.critic.cliprange_value, cfg.critic.loss_agg) == (0.5, "token-mean")
+    # null follows the actor
+    assert (cfg.critic_ppo_mini_batches, cfg.critic_ppo_epochs) == (2, 1)
+    assert not build_run_config({}).algo.uses_critic
+
+
+@pytest.mark.parametrize(
+    ("tree", "key"),
+    [
+        ({"algo": {"gamma": 1.5}}, "algo.gamma"),
+        ({"algo": {"lam": -0.1}}, "algo.lam"),
+        ({"critic": {"cliprange_value": 0.0}}, "critic.cliprange_value"),
+        ({"critic": {"loss_agg": "sum"}}, "critic.loss_agg"),
+        ({"critic": {"lr": 0.0}}, "critic.lr"),
+        ({"critic": {"ppo_mini_batches": 3}}, "critic.ppo_mini_batches"),
+    ],
+)
+def test_critic_and_gae_keys_are_validated(tree, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        build_run_config(tree)
