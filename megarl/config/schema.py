@@ -799,11 +799,6 @@ class RunConfig:
             f"actor.ppo_mini_batches={self.actor.ppo_mini_batches}",
         )
         _require(
-            not (self.algo.uses_critic and self.trainer.save_interval > 0),
-            f"trainer.save_interval={self.trainer.save_interval} with algo.adv_estimator="
-            f"{self.algo.adv_estimator}: the critic is not checkpointed yet; set it to 0",
-        )
-        _require(
             num_seqs % self.critic_ppo_mini_batches == 0,
             f"data.prompts_per_step x rollout.n = {num_seqs} sequences is not divisible by "
             f"critic.ppo_mini_batches={self.critic_ppo_mini_batches}",

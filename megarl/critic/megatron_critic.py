@@ -105,6 +105,15 @@ class MegatronCritic(MegatronActor):
             value_head=self.head,
         )
 
+    def value_head_param(self) -> torch.nn.Parameter | None:
+        """The value head's weight on the last pipeline stage; None on the others."""
+        from megarl.models.value_head import is_value_head_param_name
+
+        for name, param in self.model.named_parameters():
+            if is_value_head_param_name(name):
+                return param
+        return None
+
     # --- values ------------------------------------------------------------------------------
 
     def compute_values(

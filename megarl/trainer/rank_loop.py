@@ -383,7 +383,7 @@ def _maybe_restore(rt: _Runtime) -> int:
         return 0
     from megarl.checkpoint.trainer_state import restore_training_checkpoint
 
-    step = restore_training_checkpoint(rt.resume_from, rt.actor, rt.spec, rt.host)
+    step = restore_training_checkpoint(rt.resume_from, rt.actor, rt.spec, rt.host, rt.critic)
     if rt.kl_ctrl is not None:
         from megarl.checkpoint.trainer_state import read_algo_state
 
@@ -404,7 +404,14 @@ def _maybe_save(rt: _Runtime, step: int) -> None:
     heartbeat.mark("save")
     algo_state = None if rt.kl_ctrl is None else {"kl_ctrl": rt.kl_ctrl.state_dict()}
     save_training_checkpoint(
-        rt.cfg, step, rt.actor, rt.spec, rt.host, rt.model_dir, algo_state=algo_state
+        rt.cfg,
+        step,
+        rt.actor,
+        rt.spec,
+        rt.host,
+        rt.model_dir,
+        algo_state=algo_state,
+        critic=rt.critic,
     )
 
 
