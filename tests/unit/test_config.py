@@ -14,7 +14,7 @@ from megarl.algo.policy_losses import POLICY_LOSS_NAMES
 from megarl.algo.rollout_correction import ROLLOUT_IS_LEVELS, ROLLOUT_RS_LEVELS, CorrectionSettings
 from megarl.config.schema import ROLLOUT_SLEEP_LEVELS, ConfigError, RunConfig, build_run_config
 from megarl.engines.factory import ENGINE_NAMES
-from megarl.planner.batch_planner import PRUNE_SETTINGS
+from megarl.planner.batch_planner import CRITIC_ESTIMATORS, PRUNE_SETTINGS
 from megarl.planner.gates import OldLogProbMode
 
 
@@ -80,7 +80,7 @@ def _readme_row(key: str) -> str:
     [
         ("rollout.engine", ENGINE_NAMES),
         ("rollout.sleep_level", ROLLOUT_SLEEP_LEVELS),
-        ("algo.adv_estimator", ADVANTAGE_ESTIMATOR_NAMES),
+        ("algo.adv_estimator", (*ADVANTAGE_ESTIMATOR_NAMES, *CRITIC_ESTIMATORS)),
         ("actor.loss_agg", AGG_MODES),
         ("actor.kl_estimator", KL_PENALTY_KINDS),
         ("algo.kl_penalty", KL_PENALTY_KINDS),
