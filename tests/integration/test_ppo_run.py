@@ -1,4 +1,5 @@
-"""PPO with a critic (``algo.adv_estimator=gae``) end to end on the tiny model, two ranks.
+"""PPO with a critic (``recipe=ppo``: ``algo.adv_estimator=gae``) end to end on the tiny model,
+two ranks.
 
 Two data-parallel ranks: the critic's values are computed on an unpruned split and gathered,
 GAE runs on rank 0 over the whole batch, each rank gets the targets of the sequences it
@@ -16,7 +17,7 @@ from conftest import tiny_overrides
 from megarl.train import run
 
 PPO = {
-    "algo.adv_estimator": "gae",
+    "recipe": "ppo",
     "algo.lam": 0.95,
     "critic.lr": 1e-3,
     "critic.value_head_init_std": 0.02,
@@ -42,8 +43,9 @@ def _rows(run_dir) -> list[dict]:
 
 def test_two_ppo_steps_report_finite_critic_metrics(tmp_path) -> None:
     run_dir = tmp_path / "run"
-    run(tiny_overrides(run_dir, 2, **PPO))
+    history = run(tiny_overrides(run_dir, 2, **PPO)).history
     rows = _rows(run_dir)
+    assert [r["step"] for r in history] == [1, 2]
     assert [r["step"] for r in rows] == [1, 2]
     for row in rows:
         for key in CRITIC_METRICS:
