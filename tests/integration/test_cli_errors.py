@@ -77,6 +77,26 @@ _VLLM_CASES = (
 )
 def test_bad_input_is_one_line_and_exit_2(train_cli, tmp_path, args, needle):
     """Checked before any worker starts or anything is written."""
+    _assert_one_line_exit_2(train_cli, tmp_path, args, needle)
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (
+            ["recipe=ppo", "planner.prune_zero_adv=fast"],
+            "planner.prune_zero_adv=fast cannot prune: algo.adv_estimator=gae",
+        ),
+        (["recipe=ppo", "algo.lam=2"], "algo.lam=2.0: must be in [0, 1]"),
+        (["recipe=ppo", "critic.cliprange_value=0"], "critic.cliprange_value=0.0: must be > 0"),
+    ],
+    ids=["prune", "lam", "cliprange"],
+)
+def test_bad_ppo_settings_are_one_line_and_exit_2(train_cli, tmp_path, args, needle):
+    _assert_one_line_exit_2(train_cli, tmp_path, args, needle)
+
+
+def _assert_one_line_exit_2(train_cli, tmp_path, args, needle):
     run_dir = tmp_path / "run"
     proc = train_cli.run(f"trainer.run_dir={run_dir}", *args, cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr
