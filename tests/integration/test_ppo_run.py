@@ -57,3 +57,26 @@ def test_two_ppo_steps_report_finite_critic_metrics(tmp_path) -> None:
         assert abs(row["critic/advantages/mean"]) < 1e-5
     # the critic learned something between the steps: its values moved
     assert rows[0]["critic/values/mean"] != rows[1]["critic/values/mean"]
+
+
+def test_ppo_with_the_kl_in_the_reward_at_tp2(tmp_path) -> None:
+    """TP=2 (one DP rank): the critic's head is replicated on both TP ranks; GAE reads the
+    KL-penalised token rewards. At step 1 the actor is the reference, so the KL is ~0 (at
+    TP=2 not exactly: ~6e-8, the same with grpo) and the returns lie within the outcome
+    rewards' range; at step 2 it is not."""
+    run_dir = tmp_path / "run"
+    overrides = {
+        **PPO,
+        "actor.tp": 2,
+        "algo.use_kl_in_reward": "true",
+        "algo.kl_ctrl.kl_coef": 0.1,
+    }
+    run(tiny_overrides(run_dir, 2, **overrides))
+    first, second = _rows(run_dir)
+    for row in (first, second):
+        for key in CRITIC_METRICS:
+            assert math.isfinite(row[key]), (key, row[key])
+    assert first["critic/kl"] < 1e-6
+    assert first["critic/rewards/min"] - 1e-6 <= first["critic/returns/min"]
+    assert first["critic/returns/max"] <= first["critic/rewards/max"] + 1e-6
+    assert second["critic/kl"] > 1e-4
