@@ -13,7 +13,7 @@ import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, cast
+from typing import Any, ClassVar, cast
 
 from megarl.algo.advantages import ADVANTAGE_ESTIMATOR_NAMES, resolve_estimator_name
 from megarl.algo.dapo import FILTER_GROUP_METRICS
@@ -156,6 +156,8 @@ class TrainerConfig:
 
 @dataclass(frozen=True)
 class OptimConfig:
+    section: ClassVar[str] = "actor.optim"
+    """Where the section sits in the config tree, for the error messages."""
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
@@ -170,23 +172,30 @@ class OptimConfig:
 
     def __post_init__(self) -> None:
         _require(
-            self.weight_decay >= 0, f"actor.optim.weight_decay={self.weight_decay}: must be >= 0"
+            self.weight_decay >= 0, f"{self.section}.weight_decay={self.weight_decay}: must be >= 0"
         )
         _require(
             len(self.betas) == 2
             and all(isinstance(b, int | float) and not isinstance(b, bool) for b in self.betas),
-            f"actor.optim.betas={list(self.betas)!r}: must be two numbers, e.g. [0.9, 0.999]",
+            f"{self.section}.betas={list(self.betas)!r}: must be two numbers, e.g. [0.9, 0.999]",
         )
         for index, beta in enumerate(self.betas):
             _require(
                 0 <= beta < 1,
-                f"actor.optim.betas={list(self.betas)}: beta{index + 1}={beta} must be in [0, 1)",
+                f"{self.section}.betas={list(self.betas)}: beta{index + 1}={beta} must be in [0, 1)",
             )
-        _positive("actor.optim.eps", self.eps)
+        _positive(f"{self.section}.eps", self.eps)
         _require(
             self.grad_clip >= 0,
-            f"actor.optim.grad_clip={self.grad_clip}: must be >= 0 (0 = no clipping)",
+            f"{self.section}.grad_clip={self.grad_clip}: must be >= 0 (0 = no clipping)",
         )
+
+
+@dataclass(frozen=True)
+class CriticOptimConfig(OptimConfig):
+    """``critic.optim``: the same settings as ``actor.optim``, for the critic's optimizer."""
+
+    section: ClassVar[str] = "critic.optim"
 
 
 @dataclass(frozen=True)
@@ -670,7 +679,7 @@ class CriticConfig:
     lr: float = 1e-5
     """The critic's learning rate (verl keeps it under the critic's ``optim``; megarl's actor
     has ``actor.lr``, and the critic mirrors that)."""
-    optim: OptimConfig = field(default_factory=OptimConfig)
+    optim: CriticOptimConfig = field(default_factory=CriticOptimConfig)
     """AdamW settings and grad clipping, as ``actor.optim``."""
     ppo_epochs: int | None = None
     """Passes over the rollout batch per step; null = ``actor.ppo_epochs``."""

@@ -124,7 +124,8 @@ class MegatronCritic(MegatronActor):
             return {}
         mbs = [self._micro_batch(batch, group) for group in micro_batches]
         with torch.no_grad():
-            outputs = self._run_schedule(mbs, partial(self._collect_values, batch=batch), True)
+            collect = partial(self._collect_values, batch=batch)
+            outputs = self._run_schedule(mbs, collect, forward_only=True)
         result: dict[int, torch.Tensor] = {}
         for out in outputs:
             result.update(out["values"])

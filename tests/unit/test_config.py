@@ -180,3 +180,11 @@ def test_gae_builds_a_critic_with_verls_keys_and_defaults():
 def test_critic_and_gae_keys_are_validated(tree, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         build_run_config(tree)
+
+
+def test_critic_optimizer_errors_name_the_critics_key():
+    with pytest.raises(ConfigError, match=r"^critic\.optim\.grad_clip=-1"):
+        build_run_config({"algo": {"adv_estimator": "gae"}, "critic": {"optim": {"grad_clip": -1}}})
+    with pytest.raises(ConfigError, match=r"^actor\.optim\.grad_clip=-1"):
+        build_run_config({"actor": {"optim": {"grad_clip": -1}}})
+    assert build_run_config({"critic": {"optim": {"eps": 1e-6}}}).critic.optim.eps == 1e-6
