@@ -11,11 +11,15 @@ or, in split placement, a proxy to the rollout actor. Every step:
    computed next (on an unpruned split), rank 0 penalises the rewards with their KL and
    recomputes the advantages (:func:`_kl_in_reward`), and the logprobs follow each sequence
    to the rank the plan gives it, so step 3 does not run them again;
+   With a critic (``algo.adv_estimator=gae``) its values of every sequence come next, rank 0
+   runs GAE over the batch (:mod:`megarl.trainer.critic_step`) and every rank gets the
+   per-sequence summary of the new advantages;
 2. every rank computes the same :class:`StepPlan` (batch planner) and :class:`StepGates`
    (pass gates) from it -- pure functions of broadcast data, so no rank can disagree -- and
    rank 0 scatters to each rank only the sequences its DP rank runs in the plan;
 3. old/reference logprob forwards run only where the gates say so;
-4. each optimizer step of the plan runs this rank's micro-batches;
+4. each optimizer step of the plan runs this rank's micro-batches (with a critic, first the
+   critic's own plan on the value loss, then the actor's on the per-token advantages);
 5. rank 0 wakes the engine; base (or full) weights are streamed to it in bounded buckets
    only when the base-weight gate says so, and with LoRA the adapter every step;
 6. statistics are reduced and rank 0 writes the step's metrics;
@@ -314,31 +318,12 @@ def _train(rt: _Runtime) -> None:
                 rt, header, rollout, token_rewards, timer
             )
             rollout_metrics = {**rollout_metrics, **gae_metrics}
-        plan = plan_step(
-            planning.planner_inputs(
-                rt.cfg,
-                header.seq_lens,
-                header.response_lens,
-                header.advantages.tolist(),
-                header.group_ids.tolist(),
-            )
-        )
-        critic_plan = None
-        if rt.critic is not None:
-            critic_plan = plan_step(
-                planning.critic_planner_inputs(
-                    rt.cfg,
-                    header.seq_lens,
-                    header.response_lens,
-                    header.advantages.tolist(),
-                    header.group_ids.tolist(),
-                )
-            )
+        plan, critic_plan = _plans(rt, header)
         heartbeat.mark("scatter")
         batch = _scatter_sequences(rt, rollout, header, plan, critic_plan)
         precomputed = None if rt.kl_ctrl is None else _scatter_logprobs(rt, merged, plan)
         targets = None
-        if rt.critic is not None and critic_plan is not None:
+        if critic_plan is not None:
             targets = _scatter_targets(rt, all_targets, plan, critic_plan)
         gates = decide_gates(
             planning.step_facts(
@@ -350,14 +335,8 @@ def _train(rt: _Runtime) -> None:
             )
         )
         old, recomputed, ref = _logprob_passes(rt, batch, plan, gates, timer, precomputed)
-        if rt.critic is not None and critic_plan is not None and targets is not None:
-            from megarl.trainer.critic_step import update_critic
-
-            heartbeat.mark("update_critic")
-            with timer.phase("update_critic"):
-                critic_metrics = update_critic(
-                    rt.critic, rt.cfg, batch, critic_plan, rt.dp_rank, targets
-                )
+        if critic_plan is not None and targets is not None:
+            critic_metrics = _update_critic(rt, batch, critic_plan, targets, timer)
             rollout_metrics = {**rollout_metrics, **critic_metrics}
         token_advantages = None if targets is None else targets.advantages
         stats = _update_actor(rt, batch, plan, old, recomputed, ref, timer, token_advantages)
@@ -372,6 +351,33 @@ def _train(rt: _Runtime) -> None:
                 step, timer, rollout_metrics, plan, gates, stats, rollout, validation
             )
         _maybe_save(rt, step)
+
+
+def _plans(rt: _Runtime, header: RolloutShard) -> tuple[StepPlan, StepPlan | None]:
+    """The actor's plan of the step, and the critic's (its own mini-batches and epochs) when
+    there is a critic: pure functions of the broadcast header, the same on every rank."""
+    facts = (
+        header.seq_lens,
+        header.response_lens,
+        header.advantages.tolist(),
+        header.group_ids.tolist(),
+    )
+    plan = plan_step(planning.planner_inputs(rt.cfg, *facts))
+    if rt.critic is None:
+        return plan, None
+    return plan, plan_step(planning.critic_planner_inputs(rt.cfg, *facts))
+
+
+def _update_critic(
+    rt: _Runtime, batch: RolloutShard, plan: StepPlan, targets: CriticTargets, timer: PhaseTimer
+) -> dict[str, float]:
+    """Every optimizer step of the critic's plan; its ``critic/*`` update metrics."""
+    from megarl.trainer.critic_step import update_critic
+
+    assert rt.critic is not None
+    heartbeat.mark("update_critic")
+    with timer.phase("update_critic"):
+        return update_critic(rt.critic, rt.cfg, batch, plan, rt.dp_rank, targets)
 
 
 # --- checkpoints (megarl.checkpoint) ----------------------------------------------------------
