@@ -80,3 +80,22 @@ def test_ppo_with_the_kl_in_the_reward_at_tp2(tmp_path) -> None:
     assert first["critic/rewards/min"] - 1e-6 <= first["critic/returns/min"]
     assert first["critic/returns/max"] <= first["critic/rewards/max"] + 1e-6
     assert second["critic/kl"] > 1e-4
+
+
+def test_the_critic_runs_its_own_mini_batches_and_epochs(tmp_path) -> None:
+    """critic.ppo_mini_batches=2 and critic.ppo_epochs=2 against the actor's 1 and 1 on two DP
+    ranks: the two plans split the batch differently, and each rank receives the sequences and
+    targets of both. Four critic steps: the later ones move the values off the rollout's, so
+    the value clip can act (a tight cliprange_value makes it)."""
+    run_dir = tmp_path / "run"
+    overrides = {
+        **PPO,
+        "critic.ppo_mini_batches": 2,
+        "critic.ppo_epochs": 2,
+        "critic.cliprange_value": 1e-4,
+    }
+    run(tiny_overrides(run_dir, 1, **overrides))
+    [row] = _rows(run_dir)
+    for key in CRITIC_METRICS:
+        assert math.isfinite(row[key]), (key, row[key])
+    assert row["critic/vf_clipfrac"] > 0.0
