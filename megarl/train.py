@@ -185,6 +185,12 @@ def validate_against_model(cfg, model_dir: str, device: str = "cpu") -> None:
     try:
         spec = spec_from_hf_config(load_hf_config(model_dir))
         spec.check_parallelism(cfg.actor.tp, cfg.actor.pp, cfg.actor.vpp, cfg.actor.ep)
+        if spec.is_moe and cfg.algo.uses_critic:
+            raise StartupError(
+                f"algo.adv_estimator={cfg.algo.adv_estimator}: a critic for a mixture-of-experts "
+                f"model ({spec.family}) is not supported yet; use a critic-free estimator "
+                "(grpo, rloo, reinforce_plus_plus)"
+            )
         if spec.is_moe and cfg.actor.lora.enabled:
             raise StartupError(
                 f"actor.lora.rank={cfg.actor.lora.rank}: LoRA on a mixture-of-experts model "
@@ -196,7 +202,11 @@ def validate_against_model(cfg, model_dir: str, device: str = "cpu") -> None:
             check_vllm(cfg, model_dir, device)
         validate_gate_config(run_facts(cfg))
         check_pruning_config(
-            prune_mode(cfg)[0], cfg.actor.kl_coef, cfg.actor.entropy_coef, cfg.planner.allow_approx
+            prune_mode(cfg)[0],
+            cfg.actor.kl_coef,
+            cfg.actor.entropy_coef,
+            cfg.planner.allow_approx,
+            cfg.algo.adv_estimator,
         )
         source, dropped = training_source(cfg, model_dir, spec.max_position_embeddings)
         if dropped and isinstance(source, list):

@@ -90,16 +90,7 @@ class MegatronActor:
         self.execution = execution or default_execution(cfg, device)
         torch.manual_seed(init_seed)
         # --- virtual pipeline: the model is a list of chunks -------------------
-        chunks = megatron_gpt.build_model_chunks(
-            spec,
-            cfg.tp,
-            cfg.pp,
-            cfg.vpp,
-            dtype=dtype,
-            device=device,
-            use_transformer_engine=self.execution.use_transformer_engine,
-            recompute=self.execution.recompute,
-        )
+        chunks = self._build_chunks(dtype, init_seed)
         if hf_weights is not None:
             megatron_gpt.load_hf_weights(chunks, spec, hf_weights)
         if trainable and cfg.vpp > 1:
@@ -134,6 +125,20 @@ class MegatronActor:
         """Model chunks in virtual-pipeline order (one unless ``actor.vpp > 1``)."""
 
     # --- construction ----------------------------------------------------------------------
+
+    def _build_chunks(self, dtype: torch.dtype, init_seed: int) -> list:
+        """This rank's model chunks, not yet loaded (the critic adds a value head here)."""
+        del init_seed  # every actor weight comes from the checkpoint
+        return megatron_gpt.build_model_chunks(
+            self.spec,
+            self.cfg.tp,
+            self.cfg.pp,
+            self.cfg.vpp,
+            dtype=dtype,
+            device=self.device,
+            use_transformer_engine=self.execution.use_transformer_engine,
+            recompute=self.execution.recompute,
+        )
 
     def _wrap_ddp(self, model):
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -234,13 +239,15 @@ class MegatronActor:
         ref_logprobs: Mapping[int, torch.Tensor] | None,
         loss: LossSettings,
         capture_logprobs: bool = False,
+        token_advantages: Mapping[int, torch.Tensor] | None = None,
     ) -> TrainStepResult:
         """Run ``step``'s micro-batches for DP rank ``dp_rank`` and take the optimizer step.
 
         ``old_logprobs`` missing a sequence means "on-policy": the training forward's own
         detached logprobs serve as old logprobs (the gate decided the separate pass was waste).
         With ``capture_logprobs`` the detached training-forward logprobs of the trained
-        sequences come back in the result.
+        sequences come back in the result. ``token_advantages`` (a critic's GAE, per response
+        token of every sequence this rank runs) replace the batch's per-sequence advantages.
         """
         if self.optimizer is None:
             raise RuntimeError("train_step on a frozen model (built with trainable=False)")
@@ -258,6 +265,7 @@ class MegatronActor:
                 loss=loss,
                 denom=step.normaliser,
                 capture=capture_logprobs,
+                token_advantages=token_advantages,
             )
             stats = self._run_schedule(mbs, loss_fn, forward_only=False)
         self._finalize_grads()
@@ -275,6 +283,7 @@ class MegatronActor:
         loss: LossSettings,
         denom: float,
         capture: bool,
+        token_advantages: Mapping[int, torch.Tensor] | None = None,
     ):
         logp_BL, entropy_BL = self._logprobs_and_entropy(
             logits, mb, loss.temperature, with_entropy=True
@@ -284,10 +293,15 @@ class MegatronActor:
         # one row per sequence, packed or not (to_rows): what sequence-level losses and
         # seq-mean-token-mean reduce over
         mask_BL = mb.loss_mask_BL
+        advantages = mb.advantages_B
+        if token_advantages is not None:
+            advantages = response_values_to_BL(
+                {i: token_advantages[i] for i in mb.seq_indices}, mb, batch
+            )
         pg = policy_loss(
             logp_BL,
             old_BL,
-            mb.advantages_B,
+            advantages,
             mask_BL,
             loss.clip_low,
             loss.clip_high,

@@ -44,19 +44,22 @@ def save_tensors(tensors: Mapping[str, torch.Tensor], path: Path) -> None:
         os.fsync(handle.fileno())
 
 
-def rank_shards(local_params: Iterable) -> dict[str, torch.Tensor]:
-    """``{global Megatron name: shard}`` of this rank (first copy of a tied embedding wins)."""
+def rank_shards(local_params: Iterable, prefix: str = "") -> dict[str, torch.Tensor]:
+    """``{global Megatron name: shard}`` of this rank (first copy of a tied embedding wins);
+    ``prefix`` keeps a second model's shards (the critic's ``critic/``) apart in one file."""
     out: dict[str, torch.Tensor] = {}
     for rule, layer, param in local_params:
-        out.setdefault(rule.mcore_name(layer), param.detach())
+        out.setdefault(prefix + rule.mcore_name(layer), param.detach())
     return out
 
 
-def rank_optimizer_state(local_params: Iterable, optimizer) -> dict[str, torch.Tensor]:
-    """``{"<state key>/<name>": tensor}`` for every parameter with optimizer state."""
+def rank_optimizer_state(
+    local_params: Iterable, optimizer, prefix: str = ""
+) -> dict[str, torch.Tensor]:
+    """``{"<state key>/<prefix><name>": tensor}`` for every parameter with optimizer state."""
     out: dict[str, torch.Tensor] = {}
     for rule, layer, param in local_params:
-        name = rule.mcore_name(layer)
+        name = prefix + rule.mcore_name(layer)
         for key, value in optimizer.param_state(param).items():
             # 0-d tensors (the step count) are stored with shape [1]
             out.setdefault(f"{key}/{name}", value.reshape(1) if value.dim() == 0 else value)
@@ -127,24 +130,31 @@ class ShardReader:
 
 
 @torch.no_grad()
-def load_rank_shards(reader: ShardReader, local_params: Iterable, tp_rank: int, tp: int) -> int:
+def load_rank_shards(
+    reader: ShardReader, local_params: Iterable, tp_rank: int, tp: int, prefix: str = ""
+) -> int:
     """Copy this rank's shards from the checkpoint into the model; returns params loaded."""
     count = 0
     for rule, layer, param in local_params:
-        shard = reader.shard(rule, layer, tp_rank, tp)
-        _check_shape(shard, param, rule.mcore_name(layer))
+        shard = reader.shard(rule, layer, tp_rank, tp, prefix=prefix)
+        _check_shape(shard, param, prefix + rule.mcore_name(layer))
         param.copy_(shard.to(param.dtype))
         count += 1
     return count
 
 
 def load_rank_optimizer_state(
-    reader: ShardReader, local_params: Iterable, optimizer, tp_rank: int, tp: int
+    reader: ShardReader,
+    local_params: Iterable,
+    optimizer,
+    tp_rank: int,
+    tp: int,
+    prefix: str = "",
 ) -> int:
     """Restore this rank's optimizer state from the checkpoint; returns params restored."""
     count = 0
     for rule, layer, param in local_params:
-        name = rule.mcore_name(layer)
+        name = prefix + rule.mcore_name(layer)
         if not reader.has(f"step/{name}"):
             continue  # saved before the first optimizer step
         state = {}
@@ -152,7 +162,7 @@ def load_rank_optimizer_state(
             if key == "step":
                 state[key] = reader.read(f"step/{name}", 0).reshape(())
             else:
-                state[key] = reader.shard(rule, layer, tp_rank, tp, prefix=f"{key}/")
+                state[key] = reader.shard(rule, layer, tp_rank, tp, prefix=f"{key}/{prefix}")
                 _check_shape(state[key], param, f"{key}/{name}")
         optimizer.load_param_state(param, state)
         count += 1

@@ -12,7 +12,10 @@ What a step of the loop depends on, and where it is saved:
   silently break resume); on CUDA also the CUDA and Megatron TP RNG-tracker states;
 - the data position (rank 0's :class:`PromptStream`) and the step counter (the marker);
 - the algorithm's own state (``algo_state.json``): the adaptive KL controller's ``beta``, which
-  depends on every KL observed so far (:mod:`megarl.algo.kl_reward`).
+  depends on every KL observed so far (:mod:`megarl.algo.kl_reward`);
+- with a critic (``algo.adv_estimator=gae``) its weights and AdamW state in the same model and
+  optim files under the ``critic/`` key prefix (so its trunk reshards like the actor's), and
+  its replicated value head under ``critic/value_head``.
 
 Everything else is a pure function of ``(config, step)`` and so needs no saving: the rollout
 sampling seed (:func:`megarl.trainer.rollout.sampling_seed`), the pass gates and the batch plan,
@@ -36,6 +39,7 @@ import torch.distributed as dist
 from megarl.checkpoint import layout
 from megarl.checkpoint.resume import config_tree
 from megarl.checkpoint.shards import (
+    OPTIM_KEYS,
     ShardReader,
     load_rank_adapters,
     load_rank_optimizer_state,
@@ -91,10 +95,21 @@ def _expert_ranks() -> tuple[int, int, int]:
 
 
 ALGO_STATE_FILE = "algo_state.json"
+CRITIC_PREFIX = "critic/"
+"""Key prefix of the critic's tensors in the model and optim files."""
+VALUE_HEAD_KEY = "critic/value_head"
+"""The critic's value head (replicated: every TP rank's file holds the same tensor)."""
 
 
 def save_training_checkpoint(
-    cfg, step: int, actor, spec, host, model_dir: str, algo_state: dict | None = None
+    cfg,
+    step: int,
+    actor,
+    spec,
+    host,
+    model_dir: str,
+    algo_state: dict | None = None,
+    critic=None,
 ) -> float:
     """Collective: every rank writes its part; rank 0 publishes and prunes. Returns seconds.
 
@@ -114,13 +129,18 @@ def save_training_checkpoint(
     sites = _adapter_sites(actor, spec)
     if dp_rank == 0:
         save_tensors(
-            {**rank_shards(actor.local_params()), **rank_adapter_shards(sites)},
+            {
+                **rank_shards(actor.local_params()),
+                **rank_adapter_shards(sites),
+                **_critic_shards(critic),
+            },
             staging / layout.model_file(tp_rank, pp_rank),
         )
         save_tensors(
             {
                 **rank_optimizer_state(actor.local_params(), actor.optimizer),
                 **rank_adapter_optimizer_state(sites, actor.optimizer),
+                **_critic_optimizer_state(critic),
             },
             staging / layout.optim_file(tp_rank, pp_rank),
         )
@@ -160,13 +180,15 @@ def save_training_checkpoint(
     return time.perf_counter() - start
 
 
-def restore_training_checkpoint(path: str, actor, spec, host) -> int:
+def restore_training_checkpoint(path: str, actor, spec, host, critic=None) -> int:
     """Load a checkpoint into this rank (at this run's layout); returns the checkpoint's step."""
     info = layout.read_checkpoint(path)
     tp_rank, tp, _, _, _ = _parallel_ranks()
     reader = ShardReader(info, spec, optimizer=True)
     load_rank_shards(reader, actor.local_params(), tp_rank, tp)
     load_rank_optimizer_state(reader, actor.local_params(), actor.optimizer, tp_rank, tp)
+    if critic is not None:
+        _load_critic(reader, critic, tp_rank, tp)
     sites = _adapter_sites(actor, spec)
     load_rank_adapters(reader, sites, actor.optimizer, tp_rank, tp)
     rank = dist.get_rank()
@@ -189,6 +211,53 @@ def read_algo_state(path: str) -> dict:
     if not state_path.is_file():
         return {}
     return json.loads(state_path.read_text(encoding="utf-8"))
+
+
+# --- the critic ---------------------------------------------------------------------------------
+
+
+def _critic_shards(critic) -> dict[str, torch.Tensor]:
+    """The critic's trunk shards and (last stage) its value head; empty without a critic."""
+    if critic is None:
+        return {}
+    out = rank_shards(critic.local_params(), CRITIC_PREFIX)
+    head = critic.value_head_param()
+    if head is not None:
+        out[VALUE_HEAD_KEY] = head.detach()
+    return out
+
+
+def _critic_optimizer_state(critic) -> dict[str, torch.Tensor]:
+    """The critic's AdamW state, keyed like the actor's under the critic's prefix."""
+    if critic is None:
+        return {}
+    out = rank_optimizer_state(critic.local_params(), critic.optimizer, CRITIC_PREFIX)
+    head = critic.value_head_param()
+    if head is not None:
+        for key, value in critic.optimizer.param_state(head).items():
+            out[f"{key}/{VALUE_HEAD_KEY}"] = value.reshape(1) if value.dim() == 0 else value
+    return out
+
+
+@torch.no_grad()
+def _load_critic(reader: ShardReader, critic, tp_rank: int, tp: int) -> None:
+    if not reader.has(VALUE_HEAD_KEY):
+        raise layout.CheckpointError(
+            f"checkpoint {reader.info.path} has no critic: it was saved by a run without "
+            "algo.adv_estimator=gae"
+        )
+    load_rank_shards(reader, critic.local_params(), tp_rank, tp, CRITIC_PREFIX)
+    load_rank_optimizer_state(
+        reader, critic.local_params(), critic.optimizer, tp_rank, tp, CRITIC_PREFIX
+    )
+    head = critic.value_head_param()
+    if head is None:
+        return
+    head.copy_(reader.read(VALUE_HEAD_KEY, 0).to(head.dtype))
+    if reader.has(f"step/{VALUE_HEAD_KEY}"):  # else saved before the critic's first step
+        state = {key: reader.read(f"{key}/{VALUE_HEAD_KEY}", 0) for key in OPTIM_KEYS}
+        state["step"] = state["step"].reshape(())
+        critic.optimizer.load_param_state(head, state)
 
 
 # --- LoRA adapters (megarl.checkpoint.lora_shards) --------------------------------------------

@@ -8,6 +8,7 @@ inputs.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 from megarl.config.schema import RunConfig
@@ -23,7 +24,12 @@ from megarl.planner.gates import OldLogProbMode, RefLogProbMode, RunFacts, StepF
 def prune_mode(cfg: RunConfig) -> tuple[str, str]:
     """The planner mode ``planner.prune_zero_adv`` resolves to, and why (``auto``: see
     :func:`~megarl.planner.batch_planner.resolve_prune_mode`)."""
-    return resolve_prune_mode(cfg.planner.prune_zero_adv, cfg.actor.kl_coef, cfg.actor.entropy_coef)
+    return resolve_prune_mode(
+        cfg.planner.prune_zero_adv,
+        cfg.actor.kl_coef,
+        cfg.actor.entropy_coef,
+        cfg.algo.adv_estimator,
+    )
 
 
 def run_facts(cfg: RunConfig) -> RunFacts:
@@ -114,4 +120,25 @@ def planner_inputs(
         micro_batch_tokens=a.micro_batch_tokens,
         mode=prune_mode(cfg)[0],
         allow_approx=cfg.planner.allow_approx,
+        adv_estimator=cfg.algo.adv_estimator,
+    )
+
+
+def critic_planner_inputs(
+    cfg: RunConfig,
+    seq_tokens: Sequence[int],
+    response_tokens: Sequence[int],
+    advantages: Sequence[float],
+    group_ids: Sequence[int],
+) -> PlannerInputs:
+    """The critic's plan: its own mini-batches, epochs and aggregation, every sequence trained
+    (a value loss does not vanish at advantage 0, see ``pruning_refusal``)."""
+    return dataclasses.replace(
+        planner_inputs(cfg, seq_tokens, response_tokens, advantages, group_ids),
+        loss_agg=cfg.critic.loss_agg,
+        kl_coef=0.0,
+        entropy_coef=0.0,
+        ppo_mini_batches=cfg.critic_ppo_mini_batches,
+        ppo_epochs=cfg.critic_ppo_epochs,
+        mode="off",
     )

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, ClassVar, cast
 
 from megarl.algo.advantages import ADVANTAGE_ESTIMATOR_NAMES, resolve_estimator_name
 from megarl.algo.dapo import FILTER_GROUP_METRICS
@@ -32,7 +32,7 @@ from megarl.data.loader import PROMPT_TASKS
 from megarl.data.rewards import REWARD_ERROR_POLICIES
 from megarl.engines.base import SLEEP_LEVELS
 from megarl.engines.factory import ENGINE_NAMES
-from megarl.planner.batch_planner import PRUNE_SETTINGS
+from megarl.planner.batch_planner import CRITIC_ESTIMATORS, PRUNE_SETTINGS
 from megarl.planner.gates import OldLogProbMode, RefLogProbMode
 
 ROLLOUT_SLEEP_LEVELS: tuple[int, ...] = (0, *SLEEP_LEVELS)
@@ -228,6 +228,8 @@ class TrainerConfig:
 
 @dataclass(frozen=True)
 class OptimConfig:
+    section: ClassVar[str] = "actor.optim"
+    """Where the section sits in the config tree, for the error messages."""
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
@@ -242,23 +244,30 @@ class OptimConfig:
 
     def __post_init__(self) -> None:
         _require(
-            self.weight_decay >= 0, f"actor.optim.weight_decay={self.weight_decay}: must be >= 0"
+            self.weight_decay >= 0, f"{self.section}.weight_decay={self.weight_decay}: must be >= 0"
         )
         _require(
             len(self.betas) == 2
             and all(isinstance(b, int | float) and not isinstance(b, bool) for b in self.betas),
-            f"actor.optim.betas={list(self.betas)!r}: must be two numbers, e.g. [0.9, 0.999]",
+            f"{self.section}.betas={list(self.betas)!r}: must be two numbers, e.g. [0.9, 0.999]",
         )
         for index, beta in enumerate(self.betas):
             _require(
                 0 <= beta < 1,
-                f"actor.optim.betas={list(self.betas)}: beta{index + 1}={beta} must be in [0, 1)",
+                f"{self.section}.betas={list(self.betas)}: beta{index + 1}={beta} must be in [0, 1)",
             )
-        _positive("actor.optim.eps", self.eps)
+        _positive(f"{self.section}.eps", self.eps)
         _require(
             self.grad_clip >= 0,
-            f"actor.optim.grad_clip={self.grad_clip}: must be >= 0 (0 = no clipping)",
+            f"{self.section}.grad_clip={self.grad_clip}: must be >= 0 (0 = no clipping)",
         )
+
+
+@dataclass(frozen=True)
+class CriticOptimConfig(OptimConfig):
+    """``critic.optim``: the same settings as ``actor.optim``, for the critic's optimizer."""
+
+    section: ClassVar[str] = "critic.optim"
 
 
 @dataclass(frozen=True)
@@ -705,9 +714,21 @@ class AlgoConfig:
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     """Truncated IS and rejection between the engine's and the trainer's log-probs."""
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    gamma: float = 1.0
+    """verl's key: GAE's discount (``adv_estimator=gae`` only), in [0, 1]; 1 for outcome
+    rewards."""
+    lam: float = 1.0
+    """verl's key: GAE's lambda (``adv_estimator=gae`` only), in [0, 1]: 0 = one-step TD
+    error, 1 = Monte-Carlo return minus the critic's value."""
 
     def __post_init__(self) -> None:
-        _choice("algo.adv_estimator", self.adv_estimator, ADVANTAGE_ESTIMATOR_NAMES)
+        _choice(
+            "algo.adv_estimator",
+            self.adv_estimator,
+            (*ADVANTAGE_ESTIMATOR_NAMES, *CRITIC_ESTIMATORS),
+        )
+        _require(0 <= self.gamma <= 1, f"algo.gamma={self.gamma}: must be in [0, 1]")
+        _require(0 <= self.lam <= 1, f"algo.lam={self.lam}: must be in [0, 1]")
         _choice("algo.kl_penalty", self.kl_penalty, KL_PENALTY_KINDS)
         _require(
             isinstance(self.norm_adv_by_std_in_grpo, bool),
@@ -719,6 +740,47 @@ class AlgoConfig:
     def estimator(self) -> str:
         """The estimator that runs (``grpo`` without std normalisation is ``grpo_no_std``)."""
         return resolve_estimator_name(self.adv_estimator, self.norm_adv_by_std_in_grpo)
+
+    @property
+    def uses_critic(self) -> bool:
+        """``gae``: the advantages come from a learned critic, which the run then builds."""
+        return self.adv_estimator in CRITIC_ESTIMATORS
+
+
+@dataclass(frozen=True)
+class CriticConfig:
+    """PPO's critic (built exactly when ``algo.adv_estimator=gae``): the actor's architecture
+    and TP/PP layout on the same ranks, a scalar value head, its own optimizer. verl's keys
+    where it has them."""
+
+    lr: float = 1e-5
+    """The critic's learning rate (verl keeps it under the critic's ``optim``; megarl's actor
+    has ``actor.lr``, and the critic mirrors that)."""
+    optim: CriticOptimConfig = field(default_factory=CriticOptimConfig)
+    """AdamW settings and grad clipping, as ``actor.optim``."""
+    ppo_epochs: int | None = None
+    """Passes over the rollout batch per step; null = ``actor.ppo_epochs``."""
+    ppo_mini_batches: int | None = None
+    """Optimizer steps per epoch; null = ``actor.ppo_mini_batches``."""
+    cliprange_value: float = 0.5
+    """verl's key: a new value prediction is clipped to within this of the rollout's value."""
+    loss_agg: str = "token-mean"
+    """How the value loss is aggregated, one of :data:`megarl.algo.losses.AGG_MODES` (verl's
+    ``loss_agg_mode`` of its critic)."""
+    value_head_init_std: float = 0.0
+    """0: the value head starts at zero (every first value is 0); > 0: a normal draw."""
+
+    def __post_init__(self) -> None:
+        _positive("critic.lr", self.lr)
+        _positive("critic.cliprange_value", self.cliprange_value)
+        _choice("critic.loss_agg", self.loss_agg, AGG_MODES)
+        _require(
+            self.value_head_init_std >= 0,
+            f"critic.value_head_init_std={self.value_head_init_std}: must be >= 0",
+        )
+        for key in ("ppo_epochs", "ppo_mini_batches"):
+            value = getattr(self, key)
+            _require(value is None or value > 0, f"critic.{key}={value}: must be > 0 or null")
 
 
 @dataclass(frozen=True)
@@ -788,6 +850,7 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     planner: PlannerConfig = field(default_factory=PlannerConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
@@ -830,6 +893,11 @@ class RunConfig:
             f"data.prompts_per_step x rollout.n = {num_seqs} sequences is not divisible by "
             f"actor.ppo_mini_batches={self.actor.ppo_mini_batches}",
         )
+        _require(
+            num_seqs % self.critic_ppo_mini_batches == 0,
+            f"data.prompts_per_step x rollout.n = {num_seqs} sequences is not divisible by "
+            f"critic.ppo_mini_batches={self.critic_ppo_mini_batches}",
+        )
 
     @property
     def overlong_buffer_len(self) -> int | None:
@@ -838,6 +906,16 @@ class RunConfig:
         if not buffer.enable:
             return None
         return buffer.len if buffer.len is not None else max(1, self.rollout.max_new_tokens // 5)
+
+    @property
+    def critic_ppo_mini_batches(self) -> int:
+        """``critic.ppo_mini_batches``, or the actor's when null."""
+        return self.critic.ppo_mini_batches or self.actor.ppo_mini_batches
+
+    @property
+    def critic_ppo_epochs(self) -> int:
+        """``critic.ppo_epochs``, or the actor's when null."""
+        return self.critic.ppo_epochs or self.actor.ppo_epochs
 
     @property
     def dp(self) -> int:

@@ -8,6 +8,7 @@ transformer-engine spec on GPU when installed) and the parameter dtype. Weight l
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 import torch
 
@@ -16,6 +17,17 @@ from megarl.models import mapping
 from megarl.models.chunk import layer_offset, unwrap
 from megarl.models.lora import is_adapter_param_name
 from megarl.models.spec import TransformerSpec
+from megarl.models.value_head import attach_value_head, is_value_head_param_name
+
+
+@dataclass(frozen=True)
+class ValueHeadInit:
+    """How the critic's value head starts (see :mod:`megarl.models.value_head`)."""
+
+    init_std: float = 0.0
+    """0 gives an all-zero head; > 0 a normal draw with this std."""
+    seed: int = 0
+    """The draw's seed, the same on every rank so TP replicas start equal."""
 
 
 def transformer_config(
@@ -137,9 +149,12 @@ def build_gpt_model(
     vpp: int | None = None,
     use_transformer_engine: bool = False,
     recompute: str | None = None,
+    value_head: ValueHeadInit | None = None,
 ):
     """A ``GPTModel`` holding this rank's TP shard of this rank's PP stage.
 
+    With ``value_head`` it is the critic's value model: the same trunk, never tied, and a
+    scalar head instead of the vocabulary output layer (:mod:`megarl.models.value_head`).
     Must be called after :func:`megarl.distributed.parallel.init_model_parallel`.
     """
     from megatron.core import parallel_state
@@ -167,11 +182,13 @@ def build_gpt_model(
         pre_process=pre,
         post_process=post,
         parallel_output=True,
-        share_embeddings_and_output_weights=spec.tie_embeddings,
+        share_embeddings_and_output_weights=spec.tie_embeddings and value_head is None,
         position_embedding_type="rope",
         rotary_base=int(spec.rope_theta),
         vp_stage=vp_stage,
     )
+    if value_head is not None:
+        attach_value_head(model, spec.hidden_size, dtype, value_head.init_std, value_head.seed)
     if device == "cuda":
         model = model.cuda()
     return model
@@ -186,6 +203,7 @@ def build_model_chunks(
     device: str = "cpu",
     use_transformer_engine: bool = False,
     recompute: str | None = None,
+    value_head: ValueHeadInit | None = None,
 ) -> list:
     """This rank's model chunks: one ``GPTModel`` without a virtual pipeline, else ``vpp`` of them.
 
@@ -206,6 +224,7 @@ def build_model_chunks(
             vpp=None if vpp == 1 else vpp,
             use_transformer_engine=use_transformer_engine,
             recompute=recompute,
+            value_head=value_head,
         )
         for stage in stages
     ]
@@ -228,6 +247,8 @@ def iter_local_params(model, spec: TransformerSpec):
     for name, param in unwrap(model).named_parameters():
         if is_adapter_param_name(name):
             continue  # LoRA adapters are exported by megarl.export.lora, not as base weights
+        if is_value_head_param_name(name):
+            continue  # the critic's head has no HF tensor: initialised, never loaded or exported
         global_name = mapping.globalize_expert(canonical_param_name(name), first_expert)
         template, local_layer = mapping.split_layer_name(global_name)
         rule = rules.get(template)

@@ -56,7 +56,9 @@ Exactness. Pruning is exact only when every active loss term vanishes at advanta
 ``kl_coef == 0`` and ``entropy_coef == 0``. Otherwise a pruning mode raises :class:`PlannerError`
 (see :func:`check_pruning_config`, which the trainer also calls at start-up) unless
 ``allow_approx`` is set; then zero-advantage sequences are pruned anyway and the plan is marked
-``approximate=True`` with the reason.
+``approximate=True`` with the reason. With a critic (``algo.adv_estimator=gae``) pruning is
+never exact, whatever the coefficients (:func:`pruning_refusal`): ``auto`` resolves to ``off``,
+a named pruning mode is refused, and the plan's summary says why.
 
 Sharding. Within each non-ghost step the trained sequences are split over ``dp_size`` ranks by
 estimated cost ``t + attention_cost_coef * t**2`` (``t`` = prompt + response tokens; see
@@ -126,13 +128,37 @@ PRUNE_SETTINGS: tuple[str, ...] = ("auto", *PLANNER_MODES)
 """Values of ``planner.prune_zero_adv``: a planner mode, or ``auto`` (the default)."""
 
 
-def resolve_prune_mode(setting: str, kl_coef: float, entropy_coef: float) -> tuple[str, str]:
+CRITIC_ESTIMATORS: tuple[str, ...] = ("gae",)
+"""``algo.adv_estimator`` values whose advantages come per token from a learned critic."""
+
+
+def pruning_refusal(adv_estimator: str) -> str | None:
+    """Why zero-advantage pruning can never be exact for this estimator, or None if it can be.
+
+    With a critic (``gae``) a sequence's advantages are per token, from a learned value
+    function and whitened over the batch: a zero is a float coincidence, never the structural
+    zero of an all-equal group, and the critic's own loss (which trains on every sequence)
+    does not vanish at advantage 0. No setting, ``allow_approx`` included, prunes then.
+    """
+    if adv_estimator not in CRITIC_ESTIMATORS:
+        return None
+    return (
+        f"algo.adv_estimator={adv_estimator} has per-token advantages from a learned critic, "
+        "and its value loss trains on every sequence"
+    )
+
+
+def resolve_prune_mode(
+    setting: str, kl_coef: float, entropy_coef: float, adv_estimator: str = "grpo"
+) -> tuple[str, str]:
     """``(mode, reason)`` for ``planner.prune_zero_adv``.
 
     ``auto`` prunes whenever pruning is exact -- ``match_loss_curve``, the same gradients as
     the unpruned baseline -- i.e. when no loss term survives at advantage 0 (``kl_coef == 0``
-    and ``entropy_coef == 0``), and does not prune otherwise. It never picks an approximation:
-    ``fast`` and ``allow_approx`` must be asked for by name.
+    and ``entropy_coef == 0``) and the estimator's zeros are exact (see
+    :func:`pruning_refusal`), and does not prune otherwise. It never picks an approximation:
+    ``fast`` and ``allow_approx`` must be asked for by name. A named mode is returned as is;
+    :func:`check_pruning_config` judges it.
     """
     if setting not in PRUNE_SETTINGS:
         raise PlannerError(
@@ -140,6 +166,9 @@ def resolve_prune_mode(setting: str, kl_coef: float, entropy_coef: float) -> tup
         )
     if setting != "auto":
         return setting, f"planner.prune_zero_adv={setting}"
+    refusal = pruning_refusal(adv_estimator)
+    if refusal is not None:
+        return "off", f"auto: no pruning, {refusal}"
     if kl_coef == 0 and entropy_coef == 0:
         return "match_loss_curve", "auto: exact (kl_coef=0, entropy_coef=0)"
     return "off", (
@@ -149,17 +178,28 @@ def resolve_prune_mode(setting: str, kl_coef: float, entropy_coef: float) -> tup
 
 
 def check_pruning_config(
-    mode: str, kl_coef: float, entropy_coef: float, allow_approx: bool
+    mode: str,
+    kl_coef: float,
+    entropy_coef: float,
+    allow_approx: bool,
+    adv_estimator: str = "grpo",
 ) -> str | None:
     """Fail fast when pruning zero-advantage sequences would silently change the loss.
 
     Returns ``None`` when the configuration is exact (``mode == "off"`` or both coefficients are
     0), the reason string when it is approximate but ``allow_approx`` permits it, and raises
-    :class:`PlannerError` otherwise. The trainer calls this at start-up so a bad config fails
-    before any rollout; :func:`plan_step` calls it again on every batch.
+    :class:`PlannerError` otherwise, and always for an estimator :func:`pruning_refusal`
+    names. The trainer calls this at start-up so a bad config fails before any rollout;
+    :func:`plan_step` calls it again on every batch.
     """
     if mode not in PLANNER_MODES:
         raise PlannerError(f"planner.prune_zero_adv must be one of {PLANNER_MODES}, got {mode!r}")
+    refusal = pruning_refusal(adv_estimator)
+    if mode != "off" and refusal is not None:
+        raise PlannerError(
+            f"planner.prune_zero_adv={mode} cannot prune: {refusal}. "
+            "Set planner.prune_zero_adv=auto or off."
+        )
     if mode == "off" or (kl_coef == 0 and entropy_coef == 0):
         return None
     terms = f"actor.kl_coef={kl_coef} and actor.entropy_coef={entropy_coef}"
@@ -210,6 +250,9 @@ class PlannerInputs:
     """``off`` | ``match_loss_curve`` | ``fast`` (see the module docstring)."""
     allow_approx: bool = False
     """Prune even when a KL/entropy term makes it inexact; the plan is marked approximate."""
+    adv_estimator: str = "grpo"
+    """``algo.adv_estimator``; a critic's (``gae``) is never pruned (:func:`pruning_refusal`)
+    and its ``advantages`` only rank filler candidates."""
     attention_cost_coef: float = DEFAULT_ATTENTION_COST_COEF
     """Cost model ``t + coef * t**2``; ``1 / (12 * hidden)`` fits a transformer, 0 = tokens."""
 
@@ -423,6 +466,8 @@ class StepPlan:
     """Sum of ``seq_tokens`` over the batch."""
     num_kept_tokens: int
     """Sum of ``seq_tokens`` over the kept sequences."""
+    pruning_refused: str | None = None
+    """Why this plan could not prune at all (:func:`pruning_refusal`); shown in the summary."""
 
     def __post_init__(self) -> None:
         if not self.optimizer_steps:
@@ -513,11 +558,12 @@ class StepPlan:
             {step.num_micro_batches_per_rank for step in self.optimizer_steps if not step.is_ghost}
         )
         approx = " | APPROX" if self.approximate else ""
+        refused = f" | no pruning: {self.pruning_refused}" if self.pruning_refused else ""
         return (
             f"keep {self.num_kept_sequences}/{self.num_sequences} seq "
             f"({self.num_kept_tokens / self.num_tokens:.0%} tok) | "
             f"{len(self.optimizer_steps)} steps ({self.num_ghost_steps} ghost) | "
-            f"{per_rank} mb/rank | imb {self.dp_imbalance:.2f}{approx}"
+            f"{per_rank} mb/rank | imb {self.dp_imbalance:.2f}{approx}{refused}"
         )
 
 
@@ -550,7 +596,7 @@ class _BatchArrays:
 def plan_step(inputs: PlannerInputs) -> StepPlan:
     """Decide every optimizer step of one rollout batch (see the module docstring)."""
     approx_reason = check_pruning_config(
-        inputs.mode, inputs.kl_coef, inputs.entropy_coef, inputs.allow_approx
+        inputs.mode, inputs.kl_coef, inputs.entropy_coef, inputs.allow_approx, inputs.adv_estimator
     )
     batch = _batch_arrays(inputs)
     runs = _optimizer_runs(inputs, batch)
@@ -569,6 +615,7 @@ def plan_step(inputs: PlannerInputs) -> StepPlan:
         num_kept_sequences=int(batch.kept.sum()),
         num_tokens=int(batch.seq_tokens.sum()),
         num_kept_tokens=kept_tokens,
+        pruning_refused=pruning_refusal(inputs.adv_estimator),
     )
 
 
@@ -812,7 +859,9 @@ def _pruning_reasons(
 ) -> list[str]:
     num_sequences = inputs.num_sequences
     if inputs.mode == "off":
-        return [f"planner off: training all {num_sequences} seqs"]
+        refusal = pruning_refusal(inputs.adv_estimator)
+        because = f" ({refusal})" if refusal else ""
+        return [f"planner off: training all {num_sequences} seqs{because}"]
     _, group_of_seq = np.unique(np.asarray(inputs.group_ids), return_inverse=True)
     nonzero_per_group = np.bincount(group_of_seq, weights=~batch.zero_adv)
     num_all_equal = int((nonzero_per_group == 0).sum())

@@ -11,11 +11,15 @@ or, in split placement, a proxy to the rollout actor. Every step:
    computed next (on an unpruned split), rank 0 penalises the rewards with their KL and
    recomputes the advantages (:func:`_kl_in_reward`), and the logprobs follow each sequence
    to the rank the plan gives it, so step 3 does not run them again;
+   With a critic (``algo.adv_estimator=gae``) its values of every sequence come next, rank 0
+   runs GAE over the batch (:mod:`megarl.trainer.critic_step`) and every rank gets the
+   per-sequence summary of the new advantages;
 2. every rank computes the same :class:`StepPlan` (batch planner) and :class:`StepGates`
    (pass gates) from it -- pure functions of broadcast data, so no rank can disagree -- and
    rank 0 scatters to each rank only the sequences its DP rank runs in the plan;
 3. old/reference logprob forwards run only where the gates say so;
-4. each optimizer step of the plan runs this rank's micro-batches;
+4. each optimizer step of the plan runs this rank's micro-batches (with a critic, first the
+   critic's own plan on the value loss, then the actor's on the per-token advantages);
 5. rank 0 wakes the engine; base (or full) weights are streamed to it in bounded buckets
    only when the base-weight gate says so, and with LoRA the adapter every step;
 6. statistics are reduced and rank 0 writes the step's metrics;
@@ -58,7 +62,9 @@ from megarl.planner.gates import ReferenceSource, StepGates, decide_gates, decid
 from megarl.trainer.metrics import PhaseTimer
 
 if TYPE_CHECKING:
+    from megarl.critic.megatron_critic import MegatronCritic
     from megarl.models.spec import TransformerSpec
+    from megarl.trainer.critic_step import CriticTargets
     from megarl.trainer.rollout_host import RolloutHost
 
 
@@ -156,6 +162,8 @@ class _Runtime:
     kl_ctrl: KLController | None = None
     """``algo.use_kl_in_reward``: the reward KL's coefficient; rank 0's is the one used and
     checkpointed."""
+    critic: MegatronCritic | None = None
+    """``algo.adv_estimator=gae``: PPO's value model, on the actor's ranks and layout."""
 
 
 @dataclass(frozen=True)
@@ -225,6 +233,10 @@ def _setup(ctx: WorkerContext, inputs: RunInputs) -> _Runtime:
     if reference_plan.source is ReferenceSource.MODEL:
         heartbeat.mark("build_reference")
         reference = build(trainable=False)
+    critic = None
+    if cfg.algo.uses_critic:
+        heartbeat.mark("build_critic")
+        critic = _build_critic(cfg, spec, inputs.device, dtype, hf_tensors, pad_id, execution)
     return _Runtime(
         cfg=cfg,
         dp_rank=ps.get_data_parallel_rank(),
@@ -237,6 +249,19 @@ def _setup(ctx: WorkerContext, inputs: RunInputs) -> _Runtime:
         model_dir=inputs.model_dir,
         resume_from=inputs.resume_from,
         kl_ctrl=_kl_controller(cfg),
+        critic=critic,
+    )
+
+
+def _build_critic(cfg: RunConfig, spec, device: str, dtype, hf_tensors, pad_id: int, execution):
+    """The critic from the actor's checkpoint, with a fresh value head seeded by the run."""
+    from megarl.critic.megatron_critic import MegatronCritic
+    from megarl.models.megatron_gpt import ValueHeadInit
+    from megarl.trainer.critic_step import critic_model_config
+
+    head = ValueHeadInit(init_std=cfg.critic.value_head_init_std, seed=cfg.trainer.seed)
+    return MegatronCritic(
+        spec, critic_model_config(cfg), device, dtype, hf_tensors, pad_id, head, execution
     )
 
 
@@ -293,24 +318,24 @@ def _train(rt: _Runtime) -> None:
         maybe_raise(dist.get_rank(), step)
         timer = PhaseTimer()
         header, rollout, rollout_metrics, engine_state = _broadcast_rollout(rt, step, timer)
-        merged = None
+        merged, token_rewards, all_targets = None, None, None
         if rt.kl_ctrl is not None:
-            header, rollout, merged, kl_metrics = _kl_in_reward(
+            header, rollout, merged, kl_metrics, token_rewards = _kl_in_reward(
                 rt, step, header, rollout, engine_state.base_weights_resident, timer
             )
             rollout_metrics = {**rollout_metrics, **kl_metrics}
-        plan = plan_step(
-            planning.planner_inputs(
-                rt.cfg,
-                header.seq_lens,
-                header.response_lens,
-                header.advantages.tolist(),
-                header.group_ids.tolist(),
+        if rt.critic is not None:
+            header, rollout, all_targets, gae_metrics = _values_and_gae(
+                rt, header, rollout, token_rewards, timer
             )
-        )
+            rollout_metrics = {**rollout_metrics, **gae_metrics}
+        plan, critic_plan = _plans(rt, header)
         heartbeat.mark("scatter")
-        batch = _scatter_sequences(rt, rollout, header, plan)
+        batch = _scatter_sequences(rt, rollout, header, plan, critic_plan)
         precomputed = None if rt.kl_ctrl is None else _scatter_logprobs(rt, merged, plan)
+        targets = None
+        if critic_plan is not None:
+            targets = _scatter_targets(rt, all_targets, plan, critic_plan)
         gates = decide_gates(
             planning.step_facts(
                 rt.cfg,
@@ -321,7 +346,11 @@ def _train(rt: _Runtime) -> None:
             )
         )
         old, recomputed, ref = _logprob_passes(rt, batch, plan, gates, timer, precomputed)
-        stats = _update_actor(rt, batch, plan, old, recomputed, ref, timer)
+        if critic_plan is not None and targets is not None:
+            critic_metrics = _update_critic(rt, batch, critic_plan, targets, timer)
+            rollout_metrics = {**rollout_metrics, **critic_metrics}
+        token_advantages = None if targets is None else targets.advantages
+        stats = _update_actor(rt, batch, plan, old, recomputed, ref, timer, token_advantages)
         _sync_weights(rt, gates, timer, step)
         if rt.host is not None:
             validation = {}
@@ -335,6 +364,33 @@ def _train(rt: _Runtime) -> None:
         _maybe_save(rt, step)
 
 
+def _plans(rt: _Runtime, header: RolloutShard) -> tuple[StepPlan, StepPlan | None]:
+    """The actor's plan of the step, and the critic's (its own mini-batches and epochs) when
+    there is a critic: pure functions of the broadcast header, the same on every rank."""
+    facts = (
+        header.seq_lens,
+        header.response_lens,
+        header.advantages.tolist(),
+        header.group_ids.tolist(),
+    )
+    plan = plan_step(planning.planner_inputs(rt.cfg, *facts))
+    if rt.critic is None:
+        return plan, None
+    return plan, plan_step(planning.critic_planner_inputs(rt.cfg, *facts))
+
+
+def _update_critic(
+    rt: _Runtime, batch: RolloutShard, plan: StepPlan, targets: CriticTargets, timer: PhaseTimer
+) -> dict[str, float]:
+    """Every optimizer step of the critic's plan; its ``critic/*`` update metrics."""
+    from megarl.trainer.critic_step import update_critic
+
+    assert rt.critic is not None
+    heartbeat.mark("update_critic")
+    with timer.phase("update_critic"):
+        return update_critic(rt.critic, rt.cfg, batch, plan, rt.dp_rank, targets)
+
+
 # --- checkpoints (megarl.checkpoint) ----------------------------------------------------------
 
 
@@ -344,7 +400,7 @@ def _maybe_restore(rt: _Runtime) -> int:
         return 0
     from megarl.checkpoint.trainer_state import restore_training_checkpoint
 
-    step = restore_training_checkpoint(rt.resume_from, rt.actor, rt.spec, rt.host)
+    step = restore_training_checkpoint(rt.resume_from, rt.actor, rt.spec, rt.host, rt.critic)
     if rt.kl_ctrl is not None:
         from megarl.checkpoint.trainer_state import read_algo_state
 
@@ -365,7 +421,14 @@ def _maybe_save(rt: _Runtime, step: int) -> None:
     heartbeat.mark("save")
     algo_state = None if rt.kl_ctrl is None else {"kl_ctrl": rt.kl_ctrl.state_dict()}
     save_training_checkpoint(
-        rt.cfg, step, rt.actor, rt.spec, rt.host, rt.model_dir, algo_state=algo_state
+        rt.cfg,
+        step,
+        rt.actor,
+        rt.spec,
+        rt.host,
+        rt.model_dir,
+        algo_state=algo_state,
+        critic=rt.critic,
     )
 
 
@@ -389,17 +452,85 @@ def _broadcast_rollout(rt: _Runtime, step: int, timer: PhaseTimer):
 
 
 def _scatter_sequences(
-    rt: _Runtime, rollout: RolloutBatch | None, header: RolloutShard, plan: StepPlan
+    rt: _Runtime,
+    rollout: RolloutBatch | None,
+    header: RolloutShard,
+    plan: StepPlan,
+    critic_plan: StepPlan | None = None,
 ) -> RolloutShard:
-    """Rank 0 sends every rank the sequences its DP rank runs in ``plan`` (the same shard to
-    the TP/PP ranks of one DP rank), so no rank receives the whole batch."""
+    """Rank 0 sends every rank the sequences its DP rank runs in ``plan`` (and in the critic's
+    plan, which may split the batch differently), the same shard to the TP/PP ranks of one DP
+    rank, so no rank receives the whole batch."""
     shards = None
     if rollout is not None:
-        by_dp = {dp: rollout.shard(plan.sequences_on_rank(dp)) for dp in set(rt.rank_to_dp)}
+        by_dp = {
+            dp: rollout.shard(_sequences_on_rank(dp, plan, critic_plan))
+            for dp in set(rt.rank_to_dp)
+        }
         shards = [by_dp[dp] for dp in rt.rank_to_dp]
     received: list = [None]
     dist.scatter_object_list(received, shards, src=0)
     return header.with_sequences(received[0])
+
+
+def _sequences_on_rank(dp: int, *plans: StepPlan | None) -> tuple[int, ...]:
+    """Every sequence DP rank ``dp`` runs in any of ``plans``, sorted."""
+    return tuple(sorted({i for p in plans if p is not None for i in p.sequences_on_rank(dp)}))
+
+
+def _values_and_gae(
+    rt: _Runtime,
+    header: RolloutShard,
+    rollout: RolloutBatch | None,
+    token_rewards: dict | None,
+    timer: PhaseTimer,
+) -> tuple[RolloutShard, RolloutBatch | None, CriticTargets | None, dict[str, float]]:
+    """The critic's values of every sequence (an unpruned split), then on rank 0 GAE's
+    targets of every sequence and the ``critic/*`` data metrics; every rank gets the
+    per-sequence advantage summary the planner reads."""
+    from megarl.trainer.critic_step import gae_targets, gather_values
+
+    assert rt.critic is not None
+    cfg, n = rt.cfg, header.num_seqs
+    unpruned = plan_step(
+        planning.planner_inputs(
+            cfg, header.seq_lens, header.response_lens, [1.0] * n, header.group_ids.tolist()
+        )
+    )
+    batch = _scatter_sequences(rt, rollout, header, unpruned)
+    heartbeat.mark("values")
+    with timer.phase("values"):
+        values = gather_values(
+            rt.critic,
+            batch,
+            unpruned.trained_sequences(rt.dp_rank),
+            cfg.actor.logprob_micro_batch_tokens,
+        )
+    payload: list = [None]
+    targets, metrics = None, {}
+    if rollout is not None and values is not None:
+        with timer.phase("adv"):
+            targets, summary_B, metrics = gae_targets(cfg, rollout, values, token_rewards)
+        rollout = dataclasses.replace(rollout, advantages=summary_B)
+        payload = [summary_B]
+    dist.broadcast_object_list(payload, src=0)
+    return dataclasses.replace(header, advantages=payload[0]), rollout, targets, metrics
+
+
+def _scatter_targets(
+    rt: _Runtime, targets: CriticTargets | None, plan: StepPlan, critic_plan: StepPlan
+) -> CriticTargets:
+    """Rank 0 sends every rank the GAE targets of the sequences it runs in either plan."""
+    parts = None
+    if targets is not None:
+        by_dp = {
+            dp: targets.subset(_sequences_on_rank(dp, plan, critic_plan))
+            for dp in set(rt.rank_to_dp)
+        }
+        parts = [by_dp[dp] for dp in rt.rank_to_dp]
+    received: list = [None]
+    dist.scatter_object_list(received, parts, src=0)
+    return received[0]
 
 
 def _logprob_passes(
@@ -471,7 +602,7 @@ def _kl_in_reward(
     rollout: RolloutBatch | None,
     engine_base_weights_resident: bool | None,
     timer: PhaseTimer,
-) -> tuple[RolloutShard, RolloutBatch | None, dict | None, dict[str, float]]:
+) -> tuple[RolloutShard, RolloutBatch | None, dict | None, dict[str, float], dict | None]:
     """Old and reference logprobs of every sequence, then (rank 0) the rewards penalised
     with their KL and the advantages recomputed from the penalised scores, broadcast.
 
@@ -498,22 +629,24 @@ def _kl_in_reward(
     gathered: list | None = [None] * dist.get_world_size() if rt.host is not None else None
     dist.gather_object(local, gathered, dst=0)
     payload: list = [None]
-    merged = None
+    merged, token_rewards = None, None
     metrics: dict[str, float] = {}
     if rollout is not None and gathered is not None and rt.kl_ctrl is not None:
         merged = {i: pair for part in gathered for i, pair in part.items()}
-        rollout, metrics = _penalise_rewards(cfg, rollout, merged, rt.kl_ctrl)
+        rollout, metrics, token_rewards = _penalise_rewards(cfg, rollout, merged, rt.kl_ctrl)
         payload = [rollout.advantages]
     dist.broadcast_object_list(payload, src=0)
     header = dataclasses.replace(header, advantages=payload[0])
-    return header, rollout, merged, metrics
+    return header, rollout, merged, metrics, token_rewards
 
 
 def _penalise_rewards(
     cfg: RunConfig, rollout: RolloutBatch, merged: dict, kl_ctrl: KLController
-) -> tuple[RolloutBatch, dict[str, float]]:
+) -> tuple[RolloutBatch, dict[str, float], dict[int, torch.Tensor]]:
     """Rank 0: rewards minus ``beta * KL`` (:func:`apply_kl_penalty`, which also updates the
-    controller), the estimator on the penalised scores, the new advantage metrics."""
+    controller), the estimator on the penalised scores, the new advantage metrics, and each
+    sequence's penalised token rewards (what GAE reads; a critic's advantages come later, in
+    :func:`_values_and_gae`, so they are left as they are here)."""
     from torch.nn.utils.rnn import pad_sequence
 
     from megarl.trainer.rollout import advantage_metrics
@@ -527,16 +660,19 @@ def _penalise_rewards(
     result = apply_kl_penalty(
         rollout.rewards, old_BT, ref_BT, mask_BT, cfg.algo.kl_penalty, kl_ctrl
     )
-    advantages = get_advantage_estimator(cfg.algo.estimator)(result.scores_B, rollout.group_ids)
-    rollout = dataclasses.replace(rollout, advantages=advantages)
-    return rollout, {
-        **advantage_metrics(advantages),
+    token_rewards = {i: result.token_rewards_BT[i, : len(merged[i][0])].float() for i in order}
+    kl_metrics = {
         "critic/kl": result.current_kl,
         "critic/kl_coef": result.beta,
         # recent verl's names for the same two numbers, for dashboards moved over from it
         "actor/reward_kl_penalty": result.current_kl,
         "actor/reward_kl_penalty_coeff": result.beta,
     }
+    if cfg.algo.uses_critic:
+        return rollout, kl_metrics, token_rewards
+    advantages = get_advantage_estimator(cfg.algo.estimator)(result.scores_B, rollout.group_ids)
+    rollout = dataclasses.replace(rollout, advantages=advantages)
+    return rollout, {**advantage_metrics(advantages), **kl_metrics}, token_rewards
 
 
 def _scatter_logprobs(rt: _Runtime, merged: dict | None, plan: StepPlan) -> _Precomputed:
@@ -588,10 +724,17 @@ def _loss_settings(cfg: RunConfig) -> LossSettings:
 
 
 def _update_actor(
-    rt: _Runtime, batch: RolloutShard, plan: StepPlan, old, recomputed, ref, timer: PhaseTimer
+    rt: _Runtime,
+    batch: RolloutShard,
+    plan: StepPlan,
+    old,
+    recomputed,
+    ref,
+    timer: PhaseTimer,
+    token_advantages: dict[int, torch.Tensor] | None = None,
 ) -> UpdateStats:
     """Every optimizer step of the plan on this rank's micro-batches; the step's statistics,
-    each the mean over optimizer steps."""
+    each the mean over optimizer steps. ``token_advantages``: a critic's, per token."""
     loss = _loss_settings(rt.cfg)
     per_step: list[OptimizerStepStats] = []
     grad_norms: list[float] = []
@@ -601,7 +744,14 @@ def _update_actor(
         for index, opt_step in enumerate(plan.optimizer_steps):
             heartbeat.mark("update_actor")  # each optimizer step is progress
             result = rt.actor.train_step(
-                batch, opt_step, rt.dp_rank, old, ref, loss, capture_logprobs=index == 0
+                batch,
+                opt_step,
+                rt.dp_rank,
+                old,
+                ref,
+                loss,
+                capture_logprobs=index == 0,
+                token_advantages=token_advantages,
             )
             per_step.append(result.stats if rt.actor.is_last_stage else OptimizerStepStats())
             grad_norms.append(result.grad_norm)

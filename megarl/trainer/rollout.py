@@ -22,6 +22,7 @@ from megarl.data.problems import Problem
 from megarl.data.rewards import score_samples
 from megarl.engines.base import Generation, RolloutEngine, SamplingParams
 from megarl.errors import MegarlError
+from megarl.planner.batch_planner import CRITIC_ESTIMATORS
 
 
 def sampling_seed(run_seed: int, step: int, gen_batch: int = 0) -> int:
@@ -122,7 +123,7 @@ class RolloutProducer:
     ):
         self.engine, self.tokenizer, self.stream = engine, tokenizer, stream
         self.reward_fn, self.settings, self.run_seed = reward_fn, settings, run_seed
-        self.advantage_fn = get_advantage_estimator(settings.adv_estimator)
+        self.advantage_fn = _advantage_fn(settings.adv_estimator)
         self.last_samples: list[tuple[str, str, float]] = []
         self.last_texts: list[tuple[str, str, str]] = []
         """The last batch's (prompt, response, answer) per sequence, for the generations dump."""
@@ -247,6 +248,15 @@ class RolloutProducer:
                 flush=True,
             )
         return scored.rewards
+
+
+def _advantage_fn(name: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The outcome estimator ``name``; for a critic's (``gae``) a placeholder of zeros: its
+    per-token advantages need the critic's values, which the rank loop computes after the
+    rollout (and which replace these, with their metrics)."""
+    if name in CRITIC_ESTIMATORS:
+        return lambda rewards_B, group_ids_B: torch.zeros_like(rewards_B, dtype=torch.float32)
+    return get_advantage_estimator(name)
 
 
 def advantage_metrics(adv: torch.Tensor) -> dict[str, float]:

@@ -241,3 +241,53 @@ def test_sigkill_during_saves_resumes_from_last_complete_checkpoint(tmp_path):
     assert [r["step"] for r in _metrics(run_dir)] == list(range(1, total + 1))
     assert [c.step for c in complete_checkpoints(run_dir)] == [total - 1, total]
     assert _tmp_saves(run_dir) == []
+
+
+PPO = {
+    "algo.adv_estimator": "gae",
+    "algo.lam": 0.95,
+    "critic.lr": 1e-4,
+    "critic.value_head_init_std": 0.02,
+}
+PPO_CURVE_KEYS = ("critic/vf_loss", "critic/values/mean", "critic/vf_explained_var")
+
+
+def test_ppo_resume_is_bitwise_exact(tmp_path):
+    """With a critic: its trunk, value head and AdamW state come back from the checkpoint.
+
+    The actor's weights after the resumed steps depend on the critic's values (through the
+    advantages), so equal actor weights and equal ``critic/*`` metrics need an exact critic.
+    A resume that forgot the critic (fresh head at 0.02 std) changes both.
+    """
+    straight_dir = tmp_path / "straight"
+    straight = run(tiny_overrides(straight_dir, 4, **COMMON, **PPO), return_final_state=True)
+    _, resumed, rows = _stop_and_resume(tmp_path, PPO, PPO, steps=4, stop_at=2)
+    straight_rows = _metrics(straight_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert _curve(rows) == _curve(straight_rows)
+    ppo_curve = [[r[k] for k in PPO_CURVE_KEYS] for r in rows]
+    assert ppo_curve == [[r[k] for k in PPO_CURVE_KEYS] for r in straight_rows]
+    assert rows[2]["critic/values/mean"] != rows[0]["critic/values/mean"], "the critic never moved"
+    for name, tensor in straight.final_state.items():
+        assert torch.equal(tensor, resumed.final_state[name]), name
+
+
+def test_ppo_resume_at_another_layout(tmp_path):
+    """A PPO checkpoint saved at TP=2 resumes at TP=1: the critic's trunk is resharded like the
+    actor's and its replicated head read back, so step 3's values (computed before any step-3
+    update) match a straight TP=2 run up to TP rounding; a critic left at its initialisation
+    would be off by the distance it moved in steps 1-2."""
+    tp2 = {"actor.tp": 2, "trainer.n_gpus_per_node": 2}
+    straight_dir = tmp_path / "straight"
+    run(tiny_overrides(straight_dir, 3, **COMMON, **PPO, **tp2))
+    straight_rows = _metrics(straight_dir)
+    _, _, rows = _stop_and_resume(tmp_path, {**PPO, **tp2}, PPO, steps=3, stop_at=2)
+    saved = read_checkpoint(tmp_path / "resumed" / "checkpoints" / "step_000002")
+    assert (saved.tp, saved.pp) == (2, 1)
+    moved = abs(straight_rows[2]["critic/values/mean"] - straight_rows[0]["critic/values/mean"])
+    diff = abs(rows[2]["critic/values/mean"] - straight_rows[2]["critic/values/mean"])
+    print(
+        f"critic values at step 3: resharded vs straight {diff:.1e}, moved by steps 1-2 {moved:.1e}"
+    )
+    assert diff <= 1e-5 < moved / 100, (diff, moved)
+    assert rows[2]["critic/rewards/mean"] == straight_rows[2]["critic/rewards/mean"]

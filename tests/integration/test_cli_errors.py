@@ -59,6 +59,7 @@ _VLLM_CASES = (
             "mixture-of-experts models train at actor.tp=1 and actor.pp=1",
         ),
         (["model=tiny_qwen3_moe", "actor.lora.rank=8"], "LoRA on a mixture-of-experts model"),
+        (["model=tiny_qwen3_moe", "recipe=ppo"], "a critic for a mixture-of-experts model"),
         (["model.path=/nonexistent/model"], "model.path=/nonexistent/model"),
         (["data.task=jsonl", "data.path=/nonexistent/data.jsonl"], "/nonexistent/data.jsonl"),
         (["planner.prune_zero_adv=match_loss_curve", "actor.kl_coef=0.1"], "actor.kl_coef"),
@@ -84,6 +85,26 @@ _VLLM_CASES = (
 )
 def test_bad_input_is_one_line_and_exit_2(train_cli, tmp_path, args, needle):
     """Checked before any worker starts or anything is written."""
+    _assert_one_line_exit_2(train_cli, tmp_path, args, needle)
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (
+            ["recipe=ppo", "planner.prune_zero_adv=fast"],
+            "planner.prune_zero_adv=fast cannot prune: algo.adv_estimator=gae",
+        ),
+        (["recipe=ppo", "algo.lam=2"], "algo.lam=2.0: must be in [0, 1]"),
+        (["recipe=ppo", "critic.cliprange_value=0"], "critic.cliprange_value=0.0: must be > 0"),
+    ],
+    ids=["prune", "lam", "cliprange"],
+)
+def test_bad_ppo_settings_are_one_line_and_exit_2(train_cli, tmp_path, args, needle):
+    _assert_one_line_exit_2(train_cli, tmp_path, args, needle)
+
+
+def _assert_one_line_exit_2(train_cli, tmp_path, args, needle):
     run_dir = tmp_path / "run"
     proc = train_cli.run(f"trainer.run_dir={run_dir}", *args, cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr

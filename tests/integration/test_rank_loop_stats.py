@@ -42,7 +42,10 @@ class _ScriptedActor:
         self.script = list(script)
         self.calls: list[tuple[int, int]] = []
 
-    def train_step(self, batch, step, dp_rank, old, ref, loss, capture_logprobs=False):
+    def train_step(
+        self, batch, step, dp_rank, old, ref, loss, capture_logprobs=False, token_advantages=None
+    ):
+        assert token_advantages is None  # no critic in these runs
         self.calls.append((step.epoch, step.mini_batch))
         pg_loss, entropy, grad_norm = self.script.pop(0)
         stats = OptimizerStepStats(
@@ -95,8 +98,12 @@ class _LogprobActor(_ScriptedActor):
         super().__init__(script)
         self.train_logprobs = train_logprobs
 
-    def train_step(self, batch, step, dp_rank, old, ref, loss, capture_logprobs=False):
-        result = super().train_step(batch, step, dp_rank, old, ref, loss, capture_logprobs)
+    def train_step(
+        self, batch, step, dp_rank, old, ref, loss, capture_logprobs=False, token_advantages=None
+    ):
+        result = super().train_step(
+            batch, step, dp_rank, old, ref, loss, capture_logprobs, token_advantages
+        )
         captured = self.train_logprobs if capture_logprobs else {}
         return TrainStepResult(
             stats=result.stats, grad_norm=result.grad_norm, train_logprobs=captured

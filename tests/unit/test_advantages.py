@@ -365,10 +365,10 @@ def test_config_accepts_every_registered_estimator(name: str) -> None:
     ("algo", "needle"),
     [
         (
-            {"adv_estimator": "gae"},
+            {"adv_estimator": "ppo"},
             (
-                "algo.adv_estimator='gae': must be one of grpo, grpo_no_std, rloo, "
-                "reinforce_plus_plus, reinforce_plus_plus_baseline"
+                "algo.adv_estimator='ppo': must be one of grpo, grpo_no_std, rloo, "
+                "reinforce_plus_plus, reinforce_plus_plus_baseline, gae"
             ),
         ),
         ({"adv_estimator": "RLOO"}, "algo.adv_estimator='RLOO': must be one of"),

@@ -651,3 +651,44 @@ def test_unknown_prune_setting_is_one_clear_error():
 
     with pytest.raises(PlannerError, match="planner.prune_zero_adv must be one of"):
         resolve_prune_mode("sometimes", 0.0, 0.0)
+
+
+# ----------------------------------------------------------------------------- critic (gae)
+
+
+def test_auto_never_prunes_for_a_critic_and_says_why():
+    from megarl.planner.batch_planner import resolve_prune_mode
+
+    resolved, reason = resolve_prune_mode("auto", 0.0, 0.0, adv_estimator="gae")
+    assert resolved == "off"
+    assert "algo.adv_estimator=gae" in reason and "critic" in reason
+    # the outcome estimators still prune when it is exact
+    assert resolve_prune_mode("auto", 0.0, 0.0, adv_estimator="rloo")[0] == "match_loss_curve"
+
+
+@pytest.mark.parametrize("mode", ["match_loss_curve", "fast"])
+@pytest.mark.parametrize("allow_approx", [False, True])
+def test_named_pruning_modes_are_refused_for_a_critic(mode: str, allow_approx: bool):
+    """Even where pruning would be exact for GRPO (no KL, no entropy), and even with
+    allow_approx: a critic's value loss trains on every sequence."""
+    with pytest.raises(PlannerError, match="algo.adv_estimator=gae") as excinfo:
+        check_pruning_config(mode, 0.0, 0.0, allow_approx=allow_approx, adv_estimator="gae")
+    assert "planner.prune_zero_adv" in str(excinfo.value)
+    inputs = make_inputs([10] * 4, [0.0, 0.0, 1.0, -1.0], mode=mode, adv_estimator="gae")
+    with pytest.raises(PlannerError, match="cannot prune"):
+        plan_step(inputs)
+
+
+def test_a_critics_plan_trains_every_sequence_and_its_summary_says_why():
+    """Sequences whose per-sequence advantage summary is 0 are trained all the same."""
+    inputs = make_inputs(
+        [10] * 8, [0.0] * 4 + [0.5, -0.5, 0.0, 1.0], adv_estimator="gae", ppo_mini_batches=2
+    )
+    plan = plan_step(inputs)
+    assert plan.num_kept_sequences == 8
+    assert plan.num_ghost_steps == 0
+    assert sorted(i for s in plan.optimizer_steps for i in trained_by_rank(s)[0]) == list(range(8))
+    assert "no pruning: algo.adv_estimator=gae" in plan.summary()
+    assert "algo.adv_estimator=gae" in plan.reasons[0]
+    # the same inputs under GRPO keep the summary free of it
+    assert "no pruning" not in plan_step(make_inputs([10] * 8, [1.0] * 8)).summary()

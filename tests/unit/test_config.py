@@ -20,7 +20,7 @@ from megarl.config.schema import (
     build_run_config,
 )
 from megarl.engines.factory import ENGINE_NAMES
-from megarl.planner.batch_planner import PRUNE_SETTINGS
+from megarl.planner.batch_planner import CRITIC_ESTIMATORS, PRUNE_SETTINGS
 from megarl.planner.gates import OldLogProbMode
 
 
@@ -86,7 +86,7 @@ def _readme_row(key: str) -> str:
     [
         ("rollout.engine", ENGINE_NAMES),
         ("rollout.sleep_level", ROLLOUT_SLEEP_LEVELS),
-        ("algo.adv_estimator", ADVANTAGE_ESTIMATOR_NAMES),
+        ("algo.adv_estimator", (*ADVANTAGE_ESTIMATOR_NAMES, *CRITIC_ESTIMATORS)),
         ("actor.loss_agg", AGG_MODES),
         ("actor.kl_estimator", KL_PENALTY_KINDS),
         ("algo.kl_penalty", KL_PENALTY_KINDS),
@@ -211,3 +211,37 @@ def test_val_before_train_is_off_by_default_and_needs_validation_files():
         {"trainer": {"val_before_train": True}, "data": {"val_files": "v.jsonl"}}
     )
     assert cfg.trainer.val_before_train
+
+
+def test_gae_builds_a_critic_with_verls_keys_and_defaults():
+    cfg = build_run_config({"algo": {"adv_estimator": "gae"}, "actor": {"ppo_mini_batches": 2}})
+    assert cfg.algo.uses_critic
+    assert (cfg.algo.gamma, cfg.algo.lam) == (1.0, 1.0)
+    assert (cfg.critic.cliprange_value, cfg.critic.loss_agg) == (0.5, "token-mean")
+    # null follows the actor
+    assert (cfg.critic_ppo_mini_batches, cfg.critic_ppo_epochs) == (2, 1)
+    assert not build_run_config({}).algo.uses_critic
+
+
+@pytest.mark.parametrize(
+    ("tree", "key"),
+    [
+        ({"algo": {"gamma": 1.5}}, "algo.gamma"),
+        ({"algo": {"lam": -0.1}}, "algo.lam"),
+        ({"critic": {"cliprange_value": 0.0}}, "critic.cliprange_value"),
+        ({"critic": {"loss_agg": "sum"}}, "critic.loss_agg"),
+        ({"critic": {"lr": 0.0}}, "critic.lr"),
+        ({"critic": {"ppo_mini_batches": 3}}, "critic.ppo_mini_batches"),
+    ],
+)
+def test_critic_and_gae_keys_are_validated(tree, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        build_run_config(tree)
+
+
+def test_critic_optimizer_errors_name_the_critics_key():
+    with pytest.raises(ConfigError, match=r"^critic\.optim\.grad_clip=-1"):
+        build_run_config({"algo": {"adv_estimator": "gae"}, "critic": {"optim": {"grad_clip": -1}}})
+    with pytest.raises(ConfigError, match=r"^actor\.optim\.grad_clip=-1"):
+        build_run_config({"actor": {"optim": {"grad_clip": -1}}})
+    assert build_run_config({"critic": {"optim": {"eps": 1e-6}}}).critic.optim.eps == 1e-6

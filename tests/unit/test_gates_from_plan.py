@@ -7,6 +7,8 @@ schedule would have trained it after a step. Plain data only: config -> plan -> 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from megarl.config import planning
@@ -60,3 +62,17 @@ def test_fast_with_two_epochs_recomputes_for_the_second_epoch():
     plan, gates = _gates("fast", 2, _groups_kept(True, False, False, False), epochs=2)
     assert [s.source_mini_batches for s in plan.optimizer_steps] == [(0, 1), (0, 1)]
     assert gates.old_log_prob.seq_indices == tuple(range(16))
+
+
+def test_a_critics_unpruned_plan_keeps_the_baseline_old_and_ref_gates():
+    """With algo.adv_estimator=gae the planner never prunes, so the old-logprob gate sees the
+    baseline mini-batches (only the first is on-policy) and the reference gate is the
+    KL terms' business alone, whatever the per-sequence advantages look like."""
+    cfg = build_run_config({"actor": {"ppo_mini_batches": 4}})
+    advantages = _groups_kept(True, False, False, False)
+    inputs = planning.planner_inputs(cfg, SEQ_TOKENS, RESPONSE_TOKENS, advantages, GROUPS)
+    plan = plan_step(replace(inputs, mode="off", adv_estimator="gae"))
+    assert plan.num_kept_sequences == 16
+    gates = decide_gates(planning.step_facts(cfg, 1, len(SEQ_TOKENS), plan=plan))
+    assert gates.old_log_prob.seq_indices == tuple(range(4, 16))
+    assert not gates.ref_log_prob.run

@@ -27,6 +27,7 @@ LAYERS = (
     "config",
     "checkpoint",
     "actor",
+    "critic",
     "trainer",
     "train",
 )

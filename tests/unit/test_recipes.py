@@ -32,7 +32,7 @@ def _resolved(cfg, dotted: str) -> object:
 
 
 def test_the_recipes_the_readme_promises_exist():
-    assert {"grpo", "dr_grpo", "gspo", "rloo", "dapo"} <= set(RECIPES)
+    assert {"grpo", "dr_grpo", "gspo", "rloo", "dapo", "ppo"} <= set(RECIPES)
 
 
 @pytest.mark.parametrize("name", RECIPES)
@@ -70,3 +70,13 @@ def test_an_unknown_recipe_names_the_ones_there_are():
 @pytest.mark.parametrize("name", RECIPES)
 def test_readme_names_every_recipe(name):
     assert f"`recipe={name}`" in (REPO / "README.md").read_text()
+
+
+def test_ppo_trains_a_critic_on_gae_advantages_and_never_prunes():
+    cfg = compose_config(["recipe=ppo"])
+    assert cfg.algo.uses_critic and cfg.algo.adv_estimator == "gae"
+    assert (cfg.algo.gamma, cfg.algo.lam, cfg.critic.cliprange_value) == (1.0, 1.0, 0.5)
+    from megarl.config.planning import prune_mode
+
+    mode, reason = prune_mode(cfg)
+    assert mode == "off" and "algo.adv_estimator=gae" in reason

@@ -1,0 +1,146 @@
+"""PPO's critic in the rank loop: the rollout's values, GAE on rank 0, the critic's update.
+
+With ``algo.adv_estimator=gae`` every step runs, as verl's PPO does: the critic's values of
+every response token (on an unpruned split, like the KL in the reward, since the advantages
+are what this computes), then on rank 0 the token rewards (the outcome reward on the last
+token, KL-penalised when the KL is in the reward) and GAE (:mod:`megarl.algo.gae`) give each
+token an advantage and a return; the critic is then trained on the returns, the actor on the
+advantages. The math is pure and lives in :mod:`megarl.algo.gae`; this module moves tensors
+between ranks and runs the critic's passes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.nn.utils.rnn import pad_sequence
+
+from megarl.actor.megatron_actor import reduce_sums_to_all
+from megarl.algo.gae import critic_data_metrics, gae_advantage_return, outcome_token_rewards
+from megarl.batch import RolloutBatch, RolloutShard
+from megarl.config.schema import ActorConfig, LoraConfig, RunConfig
+from megarl.critic.megatron_critic import CriticStepStats, MegatronCritic, ValueLossSettings
+from megarl.planner.batch_planner import StepPlan, plan_forward_micro_batches
+from megarl.trainer.rollout import advantage_metrics
+
+
+@dataclass(frozen=True)
+class CriticTargets:
+    """What the two updates read, per response token of each sequence a rank runs."""
+
+    values: dict[int, Tensor]
+    """The rollout's values: the critic's clipping centre."""
+    returns: dict[int, Tensor]
+    """GAE's returns: the critic's regression targets."""
+    advantages: dict[int, Tensor]
+    """GAE's whitened advantages: the actor's."""
+
+    def subset(self, seq_indices: Sequence[int]) -> CriticTargets:
+        return CriticTargets(
+            values={i: self.values[i] for i in seq_indices},
+            returns={i: self.returns[i] for i in seq_indices},
+            advantages={i: self.advantages[i] for i in seq_indices},
+        )
+
+
+def critic_model_config(cfg: RunConfig) -> ActorConfig:
+    """The critic's model settings: the actor's layout and batching, the critic's optimizer,
+    all weights trained (no LoRA)."""
+    return dataclasses.replace(
+        cfg.actor, lr=cfg.critic.lr, optim=cfg.critic.optim, lora=LoraConfig()
+    )
+
+
+def gather_values(
+    critic: MegatronCritic, batch: RolloutShard, seq_indices: Sequence[int], budget: int
+) -> dict[int, Tensor] | None:
+    """Values of ``seq_indices`` (this rank's share of an unpruned split), gathered on global
+    rank 0 (None elsewhere). Collective."""
+    groups = plan_forward_micro_batches(list(seq_indices), batch.seq_lens, budget)
+    local = critic.compute_values(batch, groups)  # empty off the last stage
+    gathered: list | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(local, gathered, dst=0)
+    if gathered is None:
+        return None
+    return {i: values for part in gathered for i, values in part.items()}
+
+
+def gae_targets(
+    cfg: RunConfig,
+    rollout: RolloutBatch,
+    values: Mapping[int, Tensor],
+    token_rewards: Mapping[int, Tensor] | None,
+) -> tuple[CriticTargets, Tensor, dict[str, float]]:
+    """Rank 0: GAE over the whole batch (the whitening needs every token).
+
+    Returns the targets of every sequence, a per-sequence summary of the advantages (their
+    token mean: what the planner and ``RolloutBatch.advantages`` carry; the planner never
+    prunes on it, see ``pruning_refusal``) and the ``critic/*`` data metrics.
+    """
+    n = rollout.num_seqs
+    if sorted(values) != list(range(n)):
+        raise RuntimeError(f"the critic's values pass covered {len(values)}/{n} sequences")
+    values_BT = pad_sequence([values[i].double() for i in range(n)], batch_first=True)
+    lengths = [len(values[i]) for i in range(n)]
+    mask_BT = pad_sequence([torch.ones(length) for length in lengths], batch_first=True)
+    if token_rewards is None:
+        rewards_BT = outcome_token_rewards(rollout.rewards, mask_BT)
+    else:
+        rewards_BT = pad_sequence([token_rewards[i].double() for i in range(n)], batch_first=True)
+    result = gae_advantage_return(rewards_BT, values_BT, mask_BT, cfg.algo.gamma, cfg.algo.lam)
+    targets = CriticTargets(
+        values={i: values[i].float() for i in range(n)},
+        returns={i: result.returns_BT[i, : lengths[i]].float() for i in range(n)},
+        advantages={i: result.advantages_BT[i, : lengths[i]].float() for i in range(n)},
+    )
+    summary_B = torch.stack(
+        [a.mean() if a.numel() else a.new_zeros(()) for a in targets.advantages.values()]
+    )
+    metrics = {
+        **advantage_metrics(result.advantages_BT[mask_BT != 0]),
+        **critic_data_metrics(values_BT, result.returns_BT, mask_BT),
+    }
+    return targets, summary_B, metrics
+
+
+def update_critic(
+    critic: MegatronCritic,
+    cfg: RunConfig,
+    batch: RolloutShard,
+    plan: StepPlan,
+    dp_rank: int,
+    targets: CriticTargets,
+) -> dict[str, float]:
+    """Every optimizer step of the critic's plan; verl's ``critic/*`` update metrics, each the
+    mean over optimizer steps of the step's global value."""
+    settings = ValueLossSettings(
+        cliprange_value=cfg.critic.cliprange_value,
+        agg=cfg.critic.loss_agg,
+        loss_scale_factor=cfg.loss_scale_factor,
+    )
+    rows, grad_norms = [], []
+    for opt_step in plan.optimizer_steps:
+        result = critic.train_values(
+            batch, opt_step, dp_rank, targets.values, targets.returns, settings
+        )
+        stats = result.stats if critic.is_last_stage else CriticStepStats()
+        rows.append([stats.vf_loss, stats.vf_clipfrac_sum, stats.vpred_sum, stats.num_tokens])
+        grad_norms.append(result.grad_norm)
+    summed = reduce_sums_to_all(rows, cfg.actor.tp)
+    with_tokens = [row for row in summed if row[3] > 0]
+    return {
+        "critic/vf_loss": _mean([row[0] for row in summed]),
+        "critic/vf_clipfrac": _mean([row[1] / row[3] for row in with_tokens]),
+        "critic/vpred_mean": _mean([row[2] / row[3] for row in with_tokens]),
+        "critic/grad_norm": _mean(grad_norms),
+        "critic/lr": cfg.critic.lr,
+    }
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
