@@ -409,7 +409,9 @@ class HFEngine(RolloutEngine):
         """Per checkpoint name: a fused expert tensor is checked as the per-expert tensors the
         exporter sends."""
         fused = {id(param) for param, _ in self._checkpoint_views.values()}
-        named = {n: p for n, p in self._params_by_name.items() if id(p) not in fused}
+        named: dict[str, torch.Tensor] = {
+            n: p for n, p in self._params_by_name.items() if id(p) not in fused
+        }
         named.update((n, param[index]) for n, (param, index) in self._checkpoint_views.items())
         return {name: tensor_checksum(t.detach().to(dtype)) for name, t in named.items()}
 

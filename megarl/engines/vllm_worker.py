@@ -113,8 +113,9 @@ def _routed_experts(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
     }
 
 
-def _expert_parts(layer: torch.nn.Module) -> list[str]:
-    """``{e}.{projection}`` for every expert, with the checkpoint's projection names."""
+def _expert_parts(layer: Any) -> list[str]:
+    """``{e}.{projection}`` for every expert, with the checkpoint's projection names (``layer``
+    is vLLM's ``RoutedExperts``, whose weights and names are set at run time)."""
     names = (layer.ckpt_gate_proj_name, layer.ckpt_up_proj_name, layer.ckpt_down_proj_name)
     return [f"{e}.{name}" for e in range(layer.w13_weight.shape[0]) for name in names]
 
@@ -203,7 +204,7 @@ class _ChecksumRecorder:
                     tensor_checksum(tensor.to(self.dtype))
                 )
 
-    def _record_experts(self, prefix: str, layer: torch.nn.Module) -> None:
+    def _record_experts(self, prefix: str, layer: Any) -> None:
         """Per-expert checkpoint tensors out of the stacked ``w13_weight`` / ``w2_weight``."""
         w13, w2 = layer.w13_weight.detach(), layer.w2_weight.detach()
         ffn = w2.shape[-1]
