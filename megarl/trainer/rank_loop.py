@@ -31,6 +31,7 @@ the restored weights to the engine, then continues at the step after the checkpo
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import warnings
@@ -47,6 +48,7 @@ from megarl.actor.megatron_actor import (
     reduce_max_to_all,
     reduce_sums_to_all,
 )
+from megarl.actor.router_stats import RouterMonitor, router_metrics
 from megarl.actor.train_stats import OptimizerStepStats, UpdateStats, summarise_update
 from megarl.algo.advantages import get_advantage_estimator
 from megarl.algo.kl_reward import KLController, apply_kl_penalty, build_kl_controller
@@ -164,6 +166,8 @@ class _Runtime:
     checkpointed."""
     critic: MegatronCritic | None = None
     """``algo.adv_estimator=gae``: PPO's value model, on the actor's ranks and layout."""
+    routers: RouterMonitor | None = None
+    """Mixture-of-experts models: counts the actor's routing during the update."""
 
 
 @dataclass(frozen=True)
@@ -250,6 +254,9 @@ def _setup(ctx: WorkerContext, inputs: RunInputs) -> _Runtime:
         resume_from=inputs.resume_from,
         kl_ctrl=_kl_controller(cfg),
         critic=critic,
+        routers=RouterMonitor(actor.chunks, spec.num_experts, spec.moe_top_k)
+        if spec.is_moe
+        else None,
     )
 
 
@@ -350,7 +357,10 @@ def _train(rt: _Runtime) -> None:
             critic_metrics = _update_critic(rt, batch, critic_plan, targets, timer)
             rollout_metrics = {**rollout_metrics, **critic_metrics}
         token_advantages = None if targets is None else targets.advantages
-        stats = _update_actor(rt, batch, plan, old, recomputed, ref, timer, token_advantages)
+        with rt.routers.watch() if rt.routers is not None else contextlib.nullcontext():
+            stats = _update_actor(rt, batch, plan, old, recomputed, ref, timer, token_advantages)
+        if rt.routers is not None:
+            rollout_metrics = {**rollout_metrics, **_router_metrics(rt, rt.routers)}
         _sync_weights(rt, gates, timer, step)
         if rt.host is not None:
             validation = {}
@@ -773,6 +783,14 @@ def _update_actor(
     return summarise_update(
         global_steps, grad_norms, lp_diff_sum, lp_diff_count, mismatch.metrics()
     )
+
+
+def _router_metrics(rt: _Runtime, routers: RouterMonitor) -> dict[str, float]:
+    """``actor/moe_*`` from every rank's routing counts (each router saw its rank's tokens)."""
+    counts = routers.local_counts()
+    summed = reduce_sums_to_all(counts.reshape(-1, counts.shape[-1]).tolist(), rt.cfg.actor.tp)
+    tokens, probs = torch.tensor(summed, dtype=torch.float64).reshape(counts.shape)
+    return router_metrics(tokens, probs, routers.top_k)
 
 
 def _logprob_diff(batch: RolloutShard, trainer_logprobs: dict) -> list[float]:

@@ -1,5 +1,6 @@
 """Mixture-of-experts training on CPU: experts split over expert-parallel ranks train like one
-rank holding them all, and a checkpoint saved at one expert-parallel size resumes at another.
+rank holding them all (and route alike: ``actor/moe_*``), and a checkpoint saved at one
+expert-parallel size resumes at another.
 
 Tiny random-init Qwen3-MoE (4 experts, top-2) with the HF engine, 2 ranks (DP=2).
 """
@@ -44,6 +45,10 @@ def test_ep2_trains_like_ep1_and_resumes_at_ep1(tmp_path):
         # the engine serves exactly the trainer's weights, gathered from both expert ranks
         assert a["export/checksum_ok"] == 1.0
         assert a["rollout/logprob_abs_diff"] <= 1e-4
+        # the same tokens reach the same experts whichever rank holds them
+        assert 1.0 <= a["actor/moe_load_imbalance"] <= 4 / 2  # at most experts / top_k
+        assert a["actor/moe_load_imbalance"] == pytest.approx(b["actor/moe_load_imbalance"])
+        assert a["actor/moe_aux_loss"] == pytest.approx(b["actor/moe_aux_loss"], rel=1e-6)
 
     saved = read_checkpoint(split_dir / "checkpoints" / "step_000002")
     assert saved.ep == 2
