@@ -11,10 +11,13 @@ score per sequence, the sum of those token rewards: ``reward - beta * sum_t kl_t
 GRPO, RLOO and REINFORCE++-baseline sum the same way; its REINFORCE++ takes a return-to-go per
 token, which megarl's per-sequence advantages do not have).
 
-When the actor still equals the reference (step 1, recomputed old logprobs) every ``kl_t`` is
-exactly 0, the scores are the rewards bit for bit, and a group whose rewards are all equal
-keeps its exactly-zero advantage, so zero-advantage pruning still applies there.  Later, any
-KL difference within a group gives it a (small) signal, and it is trained.
+When the actor still equals the reference (step 1, recomputed old logprobs) at ``actor.tp=1``
+every ``kl_t`` is exactly 0, the scores are the rewards bit for bit, and a group whose rewards
+are all equal keeps its exactly-zero advantage, so zero-advantage pruning still applies there.
+At ``actor.tp > 1`` the actor and the separately built reference reduce across TP ranks in
+orders that differ in the last bits (measured: a step-1 ``critic/kl`` of ~6e-8), so such a group
+already gets a tiny signal and is trained.  Later, any KL difference within a group gives it a
+(small) signal, and it is trained.
 
 ``beta`` comes from a controller: fixed, or verl's adaptive (proportional) controller, which
 moves ``beta`` so that the observed mean KL tracks a target.  Its one number of state is saved
