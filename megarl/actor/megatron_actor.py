@@ -127,8 +127,8 @@ class MegatronActor:
     # --- construction ----------------------------------------------------------------------
 
     def _build_chunks(self, dtype: torch.dtype, init_seed: int) -> list:
-        """This rank's model chunks, not yet loaded (the critic adds a value head here)."""
-        del init_seed  # every actor weight comes from the checkpoint
+        """This rank's model chunks, not yet loaded; the critic's carry its value head."""
+        del init_seed  # every actor weight comes from the checkpoint; the head has its own seed
         return megatron_gpt.build_model_chunks(
             self.spec,
             self.cfg.tp,
@@ -138,7 +138,12 @@ class MegatronActor:
             device=self.device,
             use_transformer_engine=self.execution.use_transformer_engine,
             recompute=self.execution.recompute,
+            **self._head_options(),
         )
+
+    def _head_options(self) -> dict:
+        """Extra ``build_model_chunks`` options: none for the actor (its output layer)."""
+        return {}
 
     def _wrap_ddp(self, model):
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig

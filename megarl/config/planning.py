@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from megarl.config.schema import RunConfig
 from megarl.planner.batch_planner import (
@@ -19,6 +20,9 @@ from megarl.planner.batch_planner import (
     resolve_prune_mode,
 )
 from megarl.planner.gates import OldLogProbMode, RefLogProbMode, RunFacts, StepFacts
+
+if TYPE_CHECKING:  # the batch types carry tensors; planning reads only their sizes
+    from megarl.batch import RolloutShard
 
 
 def prune_mode(cfg: RunConfig) -> tuple[str, str]:
@@ -121,6 +125,16 @@ def planner_inputs(
         mode=prune_mode(cfg)[0],
         allow_approx=cfg.planner.allow_approx,
         adv_estimator=cfg.algo.adv_estimator,
+    )
+
+
+def every_sequence_inputs(cfg: RunConfig, header: RolloutShard) -> PlannerInputs:
+    """Planner inputs that keep every sequence of ``header`` (a ``RolloutShard``): for passes
+    that run before the advantages exist (KL in the reward, the critic's values), every
+    advantage counts as non-zero, so nothing is pruned and the split balances all of them."""
+    n = header.num_seqs
+    return planner_inputs(
+        cfg, header.seq_lens, header.response_lens, [1.0] * n, header.group_ids.tolist()
     )
 
 

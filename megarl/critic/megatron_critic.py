@@ -17,7 +17,7 @@ of token ``t`` is read too, so :func:`megarl.batch.per_token_to_response` cuts b
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from functools import partial
 
 import torch
@@ -27,7 +27,6 @@ from megarl.algo.gae import value_loss
 from megarl.batch import MicroBatchTensors, Rollouts, per_token_to_response, response_values_to_BL
 from megarl.config.schema import ActorConfig
 from megarl.distributed.execution import ExecutionPlan
-from megarl.models import megatron_gpt
 from megarl.models.megatron_gpt import ValueHeadInit
 from megarl.models.spec import TransformerSpec
 from megarl.planner.batch_planner import OptimizerStepPlan
@@ -53,12 +52,7 @@ class CriticStepStats:
     num_tokens: float = 0.0
 
     def __add__(self, other: CriticStepStats) -> CriticStepStats:
-        return CriticStepStats(
-            self.vf_loss + other.vf_loss,
-            self.vf_clipfrac_sum + other.vf_clipfrac_sum,
-            self.vpred_sum + other.vpred_sum,
-            self.num_tokens + other.num_tokens,
-        )
+        return CriticStepStats(*(a + b for a, b in zip(astuple(self), astuple(other), strict=True)))
 
 
 @dataclass(frozen=True)
@@ -91,19 +85,10 @@ class MegatronCritic(MegatronActor):
             spec, cfg, device, dtype, hf_weights, pad_id, trainable=True, execution=execution
         )
 
-    def _build_chunks(self, dtype: torch.dtype, init_seed: int) -> list:
-        del init_seed  # the head's draw has its own seed (ValueHeadInit.seed)
-        return megatron_gpt.build_model_chunks(
-            self.spec,
-            self.cfg.tp,
-            self.cfg.pp,
-            self.cfg.vpp,
-            dtype=dtype,
-            device=self.device,
-            use_transformer_engine=self.execution.use_transformer_engine,
-            recompute=self.execution.recompute,
-            value_head=self.head,
-        )
+    def _head_options(self) -> dict:
+        """A scalar value head instead of the vocabulary output layer (its draw has its own
+        seed, ``ValueHeadInit.seed``)."""
+        return {"value_head": self.head}
 
     def value_head_param(self) -> torch.nn.Parameter | None:
         """The value head's weight on the last pipeline stage; None on the others."""

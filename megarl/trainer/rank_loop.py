@@ -471,16 +471,21 @@ def _scatter_sequences(
     """Rank 0 sends every rank the sequences its DP rank runs in ``plan`` (and in the critic's
     plan, which may split the batch differently), the same shard to the TP/PP ranks of one DP
     rank, so no rank receives the whole batch."""
-    shards = None
-    if rollout is not None:
-        by_dp = {
-            dp: rollout.shard(_sequences_on_rank(dp, plan, critic_plan))
-            for dp in set(rt.rank_to_dp)
-        }
-        shards = [by_dp[dp] for dp in rt.rank_to_dp]
+    source = None if rollout is None else rollout.shard
+    return header.with_sequences(_scatter_by_dp_rank(rt, source, plan, critic_plan))
+
+
+def _scatter_by_dp_rank(rt: _Runtime, part_of, *plans: StepPlan | None):
+    """Rank 0 (which passes ``part_of``, a function of a sorted tuple of sequence indices)
+    sends every rank the part of the sequences its DP rank runs in any of ``plans``; each DP
+    rank's part is made once and shared by its TP/PP ranks. Returns this rank's part."""
+    parts = None
+    if part_of is not None:
+        by_dp = {dp: part_of(_sequences_on_rank(dp, *plans)) for dp in set(rt.rank_to_dp)}
+        parts = [by_dp[dp] for dp in rt.rank_to_dp]
     received: list = [None]
-    dist.scatter_object_list(received, shards, src=0)
-    return header.with_sequences(received[0])
+    dist.scatter_object_list(received, parts, src=0)
+    return received[0]
 
 
 def _sequences_on_rank(dp: int, *plans: StepPlan | None) -> tuple[int, ...]:
@@ -501,12 +506,8 @@ def _values_and_gae(
     from megarl.trainer.critic_step import gae_targets, gather_values
 
     assert rt.critic is not None
-    cfg, n = rt.cfg, header.num_seqs
-    unpruned = plan_step(
-        planning.planner_inputs(
-            cfg, header.seq_lens, header.response_lens, [1.0] * n, header.group_ids.tolist()
-        )
-    )
+    cfg = rt.cfg
+    unpruned = plan_step(planning.every_sequence_inputs(cfg, header))
     batch = _scatter_sequences(rt, rollout, header, unpruned)
     heartbeat.mark("values")
     with timer.phase("values"):
@@ -531,16 +532,8 @@ def _scatter_targets(
     rt: _Runtime, targets: CriticTargets | None, plan: StepPlan, critic_plan: StepPlan
 ) -> CriticTargets:
     """Rank 0 sends every rank the GAE targets of the sequences it runs in either plan."""
-    parts = None
-    if targets is not None:
-        by_dp = {
-            dp: targets.subset(_sequences_on_rank(dp, plan, critic_plan))
-            for dp in set(rt.rank_to_dp)
-        }
-        parts = [by_dp[dp] for dp in rt.rank_to_dp]
-    received: list = [None]
-    dist.scatter_object_list(received, parts, src=0)
-    return received[0]
+    source = None if targets is None else targets.subset
+    return _scatter_by_dp_rank(rt, source, plan, critic_plan)
 
 
 def _logprob_passes(
@@ -623,11 +616,7 @@ def _kl_in_reward(
     """
     cfg = rt.cfg
     n = header.num_seqs
-    unpruned = plan_step(
-        planning.planner_inputs(
-            cfg, header.seq_lens, header.response_lens, [1.0] * n, header.group_ids.tolist()
-        )
-    )
+    unpruned = plan_step(planning.every_sequence_inputs(cfg, header))
     gates = decide_gates(
         planning.step_facts(cfg, step, n, engine_base_weights_resident=engine_base_weights_resident)
     )

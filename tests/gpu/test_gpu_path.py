@@ -109,8 +109,14 @@ def _megatron_vs_hf_worker(ctx, te: bool):
     state = {k: v.float().cpu() for k, v in hf.state_dict().items() if k != "lm_head.weight"}
     batch = _batch(spec.vocab_size)
     actor = _actor(spec, state, _plan(packed=True, te=te, dtype="bfloat16"))
-    groups = [list(range(batch.num_seqs))]
-    got = actor.compute_logprobs(batch, groups, temperature=1.0)
+    diffs = _logprob_diffs_vs_hf(actor, hf, batch)
+    parallel.destroy()
+    return diffs
+
+
+def _logprob_diffs_vs_hf(actor, hf, batch) -> dict[str, float]:
+    """Mean and max |actor - HF| over the response tokens' logprobs (HF's logits in fp32)."""
+    got = actor.compute_logprobs(batch, [list(range(batch.num_seqs))], temperature=1.0)
     diffs = []
     with torch.no_grad():
         for i, toks in enumerate(batch.tokens):
@@ -121,7 +127,6 @@ def _megatron_vs_hf_worker(ctx, te: bool):
                 .squeeze(-1)[batch.prompt_lens[i] - 1 :]
             )
             diffs.append((got[i].cuda().float() - ref).abs())
-    parallel.destroy()
     flat = torch.cat(diffs)
     return {"mean": flat.mean().item(), "max": flat.max().item()}
 
@@ -153,20 +158,9 @@ def _tiny_qwen3_vs_hf_worker(ctx, te: bool):
     hf = hf.cuda().eval()
     batch = _batch(config["vocab_size"])
     actor = _actor(spec_from_hf_config(config), state, _plan(packed=te, te=te, dtype="bfloat16"))
-    got = actor.compute_logprobs(batch, [list(range(batch.num_seqs))], temperature=1.0)
-    diffs = []
-    with torch.no_grad():
-        for i, toks in enumerate(batch.tokens):
-            logits = hf(toks.unsqueeze(0).cuda()).logits[0]
-            ref = (
-                torch.log_softmax(logits, -1)[:-1]
-                .gather(-1, toks[1:].cuda().unsqueeze(-1))
-                .squeeze(-1)[batch.prompt_lens[i] - 1 :]
-            )
-            diffs.append((got[i].cuda().float() - ref).abs())
+    diffs = _logprob_diffs_vs_hf(actor, hf, batch)
     parallel.destroy()
-    flat = torch.cat(diffs)
-    return {"mean": flat.mean().item(), "max": flat.max().item()}
+    return diffs
 
 
 @pytest.mark.parametrize("te", [False, True], ids=["local-sdpa", "transformer-engine"])
