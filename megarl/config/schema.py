@@ -110,10 +110,15 @@ class TrainerConfig:
     launcher: str = "local"
     """local (spawn workers on this machine) | ray."""
     logger: tuple[str, ...] = ("console", "jsonl", "tensorboard")
-    """Where metrics go (verl's key), any of :data:`LOGGER_NAMES`: console (progress bar and one
-    line per step) | jsonl (``<run_dir>/metrics.jsonl``, which a resume cuts back and reads its
+    """Where metrics go (verl's key), any of :data:`LOGGER_NAMES`: console (one line per step;
+    ``progress`` adds a live bar) | jsonl (``<run_dir>/metrics.jsonl``, which a resume cuts back and reads its
     history from) | tensorboard (``<run_dir>/tensorboard``) | wandb (Weights & Biases: needs
     ``pip install wandb``; a resumed run continues the checkpoint's wandb run)."""
+    progress: bool | str = "auto"
+    """Live display of the current step's phase, its work done and the run's ETA above the
+    step lines (:mod:`megarl.trainer.progress`): auto (on when ``console`` is a logger and
+    stdout is a terminal) | true (also when stdout is a file: escape codes and all) | false
+    (the step lines alone, as CI logs and sbatch files get them)."""
     project_name: str = "megarl"
     """wandb project (verl's key)."""
     experiment_name: str | None = None
@@ -159,6 +164,14 @@ class TrainerConfig:
         _positive("trainer.total_steps", self.total_steps)
         _positive("trainer.collective_timeout_s", self.collective_timeout_s)
         self._resolve_loggers()
+        _require(
+            self.progress == "auto" or isinstance(self.progress, bool),
+            f"trainer.progress={self.progress!r}: must be auto, true or false",
+        )
+        _require(
+            self.progress is not True or "console" in self.logger,
+            "trainer.progress=true needs console in trainer.logger (the display is the console's)",
+        )
         _require(self.val_interval >= 0, f"trainer.val_interval={self.val_interval}: must be >= 0")
         _require(
             bool(self.run_dir.strip()),
@@ -980,9 +993,14 @@ def _field_class(fld: dataclasses.Field) -> type[Any] | None:
 ONE_OR_A_LIST = ("trainer.logger",)
 """List keys that also take one name alone (``trainer.logger=wandb``, as verl takes it)."""
 
+AUTO_OR_BOOL = ("trainer.progress",)
+"""Keys that take ``auto`` or a boolean (checked by their section)."""
+
 
 def _convert_leaf(fld: dataclasses.Field, key: str, value: Any) -> Any:
     default = fld.default if fld.default is not dataclasses.MISSING else None
+    if key in AUTO_OR_BOOL:
+        return value
     if isinstance(default, bool):
         _require(isinstance(value, bool), f"{key}={value!r}: expected true or false")
         return value

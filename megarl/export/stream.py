@@ -21,7 +21,7 @@ converted tensors, the bucket being filled), exposed as :attr:`BucketStream.peak
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -155,16 +155,22 @@ class BucketStream:
             yield out
             del out
 
-    def named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def named_tensors(
+        self, on_bucket: Callable[[int, int], None] | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         """The buckets flattened: what ``RolloutEngine.update_weights`` takes.
 
         Each tensor is released from the bucket as it is handed out, so no finished bucket is
-        still referenced while the next one is being filled.
+        still referenced while the next one is being filled. ``on_bucket(handed, total)`` is
+        called after each bucket's last tensor was taken (the live progress display).
         """
-        for bucket in self.buckets():
+        total = len(self.plan.buckets)
+        for handed, bucket in enumerate(self.buckets(), start=1):
             bucket.reverse()
             while bucket:
                 yield bucket.pop()
+            if on_bucket is not None:
+                on_bucket(handed, total)
 
     def run_to_end(self) -> None:
         """Drive the protocol on a rank that consumes nothing (every rank but 0)."""

@@ -9,7 +9,7 @@ silently stale engine is the failure this check exists to catch.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -36,12 +36,14 @@ def sync_engine_weights(
     vpp: int,
     checksum: bool,
     engine=None,
+    on_bucket: Callable[[int, int], None] | None = None,
 ) -> dict[str, float]:
-    """Stream weights to ``engine`` (rank 0 passes it; other ranks ``None``); metrics on rank 0."""
+    """Stream weights to ``engine`` (rank 0 passes it; other ranks ``None``); metrics on rank 0.
+    ``on_bucket(sent, total)`` is called on rank 0 as each bucket has been handed over."""
     stream = open_stream(local_params, spec, bucket_mb * MIB, vpp=vpp, checksums=checksum)
     metrics: dict[str, float] = {}
     if engine is not None:
-        engine.update_weights(stream.named_tensors(), record_checksums=checksum)
+        engine.update_weights(stream.named_tensors(on_bucket), record_checksums=checksum)
         metrics = {
             "export/bytes": float(stream.num_bytes),
             "export/buckets": float(stream.num_buckets),

@@ -26,6 +26,7 @@ from megarl.batch import RolloutBatch, RolloutShard
 from megarl.config.schema import ActorConfig, LoraConfig, RunConfig
 from megarl.critic.megatron_critic import CriticStepStats, MegatronCritic, ValueLossSettings
 from megarl.planner.batch_planner import StepPlan, plan_forward_micro_batches
+from megarl.trainer.progress import PhaseHook, no_progress
 from megarl.trainer.rollout import advantage_metrics
 
 
@@ -115,22 +116,26 @@ def update_critic(
     plan: StepPlan,
     dp_rank: int,
     targets: CriticTargets,
+    progress: PhaseHook = no_progress,
 ) -> dict[str, float]:
     """Every optimizer step of the critic's plan; verl's ``critic/*`` update metrics, each the
-    mean over optimizer steps of the step's global value."""
+    mean over optimizer steps of the step's global value. ``progress`` is told each step."""
     settings = ValueLossSettings(
         cliprange_value=cfg.critic.cliprange_value,
         agg=cfg.critic.loss_agg,
         loss_scale_factor=cfg.loss_scale_factor,
     )
     rows, grad_norms = [], []
-    for opt_step in plan.optimizer_steps:
+    num_steps = len(plan.optimizer_steps)
+    for index, opt_step in enumerate(plan.optimizer_steps):
+        progress("update_critic", index, num_steps, "optimizer steps")
         result = critic.train_values(
             batch, opt_step, dp_rank, targets.values, targets.returns, settings
         )
         stats = result.stats if critic.is_last_stage else CriticStepStats()
         rows.append([stats.vf_loss, stats.vf_clipfrac_sum, stats.vpred_sum, stats.num_tokens])
         grad_norms.append(result.grad_norm)
+    progress("update_critic", num_steps, num_steps, "optimizer steps")
     summed = reduce_sums_to_all(rows, cfg.actor.tp)
     with_tokens = [row for row in summed if row[3] > 0]
     return {

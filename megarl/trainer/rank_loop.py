@@ -62,6 +62,7 @@ from megarl.distributed.launcher import WorkerContext
 from megarl.planner.batch_planner import StepPlan, plan_forward_micro_batches, plan_step
 from megarl.planner.gates import ReferenceSource, StepGates, decide_gates, decide_reference
 from megarl.trainer.metrics import PhaseTimer
+from megarl.trainer.progress import PhaseHook, no_progress, reported
 
 if TYPE_CHECKING:
     from megarl.critic.megatron_critic import MegatronCritic
@@ -168,6 +169,9 @@ class _Runtime:
     """``algo.adv_estimator=gae``: PPO's value model, on the actor's ranks and layout."""
     routers: RouterMonitor | None = None
     """Mixture-of-experts models: counts the actor's routing during the update."""
+    progress: PhaseHook = no_progress
+    """Rank 0 with ``trainer.progress`` on: the console's phase display (the work done in each
+    phase); a no-op everywhere else."""
 
 
 @dataclass(frozen=True)
@@ -257,6 +261,7 @@ def _setup(ctx: WorkerContext, inputs: RunInputs) -> _Runtime:
         routers=RouterMonitor(actor.chunks, spec.num_experts, spec.moe_top_k)
         if spec.is_moe
         else None,
+        progress=_progress_hook(host),
     )
 
 
@@ -283,6 +288,15 @@ def _gather_dp_ranks(dp_rank: int) -> tuple[int, ...]:
     ranks: list = [None] * dist.get_world_size()
     dist.all_gather_object(ranks, dp_rank)
     return tuple(ranks)
+
+
+def _progress_hook(host: RolloutHost | None) -> PhaseHook:
+    """Where rank 0 reports its phases: the rollout host's console when it shows progress (in
+    split placement one Ray call per report); a no-op elsewhere, so with progress off the
+    reports cost one empty call."""
+    if host is None or not host.shows_progress():
+        return no_progress
+    return host.show_phase
 
 
 def _build_rollout_host(
@@ -398,7 +412,7 @@ def _update_critic(
     assert rt.critic is not None
     heartbeat.mark("update_critic")
     with timer.phase("update_critic"):
-        return update_critic(rt.critic, rt.cfg, batch, plan, rt.dp_rank, targets)
+        return update_critic(rt.critic, rt.cfg, batch, plan, rt.dp_rank, targets, rt.progress)
 
 
 # --- checkpoints (megarl.checkpoint) ----------------------------------------------------------
@@ -510,13 +524,9 @@ def _values_and_gae(
     unpruned = plan_step(planning.every_sequence_inputs(cfg, header))
     batch = _scatter_sequences(rt, rollout, header, unpruned)
     heartbeat.mark("values")
-    with timer.phase("values"):
-        values = gather_values(
-            rt.critic,
-            batch,
-            unpruned.trained_sequences(rt.dp_rank),
-            cfg.actor.logprob_micro_batch_tokens,
-        )
+    mine = unpruned.trained_sequences(rt.dp_rank)
+    with timer.phase("values"), reported(rt.progress, "values", len(mine), "sequences"):
+        values = gather_values(rt.critic, batch, mine, cfg.actor.logprob_micro_batch_tokens)
     payload: list = [None]
     targets, metrics = None, {}
     if rollout is not None and values is not None:
@@ -561,14 +571,18 @@ def _logprob_passes(
                 [i for i in mine if i in wanted], batch.seq_lens, budget
             )
             heartbeat.mark("old_log_prob")
-            with timer.phase("old_log_prob"):
+            num_seqs = sum(len(group) for group in groups)
+            with (
+                timer.phase("old_log_prob"),
+                reported(rt.progress, "old_log_prob", num_seqs, "sequences"),
+            ):
                 recomputed = rt.actor.compute_logprobs(batch, groups, temperature)
         old = recomputed
     ref = None
     if gates.ref_log_prob.run:
         groups = plan_forward_micro_batches(list(mine), batch.seq_lens, budget)
         heartbeat.mark("ref")
-        with timer.phase("ref"):
+        with timer.phase("ref"), reported(rt.progress, "ref", len(mine), "sequences"):
             ref = _reference_logprobs(rt, batch, groups, temperature)
     return old, recomputed, ref
 
@@ -739,9 +753,11 @@ def _update_actor(
     grad_norms: list[float] = []
     lp_diff = [0.0, 0.0]  # |engine - trainer| summed, tokens compared
     mismatch = MismatchStats()  # rollout_corr/*: the same tokens, old vs engine
+    num_steps = len(plan.optimizer_steps)
     with timer.phase("update_actor"):
         for index, opt_step in enumerate(plan.optimizer_steps):
             heartbeat.mark("update_actor")  # each optimizer step is progress
+            rt.progress("update_actor", index, num_steps, "optimizer steps")
             result = rt.actor.train_step(
                 batch,
                 opt_step,
@@ -760,6 +776,7 @@ def _update_actor(
                 mismatch = mismatch_stats_of_sequences(
                     trainer_logprobs, batch.engine_logprobs, loss.rollout_correction
                 )
+        rt.progress("update_actor", num_steps, num_steps, "optimizer steps")
     tp = rt.cfg.actor.tp
     global_steps = [
         OptimizerStepStats.from_row(row)
@@ -797,6 +814,7 @@ def _sync_weights(rt: _Runtime, gates: StepGates, timer: PhaseTimer, step: int) 
     from megarl.export.sync import is_checksum_step
 
     heartbeat.mark("update_weights")
+    rt.progress("update_weights", 0)
     if rt.host is not None:
         with timer.phase("engine_wake"):
             _check_wake_report(rt.host.wake_engine(), gates)
@@ -806,16 +824,22 @@ def _sync_weights(rt: _Runtime, gates: StepGates, timer: PhaseTimer, step: int) 
             base=gates.base_weight_sync.run,
             adapter=gates.adapter_sync.run,
             checksum=is_checksum_step(step, rt.cfg.export.checksum_interval),
+            progress=rt.progress,
         )
     if rt.host is not None:
         rt.host.record_export_metrics(metrics)
 
 
 def _push_weights(
-    rt: _Runtime, base: bool, adapter: bool, checksum: bool = False
+    rt: _Runtime,
+    base: bool,
+    adapter: bool,
+    checksum: bool = False,
+    progress: PhaseHook = no_progress,
 ) -> dict[str, float]:
     """Collective: stream the base (or full) weights to the engine on rank 0 in bounded buckets
-    and/or gather the LoRA adapter into it; the export metrics (on rank 0)."""
+    and/or gather the LoRA adapter into it; the export metrics (on rank 0). ``progress`` is told
+    the buckets sent."""
     from megarl.export.sync import sync_engine_weights
 
     metrics: dict[str, float] = {}
@@ -828,6 +852,7 @@ def _push_weights(
             rt.cfg.actor.vpp,
             checksum,
             engine,
+            on_bucket=partial(progress, "update_weights", unit="buckets"),
         )
     if adapter:
         lora = rt.actor.gather_lora_adapter()

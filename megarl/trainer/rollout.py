@@ -23,6 +23,7 @@ from megarl.data.rewards import score_samples
 from megarl.engines.base import Generation, RolloutEngine, SamplingParams
 from megarl.errors import MegarlError
 from megarl.planner.batch_planner import CRITIC_ESTIMATORS
+from megarl.trainer.progress import PhaseHook, no_progress
 
 
 def sampling_seed(run_seed: int, step: int, gen_batch: int = 0) -> int:
@@ -120,9 +121,12 @@ class RolloutProducer:
         reward_fn: Callable[[str, str], float],
         settings: RolloutSettings,
         run_seed: int,
+        progress: PhaseHook = no_progress,
     ):
         self.engine, self.tokenizer, self.stream = engine, tokenizer, stream
         self.reward_fn, self.settings, self.run_seed = reward_fn, settings, run_seed
+        self.progress = progress
+        """Told the sequences kept of those the step needs, before and after each batch."""
         self.advantage_fn = _advantage_fn(settings.adv_estimator)
         self.last_samples: list[tuple[str, str, float]] = []
         self.last_texts: list[tuple[str, str, str]] = []
@@ -145,6 +149,7 @@ class RolloutProducer:
         parts: list[_ScoredGroups] = []
         seconds = {"gen": 0.0, "adv": 0.0}
         kept = dropped = gen_batches = 0
+        self.progress("gen", 0, needed * n, "sequences")
         while True:
             part = self._generate_and_score(step, gen_batches, seconds)
             gen_batches += 1
@@ -156,6 +161,7 @@ class RolloutProducer:
             parts.append(part)
             kept += len(part.problems)
             decision = FilterDecision(kept, needed, gen_batches, settings.max_num_gen_batches)
+            self.progress("gen", min(kept, needed) * n, needed * n, "sequences")
             if not settings.filter_groups or decision.enough:
                 break
             if decision.give_up:

@@ -14,7 +14,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -40,13 +40,11 @@ from megarl.trainer.metrics import (
     validation_line,
 )
 from megarl.trainer.perf import PeakFlops, peak_flops
+from megarl.trainer.progress import LiveProgress, PhaseHook, no_progress, progress_enabled
 from megarl.trainer.rollout import RolloutProducer, RolloutSettings, encode_prompt, sampling_seed
 
 VALIDATION_SEED_BATCH = 1_000_003
 """``sampling_seed``'s batch number for validation: far from dynamic sampling's 1, 2, ..."""
-
-if TYPE_CHECKING:
-    from rich.progress import Progress
 
 
 class RolloutHost:
@@ -85,6 +83,11 @@ class RolloutHost:
             filter_groups=cfg.algo.filter_groups.enable,
             max_num_gen_batches=cfg.algo.filter_groups.max_num_gen_batches,
         )
+        self.console = Console(
+            cfg.trainer.total_steps,
+            enabled="console" in cfg.trainer.logger,
+            progress=cfg.trainer.progress,
+        )
         self.producer = RolloutProducer(
             self.engine,
             tokenizer,
@@ -92,15 +95,29 @@ class RolloutHost:
             get_reward_fn(cfg.data.reward_fn_name),
             settings,
             cfg.trainer.seed,
+            progress=self.progress_hook(),
         )
         self.writer = metrics_writer(cfg)
         self.history: list[dict] = []
         self._export_metrics: dict[str, float] = {}
-        self.console = Console(cfg.trainer.total_steps, enabled="console" in cfg.trainer.logger)
         self._perf = _PerfContext.build(model_dir, device, cfg.trainer.world_size)
 
     def rollout(self, step: int):
         return self.producer.produce(step)
+
+    # --- the live progress display (trainer.progress; megarl.trainer.progress) ---
+
+    def shows_progress(self) -> bool:
+        """Whether the console draws the phase display (the rank loop reports only then)."""
+        return self.console.shows_progress
+
+    def show_phase(self, phase: str, done: int, total: int | None = None, unit: str = "") -> None:
+        """The rank loop's :class:`~megarl.trainer.progress.PhaseHook` (rank 0, progress on)."""
+        self.console.phase(phase, done, total, unit)
+
+    def progress_hook(self) -> PhaseHook:
+        """Where this process reports phases: the console's display, or nowhere when it is off."""
+        return self.console.phase if self.console.shows_progress else no_progress
 
     def validate(self, step: int) -> dict[str, float]:
         """Generate on ``data.val_files`` with the engine's current weights and score it.
@@ -124,7 +141,9 @@ class RolloutHost:
         rewards: list[list[float]] = []
         response_lens: list[int] = []
         samples: list[tuple[str, str, str]] = []
+        progress = self.progress_hook()
         for start in range(0, len(problems), chunk):
+            progress("validate", start, len(problems), "prompts")
             part = problems[start : start + chunk]
             prompts = [self.producer.encode_prompt(p) for p in part for _ in range(val.n)]
             gens = self.engine.generate(prompts, params)
@@ -424,51 +443,59 @@ def _build_engine(cfg: RunConfig, tokenizer, device: str, model_dir: str):
 
 
 class Console:
-    """A rich progress bar plus one readable line per step, and the run summary at the end."""
+    """One readable line per step, and the run summary at the end; with ``trainer.progress`` a
+    live bar above them with the step's phase and the run's ETA (:class:`LiveProgress`)."""
 
-    def __init__(self, total_steps: int, enabled: bool = True):
+    def __init__(self, total_steps: int, enabled: bool = True, progress: bool | str = "auto"):
         self.enabled = enabled
-        self._progress: Progress | None = None
+        self._live: LiveProgress | None = None
         if enabled:
             from rich.console import Console as RichConsole
-            from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
+            tty = sys.stdout.isatty()
             self._rich = RichConsole(
-                file=sys.stdout, highlight=False, width=None if sys.stdout.isatty() else 140
+                file=sys.stdout,
+                highlight=False,
+                width=None if tty else 140,
+                force_terminal=True if progress is True else None,
             )
-            self._progress = Progress(
-                TextColumn("[bold]GRPO"),
-                BarColumn(),
-                TextColumn("{task.completed}/{task.total} steps"),
-                TimeRemainingColumn(),
-                console=self._rich,
-                transient=True,
-            )
-            self._task = self._progress.add_task("train", total=total_steps)
-            self._progress.start()
+            if progress_enabled(progress, console_on=True, isatty=tty):
+                self._live = LiveProgress(self._rich, total_steps)
+                self._live.start()
+
+    @property
+    def shows_progress(self) -> bool:
+        return self._live is not None
+
+    def phase(self, phase: str, done: int, total: int | None = None, unit: str = "") -> None:
+        """A :class:`~megarl.trainer.progress.PhaseHook` (only called with progress on)."""
+        if self._live is not None:
+            self._live.phase(phase, done, total, unit)
 
     def step(self, metrics: dict, samples) -> None:
-        if self._progress is None:
+        if not self.enabled:
             return
-        self._progress.console.print(step_line(metrics))
+        self._rich.print(step_line(metrics))
         if samples:
             prompt, text, reward = samples[0]
-            self._progress.console.print(
+            self._rich.print(
                 f"         sample: {prompt!r} -> {text.strip()[:60]!r} (reward {reward:g})"
             )
-        self._progress.advance(self._task)
+        if self._live is not None:
+            self._live.step_done(metrics["timing_s/step"])
 
     def validation(self, metrics: dict) -> None:
-        if self._progress is not None:
-            self._progress.console.print(validation_line(metrics))
+        if self.enabled:
+            self._rich.print(validation_line(metrics))
 
     def skip(self, steps: int) -> None:
         """Steps already done before a resume."""
-        if self._progress is not None and steps:
-            self._progress.advance(self._task, steps)
+        if self._live is not None and steps:
+            self._live.skip(steps)
 
     def finish(self, history: Sequence[Mapping[str, Any]]) -> None:
-        if self._progress is None:
+        if not self.enabled:
             return
-        self._progress.stop()
+        if self._live is not None:
+            self._live.stop()
         self._rich.print("\n[bold]Run summary[/bold]\n" + run_summary(history))

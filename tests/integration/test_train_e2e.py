@@ -11,6 +11,7 @@ import torch
 from conftest import REQUIRED_METRICS, tiny_overrides
 
 from megarl.train import run
+from megarl.trainer.metrics import step_line
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
@@ -27,13 +28,26 @@ def _assert_rollout_correction_is_identity(row: dict) -> None:
     assert abs(row["rollout_corr/rollout_is_min"] - 1) <= 1e-3, row
 
 
-def test_single_process_run_writes_every_metric_and_syncs_the_moved_policy(tmp_path):
+def test_single_process_run_writes_every_metric_and_syncs_the_moved_policy(tmp_path, capsys):
     """lr 5e-2 moves the policy far in step 1, so step 2's logprobs match the trainer only if
-    the weight sync really reached the engine (a silent failure would show a large diff)."""
-    overrides = {"trainer.tensorboard": "true", "actor.lr": 5e-2}
+    the weight sync really reached the engine (a silent failure would show a large diff).
+    With the console on and ``trainer.progress=false`` the console prints each step's lines
+    and nothing of the live display."""
+    overrides = {
+        "trainer.tensorboard": "true",
+        "actor.lr": 5e-2,
+        "trainer.log_console": "true",
+        "trainer.progress": "false",
+    }
     result = run(tiny_overrides(tmp_path / "run", steps=2, **overrides))
     rows = _read_metrics(tmp_path / "run")
     assert [r["step"] for r in rows] == [1, 2]
+    printed = capsys.readouterr().out.splitlines()
+    for row in rows:  # the lines of each step, in order, as step_line writes them
+        lines = step_line(row).splitlines()
+        start = printed.index(lines[0])
+        assert printed[start : start + len(lines)] == lines
+    assert not any("GRPO" in line or "optimizer steps" in line for line in printed)
     for row in rows:
         missing = [k for k in REQUIRED_METRICS if k not in row]
         assert not missing, missing

@@ -48,6 +48,12 @@ def test_defaults_build():
         ({"trainer": {"nnodes": 2}}, "trainer.launcher=ray"),
         ({"planner": {"prune_zero_adv": "yes"}}, "planner.prune_zero_adv='yes'"),
         ({"trainer": {"log_console": "yes"}}, "trainer.log_console='yes': expected true or false"),
+        ({"trainer": {"progress": "yes"}}, "trainer.progress='yes': must be auto, true or false"),
+        ({"trainer": {"progress": 1}}, "trainer.progress=1: must be auto, true or false"),
+        (
+            {"trainer": {"progress": True, "logger": ["jsonl"]}},
+            "trainer.progress=true needs console in trainer.logger",
+        ),
     ],
 )
 def test_bad_values_name_the_key(tree, needle):
@@ -55,6 +61,24 @@ def test_bad_values_name_the_key(tree, needle):
         build_run_config(tree)
     assert needle in str(info.value)
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("value", ["auto", True, False])
+def test_progress_takes_auto_or_a_boolean(value):
+    assert build_run_config({}).trainer.progress == "auto"
+    progress = build_run_config({"trainer": {"progress": value}}).trainer.progress
+    assert progress == value and type(progress) is type(value)
+
+
+def test_a_bad_progress_value_on_the_command_line_is_one_line_exit_2(tmp_path, capsys):
+    from megarl.train import EXIT_BAD_INPUT, main
+
+    run_dir = tmp_path / "run"
+    assert main([f"trainer.run_dir={run_dir}", "trainer.progress=sometimes"]) == EXIT_BAD_INPUT
+    assert capsys.readouterr().err == (
+        "megarl-train: error: trainer.progress='sometimes': must be auto, true or false\n"
+    )
+    assert not run_dir.exists()
 
 
 def test_dp_from_world_and_model_parallel():
