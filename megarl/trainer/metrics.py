@@ -21,7 +21,7 @@ import secrets
 import string
 import sys
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -274,44 +274,6 @@ def _validation_scores(m: Mapping[str, Any]) -> str:
         if k.startswith("val-core/")
     }
     return ", ".join(f"{s} {v:.3f}" for s, v in scores.items())
-
-
-def run_summary(history: Sequence[Mapping[str, Any]], window: int = 3) -> str:
-    """Reward of the first vs last steps and where the time went."""
-    if not history:
-        return "no steps ran"
-    first = history[:window]
-    last = history[-window:]
-    mean = lambda rows, key: sum(r[key] for r in rows) / len(rows)  # noqa: E731
-    total = sum(r["timing_s/step"] for r in history)
-    lines = [
-        (
-            f"{len(history)} steps in {total:.1f}s "
-            f"({sum(r['perf/throughput'] for r in history) / len(history):.0f} tokens/s)"
-        ),
-        (
-            f"reward: first {len(first)} steps {mean(first, 'critic/rewards/mean'):.3f} -> "
-            f"last {len(last)} steps {mean(last, 'critic/rewards/mean'):.3f}"
-        ),
-    ]
-    split = []
-    for phase in PHASES:
-        spent = sum(r.get(f"timing_s/{phase}", 0.0) for r in history)
-        split.append(f"{phase} {spent:.1f}s ({spent / total:.0%})" if total else phase)
-    lines.append("time: " + ", ".join(split))
-    lines.append(_weight_sync_summary(history))
-    return "\n".join(lines)
-
-
-def _weight_sync_summary(history: Sequence[Mapping[str, Any]]) -> str:
-    """How often the base-weight gate sent base/full weights, and what syncing cost."""
-    base = sum(1 for r in history if r.get("gates/base_weight_sync", 1.0) > 0)
-    seconds = sum(r.get("timing_s/update_weights", 0.0) for r in history)
-    skipped = len(history) - base
-    detail = f", adapter only on {skipped}" if skipped else ""
-    return (
-        f"weight sync: base/full weights on {base} of {len(history)} steps{detail} ({seconds:.2f}s)"
-    )
 
 
 class PhaseTimer:

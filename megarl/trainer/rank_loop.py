@@ -112,6 +112,8 @@ def _run_rank(ctx: WorkerContext, inputs: RunInputs) -> RunResult | None:
     runtime = _setup(ctx, inputs)
     try:
         _train(runtime)
+        if runtime.host is not None:  # ended normally: the plot of every step
+            runtime.host.write_summary_plot()
         final_state = None
         if inputs.return_final_state:  # streamed: never the whole model on one rank
             heartbeat.mark("final_state")

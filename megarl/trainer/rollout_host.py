@@ -35,13 +35,14 @@ from megarl.trainer.metrics import (
     PhaseTimer,
     WandbRun,
     new_wandb_run_id,
-    run_summary,
     step_line,
     validation_line,
 )
 from megarl.trainer.perf import PeakFlops, peak_flops
 from megarl.trainer.progress import LiveProgress, PhaseHook, no_progress, progress_enabled
 from megarl.trainer.rollout import RolloutProducer, RolloutSettings, encode_prompt, sampling_seed
+from megarl.trainer.summary import summarize
+from megarl.trainer.summary_plot import SUMMARY_PLOT, write_summary_plot
 
 VALIDATION_SEED_BATCH = 1_000_003
 """``sampling_seed``'s batch number for validation: far from dynamic sampling's 1, 2, ..."""
@@ -99,6 +100,8 @@ class RolloutHost:
         )
         self.writer = metrics_writer(cfg)
         self.history: list[dict] = []
+        # validations outside a training step (step 0): in the summary, not in the history
+        self._validation_only: list[dict] = []
         self._export_metrics: dict[str, float] = {}
         self._perf = _PerfContext.build(model_dir, device, cfg.trainer.world_size)
 
@@ -258,6 +261,7 @@ class RolloutHost:
         of its own in every sink, not part of the training history."""
         metrics = {"step": step, **validation}
         self.writer.write(metrics)
+        self._validation_only.append(metrics)
         self.console.validation(metrics)
 
     # --- checkpoint state (megarl.checkpoint.trainer_state) ----------------------------------
@@ -275,10 +279,17 @@ class RolloutHost:
         if state.get("wandb_run_id"):
             self.writer.continue_wandb_run(state["wandb_run_id"])
         self.history = [row for row in history if row.get("step", 0) >= 1]  # training steps
+        self._validation_only = [row for row in history if row.get("step", 0) < 1]
         self.console.skip(len(self.history))
 
+    def write_summary_plot(self) -> None:
+        """The run ended normally: ``<run_dir>/summary.png`` of all its steps (a resumed run's
+        history holds the steps before the resume too). Warns instead of raising."""
+        rows = self._validation_only + self.history
+        write_summary_plot(rows, Path(self.cfg.trainer.run_dir) / SUMMARY_PLOT)
+
     def close(self) -> None:
-        self.console.finish(self.history)
+        self.console.finish(self._validation_only + self.history)
         self.writer.close()
         close_engine = getattr(self.engine, "close", None)
         if close_engine is not None:
@@ -494,8 +505,12 @@ class Console:
             self._live.skip(steps)
 
     def finish(self, history: Sequence[Mapping[str, Any]]) -> None:
+        """The run summary: its headline, then one table per section."""
         if not self.enabled:
             return
         if self._live is not None:
             self._live.stop()
-        self._rich.print("\n[bold]Run summary[/bold]\n" + run_summary(history))
+        summary = summarize(history)
+        self._rich.print(f"\n[bold]Run summary[/bold]: {summary.headline}")
+        for table in summary.tables:
+            self._rich.print(table.rich())

@@ -16,7 +16,7 @@ from megarl.models import mapping
 from megarl.models.lora import LoraSettings, hf_target_modules, is_adapter_param_name
 from megarl.models.spec import spec_from_hf_config
 from megarl.planner.gates import decide_gates
-from megarl.trainer.metrics import run_summary
+from megarl.trainer.summary import SAVED, summarize
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")
 
@@ -110,10 +110,8 @@ def test_run_summary_shows_the_sync_decisions():
         "timing_s/update_weights": 0.25,
     }
     history = [{**row, "gates/base_weight_sync": b} for b in (1.0, 0.0, 0.0)]
-    assert (
-        "weight sync: base/full weights on 1 of 3 steps, adapter only on 2 (0.75s)"
-        in run_summary(history)
-    )
+    saved = summarize(history).facts(SAVED)
+    assert saved["weight sync"] == "base/full weights on 1 of 3 steps, adapter only on 2 (0.75s)"
 
 
 # --- names and layouts -----------------------------------------------------------------------
