@@ -29,22 +29,86 @@ def _row(step: int, reward: float) -> dict:
     return row
 
 
-def test_summary_reports_first_and_last_reward(tmp_path):
-    lines = [json.dumps(_row(i, r)) for i, r in enumerate([0.1, 0.2, 0.3, 0.6, 0.7, 0.8], 1)]
-    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
-    out = subprocess.run(
-        [sys.executable, str(TOOL), str(tmp_path)], capture_output=True, text=True, check=True
-    ).stdout
-    assert "first 3 steps 0.200 -> last 3 steps 0.700" in out
-    assert "6 steps in 12.0s" in out
+def _write_run(folder: Path, rewards: list[float]) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    lines = [json.dumps(_row(i, r)) for i, r in enumerate(rewards, 1)]
+    (folder / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    return folder
+
+
+def _tool(*args, cwd=None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(TOOL), *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        cwd=cwd,
+    )
+
+
+def test_summary_reports_first_last_and_best_reward(tmp_path):
+    _write_run(tmp_path, [0.1, 0.2, 0.3, 0.6, 0.7, 0.8])
+    done = _tool(tmp_path)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == "6 steps in 12.0s, 100 tokens/s"
+    assert "  reward               0.100  0.800  0.800 (step 6)" in lines
+    assert "  reward, 3-step mean  0.200  0.700  0.700 (steps 4-6)" in lines
+    assert "  gen             3.0s   25%    0.50s" in lines
+    assert not (tmp_path / "summary.png").exists()  # only with --plot
+
+
+def test_plot_writes_the_png(tmp_path):
+    run = _write_run(tmp_path / "run", [0.1, 0.5])
+    done = _tool(run, "--plot")
+    assert done.returncode == 0, done.stderr
+    assert (run / "summary.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert done.stdout.endswith(f"wrote {run / 'summary.png'}\n")
+    done = _tool(run, "--plot", "--out", tmp_path / "plots" / "x.png")
+    assert done.returncode == 0 and (tmp_path / "plots" / "x.png").stat().st_size > 10_000
+
+
+def test_compare_prints_both_runs_and_writes_one_png(tmp_path):
+    a = _write_run(tmp_path / "base", [0.1, 0.2])
+    b = _write_run(tmp_path / "lora", [0.3, 0.9])
+    done = _tool("--compare", a, b, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[1].split() == ["base", "lora"]
+    assert "  reward best   0.200 (step 2)  0.900 (step 2)" in lines
+    assert (tmp_path / "compare_base_lora.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # two runs in folders of the same name are told apart by their parents
+    c = _write_run(tmp_path / "x" / "run", [0.5])
+    d = _write_run(tmp_path / "y" / "run", [0.5])
+    done = _tool("--compare", c, d, "--out", tmp_path / "cd.png")
+    assert done.returncode == 0 and "x/run" in done.stdout and "y/run" in done.stdout
+    assert (tmp_path / "cd.png").is_file()
 
 
 def test_broken_line_is_named(tmp_path):
     (tmp_path / "metrics.jsonl").write_text(json.dumps(_row(1, 0.5)) + "\n{oops\n")
-    proc = subprocess.run(
-        [sys.executable, str(TOOL), str(tmp_path)], capture_output=True, text=True
-    )
+    proc = _tool(tmp_path)
     assert proc.returncode == 2 and "metrics.jsonl:2:" in proc.stderr
+
+
+def test_bad_input_is_one_line_and_exit_2(tmp_path):
+    good = _write_run(tmp_path / "good", [0.5])
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "list" / "metrics.jsonl").parent.mkdir()
+    (tmp_path / "list" / "metrics.jsonl").write_text("[1, 2]\n")
+    cases = {
+        (tmp_path / "nope",): f"{tmp_path / 'nope'}: no such directory",
+        (tmp_path / "empty", "--plot"): f"{tmp_path / 'empty' / 'metrics.jsonl'}: no such file",
+        ("--compare", good, tmp_path / "nope"): f"{tmp_path / 'nope'}: no such directory",
+        (tmp_path / "list",): f"{tmp_path / 'list' / 'metrics.jsonl'}:1: not a JSON object",
+        (): "give either RUN_DIR or --compare RUN_A RUN_B",
+        (good, "--compare", good, good): "give either RUN_DIR or --compare RUN_A RUN_B",
+    }
+    for args, message in cases.items():
+        done = _tool(*args, cwd=tmp_path)
+        assert done.returncode == 2, (args, done.stderr)
+        assert done.stderr == f"summarize_run: error: {message}\n", args
+    assert not list(tmp_path.glob("*.png"))
 
 
 def test_prepare_data_writes_verl_rows_that_load_as_training_data(tmp_path):
