@@ -67,8 +67,9 @@ class SummaryTable:
         from rich.table import Table
 
         table = Table(title=self.title, title_justify="left", title_style="bold")
+        numbers = len(self.columns) > 2  # else the second column is words
         for index, column in enumerate(self.columns):
-            table.add_column(column, justify="left" if index == 0 else "right")
+            table.add_column(column, justify="right" if index and numbers else "left")
         for row in self.rows:
             table.add_row(*row)
         return table
@@ -105,17 +106,17 @@ def summarize(history: Rows, window: int = 3) -> RunSummary:
     ``window``: the reward is also shown as a ``window``-step mean (first, last, best), since
     one step's reward is noisy.
     """
-    steps = _series(history, STEP_TIME_KEY)
+    steps = series(history, STEP_TIME_KEY)
     if not steps:
         return RunSummary("no steps ran", (), ())
     total = sum(v for _, v in steps)
     overview = [("steps", str(len(steps))), ("time", f"{total:.1f}s")]
-    throughput = _series(history, "perf/throughput")
+    headline = f"{len(steps)} steps in {total:.1f}s"
+    throughput = series(history, "perf/throughput")
     if throughput:
-        overview.append(("tokens/s", f"{_mean(v for _, v in throughput):.0f}"))
-    headline = ", ".join(
-        [f"{len(steps)} steps in {total:.1f}s", *(f"{v} {k}" for k, v in overview[2:])]
-    )
+        tokens_per_s = f"{_mean(v for _, v in throughput):.0f}"
+        overview.append(("tokens/s", tokens_per_s))
+        headline += f", {tokens_per_s} tokens/s"
     tables = [
         SummaryTable(SCORES, ("metric", "first", "last", "best"), _score_rows(history, window)),
         # per step: runs of different lengths compare fairly
@@ -152,7 +153,7 @@ def _lined_up(title: str, names: tuple[str, ...], per_run: list[dict[str, str]])
 # --- the numbers ----------------------------------------------------------------------------
 
 
-def _series(rows: Rows, key: str) -> list[tuple[int, float]]:
+def series(rows: Rows, key: str) -> list[tuple[int, float]]:
     """``(step, value)`` of every row holding ``key`` as a finite number (``metrics.jsonl`` has
     null for NaN); a row without ``step`` counts by position."""
     out = []
@@ -176,12 +177,12 @@ def validation_keys(rows: Rows) -> list[str]:
 
 def _score_rows(history: Rows, window: int) -> tuple[tuple[str, ...], ...]:
     rows = []
-    reward = _series(history, REWARD_KEY)
+    reward = series(history, REWARD_KEY)
     if reward:
         rows.append(("reward", *_first_last_best(reward)))
     if window > 1 and len(reward) > window:
         rows.append((f"reward, {window}-step mean", *_windowed(reward, window)))
-    scores = ((key, _series(history, key)) for key in validation_keys(history))
+    scores = ((key, series(history, key)) for key in validation_keys(history))
     rows += [
         (f"val {key.removeprefix(VALIDATION_PREFIX)}", *_first_last_best(series))
         for key, series in scores
@@ -215,13 +216,15 @@ def phase_keys(rows: Rows) -> list[str]:
 
 
 def _time_rows(history: Rows, total: float) -> tuple[tuple[str, ...], ...]:
-    num_steps = len(_series(history, STEP_TIME_KEY))
+    """Seconds per phase over the training steps, whose ``timing_s/step`` is ``total``: a
+    validation outside any step (step 0) is left out, so the shares add up to at most 100%."""
+    steps = [row for row in history if series([row], STEP_TIME_KEY)]
     rows = []
-    for key in phase_keys(history):
-        spent = sum(v for _, v in _series(history, key))
+    for key in phase_keys(steps):
+        spent = sum(v for _, v in series(steps, key))
         share = f"{spent / total:.0%}" if total > 0 else "-"
         rows.append(
-            (key.removeprefix("timing_s/"), f"{spent:.1f}s", share, f"{spent / num_steps:.2f}s")
+            (key.removeprefix("timing_s/"), f"{spent:.1f}s", share, f"{spent / len(steps):.2f}s")
         )
     return tuple(rows)
 
@@ -239,7 +242,7 @@ def _saving_rows(history: Rows) -> tuple[tuple[str, str], ...]:
 
 def _pruning(history: Rows) -> tuple[str, str] | None:
     """Zero-advantage pruning: the share of sequences and tokens the plan did not train."""
-    kept_seqs = _series(history, "planner/kept_seq_frac")
+    kept_seqs = series(history, "planner/kept_seq_frac")
     if not kept_seqs:
         return None
     seqs = _mean(1 - v for _, v in kept_seqs)
@@ -255,8 +258,8 @@ def _pruning(history: Rows) -> tuple[str, str] | None:
 
 
 def _ghost_steps(history: Rows) -> tuple[str, str] | None:
-    ghosts = _series(history, "planner/ghost_steps")
-    optimizer = _series(history, "planner/optimizer_steps")
+    ghosts = series(history, "planner/ghost_steps")
+    optimizer = series(history, "planner/optimizer_steps")
     if not ghosts or not optimizer:
         return None
     skipped, planned = sum(v for _, v in ghosts), sum(v for _, v in optimizer)
@@ -265,7 +268,7 @@ def _ghost_steps(history: Rows) -> tuple[str, str] | None:
 
 def _old_log_prob(history: Rows) -> tuple[str, str] | None:
     """Old-logprob pass: sequences not recomputed (the training forward or the engine stood in)."""
-    fracs = _series(history, "gates/old_log_prob_frac")
+    fracs = series(history, "gates/old_log_prob_frac")
     if not fracs:
         return None
     whole = sum(1 for _, v in fracs if v == 0)
@@ -277,7 +280,7 @@ def _old_log_prob(history: Rows) -> tuple[str, str] | None:
 
 
 def _reference(history: Rows) -> tuple[str, str] | None:
-    runs = _series(history, "gates/ref_log_prob")
+    runs = series(history, "gates/ref_log_prob")
     if not runs:
         return None
     skipped = sum(1 for _, v in runs if v == 0)
@@ -290,7 +293,7 @@ def _weight_sync(history: Rows) -> tuple[str, str] | None:
     if not gated:
         return None
     base = sum(1 for row in gated if row["gates/base_weight_sync"] > 0)
-    seconds = sum(v for _, v in _series(gated, "timing_s/update_weights"))
+    seconds = sum(v for _, v in series(gated, "timing_s/update_weights"))
     skipped = len(gated) - base
     detail = f", adapter only on {skipped}" if skipped else ""
     return (

@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from megarl.trainer.summary import REWARD_KEY, Rows, phase_keys, validation_keys
+from megarl.trainer.summary import REWARD_KEY, Rows, phase_keys, series, validation_keys
 
 SUMMARY_PLOT = "summary.png"
 RESPONSE_LENGTH_KEY = "response_length/mean"
@@ -85,13 +85,8 @@ def plot_runs(runs: Runs, out: Path) -> Path:
 
 def _points(rows: Rows, key: str) -> tuple[list[int], list[float]]:
     """Steps and values of the rows holding ``key`` as a finite number."""
-    steps, values = [], []
-    for index, row in enumerate(rows):
-        value = row.get(key)
-        if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
-            steps.append(int(row.get("step", index + 1)))
-            values.append(float(value))
-    return steps, values
+    points = series(rows, key)
+    return [step for step, _ in points], [value for _, value in points]
 
 
 def _has(key: str) -> Callable[[Runs], bool]:

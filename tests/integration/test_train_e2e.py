@@ -21,6 +21,13 @@ def _read_metrics(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def _read_png(path: Path) -> bytes:
+    """``summary.png``, which every run that ends normally writes: a real, non-trivial PNG."""
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000, (path, len(data))
+    return data
+
+
 def _assert_rollout_correction_is_identity(row: dict) -> None:
     """fp32 on CPU: the engine and the trainer agree, so pi_old / pi_rollout ~ 1."""
     assert abs(row["rollout_corr/kl"]) <= 1e-4, row
@@ -146,7 +153,10 @@ def test_validation_reports_scores_and_leaves_training_bitwise_the_same(tmp_path
     assert 0.0 <= row["val-aux/unknown/pass@2"] <= 1.0
     assert row["val-aux/response_length/mean"] > 0
 
+    plot = tmp_path / "val" / "summary.png"
+    first_plot = _read_png(plot)
     run(tiny_overrides(tmp_path / "val", steps=4, **validation))  # resumes from step 3
+    assert _read_png(plot) != first_plot  # redrawn at the resumed run's end, with step 4
     lines = (tmp_path / "val" / "metrics.jsonl").read_text().splitlines()
     records = [json.loads(line) for line in lines]
     assert [r["step"] for r in records] == [0, 1, 2, 3, 4]

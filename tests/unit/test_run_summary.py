@@ -75,8 +75,8 @@ def test_headline_time_per_phase_and_tokens_per_second():
     table = {row[0]: row[1:] for row in summary.tables[1].rows}
     assert table["gen"] == ("6.0s", "50%", "1.00s")
     assert table["update_actor"] == ("3.0s", "25%", "0.50s")
-    # validation's seconds sum its three runs (step 0's among them)
-    assert table["testing"] == ("5.0s", "42%", "0.83s")
+    # validation's seconds within steps: step 0's is no step's time
+    assert table["testing"] == ("2.0s", "17%", "0.33s")
     assert list(table)[:6] == [
         "gen",
         "old_log_prob",
@@ -201,3 +201,37 @@ def _size(path) -> tuple[int, int]:
     """Width and height from the PNG's IHDR chunk."""
     data = path.read_bytes()
     return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+
+
+class _Stream:
+    def load_state_dict(self, state: dict) -> None:
+        self.state = state
+
+
+def test_a_resumed_host_summarizes_and_plots_every_step(tmp_path, monkeypatch, capsys):
+    """The rollout host, given back the history a resume reads from metrics.jsonl (the initial
+    validation at step 0 and steps 1-3), plots and summarizes all of it, not only new steps."""
+    from megarl.config.schema import build_run_config
+    from megarl.trainer import rollout_host
+    from megarl.trainer.metrics import MetricsWriter
+
+    plotted = []
+    monkeypatch.setattr(
+        rollout_host, "write_summary_plot", lambda rows, out: plotted.append((rows, out))
+    )
+    host = object.__new__(rollout_host.RolloutHost)  # no engine, model or data: only the metrics
+    host.cfg = build_run_config({"trainer": {"run_dir": str(tmp_path)}})
+    host.stream, host.engine = _Stream(), None
+    host.writer = MetricsWriter(tmp_path, tensorboard=False, jsonl=False)
+    host.console = rollout_host.Console(total_steps=4)
+    host.load_state_dict({"stream": {"epoch": 1}}, _history()[:4])
+    host.write_summary_plot()
+    [(rows, out)] = plotted
+    assert [row["step"] for row in rows] == [0, 1, 2, 3] and out == tmp_path / "summary.png"
+    assert [row["step"] for row in host.history] == [1, 2, 3]  # training steps only
+    host.close()
+    printed = capsys.readouterr().out
+    assert "Run summary: 3 steps in 6.0s, 200 tokens/s" in printed
+    assert "0.200 (step 0)" not in printed and "0.700 (step 3)" in printed  # best validation
+    for title in (SCORES, TIME, SAVED):
+        assert title in printed
