@@ -99,9 +99,15 @@ def _label(runs: Runs, name: str, what: str = "") -> str | None:
     return ": ".join(parts) or None
 
 
-def _legend(ax, ncols: int = 1) -> None:
-    if ax.get_legend_handles_labels()[1]:
-        ax.legend(fontsize="small", ncols=ncols)
+def _legend(ax, outside: bool = False) -> None:
+    """The panel's legend, if any line is labelled; ``outside``: right of the axes, where it
+    hides no bar."""
+    if not ax.get_legend_handles_labels()[1]:
+        return
+    if outside:
+        ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    else:
+        ax.legend(fontsize="small")
 
 
 def _draw_reward(ax, runs: Runs) -> None:
@@ -163,7 +169,7 @@ def _draw_phases(ax, runs: Runs) -> None:
     ax.set_ylabel("seconds")
     if len(runs) > 1:
         ax.set_title(f"{ax.get_title()} (bars: {', '.join(runs)})")
-    _legend(ax, ncols=2)
+    _legend(ax, outside=True)
 
 
 _HATCHES = ("", "//", "..", "xx")
