@@ -111,7 +111,7 @@ def summarize(history: Rows, window: int = 3) -> RunSummary:
         return RunSummary("no steps ran", (), ())
     total = sum(v for _, v in steps)
     overview = [("steps", str(len(steps))), ("time", f"{total:.1f}s")]
-    headline = f"{len(steps)} steps in {total:.1f}s"
+    headline = f"{len(steps)} step{'' if len(steps) == 1 else 's'} in {total:.1f}s"
     throughput = series(history, "perf/throughput")
     if throughput:
         tokens_per_s = f"{_mean(v for _, v in throughput):.0f}"
@@ -263,7 +263,7 @@ def _ghost_steps(history: Rows) -> tuple[str, str] | None:
     if not ghosts or not optimizer:
         return None
     skipped, planned = sum(v for _, v in ghosts), sum(v for _, v in optimizer)
-    return "optimizer steps skipped", f"{skipped:.0f} of {planned:.0f} (nothing left to train)"
+    return "ghost steps", f"{skipped:.0f} of {planned:.0f} skipped (nothing left to train)"
 
 
 def _old_log_prob(history: Rows) -> tuple[str, str] | None:

@@ -90,7 +90,7 @@ def test_headline_time_per_phase_and_tokens_per_second():
 def test_what_the_planner_and_gates_saved():
     saved = summarize(_history()).facts(SAVED)
     assert saved["pruned (zero advantage)"] == "50% of sequences, 25% of tokens (1,500 of 6,000)"
-    assert saved["optimizer steps skipped"] == "1 of 12 (nothing left to train)"
+    assert saved["ghost steps"] == "1 of 12 skipped (nothing left to train)"
     # recompute fractions 0, .5, 0, .5, 0, .5: 75% skipped on average, all of it on 3 steps
     assert saved["old-logprob recompute"] == (
         "skipped for 75% of sequences, the whole pass on 3 of 6 steps"
@@ -102,7 +102,7 @@ def test_what_the_planner_and_gates_saved():
 def test_missing_keys_leave_rows_out():
     rows = [{"step": 1, "critic/rewards/mean": 0.5, "timing_s/step": 1.0}]
     summary = summarize(rows)
-    assert summary.headline == "1 steps in 1.0s"
+    assert summary.headline == "1 step in 1.0s"
     assert [t.title for t in summary.tables] == [SCORES]
     assert summary.facts(SCORES) == {
         "reward first": "0.500",
