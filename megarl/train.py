@@ -175,7 +175,6 @@ def validate_against_model(cfg, model_dir: str, device: str = "cpu") -> None:
     """Checks that need the model's shape or the data: parallel layout, gates, planner, dataset."""
     from megarl.config.planning import prune_mode, run_facts
     from megarl.data.errors import DatasetError
-    from megarl.data.rewards import get_reward_fn
     from megarl.models.hf_io import load_hf_config
     from megarl.models.spec import VPP_TRAINING_UNSUPPORTED, ModelSpecError, spec_from_hf_config
     from megarl.planner.batch_planner import PlannerError, check_pruning_config
@@ -220,7 +219,6 @@ def validate_against_model(cfg, model_dir: str, device: str = "cpu") -> None:
                 f"{dropped + len(source)} prompts that do not fit",
                 flush=True,
             )
-        get_reward_fn(cfg.data.reward_fn_name)
         check_context_fit(cfg, model_dir, source, spec.max_position_embeddings)
         if cfg.data.val_files:
             val = validation_problems(cfg)

@@ -29,7 +29,12 @@ from megarl.algo.rollout_correction import (
 )
 from megarl.data.arithmetic import SUPPORTED_OPS
 from megarl.data.loader import PROMPT_TASKS
-from megarl.data.rewards import REWARD_ERROR_POLICIES
+from megarl.data.rewards import (
+    BUILTIN_REWARDS,
+    REWARD_ERROR_POLICIES,
+    RewardChoice,
+    choose_reward,
+)
 from megarl.engines.base import SLEEP_LEVELS
 from megarl.engines.factory import ENGINE_NAMES
 from megarl.planner.batch_planner import CRITIC_ESTIMATORS, PRUNE_SETTINGS
@@ -515,15 +520,22 @@ class DataConfig:
     console) instead of refusing the run."""
     val_files: tuple[str, ...] | None = None
     """Held-out problems (same formats and keys as ``train_files``) for validation."""
+    val_problems: int = 32
+    """The built-in arithmetic task's held-out problems: never trained on, and what validation
+    runs on when ``val_files`` is unset. 0 = none (the training stream is then the one of
+    earlier versions)."""
     val_batch_size: int | None = None
     """Validation prompts per engine call; None = all at once."""
     prompts_per_step: int = 4
     max_operand: int = 20
     ops: tuple[str, ...] = ("+",)
     reward: str = "auto"
-    """auto (exact_last_number for arithmetic, else gsm8k: the number after the last ``####``,
-    else the last number) | exact_last_number | gsm8k |
-    package.module:function (your own ``(response, answer) -> float``)."""
+    """auto (exact_last_number for arithmetic; for a dataset, each row's ``data_source``
+    picks: GSM8K sources gsm8k, MATH sources math, rows without one gsm8k; see
+    :data:`megarl.data.rewards.DATA_SOURCE_REWARDS`) | exact_last_number | gsm8k (the number
+    after the last ``####``, else the last number) | math (the last ``\\boxed{}``, compared by
+    math-verify) | exact_match | package.module:function (your own
+    ``(response, answer) -> float``; it gets the dataset's answer text as it is)."""
     reward_error: str = "raise"
     """One of :data:`megarl.data.rewards.REWARD_ERROR_POLICIES`. A reward function that raises
     or returns anything but one finite number (None, NaN, a string, a list): raise (stop the
@@ -553,18 +565,18 @@ class DataConfig:
         )
         _positive("data.prompts_per_step", self.prompts_per_step)
         _require(self.max_operand >= 1, f"data.max_operand={self.max_operand}: must be >= 1")
+        _require(self.val_problems >= 0, f"data.val_problems={self.val_problems}: must be >= 0")
         _require(bool(self.ops), f"data.ops: empty; choose from {', '.join(SUPPORTED_OPS)}")
         for op in self.ops:
             _choice("data.ops", op, SUPPORTED_OPS)
         if ":" not in self.reward:
-            _choice("data.reward", self.reward, ("auto", "exact_last_number", "gsm8k"))
+            _choice("data.reward", self.reward, ("auto", *BUILTIN_REWARDS))
         _choice("data.reward_error", self.reward_error, REWARD_ERROR_POLICIES)
 
     @property
-    def reward_fn_name(self) -> str:
-        if self.reward != "auto":
-            return self.reward
-        return "exact_last_number" if self.task == "arithmetic" else "gsm8k"
+    def reward_choice(self) -> RewardChoice:
+        """``data.reward`` resolved (``auto``: by each row's ``data_source``)."""
+        return choose_reward(self.reward, self.task)
 
 
 @dataclass(frozen=True)
@@ -886,13 +898,16 @@ class RunConfig:
             f"rollout.n_gpus={self.rollout.n_gpus}: a split rollout placement needs "
             "trainer.launcher=ray",
         )
+        held_out = self.data.task == "arithmetic" and self.data.val_problems > 0
         _require(
-            self.trainer.val_interval == 0 or bool(self.data.val_files),
-            f"trainer.val_interval={self.trainer.val_interval} needs data.val_files",
+            self.trainer.val_interval == 0 or bool(self.data.val_files) or held_out,
+            f"trainer.val_interval={self.trainer.val_interval} needs data.val_files (or the "
+            "built-in arithmetic task with data.val_problems > 0)",
         )
         _require(
-            not self.trainer.val_before_train or bool(self.data.val_files),
-            "trainer.val_before_train=true needs data.val_files",
+            not self.trainer.val_before_train or bool(self.data.val_files) or held_out,
+            "trainer.val_before_train=true needs data.val_files (or the built-in arithmetic task "
+            "with data.val_problems > 0)",
         )
         buffer = self.reward.overlong_buffer
         _require(

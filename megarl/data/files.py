@@ -1,4 +1,5 @@
-"""Prompt datasets from files in verl's row schema (``data.train_files``): parquet, JSONL, JSON.
+"""Prompt datasets in verl's row schema (``data.train_files``): parquet, JSONL, JSON files, and
+folders written by Hugging Face ``datasets``' ``save_to_disk``.
 
 verl's preprocessing scripts write one row per problem::
 
@@ -18,13 +19,14 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 from megarl.data.errors import DatasetError
 from megarl.data.jsonl import FINAL_ANSWER_MARKER, parse_final_answer
 from megarl.data.numbers import normalize_number
 from megarl.data.problems import Problem
+from megarl.data.rewards import Reward, RewardChoice, choose_reward
 
 FILE_SUFFIXES: tuple[str, ...] = (".parquet", ".jsonl", ".json")
 CHAT_ROLES: tuple[str, ...] = ("system", "user", "assistant")
@@ -35,6 +37,7 @@ def load_problem_files(
     prompt_key: str = "prompt",
     answer_key: str | None = None,
     instruction: str = "",
+    reward: RewardChoice | None = None,
 ) -> list[Problem]:
     """Every row of every file, in order, as :class:`Problem` s.
 
@@ -43,6 +46,9 @@ def load_problem_files(
         prompt_key: The column holding the prompt: chat messages or a string.
         answer_key: The column holding the answer; None = verl's ``reward_model.ground_truth``.
         instruction: Appended to the last user message (e.g. how to format the answer).
+        reward: How the rows are scored (``data.reward``); a row whose ``data_source`` has
+            no reward, or whose answer is not a number for a reward that compares numbers, is
+            refused here. None = ``data.reward=auto``.
 
     Raises:
         DatasetError: a file is missing, unreadable or empty, or a row is malformed; the
@@ -51,11 +57,12 @@ def load_problem_files(
     files = [paths] if isinstance(paths, str) else list(paths)
     if not files:
         raise DatasetError("data.train_files: no file named")
+    choice = reward if reward is not None else choose_reward("auto", task="files")
     problems: list[Problem] = []
     for path in files:
         rows = 0
         for location, row in _read_rows(str(path)):
-            problems.append(_to_problem(row, location, prompt_key, answer_key, instruction))
+            problems.append(_to_problem(row, location, prompt_key, answer_key, instruction, choice))
             rows += 1
         if rows == 0:
             raise DatasetError(f"{path}: dataset has no rows")
@@ -66,14 +73,16 @@ def _read_rows(path: str) -> Iterator[tuple[str, dict]]:
     """``(file:row, row)`` for each row; rows are counted from 1 as an editor or pandas shows
     them (+1)."""
     suffix = Path(path).suffix.lower()
-    if suffix not in FILE_SUFFIXES:
+    if os.path.isdir(path):
+        rows: Iterable[object] = _saved_dataset_rows(path)
+    elif suffix not in FILE_SUFFIXES:
         raise DatasetError(
             f"{path}: unsupported dataset file type {suffix or '(none)'!r}; "
-            f"use one of {', '.join(FILE_SUFFIXES)}"
+            f"use one of {', '.join(FILE_SUFFIXES)} or a datasets save_to_disk folder"
         )
-    if not os.path.isfile(path):
+    elif not os.path.isfile(path):
         raise DatasetError(f"{path}: dataset file does not exist")
-    if suffix == ".parquet":
+    elif suffix == ".parquet":
         rows = _parquet_rows(path)
     elif suffix == ".jsonl":
         rows = _jsonl_rows(path)
@@ -84,6 +93,30 @@ def _read_rows(path: str) -> Iterator[tuple[str, dict]]:
         if not isinstance(row, dict):
             raise DatasetError(f"{location}: row is a {type(row).__name__}, expected an object")
         yield location, row
+
+
+def _saved_dataset_rows(path: str) -> list[object]:
+    """The rows of a folder written by Hugging Face ``datasets``' ``save_to_disk`` (one split)."""
+    try:
+        from datasets import DatasetDict, load_from_disk
+    except ImportError:
+        raise DatasetError(
+            f"{path}: a dataset folder needs the datasets package (pip install datasets)"
+        ) from None
+    try:
+        data = load_from_disk(path)
+    except (FileNotFoundError, ValueError, OSError) as exc:
+        detail = " ".join(str(exc).split())[:160]
+        raise DatasetError(
+            f"{path}: not a dataset folder written by datasets' save_to_disk ({detail})"
+        ) from None
+    if isinstance(data, DatasetDict):
+        splits = list(data)
+        raise DatasetError(
+            f"{path}: holds the splits {', '.join(splits)}; name one split's folder, e.g. "
+            f"{os.path.join(path, splits[0]) if splits else path}"
+        )
+    return data.to_list()
 
 
 def _parquet_rows(path: str) -> list[object]:
@@ -131,19 +164,24 @@ def _to_problem(
     prompt_key: str,
     answer_key: str | None,
     instruction: str,
+    choice: RewardChoice,
 ) -> Problem:
     messages = _messages(row, location, prompt_key)
     if instruction:
         role, content = messages[-1]
         messages = (*messages[:-1], (role, f"{content} {instruction}"))
-    answer = _answer(row, location, answer_key)
     data_source = row.get("data_source")
+    data_source = data_source if isinstance(data_source, str) else ""
+    try:
+        reward = choice.for_source(data_source)
+    except ValueError as exc:
+        raise DatasetError(f"{location}: {exc}") from None
     return Problem(
         prompt=messages[-1][1],
-        answer=answer,
+        answer=_answer(row, location, answer_key, reward),
         source=location,
         messages=messages,
-        data_source=data_source if isinstance(data_source, str) else "",
+        data_source=data_source,
     )
 
 
@@ -184,8 +222,11 @@ def _message(message: object, where: str) -> tuple[str, str]:
     return role, content
 
 
-def _answer(row: Mapping[str, object], location: str, answer_key: str | None) -> str:
-    """The ground truth as a normalised number string (the built-in rewards compare numbers)."""
+def _answer(
+    row: Mapping[str, object], location: str, answer_key: str | None, reward: Reward
+) -> str:
+    """The ground truth: a normalised number for a reward that compares numbers, else the text
+    as the row has it (a GSM8K-style ``"... #### 72"`` answer reduced to what follows ``####``)."""
     if answer_key is None:
         reward_model = row.get("reward_model")
         if not isinstance(reward_model, dict) or "ground_truth" not in reward_model:
@@ -201,10 +242,15 @@ def _answer(row: Mapping[str, object], location: str, answer_key: str | None) ->
     if isinstance(value, bool) or not isinstance(value, str | int | float):
         raise DatasetError(f"{location}: {field} must be a string or a number")
     text = str(value)
+    if not reward.numeric_answers:
+        final = text.rsplit(FINAL_ANSWER_MARKER, 1)[1] if FINAL_ANSWER_MARKER in text else text
+        if not final.strip():
+            raise DatasetError(f"{location}: {field} is empty")
+        return final.strip()
     number = parse_final_answer(text) if FINAL_ANSWER_MARKER in text else normalize_number(text)
     if number is None:
         raise DatasetError(
-            f"{location}: {field}={text[:60]!r} is not a number; the built-in rewards compare "
-            "numbers (use data.reward=package.module:function for other answers)"
+            f"{location}: {field}={text[:60]!r} is not a number, and data.reward ({reward.name}) "
+            "compares numbers; use data.reward=math or exact_match, or package.module:function"
         )
     return number

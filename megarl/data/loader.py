@@ -9,6 +9,7 @@ from megarl.data.arithmetic import ArithmeticTask
 from megarl.data.files import load_problem_files
 from megarl.data.jsonl import load_jsonl_problems
 from megarl.data.problems import Problem
+from megarl.data.rewards import RewardChoice
 
 PromptSource = ArithmeticTask | list[Problem]
 
@@ -149,6 +150,8 @@ def build_prompt_source(
     train_files: Sequence[str] = (),
     prompt_key: str = "prompt",
     answer_key: str | None = None,
+    reward: RewardChoice | None = None,
+    held_out: int = 0,
 ) -> PromptSource:
     """Build the prompt source named by the ``data.*`` config.
 
@@ -160,21 +163,22 @@ def build_prompt_source(
         instruction: Suffix appended to each JSONL question; the arithmetic prompts already
             say how to answer.
         ops: Arithmetic operators, a subset of ``("+", "-", "*")``.
-        train_files, prompt_key, answer_key: ``data.task=files``: the files and their columns
-            (see :func:`megarl.data.files.load_problem_files`).
+        held_out: Arithmetic problems kept out of training for validation.
+        train_files, prompt_key, answer_key, reward: ``data.task=files``: the files, their
+            columns and how they are scored (see :func:`megarl.data.files.load_problem_files`).
 
     Raises:
         ValueError: Unknown ``data.task``, or ``data.path`` missing for ``jsonl``; the
             message names the config key. A bad file raises DatasetError (a ValueError).
     """
     if task == "arithmetic":
-        return ArithmeticTask(seed=seed, max_operand=max_operand, ops=tuple(ops))
+        return ArithmeticTask(seed, max_operand, tuple(ops), held_out=held_out)
     if task == "jsonl":
         if not path:
             raise ValueError("data.path must name a JSONL file when data.task=jsonl")
         return load_jsonl_problems(path, instruction=instruction)
     if task == "files":
-        return load_problem_files(train_files, prompt_key, answer_key, instruction)
+        return load_problem_files(train_files, prompt_key, answer_key, instruction, reward)
     valid = ", ".join(PROMPT_TASKS)
     raise ValueError(f"data.task must be one of {valid}, got {task!r}")
 

@@ -10,6 +10,12 @@ otherwise turn into a NaN advantage for the whole group and a NaN loss several s
 from its cause. A bad value or an exception is a :class:`RewardFunctionError` naming the
 function, the sample and what came back (``data.reward_error=raise``, the default), or that
 sample scores 0.0 and is counted (``data.reward_error=zero``).
+
+With ``data.reward=auto`` a dataset's rows are scored by their ``data_source`` column, as verl's
+``default_compute_score`` does: GSM8K rows by their final number, MATH rows by their last
+``\\boxed{}`` answer checked for mathematical equivalence with ``math-verify``. A source with no
+built-in reward is refused when the dataset loads, naming the row, instead of scoring every
+sample 0 for the whole run.
 """
 
 from __future__ import annotations
@@ -97,28 +103,196 @@ def extract_gsm8k_answer(response: str) -> str | None:
     return extract_last_number(response)
 
 
-REWARD_FNS: dict[str, RewardFn] = {
-    "exact_last_number": exact_match_last_number,
-    "gsm8k": gsm8k_reward,
+def extract_last_boxed(text: str) -> str | None:
+    """The content of the last ``\\boxed{...}`` (or ``\\fbox{...}``) in ``text``, braces
+    balanced, or None: MATH solutions and the models trained on them put the answer there."""
+    start = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"))
+    if start < 0:
+        return None
+    opening = text.index("{", start)
+    depth = 0
+    for index in range(opening, len(text)):
+        if text[index] == "{":
+            depth += 1
+        elif text[index] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[opening + 1 : index].strip()
+    return None  # unbalanced: the response was cut off inside the box
+
+
+def math_reward(response: str, answer: str) -> float:
+    """1.0 if the last ``\\boxed{}`` of ``response`` is mathematically equal to ``answer``.
+
+    Equal strings (ignoring spaces, ``$`` and ``\\left``/``\\right``) score without parsing;
+    otherwise both sides are parsed by ``math-verify`` and compared symbolically, so
+    ``\\frac{1}{2}``, ``0.5`` and ``\\dfrac12`` agree. No box scores 0.0: the MATH prompt asks
+    for one, and a last-number fallback would reward answers the model never committed to.
+    """
+    predicted = extract_last_boxed(response)
+    if predicted is None:
+        return 0.0
+    if _latex_key(predicted) == _latex_key(answer):
+        return 1.0
+    return 1.0 if _math_equivalent(predicted, answer) else 0.0
+
+
+def exact_match_reward(response: str, answer: str) -> float:
+    """1.0 if the response's final answer is ``answer`` as a string (spaces, ``$`` and a final
+    period aside). The final answer is the last ``\\boxed{}``, else what follows the last
+    ``####``, else the whole response: for answers that are words or labels, not numbers."""
+    return 1.0 if _latex_key(_final(response)) == _latex_key(answer) else 0.0
+
+
+def _final(response: str) -> str:
+    """The last ``\\boxed{}``, else what follows the last ``####``, else the whole response."""
+    boxed = extract_last_boxed(response)
+    if boxed is not None:
+        return boxed
+    if _FINAL_ANSWER_MARKER in response:
+        return response.rsplit(_FINAL_ANSWER_MARKER, 1)[1]
+    return response
+
+
+def _latex_key(text: str) -> str:
+    """``text`` without what never changes an answer's meaning: spaces, ``$``,
+    ``\\left``/``\\right``, ``\\!`` and a final period (for a fast exact comparison)."""
+    for noise in ("\\left", "\\right", "\\!", "$"):
+        text = text.replace(noise, "")
+    return "".join(text.split()).rstrip(".")
+
+
+def _latex_key_of(text: str | None) -> str | None:
+    return None if text is None else _latex_key(text)
+
+
+def _math_equivalent(predicted: str, answer: str) -> bool:
+    """``math-verify``'s symbolic comparison of two LaTeX answers. Its timeouts use
+    ``signal.alarm``, which works only on the main thread; elsewhere they are off."""
+    import threading
+
+    from math_verify import parse, verify
+
+    limit = 5 if threading.current_thread() is threading.main_thread() else None
+    gold = parse("\\boxed{" + answer + "}", parsing_timeout=limit)  # type: ignore[arg-type]
+    guess = parse("\\boxed{" + predicted + "}", parsing_timeout=limit)  # type: ignore[arg-type]
+    if not gold or not guess:
+        return False
+    return bool(verify(gold, guess, timeout_seconds=limit))
+
+
+# --- choosing the reward: by name, by import path, or by each row's data_source -------------
+
+
+@dataclass(frozen=True)
+class Reward:
+    """A reward function and what it needs of the ground truth."""
+
+    name: str
+    """Its ``data.reward`` name (``gsm8k``), or the ``package.module:function`` it came from."""
+    fn: RewardFn
+    numeric_answers: bool = False
+    """The ground truth must be a number: rows are checked, and their answers normalised,
+    when the dataset loads (a user's function gets the text as the dataset has it)."""
+    final_answer: Callable[[str], str | None] | None = None
+    """What a response answered, in a form where equal answers are equal strings (for
+    majority voting, ``maj@k``); None = the reward cannot say (a user's function)."""
+
+
+BUILTIN_REWARDS: dict[str, Reward] = {
+    reward.name: reward
+    for reward in (
+        Reward("exact_last_number", exact_match_last_number, True, extract_last_number),
+        Reward("gsm8k", gsm8k_reward, True, extract_gsm8k_answer),
+        Reward("math", math_reward, False, lambda text: _latex_key_of(extract_last_boxed(text))),
+        Reward("exact_match", exact_match_reward, False, lambda text: _latex_key(_final(text))),
+    )
 }
+"""The rewards ``data.reward`` names; ``auto`` picks among them by ``data_source``."""
+
+DATA_SOURCE_REWARDS: dict[str, str] = {
+    "openai/gsm8k": "gsm8k",
+    "gsm8k": "gsm8k",
+    "lighteval/MATH": "math",
+    "DigitalLearningGmbH/MATH-lighteval": "math",
+    "HuggingFaceH4/MATH-500": "math",
+    "hendrycks/competition_math": "math",
+    "math": "math",
+}
+"""``data.reward=auto``: the built-in reward of each ``data_source`` (verl's names for the
+datasets its preprocessing scripts write). Rows without a ``data_source`` score by their final
+number (``gsm8k``), as flat question/answer files always have."""
+
+
+@dataclass(frozen=True)
+class RewardChoice:
+    """``data.reward`` resolved: one reward for every sample, or (``auto`` on a dataset) the
+    reward of each row's ``data_source``."""
+
+    configured: str
+    """``data.reward`` as set, for messages."""
+    fixed: Reward | None
+    """The reward of every sample; None = by ``data_source``."""
+
+    def for_source(self, data_source: str) -> Reward:
+        """The reward of a row from ``data_source``.
+
+        Raises:
+            ValueError: ``data.reward=auto`` and no built-in reward knows ``data_source``.
+        """
+        if self.fixed is not None:
+            return self.fixed
+        if not data_source:
+            return BUILTIN_REWARDS["gsm8k"]
+        name = DATA_SOURCE_REWARDS.get(data_source)
+        if name is None:
+            raise ValueError(
+                f"data_source {data_source!r} has no built-in reward (known: "
+                f"{', '.join(sorted(DATA_SOURCE_REWARDS))}); set data.reward to one of "
+                f"{', '.join(BUILTIN_REWARDS)} or package.module:function"
+            )
+        return BUILTIN_REWARDS[name]
+
+    def final_answer(self, response: str, data_source: str) -> str | None:
+        """What ``response`` answered, by the reward of its ``data_source`` (for ``maj@k``)."""
+        extract = self.for_source(data_source).final_answer
+        return None if extract is None else extract(response)
+
+    def label(self, reward: Reward) -> str:
+        """How a message names ``reward``: ``data.reward=auto (math)`` or ``data.reward=gsm8k``."""
+        if self.configured == reward.name:
+            return f"data.reward={reward.name}"
+        return f"data.reward={self.configured} ({reward.name})"
+
+
+def choose_reward(configured: str, task: str) -> RewardChoice:
+    """The :class:`RewardChoice` of ``data.reward=configured`` for ``data.task=task``:
+    ``auto`` is the final number for the built-in arithmetic task and by ``data_source`` for
+    datasets.
+
+    Raises:
+        ValueError: an unknown name, or a ``package.module:function`` that cannot be used.
+    """
+    if configured == "auto":
+        fixed = BUILTIN_REWARDS["exact_last_number"] if task == "arithmetic" else None
+        return RewardChoice(configured, fixed)
+    if ":" in configured:
+        return RewardChoice(configured, Reward(configured, _import_reward_fn(configured)))
+    if configured not in BUILTIN_REWARDS:
+        valid = ", ".join(["auto", *BUILTIN_REWARDS])
+        raise ValueError(
+            f"data.reward={configured!r}: unknown reward function; valid names: {valid}, "
+            "or package.module:function"
+        )
+    return RewardChoice(configured, BUILTIN_REWARDS[configured])
 
 
 def get_reward_fn(name: str) -> RewardFn:
-    """Look up a reward function by its config name, or import ``package.module:function``.
-
-    The import form lets users plug in their own ``(response, answer) -> float`` without
-    touching megarl.
-    """
-    if ":" in name:
-        return _import_reward_fn(name)
-    try:
-        return REWARD_FNS[name]
-    except KeyError:
-        valid = ", ".join(sorted(REWARD_FNS))
-        raise ValueError(
-            f"data.reward={name!r}: unknown reward function; valid names: {valid}, "
-            "or package.module:function"
-        ) from None
+    """The function ``data.reward=name`` names (a built-in or ``package.module:function``)."""
+    choice = choose_reward(name, task="files")
+    if choice.fixed is None:
+        raise ValueError("data.reward=auto chooses a function per data_source; name one")
+    return choice.fixed.fn
 
 
 def _import_reward_fn(path: str) -> RewardFn:
@@ -221,28 +395,32 @@ def _describe(value: object) -> str:
 
 
 def score_samples(
-    fn: RewardFn,
-    name: str,
+    choice: RewardChoice,
     responses: Sequence[str],
     answers: Sequence[str],
+    data_sources: Sequence[str] | None = None,
     policy: str = "raise",
     step: int | None = None,
 ) -> ScoredSamples:
-    """Call ``fn(response, answer)`` per sample and check each value (see :func:`reward_value`).
+    """Score each sample with its reward (``choice``, by the sample's ``data_source``) and
+    check each value (see :func:`reward_value`).
 
-    ``name`` is the ``data.reward`` value, so the message names what the user configured.
-    Under ``policy="raise"`` the first failure raises :class:`RewardFunctionError`; under
-    ``"zero"`` it scores 0.0 and is counted. Only ``Exception`` is caught: Ctrl-C still stops
-    the run.
+    Messages name ``data.reward`` as the user set it. Under ``policy="raise"`` the first
+    failure raises :class:`RewardFunctionError`; under ``"zero"`` it scores 0.0 and is
+    counted. Only ``Exception`` is caught: Ctrl-C still stops the run.
     """
     if policy not in REWARD_ERROR_POLICIES:
         raise ValueError(f"reward error policy {policy!r}: must be one of raise, zero")
+    sources = [""] * len(responses) if data_sources is None else data_sources
     rewards: list[float] = []
     failures: list[str] = []
     where = f" (step {step})" if step is not None else ""
-    for index, (response, answer) in enumerate(zip(responses, answers, strict=True)):
+    for index, (response, answer, source) in enumerate(
+        zip(responses, answers, sources, strict=True)
+    ):
+        reward = choice.for_source(source)
         try:
-            returned = fn(response, answer)
+            returned = reward.fn(response, answer)
         except Exception as exc:  # noqa: BLE001 - the user's code: any failure is reported
             detail = " ".join(str(exc).split())[:200]
             problem = f"raised {type(exc).__name__}{': ' + detail if detail else ''}"
@@ -252,7 +430,7 @@ def score_samples(
                 continue
             except ValueError as exc:
                 problem = f"returned {exc} (expected one finite number)"
-        message = f"data.reward={name}: sample {index}{where} {problem}"
+        message = f"{choice.label(reward)}: sample {index}{where} {problem}"
         if policy == "raise":
             raise RewardFunctionError(
                 f"{message}; fix the function, or set data.reward_error=zero to score such "

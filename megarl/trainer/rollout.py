@@ -19,7 +19,7 @@ from megarl.algo.dapo import FilterDecision, groups_with_signal, overlong_penalt
 from megarl.batch import RolloutBatch
 from megarl.data.loader import PromptStream
 from megarl.data.problems import Problem
-from megarl.data.rewards import score_samples
+from megarl.data.rewards import RewardChoice, score_samples
 from megarl.engines.base import Generation, RolloutEngine, SamplingParams
 from megarl.errors import MegarlError
 from megarl.planner.batch_planner import CRITIC_ESTIMATORS
@@ -57,8 +57,6 @@ class RolloutSettings:
     top_p: float
     adv_estimator: str
     system_prompt: str | None = None
-    reward_name: str = "reward"
-    """``data.reward`` as configured: errors from the reward function name it."""
     reward_error: str = "raise"
     """``data.reward_error``: ``raise`` | ``zero`` (see :func:`megarl.data.rewards.score_samples`)."""
     overlong_buffer_len: int | None = None
@@ -118,13 +116,13 @@ class RolloutProducer:
         engine: RolloutEngine,
         tokenizer,
         stream: PromptStream,
-        reward_fn: Callable[[str, str], float],
+        reward: RewardChoice,
         settings: RolloutSettings,
         run_seed: int,
         progress: PhaseHook = no_progress,
     ):
         self.engine, self.tokenizer, self.stream = engine, tokenizer, stream
-        self.reward_fn, self.settings, self.run_seed = reward_fn, settings, run_seed
+        self.reward, self.settings, self.run_seed = reward, settings, run_seed
         self.progress = progress
         """Told the sequences kept of those the step needs, before and after each batch."""
         self.advantage_fn = _advantage_fn(settings.adv_estimator)
@@ -220,7 +218,8 @@ class RolloutProducer:
         t_generated = time.perf_counter()
         texts = [self.tokenizer.decode(g.response_ids, skip_special_tokens=True) for g in gens]
         answers = [p.answer for p in problems for _ in range(n)]
-        rewards = torch.tensor(self.score(texts, answers, step), dtype=torch.float32)
+        sources = [p.data_source for p in problems for _ in range(n)]
+        rewards = torch.tensor(self.score(texts, answers, sources, step), dtype=torch.float32)
         overlong = torch.zeros_like(rewards)
         if self.settings.overlong_buffer_len is not None:
             overlong = overlong_penalty(
@@ -233,16 +232,14 @@ class RolloutProducer:
         seconds["adv"] += time.perf_counter() - t_generated
         return _ScoredGroups(problems, gens, texts, rewards + overlong, overlong)
 
-    def score(self, texts: list[str], answers: list[str], step: int) -> tuple[float, ...]:
-        """The reward function on every sample, checked; a failure raises (one line, exit 2) or,
-        with ``data.reward_error=zero``, scores 0.0, is counted and is warned about once."""
+    def score(
+        self, texts: list[str], answers: list[str], data_sources: list[str], step: int
+    ) -> tuple[float, ...]:
+        """Each sample's reward (by its ``data_source`` under ``data.reward=auto``), checked; a
+        failure raises (one line, exit 2) or, with ``data.reward_error=zero``, scores 0.0, is
+        counted and is warned about once."""
         scored = score_samples(
-            self.reward_fn,
-            self.settings.reward_name,
-            texts,
-            answers,
-            self.settings.reward_error,
-            step,
+            self.reward, texts, answers, data_sources, self.settings.reward_error, step
         )
         self._failures = scored.failures
         if scored.first_failure and not self._warned_reward_failure:

@@ -21,10 +21,10 @@ import torch
 from megarl.actor.train_stats import UpdateStats
 from megarl.algo.validation import validation_metrics
 from megarl.config.schema import RunConfig
+from megarl.data.arithmetic import ArithmeticTask
 from megarl.data.files import load_problem_files
 from megarl.data.loader import PromptSource, PromptStream, build_prompt_source
 from megarl.data.problems import Problem
-from megarl.data.rewards import get_reward_fn
 from megarl.engines.base import EngineMemoryState, SamplingParams
 from megarl.engines.factory import build_engine
 from megarl.models.spec import TransformerSpec, spec_from_hf_config
@@ -77,7 +77,6 @@ class RolloutHost:
             top_p=cfg.rollout.top_p,
             adv_estimator=cfg.algo.estimator,
             system_prompt=cfg.data.system_prompt,
-            reward_name=cfg.data.reward_fn_name,
             reward_error=cfg.data.reward_error,
             overlong_buffer_len=cfg.overlong_buffer_len,
             overlong_penalty_factor=cfg.reward.overlong_buffer.penalty_factor,
@@ -93,7 +92,7 @@ class RolloutHost:
             self.engine,
             tokenizer,
             self.stream,
-            get_reward_fn(cfg.data.reward_fn_name),
+            cfg.data.reward_choice,
             settings,
             cfg.trainer.seed,
             progress=self.progress_hook(),
@@ -123,7 +122,8 @@ class RolloutHost:
         return self.console.phase if self.console.shows_progress else no_progress
 
     def validate(self, step: int) -> dict[str, float]:
-        """Generate on ``data.val_files`` with the engine's current weights and score it.
+        """Generate on the held-out problems (:func:`validation_problems`) with the engine's
+        current weights and score them.
 
         Sampling follows ``rollout.val.*`` (greedy by default) from its own seed per step, and
         the engines draw from a generator seeded per call, so a run with validation trains
@@ -142,6 +142,7 @@ class RolloutHost:
         )
         chunk = self.cfg.data.val_batch_size or len(problems)
         rewards: list[list[float]] = []
+        final_answers: list[list[str | None]] = []  # what each sample answered, for maj@k
         response_lens: list[int] = []
         samples: list[tuple[str, str, str]] = []
         progress = self.progress_hook()
@@ -152,12 +153,18 @@ class RolloutHost:
             gens = self.engine.generate(prompts, params)
             texts = [self.tokenizer.decode(g.response_ids, skip_special_tokens=True) for g in gens]
             answers = [p.answer for p in part for _ in range(val.n)]
-            scores = self.producer.score(texts, answers, step)
+            sources = [p.data_source for p in part for _ in range(val.n)]
+            scores = self.producer.score(texts, answers, sources, step)
             rewards += [list(scores[i : i + val.n]) for i in range(0, len(scores), val.n)]
+            said = [
+                self.producer.reward.final_answer(text, source)
+                for text, source in zip(texts, sources, strict=True)
+            ]
+            final_answers += [said[i : i + val.n] for i in range(0, len(said), val.n)]
             response_lens += [len(g.response_ids) for g in gens]
             samples += [(part[i // val.n].prompt, texts[i], answers[i]) for i in range(len(gens))]
         sources = [p.data_source for p in problems]
-        metrics = validation_metrics(sources, rewards, response_lens)
+        metrics = validation_metrics(sources, rewards, response_lens, final_answers)
         if self.cfg.trainer.validation_data_dir is not None:
             per_sample = [source for source in sources for _ in range(val.n)]
             flat = [reward for prompt_rewards in rewards for reward in prompt_rewards]
@@ -420,9 +427,17 @@ def training_source(
 
 
 def validation_problems(cfg: RunConfig) -> list[Problem]:
-    """The held-out problems of ``data.val_files`` (start-up loads them once to check them)."""
+    """The held-out problems: ``data.val_files``, else the built-in arithmetic task's
+    ``data.val_problems`` (start-up loads them once to check them)."""
+    if not cfg.data.val_files:
+        source = prompt_source(cfg)
+        return source.validation_problems() if isinstance(source, ArithmeticTask) else []
     return load_problem_files(
-        cfg.data.val_files or (), cfg.data.prompt_key, cfg.data.answer_key, cfg.data.instruction
+        cfg.data.val_files or (),
+        cfg.data.prompt_key,
+        cfg.data.answer_key,
+        cfg.data.instruction,
+        cfg.data.reward_choice,
     )
 
 
@@ -438,6 +453,8 @@ def prompt_source(cfg: RunConfig) -> PromptSource:
         train_files=cfg.data.train_files or (),
         prompt_key=cfg.data.prompt_key,
         answer_key=cfg.data.answer_key,
+        reward=cfg.data.reward_choice,
+        held_out=cfg.data.val_problems,
     )
 
 

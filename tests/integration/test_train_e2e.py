@@ -161,15 +161,35 @@ def test_validation_reports_scores_and_leaves_training_bitwise_the_same(tmp_path
     records = [json.loads(line) for line in lines]
     assert [r["step"] for r in records] == [0, 1, 2, 3, 4]
     initial = records[0]
+    # no maj@2: the test's own reward function cannot say what a response answered
     assert sorted(initial) == [
         "step",
         "timing_s/testing",
         "val-aux/response_length/mean",
         "val-aux/unknown/pass@2",
         "val-aux/unknown/reward/best@2/mean",
+        "val-aux/unknown/reward/best@2/std",
         "val-aux/unknown/reward/std@2",
         "val-aux/unknown/reward/worst@2/mean",
+        "val-aux/unknown/reward/worst@2/std",
         "val-core/unknown/reward/mean@2",
     ]
     assert 0.0 <= initial["val-core/unknown/reward/mean@2"] <= 1.0
     assert "val-core/unknown/reward/mean@2" in records[4]  # the new last step
+
+
+def test_the_builtin_task_validates_on_its_held_out_problems(tmp_path):
+    """No data.val_files: the arithmetic task's held-out problems are the validation set, so
+    the demo shows a validation curve with no download."""
+    overrides = {
+        "trainer.val_before_train": "true",
+        "trainer.val_interval": 1,
+        "data.val_problems": 8,
+        "rollout.val.n": 2,
+    }
+    run(tiny_overrides(tmp_path / "run", steps=1, **overrides))
+    records = _read_metrics(tmp_path / "run")
+    assert [row["step"] for row in records] == [0, 1]
+    for row in records:
+        assert 0.0 <= row["val-core/unknown/reward/mean@2"] <= 1.0
+        assert row["val-aux/response_length/mean"] > 0

@@ -96,7 +96,7 @@ def test_nested_optim_section_and_tuple_coercion():
 
 def test_reward_accepts_import_path():
     cfg = build_run_config({"data": {"reward": "my_pkg.rewards:score"}})
-    assert cfg.data.reward_fn_name == "my_pkg.rewards:score"
+    assert cfg.data.reward == "my_pkg.rewards:score"  # imported when the run starts
 
 
 def _readme_row(key: str) -> str:
@@ -229,8 +229,14 @@ def test_experiment_name_defaults_to_the_run_dirs_folder():
 
 def test_val_before_train_is_off_by_default_and_needs_validation_files():
     assert build_run_config({}).trainer.val_before_train is False
-    with pytest.raises(ConfigError, match=r"^trainer.val_before_train=true needs data.val_files$"):
-        build_run_config({"trainer": {"val_before_train": True}})
+    no_held_out = {"val_before_train": True}, {"val_problems": 0}
+    with pytest.raises(ConfigError, match=r"^trainer.val_before_train=true needs data.val_files"):
+        build_run_config({"trainer": no_held_out[0], "data": no_held_out[1]})
+    on_files = {"trainer": {"val_before_train": True}, "data": {"train_files": "t.jsonl"}}
+    with pytest.raises(ConfigError, match=r"^trainer.val_before_train=true needs data.val_files"):
+        build_run_config(on_files)
+    arithmetic = build_run_config({"trainer": {"val_before_train": True}})
+    assert arithmetic.data.val_problems == 32  # the built-in task's held-out problems
     cfg = build_run_config(
         {"trainer": {"val_before_train": True}, "data": {"val_files": "v.jsonl"}}
     )

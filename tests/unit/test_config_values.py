@@ -48,7 +48,11 @@ from megarl.config.schema import ConfigError, build_run_config
             },
             "reward.overlong_buffer.len=64 > rollout.max_new_tokens=32",
         ),
-        ({"trainer": {"val_interval": 2}}, "trainer.val_interval=2 needs data.val_files"),
+        (
+            {"trainer": {"val_interval": 2}, "data": {"train_files": "t.parquet"}},
+            "trainer.val_interval=2 needs data.val_files",
+        ),
+        ({"data": {"val_problems": -1}}, "data.val_problems=-1: must be >= 0"),
         ({"data": {"max_prompt_length": 0}}, "data.max_prompt_length=0: must be a number > 0"),
         ({"trainer": {"val_interval": -1}}, "trainer.val_interval=-1: must be >= 0"),
         ({"rollout": {"val": {"n": 0}}}, "rollout.val.n=0: must be > 0"),

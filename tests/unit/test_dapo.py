@@ -10,6 +10,7 @@ import torch
 from megarl.algo.dapo import FilterDecision, groups_with_signal, overlong_penalty
 from megarl.data.loader import PromptStream
 from megarl.data.problems import Problem
+from megarl.data.rewards import Reward, RewardChoice
 from megarl.engines.base import Generation
 from megarl.trainer.rollout import FilterGroupsExhausted, RolloutProducer, RolloutSettings
 
@@ -77,7 +78,9 @@ def _producer(groups, prompts_per_step=2, **settings) -> tuple[RolloutProducer, 
         engine,  # type: ignore[arg-type]  (only generate() is used)
         _Tokenizer(),
         stream,
-        lambda response, answer: float(response.startswith(answer)),
+        RewardChoice(
+            "m:f", Reward("m:f", lambda response, answer: float(response.startswith(answer)))
+        ),
         RolloutSettings(adv_estimator="grpo", **{**base, **settings}),
         run_seed=1,
     )

@@ -82,3 +82,22 @@ def test_bad_config_raises_value_error_naming_the_field(kwargs: dict, field: str
 def test_negative_index_is_rejected() -> None:
     with pytest.raises(ValueError, match="index"):
         ArithmeticTask(seed=0).problem(-1)
+
+
+def test_held_out_problems_are_never_trained_on() -> None:
+    task = ArithmeticTask(seed=1234, held_out=32)
+    held_out = task.validation_problems()
+    assert len({p.prompt for p in held_out}) == 32
+    assert held_out == ArithmeticTask(seed=1234, held_out=32).validation_problems()
+    trained = {p.prompt for p in task.problems(0, 5000)}
+    assert not trained & {p.prompt for p in held_out}
+    # without a held-out set the stream is the old one; with it only colliding draws change
+    plain = ArithmeticTask(seed=1234).problems(0, 400)
+    pairs = zip(plain, task.problems(0, 400), strict=True)
+    changed = [i for i, (a, b) in enumerate(pairs) if a != b]
+    assert changed and all(plain[i].prompt in {p.prompt for p in held_out} for i in changed)
+
+
+def test_a_held_out_set_over_a_quarter_of_the_problems_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"data.val_problems=2: .* quarter of the 4 arithmetic"):
+        ArithmeticTask(seed=0, max_operand=2, held_out=2)

@@ -14,6 +14,7 @@ from megarl.config.schema import build_run_config
 from megarl.data.errors import DatasetError
 from megarl.data.files import load_problem_files
 from megarl.data.problems import Problem
+from megarl.data.rewards import choose_reward
 from megarl.trainer.rollout import encode_prompt
 
 VERL_ROWS = [
@@ -141,11 +142,9 @@ def test_a_missing_file_is_named(tmp_path):
 
 def test_train_files_select_the_files_task():
     one = build_run_config({"data": {"train_files": "a.parquet"}})
-    assert (one.data.task, one.data.train_files, one.data.reward_fn_name) == (
-        "files",
-        ("a.parquet",),
-        "gsm8k",
-    )
+    assert (one.data.task, one.data.train_files) == ("files", ("a.parquet",))
+    by_source = one.data.reward_choice  # auto on a dataset: each row's data_source decides
+    assert by_source.fixed is None and by_source.for_source("lighteval/MATH").name == "math"
     assert build_run_config(
         {"data": {"train_files": ["a.parquet", "b.jsonl"]}}
     ).data.train_files == ("a.parquet", "b.jsonl")
@@ -176,3 +175,77 @@ def test_chat_messages_reach_the_template_and_the_system_prompt_defers_to_the_da
     assert _decoded(encode_prompt(tok, plain, None)) == "user:hi|assistant:"
     assert _decoded(encode_prompt(tok, plain, "cfg")) == "system:cfg|user:hi|assistant:"
     assert _decoded(encode_prompt(tok, with_system, "cfg")) == "system:data says|user:hi|assistant:"
+
+
+def test_math_rows_keep_their_latex_answer_and_gsm8k_rows_their_number(tmp_path):
+    rows = [
+        {
+            "data_source": "HuggingFaceH4/MATH-500",
+            "prompt": [{"role": "user", "content": "Compute 7/3 + 7/3."}],
+            "reward_model": {"style": "rule", "ground_truth": "\\frac{14}{3}"},
+        },
+        {
+            "data_source": "openai/gsm8k",
+            "prompt": [{"role": "user", "content": "How many?"}],
+            "reward_model": {"style": "rule", "ground_truth": "1,234"},
+        },
+    ]
+    path = _parquet(tmp_path / "mixed.parquet", rows)
+    math_row, gsm8k_row = load_problem_files(str(path))
+    assert math_row.answer == "\\frac{14}{3}" and math_row.data_source == "HuggingFaceH4/MATH-500"
+    assert gsm8k_row.answer == "1234"
+
+
+def test_a_row_whose_data_source_has_no_reward_is_refused_at_load(tmp_path):
+    rows = [
+        {"data_source": "openai/gsm8k", "prompt": "a?", "reward_model": {"ground_truth": "1"}},
+        {"data_source": "acme/code", "prompt": "b?", "reward_model": {"ground_truth": "x"}},
+    ]
+    path = _parquet(tmp_path / "code.parquet", rows)
+    with pytest.raises(DatasetError, match=r"code\.parquet:2: data_source 'acme/code' has no"):
+        load_problem_files(str(path))
+    named = load_problem_files(str(path), reward=choose_reward("exact_match", "files"))
+    assert [p.answer for p in named] == ["1", "x"]  # a named reward takes every row as it is
+
+
+def test_a_datasets_save_to_disk_folder_loads_like_a_file(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    rows = [
+        {
+            "data_source": "openai/gsm8k",
+            "prompt": [{"role": "user", "content": f"What is {k} + {k}?"}],
+            "reward_model": {"style": "rule", "ground_truth": str(2 * k)},
+            "extra_info": {"index": k},
+        }
+        for k in range(3)
+    ]
+    folder = tmp_path / "gsm8k_train"
+    datasets.Dataset.from_list(rows).save_to_disk(str(folder))
+    from_folder = load_problem_files(str(folder))
+    from_parquet = load_problem_files(str(_parquet(tmp_path / "same.parquet", rows)))
+    assert [(p.prompt, p.answer, p.data_source) for p in from_folder] == [
+        (p.prompt, p.answer, p.data_source) for p in from_parquet
+    ]
+    assert from_folder[2].source == f"{folder}:3"
+
+    splits = tmp_path / "with_splits"
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows)}).save_to_disk(str(splits))
+    with pytest.raises(DatasetError, match=r"holds the splits train; name one split's folder"):
+        load_problem_files(str(splits))
+    assert len(load_problem_files(str(splits / "train"))) == 3
+    (tmp_path / "not_a_dataset").mkdir()
+    with pytest.raises(DatasetError, match="not a dataset folder written by datasets' save_to"):
+        load_problem_files(str(tmp_path / "not_a_dataset"))
+
+
+def test_the_shipped_samples_load_and_each_row_gets_its_datasets_reward():
+    examples = Path(__file__).resolve().parents[2] / "examples" / "data"
+    auto = choose_reward("auto", task="files")
+    for folder, reward, counts in (("gsm8k", "gsm8k", (64, 32)), ("math", "math", (48, 24))):
+        train, test = (
+            load_problem_files(str(examples / folder / f"{s}.parquet")) for s in ("train", "test")
+        )
+        assert (len(train), len(test)) == counts
+        assert {auto.for_source(p.data_source).name for p in train + test} == {reward}
+    fractions = [p.answer for p in load_problem_files(str(examples / "math" / "test.parquet"))]
+    assert any("\\frac" in answer for answer in fractions)  # LaTeX answers kept as they are

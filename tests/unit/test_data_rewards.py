@@ -6,14 +6,18 @@ import pytest
 
 from megarl.data.numbers import normalize_number, numbers_equal
 from megarl.data.rewards import (
-    REWARD_FNS,
+    BUILTIN_REWARDS,
+    Reward,
+    RewardChoice,
     RewardFunctionError,
     ScoredSamples,
+    choose_reward,
     exact_match_last_number,
     extract_gsm8k_answer,
     extract_last_number,
     get_reward_fn,
     gsm8k_reward,
+    math_reward,
     reward_value,
     score_samples,
 )
@@ -90,13 +94,14 @@ def test_non_numeric_ground_truth_is_a_loud_error(reward_fn) -> None:
 
 
 def test_registry_and_lookup() -> None:
-    assert set(REWARD_FNS) == {"exact_last_number", "gsm8k"}
+    assert set(BUILTIN_REWARDS) == {"exact_last_number", "gsm8k", "math", "exact_match"}
     assert get_reward_fn("gsm8k") is gsm8k_reward
+    assert get_reward_fn("math") is math_reward
     assert get_reward_fn("exact_last_number") is exact_match_last_number
 
 
 def test_unknown_reward_name_lists_valid_names() -> None:
-    with pytest.raises(ValueError, match="exact_last_number, gsm8k") as info:
+    with pytest.raises(ValueError, match="auto, exact_last_number, gsm8k, math") as info:
         get_reward_fn("f1")
     assert "'f1'" in str(info.value)
 
@@ -202,7 +207,7 @@ def _raises(response: str, answer: str) -> float:
 )
 def test_a_failing_reward_function_is_one_line_naming_function_sample_and_value(fn, needle):
     with pytest.raises(RewardFunctionError) as info:
-        score_samples(fn, "my_rewards:score", ["ok", "bad"], ["1", "1"], "raise", step=3)
+        score_samples(_fixed(fn, "my_rewards:score"), ["ok", "bad"], ["1", "1"], None, "raise", 3)
     message = str(info.value)
     assert message.startswith("data.reward=my_rewards:score: sample ")
     assert needle in message and "\n" not in message
@@ -211,14 +216,14 @@ def test_a_failing_reward_function_is_one_line_naming_function_sample_and_value(
 
 
 def test_reward_error_zero_scores_failures_zero_and_counts_them() -> None:
-    scored = score_samples(_raises, "m:f", ["ok", "bad", "bad", "ok"], ["1"] * 4, "zero", step=1)
+    scored = score_samples(_fixed(_raises), ["ok", "bad", "bad", "ok"], ["1"] * 4, None, "zero", 1)
     assert scored.rewards == (1.0, 0.0, 0.0, 1.0)
     assert scored.failures == 2
     assert scored.first_failure is not None and "sample 1 (step 1)" in scored.first_failure
 
 
 def test_good_rewards_pass_through_unchanged() -> None:
-    scored = score_samples(gsm8k_reward, "gsm8k", ["#### 7", "6"], ["7", "7"])
+    scored = score_samples(choose_reward("gsm8k", "files"), ["#### 7", "6"], ["7", "7"])
     assert scored == ScoredSamples((1.0, 0.0), 0, None)
 
 
@@ -227,7 +232,7 @@ def test_ctrl_c_in_a_reward_function_is_not_swallowed() -> None:
         raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        score_samples(interrupted, "m:f", ["a"], ["1"], "zero")
+        score_samples(_fixed(interrupted), ["a"], ["1"], None, "zero")
 
 
 def test_a_reward_function_that_cannot_take_response_and_answer_is_refused_on_import(
@@ -244,3 +249,90 @@ def test_a_reward_function_that_cannot_take_response_and_answer_is_refused_on_im
     assert message.startswith("data.reward='sig_rewards:one': must be callable as fn(response,")
     assert "one(response) cannot (too many positional arguments)" in message
     assert get_reward_fn("sig_rewards:extra")("x", "1") == 1.0
+
+
+def _fixed(fn, name: str = "m:f") -> RewardChoice:
+    """``data.reward=name`` for a function defined in the test (as an import would give it)."""
+    return RewardChoice(name, Reward(name, fn))
+
+
+# --- MATH answers: the last \boxed{}, compared by math-verify ------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (r"so $x = \boxed{\frac{14}{3}}$.", r"\frac{14}{3}"),
+        (
+            r"\boxed{1} then \boxed{ \left( 3, \frac{\pi}{2} \right) }",
+            r"\left( 3, \frac{\pi}{2} \right)",
+        ),
+        (r"\fbox{42}", "42"),
+        (r"no box here, the answer is 5", None),
+        (r"cut off \boxed{\frac{1}{2", None),
+    ],
+)
+def test_the_last_box_is_the_answer(text, expected) -> None:
+    from megarl.data.rewards import extract_last_boxed
+
+    assert extract_last_boxed(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("response", "answer", "score"),
+    [
+        (r"... = \boxed{\frac{14}{3}}", r"\frac{14}{3}", 1.0),  # same string
+        (r"... = \boxed{\dfrac{14}{3}}", r"\frac{14}{3}", 1.0),  # \dfrac = \frac
+        (r"... = \boxed{0.5}", r"\frac{1}{2}", 1.0),  # the same number written otherwise
+        (r"\boxed{3\sqrt{13}}", r"3\sqrt{13}", 1.0),
+        (r"\boxed{\sqrt{117}}", r"3\sqrt{13}", 1.0),  # sqrt(117) = 3 sqrt(13)
+        (r"\boxed{4}", r"\frac{14}{3}", 0.0),
+        (r"\boxed{p+q}", "p - q", 0.0),
+        (r"the answer is 14/3", r"\frac{14}{3}", 0.0),  # no box: nothing committed to
+    ],
+)
+def test_math_reward_compares_answers_as_mathematics(response, answer, score) -> None:
+    assert math_reward(response, answer) == score
+
+
+def test_exact_match_compares_the_final_answer_as_text() -> None:
+    from megarl.data.rewards import exact_match_reward
+
+    assert exact_match_reward(r"I pick \boxed{Evelyn}.", "Evelyn") == 1.0
+    assert exact_match_reward("thinking...\n#### Carla", "Carla") == 1.0
+    assert exact_match_reward(" Evelyn. ", "Evelyn") == 1.0
+    assert exact_match_reward("Evelyn or Carla", "Evelyn") == 0.0
+
+
+# --- data.reward=auto: a reward per data_source --------------------------------------------
+
+
+def test_auto_scores_each_row_by_its_data_source() -> None:
+    choice = choose_reward("auto", task="files")
+    scored = score_samples(
+        choice,
+        [r"\boxed{\frac{1}{2}}", r"\boxed{0.5}", "#### 7", "7 apples", "\\boxed{7}"],
+        [r"\frac{1}{2}", r"\frac{1}{2}", "7", "7", "7"],
+        ["HuggingFaceH4/MATH-500", "lighteval/MATH", "openai/gsm8k", "", "openai/gsm8k"],
+    )
+    # MATH rows by their box (0.5 = 1/2); GSM8K and source-less rows by their final number
+    assert scored.rewards == (1.0, 1.0, 1.0, 1.0, 1.0)
+    assert choice.for_source("openai/gsm8k").name == "gsm8k"
+    assert choice.for_source("lighteval/MATH").name == "math"
+    assert choice.for_source("").name == "gsm8k"
+
+
+def test_auto_refuses_a_data_source_it_has_no_reward_for() -> None:
+    with pytest.raises(ValueError, match="data_source 'my/code_tasks' has no built-in reward"):
+        choose_reward("auto", task="files").for_source("my/code_tasks")
+
+
+def test_a_named_reward_or_the_arithmetic_task_ignores_data_source() -> None:
+    assert choose_reward("math", task="files").for_source("openai/gsm8k").name == "math"
+    assert choose_reward("auto", task="arithmetic").for_source("x").name == "exact_last_number"
+
+
+def test_auto_failure_messages_name_the_reward_it_chose() -> None:
+    choice = RewardChoice("auto", None)
+    with pytest.raises(RewardFunctionError, match=r"^data\.reward=auto \(gsm8k\): sample 0"):
+        score_samples(choice, ["7"], ["seven"], ["openai/gsm8k"])

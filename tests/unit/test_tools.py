@@ -154,3 +154,31 @@ def test_prepare_data_names_a_bad_row(tmp_path):
     assert done.returncode == 2
     assert done.stderr.startswith(f"prepare_data: error: {source}:1: answer=")
     assert not (tmp_path / "o.parquet").exists()
+
+
+def test_prepare_data_math_keeps_the_boxed_latex_answer(tmp_path):
+    import pyarrow.parquet as pq
+
+    from megarl.data.files import load_problem_files
+
+    source = tmp_path / "math.jsonl"
+    rows = [
+        {"problem": "Compute $7/3 + 7/3$.", "solution": "It is $\\boxed{\\frac{14}{3}}$."},
+        {"problem": "How many divisors has 196?", "solution": "$3 \\cdot 3 = \\boxed{9}$"},
+    ]
+    source.write_text("\n".join(json.dumps(r) for r in rows))
+    out = tmp_path / "math.parquet"
+    tool = str(REPO / "tools" / "prepare_data.py")
+    done = subprocess.run(
+        [sys.executable, tool, str(source), str(out), "--task", "math", "--split", "test"],
+        capture_output=True,
+        text=True,
+        env=ENV,
+    )
+    assert done.returncode == 0, done.stderr
+    first, _ = pq.read_table(out).to_pylist()
+    assert first["data_source"] == "DigitalLearningGmbH/MATH-lighteval"
+    assert first["reward_model"]["ground_truth"] == "\\frac{14}{3}"
+    assert first["prompt"][0]["content"].endswith("final answer within \\boxed{}.")
+    loaded = load_problem_files(str(out))  # data.reward=auto: scored by math, LaTeX kept
+    assert [p.answer for p in loaded] == ["\\frac{14}{3}", "9"]
