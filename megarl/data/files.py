@@ -111,7 +111,7 @@ def _saved_dataset_rows(path: str) -> list[object]:
             f"{path}: not a dataset folder written by datasets' save_to_disk ({detail})"
         ) from None
     if isinstance(data, DatasetDict):
-        splits = list(data)
+        splits = [str(split) for split in data]
         raise DatasetError(
             f"{path}: holds the splits {', '.join(splits)}; name one split's folder, e.g. "
             f"{os.path.join(path, splits[0]) if splits else path}"
