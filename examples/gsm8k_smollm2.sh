@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GRPO of SmolLM2-135M-Instruct on the shipped GSM8K sample (examples/data/gsm8k: 64 train and
 # 32 test problems in verl's parquet schema), validated on the test problems before training,
-# every 3 steps and after the last. CPU is enough: about 15 minutes on 2 cores.
+# every 3 steps and after the last. CPU is enough: on 2 shared cores a step (16 responses of up to
+# 200 tokens) took 2-4 minutes and each validation (32 greedy answers) about 3.
 #
 #   examples/gsm8k_smollm2.sh                       # installs .venv on first use, then trains
 #   examples/gsm8k_smollm2.sh trainer.total_steps=20 rollout.engine=vllm   # any override
