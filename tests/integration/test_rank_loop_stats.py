@@ -20,6 +20,7 @@ from megarl.batch import RolloutBatch
 from megarl.config.schema import RunConfig
 from megarl.planner.batch_planner import PlannerInputs, plan_step
 from megarl.trainer.metrics import PhaseTimer
+from megarl.trainer.progress import no_progress
 from megarl.trainer.rank_loop import _update_actor
 
 
@@ -81,7 +82,7 @@ def _batch_and_plan(n: int = 8, ppo_epochs: int = 1):
 def test_two_mini_batches_two_epochs_report_means_not_sums(one_rank_world) -> None:
     batch, plan = _batch_and_plan(ppo_epochs=2)
     actor = _ScriptedActor([(0.4, 1.0, 1.0), (-0.2, 2.0, 2.0), (0.1, 3.0, 3.0), (0.5, 2.0, 6.0)])
-    rt = SimpleNamespace(cfg=RunConfig(), actor=actor, dp_rank=0)
+    rt = _runtime(actor)
     stats = _update_actor(rt, batch, plan, {}, {}, None, PhaseTimer())
     assert actor.calls == [(0, 0), (0, 1), (1, 0), (1, 1)]
     metrics = stats.metrics()
@@ -89,6 +90,11 @@ def test_two_mini_batches_two_epochs_report_means_not_sums(one_rank_world) -> No
     assert metrics["actor/pg_loss"] == pytest.approx(0.2)  # the sum would be 0.8
     assert metrics["actor/entropy"] == pytest.approx(2.0)
     assert metrics["actor/grad_norm"] == pytest.approx(3.0)
+
+
+def _runtime(actor) -> SimpleNamespace:
+    """What ``_update_actor`` reads of the rank's runtime: rank 0 without the live display."""
+    return SimpleNamespace(cfg=RunConfig(), actor=actor, dp_rank=0, progress=no_progress)
 
 
 class _LogprobActor(_ScriptedActor):
@@ -117,7 +123,7 @@ def test_rollout_corr_metrics_cover_train_forward_and_recomputed_sequences(one_r
     batch, plan = _batch_and_plan(n)
     trainer = {i: torch.full((4,), (i - 3.5) / 10) for i in range(n)}
     actor = _LogprobActor([(0.1, 1.0, 1.0)] * 2, {i: trainer[i] for i in range(4)})
-    rt = SimpleNamespace(cfg=RunConfig(), actor=actor, dp_rank=0)
+    rt = _runtime(actor)
     recomputed = {i: trainer[i] for i in range(4, n)}
     metrics = _update_actor(rt, batch, plan, recomputed, recomputed, None, PhaseTimer()).metrics()
     assert metrics["rollout_corr/kl"] == pytest.approx(0.0, abs=1e-6)
