@@ -211,21 +211,32 @@ def test_malformed_dataset_row_names_file_and_line(train_cli, tmp_path):
     assert f"{data}:2:" in proc.stderr and "Traceback" not in proc.stderr
 
 
-def test_bad_parquet_row_names_file_and_row(train_cli, tmp_path):
+@pytest.mark.parametrize(
+    ("second_row", "needle"),
+    [
+        (
+            {"prompt": "2+2?", "reward_model": {"ground_truth": "four"}},
+            "reward_model.ground_truth='four' is not a number",
+        ),
+        (
+            {"data_source": "acme/code", "prompt": "f?", "reward_model": {"ground_truth": "x"}},
+            "data_source 'acme/code' has no built-in reward",
+        ),
+    ],
+    ids=["not-a-number", "unknown-data-source"],
+)
+def test_bad_parquet_row_names_file_and_row(train_cli, tmp_path, second_row, needle):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     data = tmp_path / "train.parquet"
     rows = [
-        {"prompt": "1+1?", "reward_model": {"ground_truth": "2"}},
-        {"prompt": "2+2?", "reward_model": {"ground_truth": "four"}},
+        {"data_source": "openai/gsm8k", "prompt": "1+1?", "reward_model": {"ground_truth": "2"}}
     ]
-    pq.write_table(pa.Table.from_pylist(rows), data)
+    pq.write_table(pa.Table.from_pylist([*rows, second_row]), data)
     run_dir = tmp_path / "run"
     proc = train_cli.run(f"trainer.run_dir={run_dir}", f"data.train_files={data}", cwd=tmp_path)
-    _assert_one_line_exit_2_nothing_written(
-        proc, f"{data}:2: reward_model.ground_truth='four' is not a number", run_dir
-    )
+    _assert_one_line_exit_2_nothing_written(proc, f"{data}:2: {needle}", run_dir)
 
 
 def test_overlong_prompts_are_refused_or_filtered_by_the_key(train_cli, tmp_path):
