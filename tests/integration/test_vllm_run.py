@@ -48,11 +48,11 @@ def test_colocated_at_actor_tp2_serves_the_trainers_weights_every_step(tmp_path)
 def test_split_lora_syncs_only_the_adapter_and_sleep_runs_at_level_0(tmp_path, capsys):
     """The rollout actor hosts vLLM; LoRA with ``sleep_level=2``, which the CPU build cannot do:
     the run warns, sleeps at 0, and the engine's own report (base weights kept) lets the gate
-    send only the adapter."""
+    send only the adapter; step 2's logprobs show the adapter reached the engine."""
     result = run(
         tiny_overrides(
             tmp_path / "run",
-            steps=3,
+            steps=2,
             **{
                 "rollout.engine": "vllm",
                 "trainer.launcher": "ray",
