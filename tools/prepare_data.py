@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from megarl.data.errors import DatasetError
@@ -108,12 +108,10 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     preset = TASKS[args.task]
-    task = Task(
-        args.question_key or preset.question_key,
-        args.answer_key or preset.answer_key,
-        preset.data_source,
-        preset.reward,
-        preset.instruction,
+    task = replace(
+        preset,
+        question_key=args.question_key or preset.question_key,
+        answer_key=args.answer_key or preset.answer_key,
     )
     try:
         rows = verl_rows(args.source, task, args.split, args.limit, args.data_source)

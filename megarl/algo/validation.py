@@ -130,13 +130,13 @@ def _spread_metrics(
 ) -> dict[str, float]:
     """The ``val-aux/`` metrics of one data source's prompts, ``n > 1`` samples each."""
     aux = f"val-aux/{source}/reward"
-    has_answers = answers is not None and any(a is not None for p in prompts for a in answers[p])
+    said = answers  # maj@k only where some sample of this source said an answer
+    if said is not None and all(a is None for p in prompts for a in said[p]):
+        said = None
     metrics = {f"{aux}/std@{n}": statistics.fmean(statistics.pstdev(rewards[p]) for p in prompts)}
     for k in subset_sizes(n):
         per_prompt = [
-            bootstrap_best_worst_maj(
-                rewards[p], answers[p] if has_answers and answers is not None else None, k, rng
-            )
+            bootstrap_best_worst_maj(rewards[p], None if said is None else said[p], k, rng)
             for p in prompts
         ]
         for name in per_prompt[0]:

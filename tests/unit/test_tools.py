@@ -123,12 +123,7 @@ def test_prepare_data_writes_verl_rows_that_load_as_training_data(tmp_path):
     ]
     source.write_text("\n".join(json.dumps(r) for r in rows))
     out = tmp_path / "out" / "train.parquet"
-    done = subprocess.run(
-        [sys.executable, str(REPO / "tools" / "prepare_data.py"), str(source), str(out)],
-        capture_output=True,
-        text=True,
-        env=ENV,
-    )
+    done = _prepare_data(source, out)
     assert done.returncode == 0, done.stderr
     first, _ = pq.read_table(out).to_pylist()
     assert first["data_source"] == "openai/gsm8k"
@@ -140,17 +135,7 @@ def test_prepare_data_writes_verl_rows_that_load_as_training_data(tmp_path):
 def test_prepare_data_names_a_bad_row(tmp_path):
     source = tmp_path / "bad.jsonl"
     source.write_text(json.dumps({"question": "q", "answer": "no number here"}) + "\n")
-    done = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "tools" / "prepare_data.py"),
-            str(source),
-            str(tmp_path / "o.parquet"),
-        ],
-        capture_output=True,
-        text=True,
-        env=ENV,
-    )
+    done = _prepare_data(source, tmp_path / "o.parquet")
     assert done.returncode == 2
     assert done.stderr.startswith(f"prepare_data: error: {source}:1: answer=")
     assert not (tmp_path / "o.parquet").exists()
@@ -168,13 +153,7 @@ def test_prepare_data_math_keeps_the_boxed_latex_answer(tmp_path):
     ]
     source.write_text("\n".join(json.dumps(r) for r in rows))
     out = tmp_path / "math.parquet"
-    tool = str(REPO / "tools" / "prepare_data.py")
-    done = subprocess.run(
-        [sys.executable, tool, str(source), str(out), "--task", "math", "--split", "test"],
-        capture_output=True,
-        text=True,
-        env=ENV,
-    )
+    done = _prepare_data(source, out, "--task", "math", "--split", "test")
     assert done.returncode == 0, done.stderr
     first, _ = pq.read_table(out).to_pylist()
     assert first["data_source"] == "DigitalLearningGmbH/MATH-lighteval"
@@ -182,3 +161,14 @@ def test_prepare_data_math_keeps_the_boxed_latex_answer(tmp_path):
     assert first["prompt"][0]["content"].endswith("final answer within \\boxed{}.")
     loaded = load_problem_files(str(out))  # data.reward=auto: scored by math, LaTeX kept
     assert [p.answer for p in loaded] == ["\\frac{14}{3}", "9"]
+
+
+def _prepare_data(source, out, *options: str) -> subprocess.CompletedProcess:
+    """``tools/prepare_data.py SOURCE OUT [options]`` as a user runs it."""
+    tool = str(REPO / "tools" / "prepare_data.py")
+    return subprocess.run(
+        [sys.executable, tool, str(source), str(out), *options],
+        capture_output=True,
+        text=True,
+        env=ENV,
+    )
