@@ -26,10 +26,10 @@ have not moved yet, so it computes the same numbers; see :mod:`megarl.planner.ga
 never the engine's: with ``planner.old_log_prob=rollout`` the ratio would be 1 everywhere, and
 start-up refuses that combination.
 
-Normaliser: a rejected (or vetoed) token keeps its place in the loss's denominator and contributes 0 to the
-numerator, exactly like a token whose IS weight is 0. The denominator is the planner's
-normaliser, fixed from the lengths before any log-prob exists, so it cannot know which tokens
-will be rejected; keeping them counted is what keeps every DP / micro-batch split and
+Normaliser: a rejected (or vetoed) token keeps its place in the loss's denominator and
+contributes 0 to the numerator, exactly like a token whose IS weight is 0. The denominator is the
+planner's normaliser, fixed from the lengths before any log-prob exists, so it cannot know which
+tokens will be rejected; keeping them counted is what keeps every DP / micro-batch split and
 zero-advantage pruning exact. (verl instead drops rejected tokens from its micro-batch's
 denominator; here the loss is scaled by the kept fraction instead, the direction of the
 gradient is the same.)
@@ -247,6 +247,7 @@ class MismatchStats:
         if self.num_tokens == 0:
             return dict.fromkeys(METRIC_NAMES, math.nan)
         tokens, seqs, units = self.num_tokens, max(self.num_seqs, 1.0), max(self.is_units, 1.0)
+        catastrophic = self.catastrophic_tokens
         return {
             "rollout_corr/kl": -self.log_ratio_sum / tokens,
             "rollout_corr/k3_kl": self.k3_sum / tokens,
@@ -260,8 +261,7 @@ class MismatchStats:
             "rollout_corr/rollout_rs_seq_masked_fraction": self.rejected_seqs / seqs,
             "rollout_corr/rollout_is_eff_sample_size": self._eff_sample_size(),
             "rollout_corr/rollout_is_veto_fraction": self.vetoed_seqs / seqs,
-            "rollout_corr/rollout_is_catastrophic_token_fraction": self.catastrophic_tokens
-            / tokens,
+            "rollout_corr/rollout_is_catastrophic_token_fraction": catastrophic / tokens,
         }
 
     def _eff_sample_size(self) -> float:
