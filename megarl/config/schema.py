@@ -337,7 +337,7 @@ class ActorConfig:
     Switch-Transformer loss ``actor/moe_aux_loss`` reports; typical 1e-3 to 1e-2). 0 (the
     default) trains without it, as RL fine-tuning of a trained router usually does. > 0 turns
     zero-advantage pruning off (the loss counts every routed token); how it is normalised is
-    :meth:`megarl.actor.megatron_actor.MegatronActor.router_loss_coeff`'s docstring."""
+    :meth:`megarl.actor.megatron_actor.MegatronActor.router_loss_coeffs`'s docstring."""
     ppo_mini_batches: int = 1
     """Optimizer steps per rollout batch (per epoch)."""
     ppo_epochs: int = 1
