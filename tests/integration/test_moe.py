@@ -63,6 +63,24 @@ def test_ep2_trains_like_ep1_and_resumes_at_ep1(tmp_path):
     assert _max_diff(resharded, resumed.final_state) > 0, "the resumed step trained nothing"
 
 
+def test_router_aux_loss_run_trains_every_sequence_and_says_why(tmp_path):
+    """One step with actor.moe_aux_loss_coef > 0 through the whole run: the plan keeps every
+    sequence and its summary names the key, the gradient differs from the same step at
+    coefficient 0 (whose exact pruning leaves the policy gradient as it was), and
+    actor/moe_aux_loss still reports the loss without its coefficient (about 1, not 0.05)."""
+    coef = {"actor.moe_aux_loss_coef": 0.05}
+    aux = run(tiny_overrides(tmp_path / "aux", 1, **MOE, **coef)).history[0]
+    plain = run(tiny_overrides(tmp_path / "plain", 1, **MOE)).history[0]
+
+    assert "no pruning: actor.moe_aux_loss_coef=0.05" in aux["planner/summary"]
+    assert aux["planner/kept_seq_frac"] == 1.0
+    assert "no pruning" not in plain["planner/summary"]
+    assert plain["critic/rewards/mean"] == aux["critic/rewards/mean"]  # the same rollouts
+    assert aux["actor/grad_norm"] != pytest.approx(plain["actor/grad_norm"], rel=1e-4)
+    assert 1.0 <= aux["actor/moe_aux_loss"] < 4 / 2  # 1 when balanced, at most experts / top_k
+    assert aux["export/checksum_ok"] == 1.0
+
+
 # ----------------------------------------------------------------------------- router aux loss
 
 TINY_MOE = {
