@@ -300,7 +300,8 @@ class MegatronActor:
 
         What joins the gradient is ``coef x sum_mb T_mb aux_mb / T``: the Switch loss
         ``aux_mb`` of every micro-batch of the step on every DP rank (Megatron's ``aux_loss``:
-        each micro-batch's own expert shares and mean probabilities), weighted by its routed
+        each micro-batch's own expert shares and mean probabilities, each layer's router adding
+        its own, so summed over layers as in Megatron), weighted by its routed
         tokens ``T_mb`` over the step's routed tokens ``T`` -- a token-weighted mean, so
         ``coef`` means what it means in Megatron pretraining and ``actor/moe_aux_loss``
         (1.0 when balanced) is on the same scale, whatever the DP size, the micro-batch

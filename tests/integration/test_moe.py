@@ -68,7 +68,7 @@ def test_router_aux_loss_run_trains_every_sequence_and_says_why(tmp_path):
     sequence and its summary names the key, the gradient differs from the same step at
     coefficient 0 (whose exact pruning leaves the policy gradient as it was), and
     actor/moe_aux_loss still reports the loss without its coefficient (about 1, not 0.05)."""
-    coef = {"actor.moe_aux_loss_coef": 0.05}
+    coef = {"actor.moe_aux_loss_coef": 0.05, "actor.ep": 2}  # EP=2 trains like EP=1 (above)
     aux = run(tiny_overrides(tmp_path / "aux", 1, **MOE, **coef)).history[0]
     plain = run(tiny_overrides(tmp_path / "plain", 1, **MOE)).history[0]
 
