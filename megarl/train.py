@@ -190,6 +190,11 @@ def validate_against_model(cfg, model_dir: str, device: str = "cpu") -> None:
                 f"model ({spec.family}) is not supported yet; use a critic-free estimator "
                 "(grpo, rloo, reinforce_plus_plus)"
             )
+        if not spec.is_moe and cfg.actor.moe_aux_loss_coef > 0:
+            raise StartupError(
+                f"actor.moe_aux_loss_coef={cfg.actor.moe_aux_loss_coef}: the model "
+                f"({spec.family}) is dense and has no router to balance; set it to 0"
+            )
         if spec.is_moe and cfg.actor.lora.enabled:
             raise StartupError(
                 f"actor.lora.rank={cfg.actor.lora.rank}: LoRA on a mixture-of-experts model "
@@ -206,6 +211,7 @@ def validate_against_model(cfg, model_dir: str, device: str = "cpu") -> None:
             cfg.actor.entropy_coef,
             cfg.planner.allow_approx,
             cfg.algo.adv_estimator,
+            cfg.actor.moe_aux_loss_coef,
         )
         source, dropped = training_source(cfg, model_dir, spec.max_position_embeddings)
         if dropped and isinstance(source, list):

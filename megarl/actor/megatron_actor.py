@@ -9,7 +9,7 @@ schedules and DDP.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, cast
@@ -17,6 +17,7 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 
+from megarl.actor.router_stats import find_routers
 from megarl.actor.train_stats import OptimizerStepStats
 from megarl.algo.losses import aggregate, kl_penalty, policy_loss
 from megarl.algo.rollout_correction import CorrectionSettings, compute_correction
@@ -32,7 +33,7 @@ from megarl.distributed.execution import ExecutionPlan
 from megarl.models import megatron_gpt
 from megarl.models.spec import VPP_TRAINING_UNSUPPORTED, TransformerSpec
 from megarl.models.vocab_parallel import VocabShard, token_logprobs_and_entropy
-from megarl.planner.batch_planner import OptimizerStepPlan
+from megarl.planner.batch_planner import MicroBatch, OptimizerStepPlan
 
 
 @dataclass(frozen=True)
@@ -123,6 +124,18 @@ class MegatronActor:
             self.optimizer = None
         self.chunks = [self.model] if cfg.vpp == 1 else chunks
         """Model chunks in virtual-pipeline order (one unless ``actor.vpp > 1``)."""
+        routers = find_routers(self.chunks) if trainable and self._router_loss_on else []
+        self.routers: list[Any] = list(routers)  # Megatron TopKRouters (untyped attributes)
+        """The MoE routers whose load-balancing loss joins the gradient (none when it is off)."""
+        for router in self.routers:
+            # Megatron copies this flag from the config when the router is built, before
+            # _wrap_ddp sets it: pin it, so router_loss_coeffs' scaling holds whatever the
+            # construction order (it makes the router weigh its loss by its micro-batch's tokens)
+            router.calculate_per_token_loss = True
+
+    @property
+    def _router_loss_on(self) -> bool:
+        return self.spec.is_moe and self.cfg.moe_aux_loss_coef > 0
 
     # --- construction ----------------------------------------------------------------------
 
@@ -138,6 +151,7 @@ class MegatronActor:
             device=self.device,
             use_transformer_engine=self.execution.use_transformer_engine,
             recompute=self.execution.recompute,
+            moe_aux_loss_coef=self.cfg.moe_aux_loss_coef if self._router_loss_on else 0.0,
             **self._head_options(),
         )
 
@@ -272,10 +286,62 @@ class MegatronActor:
                 capture=capture_logprobs,
                 token_advantages=token_advantages,
             )
-            stats = self._run_schedule(mbs, loss_fn, forward_only=False)
+            coeffs = self.router_loss_coeffs(mbs, micro_batches)
+            stats = self._run_schedule(mbs, loss_fn, forward_only=False, router_coeffs=coeffs)
         self._finalize_grads()
         grad_norm = self.optimizer.step()
         return _step_result(stats, float(grad_norm))
+
+    def router_loss_coeffs(
+        self, mbs: Sequence[MicroBatchTensors], planned: Sequence[MicroBatch]
+    ) -> list[float] | None:
+        """Megatron's ``moe_aux_loss_coeff`` for each of this rank's micro-batches of one
+        optimizer step (None when ``actor.moe_aux_loss_coef`` is 0 or the model is dense).
+
+        What joins the gradient is ``coef x sum_mb T_mb aux_mb / T``: the Switch loss
+        ``aux_mb`` of every micro-batch of the step on every DP rank (Megatron's ``aux_loss``:
+        each micro-batch's own expert shares and mean probabilities, each layer's router adding
+        its own, so summed over layers as in Megatron), weighted by its routed
+        tokens ``T_mb`` over the step's routed tokens ``T`` -- a token-weighted mean, so
+        ``coef`` means what it means in Megatron pretraining and ``actor/moe_aux_loss``
+        (1.0 when balanced) is on the same scale, whatever the DP size, the micro-batch
+        count or the planner's normaliser of the policy loss.
+
+        How Megatron 0.16.1 gets there. The router attaches ``coeff x aux_mb`` to its output
+        through ``MoEAuxLossAutoScaler``, whose backward injects the gradient of that term
+        times a scale the schedule sets after each forward: 1 under
+        ``calculate_per_token_loss`` (which megarl sets: the policy loss divides by the
+        planner's fixed normaliser, DDP sums over DP ranks, and ``finalize_model_grads`` is
+        called without a token count, so nothing divides afterwards). With per-token loss the
+        router also multiplies ``aux_mb`` by its ``T_mb`` (Megatron expects a later division
+        by the global token count, which megarl's normalisation never does). Micro-batch
+        gradients and DP ranks then add up. So the per-micro-batch coefficient is
+        ``coef / T``, with ``T`` summed over the DP group (one scalar all-reduce per step);
+        the policy loss is untouched. A filler micro-batch (loss weight 0, only there to give
+        ranks equal counts) gets 0: its tokens are no training data, so they must not pull the
+        router either. TP is 1 for MoE (``TransformerSpec.check_parallelism``), so Megatron's
+        reduction of expert counts over the TP/CP group is over one rank.
+
+        What it is not: one loss over the whole step's tokens (Megatron's ``global_aux_loss``).
+        The micro-batch grouping (``actor.micro_batch_tokens``, the DP split) therefore changes
+        the loss a little, as in Megatron.
+        """
+        if not self.routers:
+            return None
+        from megatron.core import parallel_state as ps
+
+        trained = [m.num_trained > 0 for m in planned]
+        local = sum(mb.tokens_BL.numel() for mb, keep in zip(mbs, trained, strict=True) if keep)
+        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        total = torch.tensor([float(local)], dtype=torch.float64, device=device)
+        dist.all_reduce(total, group=ps.get_data_parallel_group())
+        coef = self.cfg.moe_aux_loss_coef / float(total.item())
+        return [coef if keep else 0.0 for keep in trained]
+
+    def _set_router_coeff(self, coeff: float) -> None:
+        """Every router reads ``config.moe_aux_loss_coeff`` on each training forward."""
+        for router in self.routers:
+            router.config.moe_aux_loss_coeff = coeff
 
     def _training_loss(
         self,
@@ -379,11 +445,21 @@ class MegatronActor:
 
     # --- schedule ----------------------------------------------------------------------------
 
-    def _run_schedule(self, mbs: list[MicroBatchTensors], loss_fn, forward_only: bool) -> list:
+    def _run_schedule(
+        self,
+        mbs: list[MicroBatchTensors],
+        loss_fn,
+        forward_only: bool,
+        router_coeffs: Sequence[float] | None = None,
+    ) -> list:
+        """Megatron's forward(-backward) schedule over ``mbs``; ``router_coeffs``: each
+        micro-batch's router load-balancing coefficient (:meth:`router_loss_coeffs`)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         def forward_step(data_iterator, model):
-            mb = next(data_iterator)
+            index, mb = next(data_iterator)
+            if router_coeffs is not None:
+                self._set_router_coeff(router_coeffs[index])
             output = model(
                 mb.tokens_BL, mb.position_ids_BL, None, packed_seq_params=packed_seq_params(mb)
             )
@@ -392,7 +468,10 @@ class MegatronActor:
         max_len = max(mb.tokens_BL.shape[1] for mb in mbs)
         max_b = max(mb.tokens_BL.shape[0] for mb in mbs)
         # each virtual-pipeline chunk walks the micro-batches on its own
-        data = iter(mbs) if len(self.chunks) == 1 else [iter(mbs) for _ in self.chunks]
+        walks: list[Iterator[tuple[int, MicroBatchTensors]]] = [
+            iter(enumerate(mbs)) for _ in self.chunks
+        ]
+        data = walks[0] if len(walks) == 1 else walks
         return (
             get_forward_backward_func()(
                 forward_step_func=forward_step,

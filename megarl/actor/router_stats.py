@@ -1,8 +1,8 @@
 """Is a mixture-of-experts router healthy? Tokens per expert and the load-balancing loss, per step.
 
-megarl trains without an auxiliary load-balancing loss (``megarl.models.megatron_gpt``), so
-nothing in the loss keeps the router balanced: these metrics show whether RL is collapsing it
-onto a few experts. :class:`RouterMonitor` hooks every router of the actor while the update
+By default megarl trains without an auxiliary load-balancing loss (``actor.moe_aux_loss_coef``
+is 0; ``megarl.models.megatron_gpt``), so nothing in the loss keeps the router balanced: these
+metrics show whether RL is collapsing it onto a few experts. :class:`RouterMonitor` hooks every router of the actor while the update
 runs and counts, per layer, the tokens routed to each expert and the sum of each expert's
 full-softmax probability; :func:`router_metrics` turns the counts summed over the data-parallel
 ranks into the step's metrics:
@@ -12,8 +12,9 @@ ranks into the step's metrics:
 - ``actor/moe_aux_loss``: the Switch-Transformer load-balancing loss without its coefficient,
   ``E / (k T^2) * sum_e P_e f_e`` with ``P_e`` the summed probabilities and ``f_e`` the tokens
   routed to expert ``e`` (Megatron's ``switch_load_balancing_loss_func``), averaged over layers:
-  1.0 when balanced, what ``moe_aux_loss_coeff`` would multiply. Reported, never added to the
-  loss.
+  1.0 when balanced, what ``actor.moe_aux_loss_coef`` multiplies. Always the value without the
+  coefficient, over the whole step's tokens; with the coefficient > 0 the gradient gets
+  Megatron's per-micro-batch version of it (``MegatronActor.router_loss_coeffs``).
 
 Counts are taken on every training forward of the step (each optimizer step, each epoch).
 """
@@ -51,20 +52,26 @@ def router_metrics(
     }
 
 
+def find_routers(modules: Sequence[torch.nn.Module]) -> list[torch.nn.Module]:
+    """Every router of ``modules`` (model chunks), in model order: Megatron's MoE layer keeps its
+    ``TopKRouter`` at ``...mlp.router``."""
+    return [
+        module
+        for chunk in modules
+        for name, module in chunk.named_modules()
+        if name.endswith("mlp.router")
+    ]
+
+
 class RouterMonitor:
     """Counts, while :meth:`watch` is active, what every router of ``modules`` decides.
 
-    ``modules``: the actor's model chunks. Routers are found by name (Megatron's MoE layer keeps
-    its ``TopKRouter`` at ``...mlp.router``), in model order; the hooks only read.
+    ``modules``: the actor's model chunks, whose routers :func:`find_routers` finds; the hooks
+    only read.
     """
 
     def __init__(self, modules: Sequence[torch.nn.Module], num_experts: int, top_k: int) -> None:
-        self.routers = [
-            module
-            for chunk in modules
-            for name, module in chunk.named_modules()
-            if name.endswith("mlp.router")
-        ]
+        self.routers = find_routers(modules)
         self.top_k = top_k
         layers = len(self.routers)
         self.tokens_per_expert = torch.zeros(layers, num_experts, dtype=torch.float64)

@@ -33,6 +33,7 @@ def prune_mode(cfg: RunConfig) -> tuple[str, str]:
         cfg.actor.kl_coef,
         cfg.actor.entropy_coef,
         cfg.algo.adv_estimator,
+        cfg.actor.moe_aux_loss_coef,
     )
 
 
@@ -125,6 +126,7 @@ def planner_inputs(
         mode=prune_mode(cfg)[0],
         allow_approx=cfg.planner.allow_approx,
         adv_estimator=cfg.algo.adv_estimator,
+        moe_aux_loss_coef=a.moe_aux_loss_coef,
     )
 
 
@@ -152,6 +154,7 @@ def critic_planner_inputs(
         loss_agg=cfg.critic.loss_agg,
         kl_coef=0.0,
         entropy_coef=0.0,
+        moe_aux_loss_coef=0.0,  # a value model has no router
         ppo_mini_batches=cfg.critic_ppo_mini_batches,
         ppo_epochs=cfg.critic_ppo_epochs,
         mode="off",

@@ -331,6 +331,13 @@ class ActorConfig:
     """One of :data:`megarl.algo.losses.KL_PENALTY_KINDS` (see
     :func:`~megarl.algo.losses.kl_penalty`)."""
     entropy_coef: float = 0.0
+    moe_aux_loss_coef: float = 0.0
+    """Mixture-of-experts only: weight of the router's load-balancing loss in the gradient
+    (Megatron's ``moe_aux_loss_coeff`` with ``moe_router_load_balancing_type=aux_loss``, the
+    Switch-Transformer loss ``actor/moe_aux_loss`` reports; typical 1e-3 to 1e-2). 0 (the
+    default) trains without it, as RL fine-tuning of a trained router usually does. > 0 turns
+    zero-advantage pruning off (the loss counts every routed token); how it is normalised is
+    :meth:`megarl.actor.megatron_actor.MegatronActor.router_loss_coeffs`'s docstring."""
     ppo_mini_batches: int = 1
     """Optimizer steps per rollout batch (per epoch)."""
     ppo_epochs: int = 1
@@ -390,6 +397,11 @@ class ActorConfig:
         _optional_positive("actor.loss_scale_factor", self.loss_scale_factor)
         _require(self.kl_coef >= 0, f"actor.kl_coef={self.kl_coef}: must be >= 0")
         _require(self.entropy_coef >= 0, f"actor.entropy_coef={self.entropy_coef}: must be >= 0")
+        _require(
+            0 <= self.moe_aux_loss_coef < float("inf"),
+            f"actor.moe_aux_loss_coef={self.moe_aux_loss_coef}: must be a finite number >= 0 "
+            "(0 = off)",
+        )
         _choice("actor.kl_estimator", self.kl_estimator, KL_PENALTY_KINDS)
         if self.loss_agg is None:
             object.__setattr__(self, "loss_agg", get_policy_loss(self.policy_loss).default_agg)

@@ -39,12 +39,13 @@ def transformer_config(
     vpp: int | None = None,
     recompute: str | None = None,
     ep: int = 1,
+    moe_aux_loss_coef: float = 0.0,
 ):
     """Megatron ``TransformerConfig`` for a Llama-style block; fusions off so CPU can run it."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     return TransformerConfig(
-        **_moe_config(spec, ep),
+        **_moe_config(spec, ep, moe_aux_loss_coef),
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
         ffn_hidden_size=spec.ffn_hidden_size,
@@ -86,14 +87,17 @@ def transformer_config(
     )
 
 
-def _moe_config(spec: TransformerSpec, ep: int) -> dict:
+def _moe_config(spec: TransformerSpec, ep: int, moe_aux_loss_coef: float = 0.0) -> dict:
     """The ``TransformerConfig`` fields that differ between a dense and a mixture-of-experts block.
 
     The router follows the HF model: softmax in fp32; Mixtral (and Qwen3-MoE with
     ``norm_topk_prob``) renormalise the top-k weights, which is Megatron's top-k-then-softmax;
     otherwise the weights are the full softmax's (``moe_router_pre_softmax``). No auxiliary
-    load-balancing loss (RL fine-tunes a trained router; a batch-dependent loss term would also
-    make a sequence's gradient depend on which others share its batch). The allgather token
+    load-balancing loss by default (RL fine-tunes a trained router; a batch-dependent loss term
+    also makes a sequence's gradient depend on which others share its micro-batch, so pruning
+    is off with it). ``moe_aux_loss_coef > 0`` (``actor.moe_aux_loss_coef``) turns on Megatron's
+    per-micro-batch Switch loss (``aux_loss``); the actor rescales its coefficient per
+    micro-batch (``MegatronActor.router_loss_coeffs``). The allgather token
     dispatcher runs on CPU; it needs fixed sequence lengths across pipeline stages, which is why
     MoE runs at PP=1, and Megatron trains MoE under TP only with sequence parallelism, hence TP=1
     (``TransformerSpec.check_parallelism``).
@@ -108,8 +112,8 @@ def _moe_config(spec: TransformerSpec, ep: int) -> dict:
         "moe_ffn_hidden_size": spec.moe_ffn_hidden_size,
         "moe_router_pre_softmax": not spec.moe_norm_topk_prob,
         "moe_router_dtype": "fp32",
-        "moe_router_load_balancing_type": "none",
-        "moe_aux_loss_coeff": 0.0,
+        "moe_router_load_balancing_type": "aux_loss" if moe_aux_loss_coef > 0 else "none",
+        "moe_aux_loss_coeff": moe_aux_loss_coef,
         "moe_token_dispatcher_type": "allgather",
         "moe_grouped_gemm": False,
         "expert_model_parallel_size": ep,
@@ -150,6 +154,7 @@ def build_gpt_model(
     use_transformer_engine: bool = False,
     recompute: str | None = None,
     value_head: ValueHeadInit | None = None,
+    moe_aux_loss_coef: float = 0.0,
 ):
     """A ``GPTModel`` holding this rank's TP shard of this rank's PP stage.
 
@@ -169,6 +174,7 @@ def build_gpt_model(
         vpp=vpp,
         recompute=recompute,
         ep=parallel_state.get_expert_model_parallel_world_size(),
+        moe_aux_loss_coef=moe_aux_loss_coef,
     )
     pre = parallel_state.is_pipeline_first_stage(ignore_virtual=vpp is None, vp_stage=vp_stage)
     post = parallel_state.is_pipeline_last_stage(ignore_virtual=vpp is None, vp_stage=vp_stage)
@@ -204,6 +210,7 @@ def build_model_chunks(
     use_transformer_engine: bool = False,
     recompute: str | None = None,
     value_head: ValueHeadInit | None = None,
+    moe_aux_loss_coef: float = 0.0,
 ) -> list:
     """This rank's model chunks: one ``GPTModel`` without a virtual pipeline, else ``vpp`` of them.
 
@@ -225,6 +232,7 @@ def build_model_chunks(
             use_transformer_engine=use_transformer_engine,
             recompute=recompute,
             value_head=value_head,
+            moe_aux_loss_coef=moe_aux_loss_coef,
         )
         for stage in stages
     ]

@@ -58,7 +58,10 @@ Exactness. Pruning is exact only when every active loss term vanishes at advanta
 ``allow_approx`` is set; then zero-advantage sequences are pruned anyway and the plan is marked
 ``approximate=True`` with the reason. With a critic (``algo.adv_estimator=gae``) pruning is
 never exact, whatever the coefficients (:func:`pruning_refusal`): ``auto`` resolves to ``off``,
-a named pruning mode is refused, and the plan's summary says why.
+a named pruning mode is refused, and the plan's summary says why. The same holds for a
+mixture-of-experts router's load-balancing loss (``actor.moe_aux_loss_coef > 0``): it is a
+function of every token routed in a micro-batch, not a sum of per-sequence terms that vanish at
+advantage 0, so leaving a sequence out changes the gradient of all the others.
 
 Sharding. Within each non-ghost step the trained sequences are split over ``dp_size`` ranks by
 estimated cost ``t + attention_cost_coef * t**2`` (``t`` = prompt + response tokens; see
@@ -132,31 +135,45 @@ CRITIC_ESTIMATORS: tuple[str, ...] = ("gae",)
 """``algo.adv_estimator`` values whose advantages come per token from a learned critic."""
 
 
-def pruning_refusal(adv_estimator: str) -> str | None:
-    """Why zero-advantage pruning can never be exact for this estimator, or None if it can be.
+def pruning_refusal(adv_estimator: str, moe_aux_loss_coef: float = 0.0) -> str | None:
+    """Why zero-advantage pruning can never be exact for this run, or None if it can be.
 
     With a critic (``gae``) a sequence's advantages are per token, from a learned value
     function and whitened over the batch: a zero is a float coincidence, never the structural
     zero of an all-equal group, and the critic's own loss (which trains on every sequence)
-    does not vanish at advantage 0. No setting, ``allow_approx`` included, prunes then.
+    does not vanish at advantage 0. With a router load-balancing loss
+    (``moe_aux_loss_coef > 0``) every routed token counts, whatever its sequence's advantage:
+    the loss multiplies each expert's share of a micro-batch's tokens by its mean router
+    probability, so a pruned sequence's tokens change both factors, and with them the gradient
+    the kept sequences get. No setting, ``allow_approx`` included, prunes then (an
+    approximation of a term that is not a sum over sequences has no error bound to report).
     """
-    if adv_estimator not in CRITIC_ESTIMATORS:
-        return None
-    return (
-        f"algo.adv_estimator={adv_estimator} has per-token advantages from a learned critic, "
-        "and its value loss trains on every sequence"
-    )
+    if adv_estimator in CRITIC_ESTIMATORS:
+        return (
+            f"algo.adv_estimator={adv_estimator} has per-token advantages from a learned "
+            "critic, and its value loss trains on every sequence"
+        )
+    if moe_aux_loss_coef > 0:
+        return (
+            f"actor.moe_aux_loss_coef={moe_aux_loss_coef} trains the router's load-balancing "
+            "loss on every routed token, zero-advantage sequences included"
+        )
+    return None
 
 
 def resolve_prune_mode(
-    setting: str, kl_coef: float, entropy_coef: float, adv_estimator: str = "grpo"
+    setting: str,
+    kl_coef: float,
+    entropy_coef: float,
+    adv_estimator: str = "grpo",
+    moe_aux_loss_coef: float = 0.0,
 ) -> tuple[str, str]:
     """``(mode, reason)`` for ``planner.prune_zero_adv``.
 
     ``auto`` prunes whenever pruning is exact -- ``match_loss_curve``, the same gradients as
     the unpruned baseline -- i.e. when no loss term survives at advantage 0 (``kl_coef == 0``
-    and ``entropy_coef == 0``) and the estimator's zeros are exact (see
-    :func:`pruning_refusal`), and does not prune otherwise. It never picks an approximation:
+    and ``entropy_coef == 0``) and nothing else forbids it (a critic, a router load-balancing
+    loss: see :func:`pruning_refusal`), and does not prune otherwise. It never picks an approximation:
     ``fast`` and ``allow_approx`` must be asked for by name. A named mode is returned as is;
     :func:`check_pruning_config` judges it.
     """
@@ -166,7 +183,7 @@ def resolve_prune_mode(
         )
     if setting != "auto":
         return setting, f"planner.prune_zero_adv={setting}"
-    refusal = pruning_refusal(adv_estimator)
+    refusal = pruning_refusal(adv_estimator, moe_aux_loss_coef)
     if refusal is not None:
         return "off", f"auto: no pruning, {refusal}"
     if kl_coef == 0 and entropy_coef == 0:
@@ -183,6 +200,7 @@ def check_pruning_config(
     entropy_coef: float,
     allow_approx: bool,
     adv_estimator: str = "grpo",
+    moe_aux_loss_coef: float = 0.0,
 ) -> str | None:
     """Fail fast when pruning zero-advantage sequences would silently change the loss.
 
@@ -194,7 +212,7 @@ def check_pruning_config(
     """
     if mode not in PLANNER_MODES:
         raise PlannerError(f"planner.prune_zero_adv must be one of {PLANNER_MODES}, got {mode!r}")
-    refusal = pruning_refusal(adv_estimator)
+    refusal = pruning_refusal(adv_estimator, moe_aux_loss_coef)
     if mode != "off" and refusal is not None:
         raise PlannerError(
             f"planner.prune_zero_adv={mode} cannot prune: {refusal}. "
@@ -253,6 +271,9 @@ class PlannerInputs:
     adv_estimator: str = "grpo"
     """``algo.adv_estimator``; a critic's (``gae``) is never pruned (:func:`pruning_refusal`)
     and its ``advantages`` only rank filler candidates."""
+    moe_aux_loss_coef: float = 0.0
+    """``actor.moe_aux_loss_coef``; > 0 (a router load-balancing loss) is never pruned
+    (:func:`pruning_refusal`)."""
     attention_cost_coef: float = DEFAULT_ATTENTION_COST_COEF
     """Cost model ``t + coef * t**2``; ``1 / (12 * hidden)`` fits a transformer, 0 = tokens."""
 
@@ -289,7 +310,13 @@ class PlannerInputs:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
                 raise PlannerError(f"{name} must be a positive int, got {value!r}")
-        for name in ("kl_coef", "entropy_coef", "attention_cost_coef", "loss_scale_factor"):
+        for name in (
+            "kl_coef",
+            "entropy_coef",
+            "moe_aux_loss_coef",
+            "attention_cost_coef",
+            "loss_scale_factor",
+        ):
             if not math.isfinite(getattr(self, name)):
                 raise PlannerError(f"{name} must be finite, got {getattr(self, name)!r}")
         if self.loss_scale_factor <= 0:
@@ -596,7 +623,12 @@ class _BatchArrays:
 def plan_step(inputs: PlannerInputs) -> StepPlan:
     """Decide every optimizer step of one rollout batch (see the module docstring)."""
     approx_reason = check_pruning_config(
-        inputs.mode, inputs.kl_coef, inputs.entropy_coef, inputs.allow_approx, inputs.adv_estimator
+        inputs.mode,
+        inputs.kl_coef,
+        inputs.entropy_coef,
+        inputs.allow_approx,
+        inputs.adv_estimator,
+        inputs.moe_aux_loss_coef,
     )
     batch = _batch_arrays(inputs)
     runs = _optimizer_runs(inputs, batch)
@@ -615,7 +647,7 @@ def plan_step(inputs: PlannerInputs) -> StepPlan:
         num_kept_sequences=int(batch.kept.sum()),
         num_tokens=int(batch.seq_tokens.sum()),
         num_kept_tokens=kept_tokens,
-        pruning_refused=pruning_refusal(inputs.adv_estimator),
+        pruning_refused=pruning_refusal(inputs.adv_estimator, inputs.moe_aux_loss_coef),
     )
 
 
@@ -859,7 +891,7 @@ def _pruning_reasons(
 ) -> list[str]:
     num_sequences = inputs.num_sequences
     if inputs.mode == "off":
-        refusal = pruning_refusal(inputs.adv_estimator)
+        refusal = pruning_refusal(inputs.adv_estimator, inputs.moe_aux_loss_coef)
         because = f" ({refusal})" if refusal else ""
         return [f"planner off: training all {num_sequences} seqs{because}"]
     _, group_of_seq = np.unique(np.asarray(inputs.group_ids), return_inverse=True)

@@ -60,6 +60,19 @@ _VLLM_CASES = (
         ),
         (["model=tiny_qwen3_moe", "actor.lora.rank=8"], "LoRA on a mixture-of-experts model"),
         (["model=tiny_qwen3_moe", "recipe=ppo"], "a critic for a mixture-of-experts model"),
+        (["actor.moe_aux_loss_coef=-0.1"], "actor.moe_aux_loss_coef=-0.1: must be"),
+        (
+            ["model=tiny_llama", "actor.moe_aux_loss_coef=0.01"],
+            "actor.moe_aux_loss_coef=0.01: the model (llama) is dense",
+        ),
+        (
+            [
+                "model=tiny_qwen3_moe",
+                "actor.moe_aux_loss_coef=0.01",
+                "planner.prune_zero_adv=match_loss_curve",
+            ],
+            "planner.prune_zero_adv=match_loss_curve cannot prune: actor.moe_aux_loss_coef=0.01",
+        ),
         (["model.path=/nonexistent/model"], "model.path=/nonexistent/model"),
         (["data.task=jsonl", "data.path=/nonexistent/data.jsonl"], "/nonexistent/data.jsonl"),
         (["planner.prune_zero_adv=match_loss_curve", "actor.kl_coef=0.1"], "actor.kl_coef"),

@@ -61,3 +61,192 @@ def test_ep2_trains_like_ep1_and_resumes_at_ep1(tmp_path):
     resumed = run(tiny_overrides(split_dir, 3, **MOE), return_final_state=True)
     assert [row["step"] for row in resumed.history] == [1, 2, 3]
     assert _max_diff(resharded, resumed.final_state) > 0, "the resumed step trained nothing"
+
+
+def test_router_aux_loss_run_trains_every_sequence_and_says_why(tmp_path):
+    """One step with actor.moe_aux_loss_coef > 0 through the whole run: the plan keeps every
+    sequence and its summary names the key, the gradient differs from the same step at
+    coefficient 0 (whose exact pruning leaves the policy gradient as it was), and
+    actor/moe_aux_loss still reports the loss without its coefficient (about 1, not 0.05)."""
+    coef = {"actor.moe_aux_loss_coef": 0.05, "actor.ep": 2}  # EP=2 trains like EP=1 (above)
+    aux = run(tiny_overrides(tmp_path / "aux", 1, **MOE, **coef)).history[0]
+    plain = run(tiny_overrides(tmp_path / "plain", 1, **MOE)).history[0]
+
+    assert "no pruning: actor.moe_aux_loss_coef=0.05" in aux["planner/summary"]
+    assert aux["planner/kept_seq_frac"] == 1.0
+    assert "no pruning" not in plain["planner/summary"]
+    assert plain["critic/rewards/mean"] == aux["critic/rewards/mean"]  # the same rollouts
+    assert aux["actor/grad_norm"] != pytest.approx(plain["actor/grad_norm"], rel=1e-4)
+    assert 1.0 <= aux["actor/moe_aux_loss"] < 4 / 2  # 1 when balanced, at most experts / top_k
+    assert aux["export/checksum_ok"] == 1.0
+
+
+# ----------------------------------------------------------------------------- router aux loss
+
+TINY_MOE = {
+    "model_type": "qwen3_moe",
+    "vocab_size": 384,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "moe_intermediate_size": 32,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "norm_topk_prob": True,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 128,
+    "tie_word_embeddings": False,
+}
+AUX_SEQ_LENS = (9, 14, 6, 11, 8, 5)
+AUX_PROMPT_LENS = (3, 4, 2, 4, 3, 2)
+AUX_TRAINED = (0, 1, 2, 3, 4)
+"""Two DP ranks train (0, 1), (2,) and (3, 4), (5,); sequence 5 is a filler (loss weight 0)."""
+AUX_COEF = 0.5
+
+
+def _aux_batch():
+    from megarl.batch import RolloutBatch
+
+    gen = torch.Generator().manual_seed(11)
+    tokens = tuple(torch.randint(3, 384, (n,), generator=gen) for n in AUX_SEQ_LENS)
+    num = len(AUX_SEQ_LENS)
+    return RolloutBatch(
+        tokens=tokens,
+        prompt_lens=AUX_PROMPT_LENS,
+        group_ids=torch.arange(num) // 2,
+        rewards=torch.zeros(num),
+        advantages=torch.tensor([1.0, -1.0, 0.5, -0.5, 0.0, 0.0]),
+        engine_logprobs=tuple(
+            torch.zeros(n - p) for n, p in zip(AUX_SEQ_LENS, AUX_PROMPT_LENS, strict=True)
+        ),
+    )
+
+
+def _aux_step():
+    from megarl.planner.batch_planner import MicroBatch, OptimizerStepPlan, RankPlan
+
+    def micro_batch(seqs, weight=1.0):
+        return MicroBatch(seqs, (weight,) * len(seqs), sum(AUX_SEQ_LENS[i] for i in seqs))
+
+    ranks = (
+        RankPlan((micro_batch((0, 1)), micro_batch((2,)))),
+        RankPlan((micro_batch((3, 4)), micro_batch((5,), weight=0.0))),
+    )
+    normaliser = sum(AUX_SEQ_LENS[i] - AUX_PROMPT_LENS[i] for i in AUX_TRAINED)
+    return OptimizerStepPlan(0, 0, (0,), ranks, float(normaliser), is_ghost=False)
+
+
+def _switch_loss_grads(model, mbs, num_experts: int, top_k: int, total_tokens: int):
+    """d/dθ of ``sum_mb T_mb / T * sum_layers switch(mb, layer)``, written out here from the
+    Switch-Transformer formula ``E / (k T_mb^2) * sum_e P_e f_e`` on the routers' inputs (no
+    Megatron aux-loss code), as the gradient of this rank's micro-batches."""
+    from megarl.actor.megatron_actor import packed_seq_params
+    from megarl.actor.router_stats import find_routers
+
+    routers = find_routers([model])
+    params = list(model.parameters())
+    loss = torch.zeros((), dtype=torch.float64)
+    seen: list[torch.Tensor] = []
+    handles = [r.register_forward_hook(lambda _m, a, _o: seen.append(a[0])) for r in routers]
+    for mb in mbs:
+        seen.clear()
+        model(mb.tokens_BL, mb.position_ids_BL, None, packed_seq_params=packed_seq_params(mb))
+        for router, hidden in zip(routers, seen, strict=True):
+            hidden = hidden.reshape(-1, hidden.shape[-1]).float()
+            scores = torch.softmax(hidden @ router.weight.float().t(), dim=-1)
+            top = scores.topk(top_k, dim=-1).indices
+            counts = torch.zeros(num_experts).index_add_(
+                0, top.reshape(-1), torch.ones(top.numel())
+            )
+            tokens = hidden.shape[0]
+            switch = num_experts / (top_k * tokens * tokens) * (scores.sum(0) * counts).sum()
+            loss = loss + tokens / total_tokens * switch.double()
+    for handle in handles:
+        handle.remove()
+    grads = torch.autograd.grad(loss, params, allow_unused=True)
+    return [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads, strict=True)]
+
+
+def _aux_worker(ctx, hf_config: dict, state):
+    import torch.distributed as dist
+
+    from megarl.actor.megatron_actor import LossSettings, MegatronActor
+    from megarl.config.schema import ActorConfig, OptimConfig
+    from megarl.distributed import parallel
+    from megarl.distributed.platform import enter_cpu_shims
+    from megarl.models.chunk import unwrap
+    from megarl.models.spec import spec_from_hf_config
+
+    enter_cpu_shims()
+    parallel.init_process_group("cpu", ctx.rank, ctx.world_size, ctx.master_addr, ctx.master_port)
+    parallel.init_model_parallel(1, 1)
+    spec = spec_from_hf_config(hf_config)
+    batch, step = _aux_batch(), _aux_step()
+    loss = LossSettings(
+        temperature=1.0,
+        clip_low=0.2,
+        clip_high=0.2,
+        agg="token-mean",
+        kl_coef=0.0,
+        kl_estimator="low_var_kl",
+        entropy_coef=0.0,
+    )
+
+    def actor(coef: float, trainable: bool = True):
+        cfg = ActorConfig(lr=1e-4, moe_aux_loss_coef=coef, optim=OptimConfig(grad_clip=0.0))
+        return MegatronActor(spec, cfg, "cpu", torch.float32, state, 0, trainable=trainable)
+
+    def grads_after_one_step(coef: float):
+        trained = actor(coef)
+        result = trained.train_step(batch, step, ctx.rank, None, None, loss)
+        named = unwrap(trained.model).named_parameters()
+        return {n: p.main_grad.detach().clone() for n, p in named}, result.grad_norm
+
+    without, norm_without = grads_after_one_step(0.0)
+    with_aux, norm_with = grads_after_one_step(AUX_COEF)
+
+    reference = actor(0.0, trainable=False)
+    for p in reference.model.parameters():
+        p.requires_grad_(True)
+    mine = [m for m in step.ranks[ctx.rank].micro_batches if m.num_trained]
+    mbs = [reference._micro_batch(batch, m.seq_indices) for m in mine]
+    total_tokens = sum(AUX_SEQ_LENS[i] for i in AUX_TRAINED)  # packed rows: no pad tokens
+    expected = _switch_loss_grads(
+        reference.model, mbs, spec.num_experts, spec.moe_top_k, total_tokens
+    )
+    for g in expected:
+        dist.all_reduce(g)  # the DP ranks' micro-batches add up, as DDP sums the gradient
+    names = [n for n, _ in reference.model.named_parameters()]
+    parallel.destroy()
+    return {
+        "names": names,
+        "measured": [((with_aux[n] - without[n]) / AUX_COEF) for n in names],
+        "expected": expected,
+        "grad_norms": (norm_without, norm_with),
+    }
+
+
+def test_router_aux_loss_adds_coef_times_the_switch_loss_gradient(tmp_path):
+    """With actor.moe_aux_loss_coef > 0 one optimizer step's gradient is the coefficient-0
+    gradient plus coef x the gradient of the token-weighted Switch loss of the step's
+    micro-batches (summed over layers, a filler micro-batch left out), to float rounding."""
+    from megarl.distributed.launcher import launch
+    from megarl.models.random_init import save_random_hf_model
+
+    folder = save_random_hf_model(TINY_MOE, 5, tmp_path / "init")
+    results = launch(_aux_worker, 2, args=(TINY_MOE, load_hf_state_dict(folder)), timeout_s=300)
+    for r in results:
+        scale = max(g.abs().max().item() for g in r["expected"])
+        assert scale > 1e-5, "the Switch loss has no gradient: nothing would be measured"
+        for name, measured, expected in zip(r["names"], r["measured"], r["expected"], strict=True):
+            error = (measured - expected).abs().max().item()
+            assert error <= 1e-4 * scale, (name, error, scale)  # seen: 2e-6 * scale
+        router = [i for i, n in enumerate(r["names"]) if n.endswith("mlp.router.weight")]
+        assert len(router) == TINY_MOE["num_hidden_layers"]
+        assert all(r["measured"][i].abs().max().item() > 1e-3 * scale for i in router)
+        norm_without, norm_with = r["grad_norms"]
+        assert norm_with != pytest.approx(norm_without, rel=1e-6)

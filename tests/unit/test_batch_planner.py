@@ -692,3 +692,55 @@ def test_a_critics_plan_trains_every_sequence_and_its_summary_says_why():
     assert "algo.adv_estimator=gae" in plan.reasons[0]
     # the same inputs under GRPO keep the summary free of it
     assert "no pruning" not in plan_step(make_inputs([10] * 8, [1.0] * 8)).summary()
+
+
+# ----------------------------------------------------------------------------- router aux loss
+
+
+def test_auto_never_prunes_with_a_router_load_balancing_loss_and_says_why():
+    from megarl.planner.batch_planner import resolve_prune_mode
+
+    resolved, reason = resolve_prune_mode("auto", 0.0, 0.0, moe_aux_loss_coef=1e-3)
+    assert resolved == "off"
+    assert "actor.moe_aux_loss_coef=0.001" in reason and "routed token" in reason
+    # a zero coefficient leaves the exact rule as it was
+    assert resolve_prune_mode("auto", 0.0, 0.0, moe_aux_loss_coef=0.0)[0] == "match_loss_curve"
+    check_pruning_config(resolved, 0.0, 0.0, allow_approx=False, moe_aux_loss_coef=1e-3)
+
+
+@pytest.mark.parametrize("mode", ["match_loss_curve", "fast"])
+@pytest.mark.parametrize("allow_approx", [False, True])
+def test_named_pruning_modes_are_refused_with_a_router_loss(mode: str, allow_approx: bool):
+    """Even with no KL/entropy term and even with allow_approx: the load-balancing loss is a
+    function of a micro-batch's routed tokens, not a sum of terms that vanish at advantage 0."""
+    with pytest.raises(PlannerError, match="actor.moe_aux_loss_coef=0.01") as excinfo:
+        check_pruning_config(mode, 0.0, 0.0, allow_approx=allow_approx, moe_aux_loss_coef=0.01)
+    assert f"planner.prune_zero_adv={mode} cannot prune" in str(excinfo.value)
+    assert "\n" not in str(excinfo.value)
+    inputs = make_inputs([10] * 4, [0.0, 0.0, 1.0, -1.0], mode=mode, moe_aux_loss_coef=0.01)
+    with pytest.raises(PlannerError, match="cannot prune"):
+        plan_step(inputs)
+    # the same forced mode prunes without the coefficient
+    plan_step(make_inputs([10] * 4, [0.0, 0.0, 1.0, -1.0], mode=mode))
+
+
+def test_a_router_loss_plan_trains_every_sequence_and_its_summary_says_why():
+    advantages = [0.0] * 4 + [0.5, -0.5, 0.0, 0.0]
+    inputs = make_inputs([10] * 8, advantages, moe_aux_loss_coef=0.01, dp_size=2)
+    plan = plan_step(inputs)
+    assert_invariants(inputs, plan)
+    assert plan.num_kept_sequences == 8 and plan.num_ghost_steps == 0
+    trained = sorted(i for s in plan.optimizer_steps for r in trained_by_rank(s) for i in r)
+    assert trained == list(range(8))
+    assert "no pruning: actor.moe_aux_loss_coef=0.01" in plan.summary()
+    assert "actor.moe_aux_loss_coef=0.01" in plan.reasons[0]
+    unforced = plan_step(make_inputs([10] * 8, advantages, dp_size=2, mode="match_loss_curve"))
+    assert unforced.num_kept_sequences == 2 and "no pruning" not in unforced.summary()
+
+
+def test_a_critic_refusal_is_named_first():
+    from megarl.planner.batch_planner import pruning_refusal
+
+    both = pruning_refusal("gae", 0.01)
+    assert both is not None and "algo.adv_estimator=gae" in both
+    assert pruning_refusal("grpo", 0.0) is None

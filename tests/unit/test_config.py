@@ -38,6 +38,8 @@ def test_defaults_build():
         ({"actor": {"tp": 0}}, "actor.tp=0"),
         ({"actor": {"tp": "two"}}, "actor.tp='two': expected an integer"),
         ({"actor": {"lr": -1.0}}, "actor.lr=-1.0"),
+        ({"actor": {"moe_aux_loss_coef": -0.01}}, "actor.moe_aux_loss_coef=-0.01: must be"),
+        ({"actor": {"moe_aux_loss_coef": float("nan")}}, "actor.moe_aux_loss_coef=nan"),
         ({"rollout": {"n": 1}}, "rollout.n=1"),
         ({"rollout": {"top_p": 1.5}}, "rollout.top_p=1.5"),
         ({"trainer": {"device": "tpu"}}, "trainer.device='tpu'"),
@@ -297,3 +299,16 @@ def test_critic_optimizer_errors_name_the_critics_key():
     with pytest.raises(ConfigError, match=r"^actor\.optim\.grad_clip=-1"):
         build_run_config({"actor": {"optim": {"grad_clip": -1}}})
     assert build_run_config({"critic": {"optim": {"eps": 1e-6}}}).critic.optim.eps == 1e-6
+
+
+def test_moe_aux_loss_coef_defaults_off_and_turns_pruning_off():
+    """The planner rule, read from the config as every rank and the start-up check read it."""
+    from megarl.config.planning import planner_inputs, prune_mode
+
+    assert build_run_config({}).actor.moe_aux_loss_coef == 0.0
+    assert prune_mode(build_run_config({}))[0] == "match_loss_curve"
+    cfg = build_run_config({"actor": {"moe_aux_loss_coef": 0.01}})
+    mode, reason = prune_mode(cfg)
+    assert mode == "off" and "actor.moe_aux_loss_coef=0.01" in reason
+    inputs = planner_inputs(cfg, [10, 10], [5, 5], [0.0, 0.0], [0, 0])
+    assert inputs.moe_aux_loss_coef == 0.01 and inputs.mode == "off"
