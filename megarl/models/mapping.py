@@ -28,9 +28,10 @@ import torch
 from megarl.models.spec import ModelSpecError, TransformerSpec
 
 LAYOUTS = ("replicated", "column", "row", "vocab", "qkv", "gate_up")
-DIMS = ("vocab", "hidden", "ffn", "q", "kv", "head", "experts", "expert_ffn")
+DIMS = ("vocab", "hidden", "ffn", "q", "kv", "head", "experts", "expert_ffn", "shared_ffn", "one")
 """Symbolic dims of HF tensor shapes: ``q`` = heads x head_dim, ``kv`` = KV heads x head_dim,
-``head`` = head_dim, ``expert_ffn`` = one expert's intermediate size."""
+``head`` = head_dim, ``expert_ffn`` = one expert's intermediate size, ``shared_ffn`` = the shared
+expert's, ``one`` = 1 (the shared expert's gate has a single output)."""
 
 
 @dataclass(frozen=True)
@@ -143,6 +144,7 @@ FAMILY_RULES: dict[str, tuple[ParamRule, ...]] = {
     "qwen3": (*LLAMA_RULES, *QK_NORM_RULES),
     "qwen3_moe": (*LLAMA_RULES, *QK_NORM_RULES),
     "mixtral": LLAMA_RULES,
+    "qwen2_moe": LLAMA_RULES,  # q/k/v bias by its qkv_bias flag (rules_for)
 }
 
 DENSE_MLP = (_L + "mlp.linear_fc1.weight", _L + "mlp.linear_fc2.weight")
@@ -151,6 +153,7 @@ DENSE_MLP = (_L + "mlp.linear_fc1.weight", _L + "mlp.linear_fc2.weight")
 MOE_HF_NAMES: dict[str, tuple[str, tuple[str, str, str]]] = {
     "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
+    "qwen2_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
 }
 """Per MoE family: the HF module holding the router (``.gate``) and the experts, and the names
 of an expert's gate, up and down projections. These are the checkpoint's names (what
@@ -158,7 +161,8 @@ of an expert's gate, up and down projections. These are the checkpoint's names (
 
 
 def moe_rules(spec: TransformerSpec) -> tuple[ParamRule, ...]:
-    """The router and one gate_up / down pair per expert, expert ``e`` named by its global index.
+    """The router, one gate_up / down pair per expert (expert ``e`` named by its global index),
+    and the shared expert if the model has one.
 
     Megatron's ``SequentialMLP`` names its experts ``local_experts.{i}`` on each expert-parallel
     rank; :func:`megarl.models.megatron_gpt.iter_local_params` turns local indices into global
@@ -189,7 +193,43 @@ def moe_rules(spec: TransformerSpec) -> tuple[ParamRule, ...]:
                 (("hidden", "expert_ffn"),),
             )
         )
+    if spec.moe_shared_ffn_hidden_size:
+        rules.extend(shared_expert_rules(hf))
     return tuple(rules)
+
+
+def shared_expert_rules(hf: str) -> tuple[ParamRule, ...]:
+    """Qwen2-MoE's shared expert (``hf`` is the HF MoE module's prefix) as Megatron's
+    ``SharedExpertMLP`` holds it.
+
+    Megatron computes ``MLP(x) * sigmoid(x @ gate_weight.T)`` and adds it to the routed output,
+    which is HF's ``sigmoid(shared_expert_gate(x)) * shared_expert(x)`` with ``gate_weight`` the
+    ``[1, hidden]`` gate weight itself. Every rank holds the shared expert whatever the expert
+    parallel size (no ``local_experts`` in its names, so :func:`expert_of` is None): the
+    exporter, checkpoints and the gradient norm treat it like the attention weights. Under TP its
+    linear layers split like a dense MLP's; the gate is whole on every rank.
+    """
+    mc = _L + "mlp.shared_experts."
+    return (
+        ParamRule(
+            mc + "linear_fc1.weight",
+            (hf + "shared_expert.gate_proj.weight", hf + "shared_expert.up_proj.weight"),
+            "gate_up",
+            (("shared_ffn", "hidden"), ("shared_ffn", "hidden")),
+        ),
+        ParamRule(
+            mc + "linear_fc2.weight",
+            (hf + "shared_expert.down_proj.weight",),
+            "row",
+            (("hidden", "shared_ffn"),),
+        ),
+        ParamRule(
+            mc + "gate_weight",
+            (hf + "shared_expert_gate.weight",),
+            "replicated",
+            (("one", "hidden"),),
+        ),
+    )
 
 
 @functools.cache
@@ -214,6 +254,8 @@ def hf_shapes(rule: ParamRule, spec: TransformerSpec) -> tuple[tuple[int, ...], 
         "head": spec.head_dim,
         "experts": spec.num_experts,
         "expert_ffn": spec.moe_ffn_hidden_size,
+        "shared_ffn": spec.moe_shared_ffn_hidden_size,
+        "one": 1,
     }
     return tuple(tuple(sizes[d] for d in shape) for shape in rule.shapes)
 

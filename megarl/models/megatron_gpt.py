@@ -100,7 +100,9 @@ def _moe_config(spec: TransformerSpec, ep: int, moe_aux_loss_coef: float = 0.0) 
     micro-batch (``MegatronActor.router_loss_coeffs``). The allgather token
     dispatcher runs on CPU; it needs fixed sequence lengths across pipeline stages, which is why
     MoE runs at PP=1, and Megatron trains MoE under TP only with sequence parallelism, hence TP=1
-    (``TransformerSpec.check_parallelism``).
+    (``TransformerSpec.check_parallelism``). A shared expert (Qwen2-MoE) is Megatron's
+    ``SharedExpertMLP`` with its sigmoid gate (see :func:`megarl.models.mapping.shared_expert_rules`),
+    computed on each rank's own tokens before dispatch, not overlapped with it.
     """
     if not spec.is_moe:
         # irrelevant (dense) but the alltoall dispatcher is the one allowing variable lengths
@@ -117,6 +119,8 @@ def _moe_config(spec: TransformerSpec, ep: int, moe_aux_loss_coef: float = 0.0) 
         "moe_token_dispatcher_type": "allgather",
         "moe_grouped_gemm": False,
         "expert_model_parallel_size": ep,
+        "moe_shared_expert_intermediate_size": spec.moe_shared_ffn_hidden_size or None,
+        "moe_shared_expert_gate": bool(spec.moe_shared_ffn_hidden_size),
     }
 
 

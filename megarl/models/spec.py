@@ -4,8 +4,9 @@ Pure code (no megatron, no torch.distributed): the Megatron builder, the weight 
 exporter and the config validation all read one :class:`TransformerSpec`, so a model family is
 described once. Supported families share the Llama block (RMSNorm, RoPE, SwiGLU, GQA) and differ
 in small flags (Qwen2: bias on q/k/v; Qwen3: RMSNorm on each query and key head, and a head size
-that need not be hidden/heads). Mixture-of-experts families (Qwen3-MoE, Mixtral) replace every
-layer's MLP by a router and ``num_experts`` SwiGLU experts of which each token uses ``moe_top_k``.
+that need not be hidden/heads). Mixture-of-experts families (Qwen3-MoE, Mixtral, Qwen2-MoE)
+replace every layer's MLP by a router and ``num_experts`` SwiGLU experts of which each token uses
+``moe_top_k``; Qwen2-MoE adds a shared expert every token passes through, scaled by a sigmoid gate.
 
 """
 
@@ -15,8 +16,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral")
-MOE_FAMILIES = ("qwen3_moe", "mixtral")
+SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral", "qwen2_moe")
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe")
 VOCAB_DIVISIBLE_BY = 128
 VPP_TRAINING_UNSUPPORTED = (
     "actor.vpp > 1 is supported for loading, forward logprobs and export, not for training yet "
@@ -57,8 +58,12 @@ class TransformerSpec:
     moe_ffn_hidden_size: int = 0
     """Each expert's intermediate size."""
     moe_norm_topk_prob: bool = True
-    """Renormalise the top-k routing weights to sum to 1 (Mixtral always; Qwen3-MoE's
-    ``norm_topk_prob``). Otherwise the weights are the full softmax's entries."""
+    """Renormalise the top-k routing weights to sum to 1 (Mixtral always; Qwen3-MoE's and
+    Qwen2-MoE's ``norm_topk_prob``). Otherwise the weights are the full softmax's entries."""
+    moe_shared_ffn_hidden_size: int = 0
+    """Intermediate size of the shared expert (Qwen2-MoE's ``shared_expert_intermediate_size``)
+    that every token passes through beside its routed experts, its output scaled by
+    ``sigmoid(shared_expert_gate(x))``; 0 when the family has none."""
 
     def __post_init__(self) -> None:
         if self.family not in SUPPORTED_FAMILIES:
@@ -93,6 +98,8 @@ class TransformerSpec:
         mlp = (
             self.num_experts * (h + 3 * h * self.moe_ffn_hidden_size) if self.is_moe else 3 * h * f
         )
+        if self.moe_shared_ffn_hidden_size:
+            mlp += 3 * h * self.moe_shared_ffn_hidden_size + h  # the shared expert and its gate
         per_layer = attn + mlp + 2 * h
         embed = self.vocab_size * h * (1 if self.tie_embeddings else 2)
         return self.num_layers * per_layer + embed + h
@@ -201,32 +208,49 @@ def spec_from_hf_config(config: Mapping[str, Any] | Any) -> TransformerSpec:
         rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
         rope_theta=_rope_theta(config),
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-        qkv_bias=family == "qwen2" or bool(config.get("attention_bias", False)),
+        qkv_bias=_qkv_bias(family, config),
         max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
         qk_norm=family in ("qwen3", "qwen3_moe"),
         **moe,
     )
 
 
+def _qkv_bias(family: str, config: Mapping[str, Any]) -> bool:
+    """Bias on q, k and v. Qwen2 always has it; Qwen2-MoE too unless its config says
+    ``qkv_bias: false`` (transformers 5's flag, absent from older checkpoints, which are biased);
+    other families take ``attention_bias`` (whose bias on o_proj
+    :func:`_reject_unmapped_features` refuses)."""
+    if family == "qwen2":
+        return True
+    if family == "qwen2_moe":
+        return bool(config.get("qkv_bias", True))
+    return bool(config.get("attention_bias", False))
+
+
 def _moe_fields(family: str, config: Mapping[str, Any]) -> dict[str, Any]:
     """The mixture-of-experts fields of the spec; refuses layouts the Megatron block lacks.
 
-    Qwen3-MoE can keep dense MLPs in some layers (``decoder_sparse_step``, ``mlp_only_layers``)
-    and Mixtral can jitter the router in training; Megatron's layer stack here is all-MoE and
-    deterministic, so those are refused rather than trained as another model.
+    Qwen3-MoE and Qwen2-MoE can keep dense MLPs in some layers (``decoder_sparse_step``,
+    ``mlp_only_layers``) and Mixtral can jitter the router in training; Megatron's layer stack
+    here is all-MoE and deterministic, so those are refused rather than trained as another model.
     """
     if family not in MOE_FAMILIES:
         return {}
-    if family == "qwen3_moe":
-        if int(config.get("decoder_sparse_step", 1)) != 1 or config.get("mlp_only_layers"):
-            raise ModelSpecError(
-                "decoder_sparse_step != 1 or mlp_only_layers: dense layers between MoE layers "
-                "are not supported"
-            )
+    shared = 0
+    if family in ("qwen3_moe", "qwen2_moe"):
+        _reject_dense_layers(config)
         # checkpoints say num_experts; transformers 5's to_dict says num_local_experts
         experts = config.get("num_experts") or config["num_local_experts"]
         ffn = config["moe_intermediate_size"]
         norm = bool(config.get("norm_topk_prob", False))
+        if family == "qwen2_moe":
+            shared = int(config["shared_expert_intermediate_size"])
+            if shared <= 0:
+                # HF still builds an (empty) shared expert and its gate; Megatron refuses size 0
+                raise ModelSpecError(
+                    f"shared_expert_intermediate_size={shared}: a Qwen2-MoE model without a "
+                    "shared expert is not supported"
+                )
     else:
         if float(config.get("router_jitter_noise") or 0.0):
             raise ModelSpecError("router_jitter_noise > 0 is not supported")
@@ -239,4 +263,19 @@ def _moe_fields(family: str, config: Mapping[str, Any]) -> dict[str, Any]:
         "moe_top_k": top_k,
         "moe_ffn_hidden_size": int(ffn),
         "moe_norm_topk_prob": norm,
+        "moe_shared_ffn_hidden_size": shared,
     }
+
+
+def _reject_dense_layers(config: Mapping[str, Any]) -> None:
+    """Qwen-MoE's dense layers between MoE layers, named by the key that asks for them."""
+    step = int(config.get("decoder_sparse_step", 1))
+    if step != 1:
+        raise ModelSpecError(
+            f"decoder_sparse_step={step}: dense layers between MoE layers are not supported"
+        )
+    dense = config.get("mlp_only_layers")
+    if dense:
+        raise ModelSpecError(
+            f"mlp_only_layers={list(dense)}: dense layers between MoE layers are not supported"
+        )

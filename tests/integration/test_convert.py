@@ -93,6 +93,8 @@ def test_tiny_round_trip_tp2_pp2(tiny_hf, tmp_path):
         ("tiny_qwen3", 2, 2, "model.layers.3.self_attn.k_norm.weight"),
         # per-expert tensors and the router (experts train at TP=1 x PP=1)
         ("tiny_qwen3_moe", 1, 1, "model.layers.3.mlp.experts.3.down_proj.weight"),
+        # Qwen2-MoE's gated shared expert beside the routed ones, q/k/v bias
+        ("tiny_qwen2_moe", 1, 1, "model.layers.3.mlp.shared_expert_gate.weight"),
     ],
 )
 def test_newer_families_round_trip(model, tp, pp, family_tensor, tmp_path):

@@ -18,6 +18,8 @@ pytestmark = pytest.mark.slow
 
 TINY = TINY_HF_CONFIG
 BUCKET_BYTES = 64 * 1024  # the tiny model is ~0.6 MB: several buckets
+PERTURBED = ("norm", "bias", "shared_expert_gate")
+"""Parameters the reference moves away from their initial values."""
 
 
 def _reference(hf_config: dict, seed: int, save_to=None):
@@ -25,9 +27,11 @@ def _reference(hf_config: dict, seed: int, save_to=None):
     checkpoint ``save_to`` holds it (per-expert tensors; transformers 5 fuses experts in memory)."""
     model = build_random_hf_model(hf_config, seed)
     gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():  # norms start at ones: make them differ, so a mis-mapped norm shows
+    # norms start at ones, biases at zeros, the shared expert's gate near zero (sigmoid ~ 0.5 for
+    # every token): move them, so a mis-mapped one shows
+    with torch.no_grad():
         for name, param in model.named_parameters():
-            if "norm" in name:
+            if any(part in name for part in PERTURBED):
                 param.add_(0.1 * torch.randn(param.shape, generator=gen))
     ids = torch.randint(0, hf_config["vocab_size"], (3, 11), generator=gen)
     with torch.no_grad():
@@ -130,14 +134,24 @@ MOE = {
         norm_topk_prob=False,
     ),
     "mixtral": dict(TINY, model_type="mixtral", num_local_experts=4, num_experts_per_tok=2),
+    "qwen2_moe": dict(
+        TINY,
+        model_type="qwen2_moe",
+        num_hidden_layers=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=48,
+        shared_expert_intermediate_size=80,
+    ),
 }
-"""Tiny MoE models: 4 experts, top-2; Qwen3-MoE without top-k renormalisation, Mixtral with."""
+"""Tiny MoE models: 4 experts, top-2; Qwen3-MoE without top-k renormalisation, Mixtral with;
+Qwen2-MoE (q/k/v bias, no renormalisation) with a gated shared expert beside the routed ones."""
 
 
 @pytest.mark.parametrize(
     ("family", "ep"),
-    [("qwen3_moe", 2), ("mixtral", 2)],
-    ids=["qwen3_moe-ep2", "mixtral-ep2"],
+    [("qwen3_moe", 2), ("mixtral", 2), ("qwen2_moe", 1), ("qwen2_moe", 2)],
+    ids=["qwen3_moe-ep2", "mixtral-ep2", "qwen2_moe-ep1", "qwen2_moe-ep2"],
 )
 def test_tiny_moe_matches_hf(family, ep, tmp_path):
     """Each rank of an EP group holds half the experts; tokens are dispatched to them and back."""
@@ -148,12 +162,20 @@ def test_tiny_moe_matches_hf(family, ep, tmp_path):
     _assert_matches(results, 1e-5, every_rank=True)
 
 
-def test_loader_rejects_wrong_weights():
+@pytest.mark.parametrize(
+    ("cfg", "name", "scale"),
+    [
+        (TINY, "model.layers.1.mlp.up_proj.weight", 1.01),
+        # a zero gate is sigmoid = 1/2 for every token: what an ignored gate would compute
+        (MOE["qwen2_moe"], "model.layers.1.mlp.shared_expert_gate.weight", 0.0),
+    ],
+    ids=["llama-up_proj", "qwen2_moe-shared_expert_gate"],
+)
+def test_loader_rejects_wrong_weights(cfg, name, scale, tmp_path):
     """The equivalence check can fail: a perturbed tensor breaks it."""
-    cfg = dict(TINY)
-    ids, ref_logits, state = _reference(cfg, seed=3)
+    ids, ref_logits, state = _reference(cfg, 3, save_to=tmp_path)
     state = dict(state)
-    state["model.layers.1.mlp.up_proj.weight"] = state["model.layers.1.mlp.up_proj.weight"] * 1.01
+    state[name] = state[name] * scale
     [result] = launch(_worker, 1, args=(1, 1, cfg, ids, ref_logits, state))
     assert result["logits_diff"] > 1e-4
 

@@ -2,7 +2,8 @@
 rank holding them all (and route alike: ``actor/moe_*``), and a checkpoint saved at one
 expert-parallel size resumes at another.
 
-Tiny random-init Qwen3-MoE (4 experts, top-2) with the HF engine, 2 ranks (DP=2).
+Tiny random-init Qwen3-MoE and Qwen2-MoE (4 experts, top-2; Qwen2-MoE with a gated shared
+expert, which every rank holds) with the HF engine, 2 ranks (DP=2).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import tiny_overrides
+from safetensors import safe_open
 
 from megarl.checkpoint.convert import write_hf_folder
 from megarl.checkpoint.layout import read_checkpoint
@@ -18,7 +20,7 @@ from megarl.train import run
 
 pytestmark = pytest.mark.slow
 
-MOE = {"model": "tiny_qwen3_moe", "trainer.n_gpus_per_node": 2, "export.checksum_interval": 1}
+MOE = {"trainer.n_gpus_per_node": 2, "export.checksum_interval": 1}
 
 
 def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -26,13 +28,15 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
-def test_ep2_trains_like_ep1_and_resumes_at_ep1(tmp_path):
+@pytest.mark.parametrize("model", ["tiny_qwen3_moe", "tiny_qwen2_moe"])
+def test_ep2_trains_like_ep1_and_resumes_at_ep1(model, tmp_path):
+    moe = dict(MOE, model=model)
     split_dir = tmp_path / "ep2"
     split = run(
-        tiny_overrides(split_dir, 2, **MOE, **{"actor.ep": 2, "trainer.save_interval": 2}),
+        tiny_overrides(split_dir, 2, **moe, **{"actor.ep": 2, "trainer.save_interval": 2}),
         return_final_state=True,
     )
-    whole = run(tiny_overrides(tmp_path / "ep1", 2, **MOE), return_final_state=True)
+    whole = run(tiny_overrides(tmp_path / "ep1", 2, **moe), return_final_state=True)
 
     initial = load_hf_state_dict(split_dir / "init_model")
     assert any(".mlp.experts.3.down_proj." in name for name in initial)
@@ -52,13 +56,15 @@ def test_ep2_trains_like_ep1_and_resumes_at_ep1(tmp_path):
 
     saved = read_checkpoint(split_dir / "checkpoints" / "step_000002")
     assert saved.ep == 2
-    assert (saved.path / "model_tp0_pp0_ep1.safetensors").is_file()
+    with safe_open(str(saved.path / "model_tp0_pp0_ep1.safetensors"), "pt") as f:
+        # expert rank 1's file: its routed experts only; the shared expert is in rank 0's
+        assert all(".local_experts.2." in n or ".local_experts.3." in n for n in f.keys())  # noqa: SIM118
     (tmp_path / "hf").mkdir()
     write_hf_folder(saved, tmp_path / "hf", progress=False)
     resharded = load_hf_state_dict(tmp_path / "hf")
     assert all(torch.equal(split.final_state[k], resharded[k]) for k in split.final_state)
 
-    resumed = run(tiny_overrides(split_dir, 3, **MOE), return_final_state=True)
+    resumed = run(tiny_overrides(split_dir, 3, **moe), return_final_state=True)
     assert [row["step"] for row in resumed.history] == [1, 2, 3]
     assert _max_diff(resharded, resumed.final_state) > 0, "the resumed step trained nothing"
 

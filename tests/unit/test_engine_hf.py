@@ -232,6 +232,55 @@ def test_update_weights_rejects_unknown_names_and_bad_shapes():
         engine.update_weights([("model.norm.weight", torch.zeros(65))])
 
 
+MOE_CONFIGS = {
+    "qwen3_moe": {"num_experts": 4, "moe_intermediate_size": 24, "head_dim": 16},
+    "mixtral": {"num_local_experts": 4, "intermediate_size": 24},
+    "qwen2_moe": {
+        "num_experts": 4,
+        "moe_intermediate_size": 24,
+        "shared_expert_intermediate_size": 40,
+    },
+}
+"""Every mixture-of-experts family, tiny: 4 experts, top-2 (Qwen2-MoE with its shared expert)."""
+
+
+@pytest.mark.parametrize("family", sorted(MOE_CONFIGS))
+def test_moe_engine_takes_every_exported_name(family, tmp_path):
+    """The exporter's names (the checkpoint's, one tensor per expert, Qwen2-MoE's shared expert
+    and gate included) reach transformers 5's fused in-memory experts: the engine then holds
+    exactly what was sent and computes the sender's logits."""
+    from megarl.export.checksum import tensor_checksum
+    from megarl.models import mapping
+    from megarl.models.hf_io import load_hf_state_dict
+    from megarl.models.random_init import build_random_hf_model
+    from megarl.models.spec import spec_from_hf_config
+
+    cfg = dict(
+        model_type=family,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+        **MOE_CONFIGS[family],
+    )
+    engine = make_engine(build_random_hf_model(cfg, seed=0))
+    new_model = build_random_hf_model(cfg, seed=1)
+    new_model.save_pretrained(tmp_path)
+    sent = load_hf_state_dict(tmp_path)
+    assert sorted(sent) == sorted(mapping.expected_hf_names(spec_from_hf_config(new_model.config)))
+    assert engine.update_weights(sent.items()) == len(sent)
+    held = engine.weight_checksums(torch.float32)
+    assert held == {name: tensor_checksum(t) for name, t in sent.items()}
+    ids = torch.tensor([PROMPTS[0]])
+    with torch.no_grad():
+        torch.testing.assert_close(
+            engine.model(ids).logits, new_model(ids).logits, atol=1e-6, rtol=0
+        )
+
+
 @pytest.mark.parametrize("name", ["lm_head.weight", "model.embed_tokens.weight"])
 def test_tied_embedding_update_under_either_name(name):
     engine = make_engine(tiny_llama(tie=True))

@@ -55,6 +55,11 @@ def test_table_matches_transformers_state_dict(family, tied):
 MOE = {
     "qwen3_moe": {"num_experts": 4, "moe_intermediate_size": 24, "head_dim": 16},
     "mixtral": {"num_local_experts": 4},
+    "qwen2_moe": {
+        "num_experts": 4,
+        "moe_intermediate_size": 24,
+        "shared_expert_intermediate_size": 40,
+    },
 }
 
 
@@ -81,6 +86,42 @@ def test_moe_table_matches_the_saved_checkpoint(family, tmp_path):
     assert sorted(mapping.expected_hf_names(spec)) == sorted(saved)
     assert spec.num_parameters() == sum(t.numel() for t in model.state_dict().values())
     assert spec.qk_norm == (family == "qwen3_moe")
+    assert spec.qkv_bias == (family == "qwen2_moe")
+    assert spec.moe_norm_topk_prob == (family == "mixtral")  # Qwen's norm_topk_prob is off
+    shared = [n for n in saved if ".shared_expert" in n]
+    assert len(shared) == (8 if family == "qwen2_moe" else 0)  # 2 layers x gate, up, down, gate
+
+
+def test_shared_expert_is_a_dense_parameter_on_every_expert_parallel_rank():
+    """Qwen2-MoE's shared expert and its gate belong to no expert: every expert-parallel rank
+    holds, loads and checkpoints them, and expert-rank 0 exports them, like the attention."""
+    from megarl.export.plan import export_items
+
+    cfg = dict(TINY, model_type="qwen2_moe", num_experts_per_tok=2, **MOE["qwen2_moe"])
+    spec = spec_from_hf_config(cfg)
+    assert spec.moe_shared_ffn_hidden_size == 40
+    shared = [r for r in mapping.rules_for(spec) if ".shared_experts." in r.mcore]
+    assert [r.mcore.rsplit("shared_experts.", 1)[1] for r in shared] == [
+        "linear_fc1.weight",
+        "linear_fc2.weight",
+        "gate_weight",
+    ]
+    assert [mapping.expert_of(r) for r in shared] == [None, None, None]
+    name = "decoder.layers.1.mlp.shared_experts.linear_fc1.weight"
+    assert mapping.globalize_expert(name, 2) == name
+    owners = {n: i.ep_rank for i in export_items(spec, 1, 1, 1, 4, ep=2) for n in i.hf_names}
+    assert owners["model.layers.1.mlp.shared_expert_gate.weight"] is None
+    assert owners["model.layers.1.mlp.shared_expert.down_proj.weight"] is None
+    assert owners["model.layers.1.mlp.experts.3.down_proj.weight"] == 1
+
+
+QWEN2_MOE = {
+    "model_type": "qwen2_moe",
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 8,
+    "shared_expert_intermediate_size": 16,
+}
 
 
 @pytest.mark.parametrize(
@@ -100,6 +141,9 @@ def test_moe_table_matches_the_saved_checkpoint(family, tmp_path):
             },
             "mlp_only_layers",
         ),
+        (dict(QWEN2_MOE, decoder_sparse_step=2), "^decoder_sparse_step=2: dense layers"),
+        (dict(QWEN2_MOE, mlp_only_layers=[0]), r"^mlp_only_layers=\[0\]: dense layers"),
+        (dict(QWEN2_MOE, shared_expert_intermediate_size=0), "^shared_expert_intermediate_size=0"),
         (
             {
                 "model_type": "mixtral",
@@ -129,11 +173,26 @@ def test_unmapped_features_are_refused(extra, words):
         spec_from_hf_config(dict(TINY, **extra))
 
 
-def test_qwen2_sliding_window_off_by_default_is_accepted():
+@pytest.mark.parametrize(
+    "family_cfg", [{"model_type": "qwen2"}, QWEN2_MOE], ids=lambda c: c["model_type"]
+)
+def test_qwen2_sliding_window_off_by_default_is_accepted(family_cfg):
     spec = spec_from_hf_config(
-        dict(TINY, model_type="qwen2", sliding_window=16, use_sliding_window=False)
+        dict(TINY, **family_cfg, sliding_window=16, use_sliding_window=False)
     )
     assert spec.qkv_bias
+
+
+def test_qwen2_moe_qkv_bias_follows_its_config_flag():
+    """transformers 5's ``qkv_bias`` switches Qwen2-MoE's q/k/v bias off; checkpoints without the
+    key (Qwen1.5-MoE) are biased."""
+    from megarl.models.random_init import build_random_hf_model
+
+    model = build_random_hf_model(dict(TINY, **QWEN2_MOE, qkv_bias=False), seed=0)
+    spec = spec_from_hf_config(model.config)
+    assert not spec.qkv_bias
+    assert not any(name.endswith(".bias") for name in mapping.expected_hf_names(spec))
+    assert spec.num_parameters() == sum(t.numel() for t in model.state_dict().values())
 
 
 def test_rule_with_unknown_dim_is_rejected():
