@@ -8,6 +8,8 @@ expert, which every rank holds) with the HF engine, 2 ranks (DP=2).
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from conftest import tiny_overrides
@@ -71,18 +73,15 @@ def test_ep2_trains_like_ep1_and_resumes_at_ep1(model, tmp_path):
 
 def test_router_aux_loss_run_trains_every_sequence_and_says_why(tmp_path):
     """One step with actor.moe_aux_loss_coef > 0 through the whole run: the plan keeps every
-    sequence and its summary names the key, the gradient differs from the same step at
-    coefficient 0 (whose exact pruning leaves the policy gradient as it was), and
-    actor/moe_aux_loss still reports the loss without its coefficient (about 1, not 0.05)."""
+    sequence and its summary names the key, and actor/moe_aux_loss still reports the loss
+    without its coefficient (about 1, not 0.05). What the coefficient adds to the gradient is
+    checked exactly below."""
     coef = {"actor.moe_aux_loss_coef": 0.05, "actor.ep": 2}  # EP=2 trains like EP=1 (above)
-    aux = run(tiny_overrides(tmp_path / "aux", 1, **MOE, **coef)).history[0]
-    plain = run(tiny_overrides(tmp_path / "plain", 1, **MOE)).history[0]
+    aux = run(tiny_overrides(tmp_path / "aux", 1, **MOE, model="tiny_qwen3_moe", **coef)).history[0]
 
     assert "no pruning: actor.moe_aux_loss_coef=0.05" in aux["planner/summary"]
     assert aux["planner/kept_seq_frac"] == 1.0
-    assert "no pruning" not in plain["planner/summary"]
-    assert plain["critic/rewards/mean"] == aux["critic/rewards/mean"]  # the same rollouts
-    assert aux["actor/grad_norm"] != pytest.approx(plain["actor/grad_norm"], rel=1e-4)
+    assert math.isfinite(aux["actor/grad_norm"]) and aux["actor/grad_norm"] > 0
     assert 1.0 <= aux["actor/moe_aux_loss"] < 4 / 2  # 1 when balanced, at most experts / top_k
     assert aux["export/checksum_ok"] == 1.0
 
