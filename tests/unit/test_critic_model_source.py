@@ -65,7 +65,7 @@ def test_tied_embeddings_may_differ_since_the_critic_has_no_output_layer():
 def test_a_scalar_score_weight_is_the_head():
     source = decide_value_head(WHERE, {"score.weight": (1, 64)}, None, 64, 0.0)
     assert source.from_checkpoint
-    assert "value head from critic.model.path=/x (score.weight)" == source.description
+    assert source.description == "value head from critic.model.path=/x (score.weight)"
 
 
 def test_a_zero_score_bias_is_accepted():
