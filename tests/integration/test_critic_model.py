@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import TINY_HF_CONFIG
+from conftest import TINY_HF_CONFIG, value_model_folder
 
 from megarl.distributed.launcher import launch
 from megarl.models.random_init import build_random_hf_model
@@ -117,20 +117,6 @@ def test_critic_values_come_from_the_actors_trunk_and_train(tp, pp, tied):
 # --- critic.model.path: the critic from another folder -----------------------------------------
 
 
-def _value_model_folder(folder, hf_config: dict, seed: int):
-    """A random-init ``LlamaForTokenClassification(num_labels=1)`` (what verl's critic loads)
-    of the actor's architecture, its ``score.bias`` zeroed, saved by transformers."""
-    from transformers import AutoConfig, AutoModelForTokenClassification
-
-    config = AutoConfig.for_model(**hf_config, num_labels=1)
-    torch.manual_seed(seed)
-    model = AutoModelForTokenClassification.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():
-        model.score.bias.zero_()
-    model.save_pretrained(folder, safe_serialization=True)
-    return model
-
-
 def _folder_worker(ctx, tp: int, hf_config: dict, ids, actor_dir: str, critic_dir: str):
     from logits_probe import full_logits, probe_batch
     from megatron.core import parallel_state as ps
@@ -179,7 +165,7 @@ def test_critic_model_path_loads_the_critics_trunk_and_score_head(tmp_path):
     cfg = dict(TINY_HF_CONFIG)
     actor_model = build_random_hf_model(cfg, seed=3)
     actor_model.save_pretrained(tmp_path / "actor", safe_serialization=True)
-    value_model = _value_model_folder(tmp_path / "critic", cfg, seed=11)
+    value_model = value_model_folder(tmp_path / "critic", cfg, seed=11)
     ids = torch.randint(0, cfg["vocab_size"], (3, 11), generator=torch.Generator().manual_seed(1))
     score = value_model.score.weight.detach()
     with torch.no_grad():
