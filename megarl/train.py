@@ -200,6 +200,10 @@ def validate_against_model(cfg, model_dir: str, device: str = "cpu") -> None:
                 f"actor.lora.rank={cfg.actor.lora.rank}: LoRA on a mixture-of-experts model "
                 f"({spec.family}) is not supported; set actor.lora.rank=0"
             )
+        if cfg.algo.uses_critic and cfg.critic.model.path is not None:
+            from megarl.critic.hf_init import check_critic_folder
+
+            check_critic_folder(cfg.critic.model.path, spec, cfg.critic.value_head_init_std)
         if cfg.actor.vpp > 1:  # VPP builds, loads and exports, but cannot train yet
             raise StartupError(VPP_TRAINING_UNSUPPORTED)
         if cfg.rollout.engine == "vllm":

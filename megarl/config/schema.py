@@ -802,6 +802,15 @@ class AlgoConfig:
 
 
 @dataclass(frozen=True)
+class CriticModelConfig:
+    path: str | None = None
+    """verl's key: a HF folder the critic's trunk (and, from a ``score.weight`` of shape
+    ``[1, hidden]``, its value head) is loaded from, e.g. a value model trained before or a
+    reward model; it must hold the actor's architecture (checked at start-up, see
+    :mod:`megarl.critic.model_source`). null = the actor's checkpoint with a fresh head."""
+
+
+@dataclass(frozen=True)
 class CriticConfig:
     """PPO's critic (built exactly when ``algo.adv_estimator=gae``): the actor's architecture
     and TP/PP layout on the same ranks, a scalar value head, its own optimizer. verl's keys
@@ -822,7 +831,10 @@ class CriticConfig:
     """How the value loss is aggregated, one of :data:`megarl.algo.losses.AGG_MODES` (verl's
     ``loss_agg_mode`` of its critic)."""
     value_head_init_std: float = 0.0
-    """0: the value head starts at zero (every first value is 0); > 0: a normal draw."""
+    """0: the value head starts at zero (every first value is 0); > 0: a normal draw. Unused
+    when ``critic.model.path`` holds a head."""
+    model: CriticModelConfig = field(default_factory=CriticModelConfig)
+    """Where the critic's weights come from (``critic.model.path``)."""
 
     def __post_init__(self) -> None:
         _positive("critic.lr", self.lr)

@@ -2,7 +2,9 @@
 
 The critic is the actor's architecture with a scalar value head (:mod:`megarl.models.value_head`),
 built on the same TP/PP layout and ranks, loaded from the same HF checkpoint (the head is
-initialised, not loaded) and trained by its own optimizer. It reuses the actor's construction,
+initialised) or from ``critic.model.path`` (a folder of the same architecture, whose scalar
+``score`` head is loaded when it has one; :mod:`megarl.critic.model_source`), and trained by
+its own optimizer. It reuses the actor's construction,
 DDP wrapping, micro-batch building and pipeline schedule (hence the subclass); only its two
 passes differ: :meth:`MegatronCritic.compute_values` instead of logprobs, and
 :meth:`MegatronCritic.train_values` with :func:`megarl.algo.gae.value_loss` instead of the

@@ -167,19 +167,25 @@ def open_hf_tensors(path: str | os.PathLike | None) -> Callable[[str], torch.Ten
     Megatron ranks load only the tensors their own shards are cut from, instead of every rank
     materialising the whole checkpoint.
     """
+    folder = resolve_model_path(path, tokenizer=False)
+    return tensor_reader(folder, f"model.path={folder}")
+
+
+def tensor_reader(folder: Path, where: str) -> Callable[[str], torch.Tensor]:
+    """:func:`open_hf_tensors` of a folder already checked by its caller (the critic's
+    ``critic.model.path``, which need not have an ``lm_head``); errors start with ``where``."""
     from safetensors import safe_open
 
-    folder = resolve_model_path(path, tokenizer=False)
     file_of: dict[str, Path] = {}
     for file in sorted(folder.glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as handle:
             file_of.update(dict.fromkeys(handle.keys(), file))
     if not file_of:
-        raise ModelPathError(f"model.path={folder}: no tensors in *.safetensors")
+        raise ModelPathError(f"{where}: no tensors in *.safetensors")
 
     def read(name: str) -> torch.Tensor:
         if name not in file_of:
-            raise ModelPathError(f"model.path={folder}: checkpoint has no tensor {name}")
+            raise ModelPathError(f"{where}: checkpoint has no tensor {name}")
         with safe_open(str(file_of[name]), framework="pt") as handle:
             return handle.get_tensor(name)
 

@@ -8,7 +8,7 @@ transformer-engine spec on GPU when installed) and the parameter dtype. Weight l
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,6 +28,9 @@ class ValueHeadInit:
     """0 gives an all-zero head; > 0 a normal draw with this std."""
     seed: int = 0
     """The draw's seed, the same on every rank so TP replicas start equal."""
+    weight: torch.Tensor | None = field(default=None, compare=False)
+    """``[1, hidden]``: a head read from ``critic.model.path`` (its ``score.weight``), used
+    instead of the draw; every rank reads the same tensor, so TP replicas start equal too."""
 
 
 def transformer_config(
@@ -198,7 +201,9 @@ def build_gpt_model(
         vp_stage=vp_stage,
     )
     if value_head is not None:
-        attach_value_head(model, spec.hidden_size, dtype, value_head.init_std, value_head.seed)
+        attach_value_head(
+            model, spec.hidden_size, dtype, value_head.init_std, value_head.seed, value_head.weight
+        )
     if device == "cuda":
         model = model.cuda()
     return model

@@ -129,12 +129,16 @@ def _check_shard_index(folder: Path, where: str) -> None:
 
 
 def check_weights_match_config(
-    spec: TransformerSpec, shapes: Mapping[str, tuple[int, ...]], where: str
+    spec: TransformerSpec,
+    shapes: Mapping[str, tuple[int, ...]],
+    where: str,
+    output_layer: bool = True,
 ) -> None:
     """The config describes these weights: vocabulary, layer count, every tensor and its shape.
 
     The vocabulary and layer count come first with their own message, since they are the usual
-    way a hand-edited config and its weights part.
+    way a hand-edited config and its weights part. ``output_layer=False`` for a folder that
+    only the critic reads (its value head replaces ``lm_head``, which a reward model lacks).
     """
     for name in (EMBEDDING, LM_HEAD):
         rows = shapes.get(name, (None,))[0]
@@ -150,7 +154,7 @@ def check_weights_match_config(
         )
     expected = {}
     for rule in mapping.rules_for(spec):
-        if rule.mcore == "output_layer.weight" and spec.tie_embeddings:
+        if rule.mcore == "output_layer.weight" and (spec.tie_embeddings or not output_layer):
             continue
         for layer in range(spec.num_layers) if rule.per_layer else [None]:
             expected.update(zip(rule.hf_names(layer), mapping.hf_shapes(rule, spec), strict=True))

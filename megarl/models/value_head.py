@@ -11,9 +11,11 @@ output) is the full hidden vector on every TP rank, so every replica computes th
 and the same gradient and the replicas stay equal without a collective. The grad-norm counts
 it once (Megatron's ``param_is_not_tensor_parallel_duplicate`` sees no TP attribute).
 
-Its initialisation is zero by default: the first rollout's values are then exactly 0, and the
-first updates move only the head until it has a signal to pass back into the trunk; a small
-``init_std`` starts the trunk's learning at once instead.
+It starts from a checkpoint's scalar head when ``critic.model.path`` holds one
+(:mod:`megarl.critic.model_source`). Otherwise its initialisation is zero by default: the
+first rollout's values are then exactly 0, and the first updates move only the head until it
+has a signal to pass back into the trunk; a small ``init_std`` starts the trunk's learning at
+once instead.
 """
 
 from __future__ import annotations
@@ -31,10 +33,19 @@ class ValueHead(torch.nn.Module):
     sequence_parallel = False
     """Read by ``GPTModel`` in inference mode; the critic runs without sequence parallelism."""
 
-    def __init__(self, hidden_size: int, dtype: torch.dtype, init_std: float, seed: int):
+    def __init__(
+        self,
+        hidden_size: int,
+        dtype: torch.dtype,
+        init_std: float,
+        seed: int,
+        loaded: Tensor | None = None,
+    ):
         super().__init__()
         weight = torch.zeros(1, hidden_size, dtype=torch.float32)
-        if init_std > 0:  # the same draw on every rank, so TP replicas start equal
+        if loaded is not None:  # a checkpoint's head (critic.model.path); no draw
+            weight = loaded.detach().to(torch.float32).reshape(1, hidden_size).clone()
+        elif init_std > 0:  # the same draw on every rank, so TP replicas start equal
             generator = torch.Generator().manual_seed(seed)
             weight.normal_(0.0, init_std, generator=generator)
         self.value_weight = torch.nn.Parameter(weight.to(dtype))
@@ -49,11 +60,18 @@ class ValueHead(torch.nn.Module):
         return hidden_SBH @ self.value_weight.t(), None
 
 
-def attach_value_head(model, hidden_size: int, dtype: torch.dtype, init_std: float, seed: int):
+def attach_value_head(
+    model,
+    hidden_size: int,
+    dtype: torch.dtype,
+    init_std: float,
+    seed: int,
+    loaded: Tensor | None = None,
+):
     """Replace the model's ``output_layer`` (last pipeline stage only) with a
-    :class:`ValueHead`."""
+    :class:`ValueHead`: ``loaded`` when given, else zero or a draw of ``init_std``."""
     if getattr(model, "post_process", False):
-        model.output_layer = ValueHead(hidden_size, dtype, init_std, seed)
+        model.output_layer = ValueHead(hidden_size, dtype, init_std, seed, loaded)
     return model
 
 

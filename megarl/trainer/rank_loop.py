@@ -246,7 +246,9 @@ def _setup(ctx: WorkerContext, inputs: RunInputs) -> _Runtime:
     critic = None
     if cfg.algo.uses_critic:
         heartbeat.mark("build_critic")
-        critic = _build_critic(cfg, spec, inputs.device, dtype, hf_tensors, pad_id, execution)
+        critic = _build_critic(
+            cfg, spec, inputs.device, dtype, hf_tensors, pad_id, execution, inputs.resume_from
+        )
     return _Runtime(
         cfg=cfg,
         dp_rank=ps.get_data_parallel_rank(),
@@ -267,15 +269,36 @@ def _setup(ctx: WorkerContext, inputs: RunInputs) -> _Runtime:
     )
 
 
-def _build_critic(cfg: RunConfig, spec, device: str, dtype, hf_tensors, pad_id: int, execution):
-    """The critic from the actor's checkpoint, with a fresh value head seeded by the run."""
+def _build_critic(
+    cfg: RunConfig,
+    spec,
+    device: str,
+    dtype,
+    hf_tensors,
+    pad_id: int,
+    execution,
+    resume_from: str | None,
+):
+    """The critic from ``critic.model.path`` (its head too, when it holds one) or the actor's
+    checkpoint, else a fresh value head seeded by the run; rank 0 says which.
+
+    A resumed run overwrites every critic weight from its checkpoint's ``critic/`` tensors
+    (:func:`_maybe_restore`), so it builds from the actor's checkpoint and never reads
+    ``critic.model.path``: what the critic learned is in the checkpoint, not in that folder."""
+    from megarl.critic.hf_init import critic_init
     from megarl.critic.megatron_critic import MegatronCritic
     from megarl.models.megatron_gpt import ValueHeadInit
     from megarl.trainer.critic_step import critic_model_config
 
-    head = ValueHeadInit(init_std=cfg.critic.value_head_init_std, seed=cfg.trainer.seed)
+    init_std = cfg.critic.value_head_init_std
+    path = None if resume_from else cfg.critic.model.path
+    source = critic_init(path, hf_tensors, spec, init_std)
+    if dist.get_rank() == 0 and "console" in cfg.trainer.logger:
+        text = f"critic: restored from {resume_from}" if resume_from else source.description
+        print(text, flush=True)
+    head = ValueHeadInit(init_std=init_std, seed=cfg.trainer.seed, weight=source.head_weight)
     return MegatronCritic(
-        spec, critic_model_config(cfg), device, dtype, hf_tensors, pad_id, head, execution
+        spec, critic_model_config(cfg), device, dtype, source.weights, pad_id, head, execution
     )
 
 

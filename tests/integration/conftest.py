@@ -23,6 +23,31 @@ TINY_HF_CONFIG = {
 }
 """The tiny Llama the export, LoRA and equivalence tests build with random weights."""
 
+
+def tiny_llama_hf_config() -> dict:
+    """``model=tiny_llama``'s HF config (configs/model/tiny_llama.yaml), what runs train."""
+    import yaml
+
+    path = Path(__file__).resolve().parents[2] / "configs" / "model" / "tiny_llama.yaml"
+    return dict(yaml.safe_load(path.read_text())["hf_config"])
+
+
+def value_model_folder(folder, hf_config: dict, seed: int, num_labels: int = 1, bias: float = 0.0):
+    """A random-init ``...ForTokenClassification`` (what verl's critic loads) of ``hf_config``,
+    its ``score.bias`` set to ``bias``, saved by transformers: a ``critic.model.path``.
+    Returns the model (eval mode)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForTokenClassification
+
+    config = AutoConfig.for_model(**hf_config, num_labels=num_labels)
+    torch.manual_seed(seed)
+    model = AutoModelForTokenClassification.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        model.score.bias.fill_(bias)
+    model.save_pretrained(folder, safe_serialization=True)
+    return model
+
+
 REQUIRED_METRICS = (
     "step",
     "timing_s/gen",

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_overrides
+from conftest import tiny_llama_hf_config, tiny_overrides, value_model_folder
 
 from megarl.checkpoint.convert import write_hf_folder
 from megarl.checkpoint.layout import complete_checkpoints, read_checkpoint
@@ -252,16 +252,22 @@ PPO = {
 PPO_CURVE_KEYS = ("critic/vf_loss", "critic/values/mean", "critic/vf_explained_var")
 
 
-def test_ppo_resume_is_bitwise_exact(tmp_path):
+def test_ppo_resume_is_bitwise_exact(tmp_path, capsys):
     """With a critic: its trunk, value head and AdamW state come back from the checkpoint.
 
     The actor's weights after the resumed steps depend on the critic's values (through the
     advantages), so equal actor weights and equal ``critic/*`` metrics need an exact critic.
-    A resume that forgot the critic (fresh head at 0.02 std) changes both.
-    """
+    A resume that forgot the critic (fresh head at 0.02 std) changes both, and so would one
+    that started it from ``critic.model.path``, which the resumed half names (another value
+    model with a scalar head)."""
     straight_dir = tmp_path / "straight"
     straight = run(tiny_overrides(straight_dir, 4, **COMMON, **PPO), return_final_state=True)
-    _, resumed, rows = _stop_and_resume(tmp_path, PPO, PPO, steps=4, stop_at=2)
+    other = value_model_folder(tmp_path / "value_model", tiny_llama_hf_config(), seed=7)
+    assert other.score.weight.abs().max() > 0
+    later = {**PPO, "critic.model.path": tmp_path / "value_model", "trainer.log_console": "true"}
+    capsys.readouterr()
+    _, resumed, rows = _stop_and_resume(tmp_path, PPO, later, steps=4, stop_at=2)
+    assert "critic: restored from " in capsys.readouterr().out
     straight_rows = _metrics(straight_dir)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert _curve(rows) == _curve(straight_rows)

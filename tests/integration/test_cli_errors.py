@@ -195,6 +195,59 @@ def test_bad_model_folder_is_one_line_and_writes_nothing(train_cli, tmp_path, ca
     _assert_one_line_exit_2_nothing_written(proc, f"model.path={model}: {needle}", run_dir)
 
 
+def _critic_folder(folder: Path, **changes) -> Path:
+    """A value model of ``model=tiny_llama``'s architecture, with ``changes`` to its HF config
+    (``num_labels`` and ``bias`` go to its score head)."""
+    from conftest import tiny_llama_hf_config, value_model_folder
+
+    head = {k: changes.pop(k) for k in ("num_labels", "bias") if k in changes}
+    value_model_folder(folder, {**tiny_llama_hf_config(), **changes}, seed=1, **head)
+    return folder
+
+
+_BAD_CRITICS = {
+    "missing": (lambda f: f / "nope", "no such folder"),
+    "no config": (
+        lambda f: (_critic_folder(f), (f / "config.json").unlink())[0],
+        "folder has no config.json",
+    ),
+    "no weights": (
+        lambda f: (_critic_folder(f), (f / "model.safetensors").unlink())[0],
+        "folder has no *.safetensors weights",
+    ),
+    "other width": (
+        lambda f: _critic_folder(f, hidden_size=64),
+        "hidden_size 64 differs from the actor's 128",
+    ),
+    "other depth": (
+        lambda f: _critic_folder(f, num_hidden_layers=2),
+        "num_layers 2 differs from the actor's 4",
+    ),
+    "two labels": (
+        lambda f: _critic_folder(f, num_labels=2),
+        "score.weight has shape [2, 128]; a value head needs [1, 128]",
+    ),
+    "score bias": (lambda f: _critic_folder(f, bias=0.5), "score.bias is nonzero ([0.5])"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_BAD_CRITICS))
+def test_bad_critic_model_path_is_one_line_and_writes_nothing(train_cli, tmp_path, case):
+    """``critic.model.path`` must hold the actor's architecture (it is built through the
+    actor's code at the actor's layout) and a scalar head if any: refused at start-up."""
+    make, needle = _BAD_CRITICS[case]
+    folder = make(tmp_path / "critic")
+    run_dir = tmp_path / "run"
+    proc = train_cli.run(
+        f"trainer.run_dir={run_dir}",
+        "model=tiny_llama",
+        "recipe=ppo",
+        f"critic.model.path={folder}",
+        cwd=tmp_path,
+    )
+    _assert_one_line_exit_2_nothing_written(proc, f"critic.model.path={folder}: {needle}", run_dir)
+
+
 def test_unparsable_gguf_is_one_line(train_cli, tmp_path):
     gguf = tmp_path / "random.gguf"
     gguf.write_bytes(bytes(range(256)) * 64)

@@ -7,14 +7,16 @@ Checks, at TP=2 and at PP=2 (tied embeddings), with the tiny random Llama:
   token equals the HF model's logit of token ``k`` at the position before it: the trunk, the
   final norm and the value/logprob alignment are the actor's;
 * a few updates on the value loss against fixed returns lower it, and the replicated head
-  stays bitwise equal on the TP ranks.
+  stays bitwise equal on the TP ranks;
+* with ``critic.model.path`` (another folder of the same shape, with a scalar ``score`` head)
+  the critic's trunk and head are that folder's and the actor's logits stay the actor's.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from conftest import TINY_HF_CONFIG
+from conftest import TINY_HF_CONFIG, value_model_folder
 
 from megarl.distributed.launcher import launch
 from megarl.models.random_init import build_random_hf_model
@@ -110,3 +112,86 @@ def test_critic_values_come_from_the_actors_trunk_and_train(tp, pp, tied):
     if tp > 1:
         assert all(r["replicas_equal"] for r in results if r["last"])
     print(f"probe_diff={last['probe_diff']:.2e} losses={[round(x, 4) for x in losses]}")
+
+
+# --- critic.model.path: the critic from another folder -----------------------------------------
+
+
+def _folder_worker(ctx, tp: int, hf_config: dict, ids, actor_dir: str, critic_dir: str):
+    from logits_probe import full_logits, probe_batch
+    from megatron.core import parallel_state as ps
+
+    from megarl.actor.megatron_actor import MegatronActor
+    from megarl.config.schema import ActorConfig
+    from megarl.critic.hf_init import critic_init
+    from megarl.critic.megatron_critic import MegatronCritic
+    from megarl.distributed import parallel
+    from megarl.distributed.platform import enter_cpu_shims
+    from megarl.models.hf_io import open_hf_tensors
+    from megarl.models.megatron_gpt import ValueHeadInit
+    from megarl.models.spec import spec_from_hf_config
+
+    enter_cpu_shims()
+    parallel.init_process_group("cpu", ctx.rank, ctx.world_size, ctx.master_addr, ctx.master_port)
+    parallel.init_model_parallel(tp, 1)
+    spec = spec_from_hf_config(hf_config)
+    cfg = ActorConfig(tp=tp, pp=1)
+    actor_tensors = open_hf_tensors(actor_dir)  # as the rank loop opens the actor's folder
+    init = critic_init(critic_dir, actor_tensors, spec, init_std=0.0)
+    head = ValueHeadInit(weight=init.head_weight)
+    critic = MegatronCritic(spec, cfg, "cpu", torch.float32, init.weights, pad_id=0, head=head)
+    actor = MegatronActor(spec, cfg, "cpu", torch.float32, actor_tensors, 0, trainable=False)
+    batch = probe_batch(ids, PROMPT_LEN)
+    values = critic.compute_values(batch, [list(range(batch.num_seqs))])
+    head_param = _head_param(critic).detach().contiguous()
+    replicas = [torch.empty_like(head_param) for _ in range(tp)]
+    torch.distributed.all_gather(replicas, head_param, group=ps.get_tensor_model_parallel_group())
+    out = {
+        "values": torch.stack([values[i] for i in range(batch.num_seqs)]),
+        "logits": full_logits(actor, batch, tp, hf_config["vocab_size"]),
+        "description": init.description,
+        "replicas_equal": all(torch.equal(r, replicas[0]) for r in replicas),
+    }
+    parallel.destroy()
+    return out
+
+
+def test_critic_model_path_loads_the_critics_trunk_and_score_head(tmp_path):
+    """``critic.model.path`` = another random Llama of the same shape with a scalar ``score``
+    head: the critic's values are that model's (its last hidden state after the final norm
+    times ``score.weight``, as transformers computes them), not those of the actor's trunk,
+    while the actor built beside it keeps the actor's logits. TP=2: the loaded head is the
+    same on both TP ranks."""
+    cfg = dict(TINY_HF_CONFIG)
+    actor_model = build_random_hf_model(cfg, seed=3)
+    actor_model.save_pretrained(tmp_path / "actor", safe_serialization=True)
+    value_model = value_model_folder(tmp_path / "critic", cfg, seed=11)
+    ids = torch.randint(0, cfg["vocab_size"], (3, 11), generator=torch.Generator().manual_seed(1))
+    score = value_model.score.weight.detach()
+    with torch.no_grad():
+        expected = value_model(ids).logits[:, PROMPT_LEN - 1 : -1, 0]
+        by_hand = value_model.model(ids).last_hidden_state @ score.t()
+        actor_trunk = actor_model.model(ids).last_hidden_state @ score.t()
+        actor_logits = actor_model(ids).logits
+    assert (by_hand[:, PROMPT_LEN - 1 : -1, 0] - expected).abs().max() <= 1e-6
+    # the test can fail: the actor's trunk under the same head gives other values
+    wrong = actor_trunk[:, PROMPT_LEN - 1 : -1, 0]
+    assert (wrong - expected).abs().max() > 1e-2
+
+    results = launch(
+        _folder_worker,
+        2,
+        args=(2, cfg, ids, str(tmp_path / "actor"), str(tmp_path / "critic")),
+        timeout_s=240,
+    )
+    for result in results:
+        assert result["replicas_equal"]
+        value_diff = (result["values"] - expected).abs().max().item()
+        assert value_diff <= 1e-4, value_diff
+        logit_diff = (result["logits"] - actor_logits).abs().max().item()
+        assert logit_diff <= 1e-3, logit_diff
+        assert result["description"] == (
+            f"critic: trunk from critic.model.path={tmp_path / 'critic'}, value head from "
+            f"critic.model.path={tmp_path / 'critic'} (score.weight)"
+        )
+    print(f"value_diff={value_diff:.2e} logit_diff={logit_diff:.2e}")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import math
 
-from conftest import tiny_overrides
+from conftest import tiny_llama_hf_config, tiny_overrides, value_model_folder
 
 from megarl.train import run
 
@@ -99,3 +99,27 @@ def test_the_critic_runs_its_own_mini_batches_and_epochs(tmp_path) -> None:
     for key in CRITIC_METRICS:
         assert math.isfinite(row[key]), (key, row[key])
     assert row["critic/vf_clipfrac"] > 0.0
+
+
+def test_the_critic_starts_from_critic_model_path(tmp_path, capsys) -> None:
+    """``critic.model.path`` names a value model with a scalar head: rank 0 says the critic
+    starts from it, and step 1's values are its head's, not the zero head that
+    ``critic.value_head_init_std=0`` gives a critic from the actor's checkpoint."""
+    folder = tmp_path / "value_model"
+    value_model_folder(folder, tiny_llama_hf_config(), seed=5)
+    run_dir = tmp_path / "run"
+    overrides = {
+        **PPO,
+        "trainer.n_gpus_per_node": 1,
+        "critic.value_head_init_std": 0.0,
+        "critic.model.path": folder,
+        "trainer.log_console": "true",
+    }
+    run(tiny_overrides(run_dir, 1, **overrides))
+    where = f"critic.model.path={folder}"
+    line = f"critic: trunk from {where}, value head from {where} (score.weight)"
+    assert line in capsys.readouterr().out
+    [row] = _rows(run_dir)
+    assert row["critic/values/mean"] != 0.0
+    for key in CRITIC_METRICS:
+        assert math.isfinite(row[key]), (key, row[key])

@@ -25,6 +25,7 @@ PURE_MODULES = sorted(
         *(PACKAGE / "config").glob("*.py"),
         *(PACKAGE / "data").glob("*.py"),
         *(PACKAGE / "planner").glob("*.py"),
+        PACKAGE / "critic" / "model_source.py",
         PACKAGE / "distributed" / "execution.py",
         PACKAGE / "engines" / "vllm_settings.py",
         PACKAGE / "models" / "mapping.py",
