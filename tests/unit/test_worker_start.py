@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -33,7 +34,8 @@ def test_a_zombie_launcher_counts_as_gone_and_a_reaped_one_too():
     still succeeds then, so only its state tells a worker to stop."""
     assert launcher._process_lives(os.getpid())
     child = subprocess.Popen([sys.executable, "-c", "pass"])
-    while open(f"/proc/{child.pid}/stat").read().rpartition(")")[2].split()[0] != "Z":
+    stat = Path(f"/proc/{child.pid}/stat")
+    while stat.read_text().rpartition(")")[2].split()[0] != "Z":
         pass  # exited, not yet collected: a zombie
     assert not launcher._process_lives(child.pid)
     child.wait()
