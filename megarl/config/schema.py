@@ -627,6 +627,11 @@ class RolloutCorrectionConfig:
     """Upper rejection bound, >= 1; null = ``rollout_is_threshold`` (as verl)."""
     rollout_rs_threshold_lower: float | None = None
     """Lower rejection bound, in [0, 1]; null = ``1 / rollout_rs_threshold`` (as verl)."""
+    rollout_token_veto_threshold: float | None = None
+    """In (0, 1), or null (off, verl's default): a response in which any token's ratio
+    ``pi_old / pi_rollout`` is below this gets weight 0 on every token, whatever
+    ``rollout_is`` / ``rollout_rs`` say (verl suggests 1e-4 to 1e-6: a catastrophic outlier, not
+    noise). At 1 or above it would drop nearly every response, so it is refused."""
 
     def __post_init__(self) -> None:
         key = "algo.rollout_correction"
@@ -635,6 +640,13 @@ class RolloutCorrectionConfig:
         _positive(f"{key}.rollout_is_threshold", self.rollout_is_threshold)
         _optional_number(f"{key}.rollout_rs_threshold", self.rollout_rs_threshold)
         _optional_number(f"{key}.rollout_rs_threshold_lower", self.rollout_rs_threshold_lower)
+        veto = self.rollout_token_veto_threshold
+        _optional_number(f"{key}.rollout_token_veto_threshold", veto)
+        _require(
+            veto is None or 0 < veto < 1,
+            f"{key}.rollout_token_veto_threshold={veto!r}: must be in (0, 1), or null (off): a "
+            "response with a token whose ratio pi_old / pi_rollout is below it is dropped",
+        )
         if self.rollout_rs is None:
             return  # the bounds are unused
         upper, lower = self.rs_bounds
@@ -652,7 +664,7 @@ class RolloutCorrectionConfig:
     @property
     def enabled(self) -> bool:
         """Whether the loss changes (then the old log-probs must be the trainer's own)."""
-        return self.rollout_is is not None or self.rollout_rs is not None
+        return self.settings.enabled
 
     @property
     def rs_bounds(self) -> tuple[float, float]:
@@ -674,6 +686,11 @@ class RolloutCorrectionConfig:
             rollout_rs=self.rollout_rs,
             rs_upper=upper,
             rs_lower=lower,
+            veto_threshold=(
+                None
+                if self.rollout_token_veto_threshold is None
+                else float(self.rollout_token_veto_threshold)
+            ),
         )
 
 

@@ -18,6 +18,17 @@ reason. Workers only execute the gates; no skip decision lives inline in GPU cod
   recomputed ones or, on the first slice, the training forward's (the same weights, so the same
   numbers: no extra pass is needed there either); ``planner.old_log_prob=rollout`` would make
   the engine's logprobs "old" and the correction the identity, so start-up refuses it.
+
+  **Whole sequences, one source each.** A slice is a set of sequence indices, and every layer
+  below keeps a sequence whole: the planner packs whole sequences into micro-batches (a
+  sequence over the token budget runs alone, never split), the recompute pass's micro-batches
+  likewise, and the loss sees one row per sequence, packed or not (``to_rows``). The gate
+  names sequences, so a sequence's old logprobs come from one source for all its tokens: all
+  recomputed, or all the training forward's. That is what sequence-level quantities need:
+  GSPO's ratio (``actor.policy_loss=gspo``) is the geometric mean of ``pi / pi_old`` over the
+  whole response, and the sequence-level IS and rejection of the rollout correction use the
+  product over it. The policy loss is therefore no fact of the gate: every loss gets the same
+  decision (``tests/unit/test_gates_from_plan.py`` checks it for GSPO on packed plans).
 * **Reference forward**: only while ``actor.kl_coef`` is non-zero or the KL is in the reward
   (``algo.use_kl_in_reward``). Its source (none, a frozen model copy, or the LoRA actor with
   its adapters disabled) is decided at start-up.
@@ -275,7 +286,12 @@ def decide_gates(facts: StepFacts) -> StepGates:
 
 
 def decide_old_log_prob(facts: StepFacts) -> PassGate:
-    """Old-logprob forward: per slice under "auto", everything or nothing otherwise."""
+    """Old-logprob forward: per slice under "auto", everything or nothing otherwise.
+
+    It decides per whole slice, so per whole sequence: a sequence is recomputed entirely or
+    takes the training forward's logprobs entirely (see the module docstring), which is what
+    GSPO's sequence ratio and the sequence-level rollout correction require.
+    """
     mode = facts.run.old_log_prob
     if mode is OldLogProbMode.ROLLOUT:
         return PassGate(

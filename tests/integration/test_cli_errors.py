@@ -72,6 +72,10 @@ _VLLM_CASES = (
             ["algo.rollout_correction.rollout_rs=geo"],
             "algo.rollout_correction.rollout_rs='geo': must be one of token, sequence, geometric",
         ),
+        (
+            ["algo.rollout_correction.rollout_token_veto_threshold=2"],
+            "algo.rollout_correction.rollout_token_veto_threshold=2: must be in (0, 1), or null",
+        ),
         (["trainer.resume=/nonexistent/ckpt"], "checkpoint /nonexistent/ckpt: no such directory"),
         (["actor.optim.grad_clip=-1"], "actor.optim.grad_clip=-1.0: must be >= 0 (0 = no clip"),
         (["rollout.temperature=0"], "rollout.temperature=0.0: must be > 0"),

@@ -22,7 +22,10 @@ COMMON = {"actor.ppo_mini_batches": 2}
 CORRECTION = {
     "algo.rollout_correction.rollout_is": "token",
     "algo.rollout_correction.rollout_rs": "token",  # bounds [0.5, 2]: every odd token goes
+    "algo.rollout_correction.rollout_token_veto_threshold": 1e-4,  # no ratio is that small
 }
+VETO_EVERY_RESPONSE = {"algo.rollout_correction.rollout_token_veto_threshold": 0.8}
+"""Every response has an even position (ratio e^-0.3 < 0.8), so the veto drops every one."""
 
 
 def _shift(logprobs: torch.Tensor) -> torch.Tensor:
@@ -50,7 +53,8 @@ def _odd_fraction(step: dict) -> float:
 
 def test_shifted_engine_is_measured_and_corrected(tiny_run, shifted_engine, tmp_path) -> None:
     """One step with the correction off, one with it on: the same rollout and the same measured
-    mismatch; only the corrected run rejects the odd tokens and so reports another loss. (The
+    mismatch; only the corrected run rejects the odd tokens and so reports another loss. A
+    third run whose veto catches every response trains on nothing: its policy loss is 0. (The
     unshifted run's ``rollout_corr/*`` ~ identity is checked in test_train_e2e.py.)"""
     [off] = tiny_run(steps=1, **COMMON).history
     (tmp_path / "run").rename(tmp_path / "off")
@@ -66,7 +70,24 @@ def test_shifted_engine_is_measured_and_corrected(tiny_run, shifted_engine, tmp_
         expected_mean = hi * odd + lo * (1 - odd)
         assert m["rollout_corr/rollout_is_mean"] == pytest.approx(expected_mean, rel=1e-3)
         assert m["gates/summary"].startswith("old_lp: 4/8 recompute, rest train forward (")
+        # ESS of the token weights clamped to [1/2, 2]: e^-0.3 on even positions, 2 on odd
+        # ones (verl's 1 / mean((w / mean w)^2) = mean(w)^2 / mean(w^2))
+        mean_w = 2.0 * odd + lo * (1 - odd)
+        mean_w2 = 4.0 * odd + lo**2 * (1 - odd)
+        ess = m["rollout_corr/rollout_is_eff_sample_size"]
+        assert ess == pytest.approx(mean_w**2 / mean_w2, rel=1e-3)
+        assert m["rollout_corr/rollout_is_veto_fraction"] == 0.0  # no ratio below 1e-4
+        assert m["rollout_corr/rollout_is_catastrophic_token_fraction"] == 0.0
     assert off["rollout_corr/rollout_rs_masked_fraction"] == 0.0
     assert on["rollout_corr/rollout_rs_masked_fraction"] == pytest.approx(_odd_fraction(on))
     assert off["critic/rewards/mean"] == on["critic/rewards/mean"]
     assert off["actor/pg_loss"] != pytest.approx(on["actor/pg_loss"], abs=1e-6)
+
+    (tmp_path / "run").rename(tmp_path / "on")
+    [vetoed] = tiny_run(steps=1, **COMMON, **VETO_EVERY_RESPONSE).history
+    odd = _odd_fraction(vetoed)
+    assert odd == pytest.approx(_odd_fraction(off))  # the same rollout
+    assert vetoed["rollout_corr/rollout_is_veto_fraction"] == 1.0
+    assert vetoed["rollout_corr/rollout_is_catastrophic_token_fraction"] == pytest.approx(1 - odd)
+    assert vetoed["rollout_corr/rollout_rs_masked_fraction"] == 0.0  # the veto is not rejection
+    assert vetoed["actor/pg_loss"] == 0.0  # every token at weight 0, in both optimizer steps

@@ -154,6 +154,17 @@ RC = "algo.rollout_correction"
             f"{RC}.rollout_rs_threshold_lower=1.5",
         ),
         ({"bogus": 1}, f"unknown config key {RC}.bogus"),
+        (
+            {"rollout_token_veto_threshold": 0},
+            f"{RC}.rollout_token_veto_threshold=0: must be in (0, 1), or null (off)",
+        ),
+        ({"rollout_token_veto_threshold": 1.0}, f"{RC}.rollout_token_veto_threshold=1.0: must"),
+        ({"rollout_token_veto_threshold": -1e-4}, f"{RC}.rollout_token_veto_threshold=-0.0001"),
+        (
+            {"rollout_token_veto_threshold": "1e-4"},
+            f"{RC}.rollout_token_veto_threshold='1e-4': expected a number, or null",
+        ),
+        ({"rollout_token_veto_threshold": True}, f"{RC}.rollout_token_veto_threshold=True"),
     ],
 )
 def test_rollout_correction_bad_values_name_the_key(section, needle):
@@ -177,6 +188,17 @@ def test_rollout_correction_defaults_off_and_resolves_bounds_as_verl():
         {"algo": {"rollout_correction": {"rollout_rs": "token", "rollout_rs_threshold": 4}}}
     ).algo.rollout_correction
     assert explicit.rs_bounds == (4.0, 0.25)
+
+
+def test_rollout_token_veto_threshold_alone_turns_the_correction_on():
+    """The veto changes the loss by itself, so it needs the trainer's own old log-probs too."""
+    from megarl.config.planning import run_facts
+
+    cfg = build_run_config({"algo": {"rollout_correction": {"rollout_token_veto_threshold": 1e-4}}})
+    veto = cfg.algo.rollout_correction
+    assert veto.enabled and run_facts(cfg).rollout_correction
+    assert veto.settings == CorrectionSettings(veto_threshold=1e-4)
+    assert build_run_config({}).algo.rollout_correction.settings.veto_threshold is None
 
 
 def test_rollout_correction_reaches_the_gates():

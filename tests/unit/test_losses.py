@@ -409,6 +409,64 @@ def test_gspo_ignores_padding_and_other_rows() -> None:
     assert first.loss.item() == second.loss.item()
 
 
+def _toy_policy_logprobs(weight_VH: torch.Tensor) -> torch.Tensor:
+    """Log-probs of fixed sampled tokens under a toy linear policy ``softmax(h W^T)``: the
+    "model forward" of the old-logprob tests (3 sequences, 4 slots, vocabulary 5)."""
+    hidden_BTH = torch.linspace(-1.0, 1.0, 3 * 4 * 2, dtype=torch.float64).reshape(3, 4, 2)
+    tokens_BT = torch.tensor([[0, 3, 1, 4], [2, 2, 0, 0], [4, 1, 3, 0]])
+    logp_BTV = torch.log_softmax(hidden_BTH @ weight_VH.T, dim=-1)
+    return logp_BTV.gather(-1, tokens_BT.unsqueeze(-1)).squeeze(-1)
+
+
+def _gspo_step(weight_VH: torch.Tensor, old_of) -> tuple[torch.Tensor, torch.Tensor]:
+    """One GSPO training forward on ``weight_VH``: the loss and its gradient in the weights,
+    with the old log-probs ``old_of(train_logp_BT)`` (the forward's own, or provided ones)."""
+    _, _, adv_B, mask_BT = _gspo_batch()
+    leaf_VH = weight_VH.clone().requires_grad_(True)
+    logp_BT = _toy_policy_logprobs(leaf_VH)
+    out = policy_loss(
+        logp_BT, old_of(logp_BT), adv_B, mask_BT, 0.2, 0.2, "seq-mean-token-mean", loss="gspo"
+    )
+    (grad_VH,) = torch.autograd.grad(out.loss, leaf_VH)
+    return out.loss.detach(), grad_VH
+
+
+def test_gspo_first_slice_train_forward_old_equals_recomputed_old() -> None:
+    """The gates let the first slice take its old log-probs from the training forward
+    (detached) instead of recomputing them: the weights have not moved, so GSPO's sequence
+    ratio, loss and gradient are the same, per whole row or row by row (as the actor picks a
+    source per sequence). Reference: at pi = pi_old every s_i = 1 (GSPO eq. 7), so the loss is
+    ``-1/G sum_i A_i`` and the gradient is eq. 10's ``-1/G sum_i A_i / |y_i| sum_t grad log pi``."""
+    weight_VH = torch.tensor(
+        [[0.5, -1.0], [1.5, 0.2], [-0.7, 0.9], [0.1, 0.4], [-1.2, -0.3]], dtype=torch.float64
+    )
+    with torch.no_grad():  # the old-logprob pass: a separate forward on the same weights
+        recomputed_BT = _toy_policy_logprobs(weight_VH.clone())
+    train_loss, train_grad = _gspo_step(weight_VH, lambda logp_BT: logp_BT.detach())
+    re_loss, re_grad = _gspo_step(weight_VH, lambda _: recomputed_BT)
+    first_row_recomputed = torch.tensor([True, False, False])[:, None]
+    mixed_loss, mixed_grad = _gspo_step(
+        weight_VH,
+        lambda logp_BT: torch.where(first_row_recomputed, recomputed_BT, logp_BT.detach()),
+    )
+    for loss, grad in ((re_loss, re_grad), (mixed_loss, mixed_grad)):
+        torch.testing.assert_close(loss, train_loss, rtol=0, atol=1e-15)
+        torch.testing.assert_close(grad, train_grad, rtol=0, atol=1e-15)
+
+    _, _, adv_B, mask_BT = _gspo_batch()
+    assert train_loss.item() == pytest.approx(-adv_B.mean().item())
+    leaf_VH = weight_VH.clone().requires_grad_(True)
+    per_seq_mean_B = (_toy_policy_logprobs(leaf_VH) * mask_BT).sum(dim=1) / mask_BT.sum(dim=1)
+    (expected_grad,) = torch.autograd.grad(-(adv_B * per_seq_mean_B).mean(), leaf_VH)
+    torch.testing.assert_close(train_grad, expected_grad)
+
+    # the check can tell: old log-probs of moved (stale) weights give another loss
+    with torch.no_grad():
+        stale_BT = _toy_policy_logprobs(weight_VH * 1.3)
+    stale_loss, _ = _gspo_step(weight_VH, lambda _: stale_BT)
+    assert stale_loss.item() != pytest.approx(train_loss.item())
+
+
 def test_cispo_matches_the_papers_objective_and_stop_gradient() -> None:
     """CISPO (arXiv:2506.13585) eq. 4 with token-mean: ``J = 1/sum|o_i| sum_i sum_t
     sg(r_hat_i,t) A_i log pi_i,t``, ``r_hat = clip(r, 1 - low, 1 + high)`` (eq. 5). The weight

@@ -1,9 +1,12 @@
-"""Rollout correction (truncated IS, rejection) and its mismatch metrics on hand-made numbers.
+"""Rollout correction (truncated IS, rejection, veto) and its metrics on hand-made numbers.
 
 The reference is the definition in verl's rollout-correction docs (decoupled mode): the IS
 weight of a token is ``min(rho, threshold)`` with ``rho = pi_old / pi_rollout`` of the token
 (``token``) or the product over its response (``sequence``); rejection drops a token or
-response whose ratio (token, product, or geometric mean) leaves ``[lower, upper]``.
+response whose ratio (token, product, or geometric mean) leaves ``[lower, upper]``; the veto
+(``rollout_token_veto_threshold``) drops a whole response in which some valid token's own ratio
+is below the threshold; the effective sample size is ``1 / mean((w / mean w)^2)`` of the
+ratios clamped to ``[1 / rollout_is_threshold, rollout_is_threshold]``.
 """
 
 from __future__ import annotations
@@ -102,11 +105,81 @@ def test_weights_are_detached_and_extreme_ratios_finite() -> None:
         ({"rollout_rs": "token", "rs_lower": 1.1, "rs_upper": 2.0}, "lower <= 1 <= upper"),
         ({"rollout_rs": "token", "rs_lower": 0.5, "rs_upper": 0.9}, "lower <= 1 <= upper"),
         ({"rollout_rs": "sequence", "rs_lower": 1.0, "rs_upper": 1.0}, "lower < upper"),
+        ({"veto_threshold": 0.0}, "veto_threshold"),
+        ({"veto_threshold": 1.0}, "veto_threshold"),
+        ({"veto_threshold": -1e-4}, "veto_threshold"),
     ],
 )
 def test_settings_are_validated(settings: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         CorrectionSettings(**settings)
+
+
+# ----------------------------------------------------------------------------- veto
+
+
+def test_veto_drops_every_token_of_a_response_with_a_catastrophic_token() -> None:
+    """Row 0 has a token at ratio 1/4, row 1 none below 1/2: a threshold of 0.3 drops row 0
+    whole and leaves row 1; the IS weights themselves are untouched (verl: the veto is a mask)."""
+    corr = _correction(rollout_is="token", is_threshold=2.0, veto_threshold=0.3)
+    _assert_rows(corr.keep_BT, [[0, 0, 0], [1, 1, 0]])
+    _assert_rows(corr.is_weights_BT, [[2.0, 1.0, 0.25], [2.0, 0.5, 0.0]])
+    _assert_rows(corr.token_weights_BT, [[0, 0, 0], [2.0, 0.5, 0.0]])
+    assert CorrectionSettings(veto_threshold=0.3).enabled
+
+
+@pytest.mark.parametrize(
+    ("threshold", "kept_rows"),
+    [(0.2, [1, 1]), (0.25, [1, 1]), (0.26, [0, 1]), (0.5, [0, 1]), (0.51, [0, 0])],
+)
+def test_veto_is_strictly_below_the_threshold(threshold: float, kept_rows: list[int]) -> None:
+    """verl vetoes a token when ``ratio < threshold``: a ratio equal to it survives."""
+    keep_BT = _correction(veto_threshold=threshold).keep_BT
+    expected = [[kept_rows[0]] * 3, [kept_rows[1]] * 2 + [0]]
+    _assert_rows(keep_BT, expected)
+
+
+def test_veto_ignores_padding_and_sees_past_the_safety_bound() -> None:
+    """A padding slot's ratio never vetoes; a real token at ratio e^-300 does, although the
+    IS weights bound every log-ratio at -20 (the veto compares the raw log-ratio)."""
+    old_BT = torch.tensor([[-1.0, -1.0, -300.0], [-1.0, -301.0, -1.0]], dtype=torch.float64)
+    rollout_BT = torch.tensor([[-1.0, -1.0, 0.0], [-1.0, -1.0, -1.0]], dtype=torch.float64)
+    mask_BT = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]], dtype=torch.float64)
+    settings = CorrectionSettings(veto_threshold=1e-12)  # log = -27.6, beyond the -20 bound
+    corr = compute_correction(old_BT, rollout_BT, mask_BT, settings)
+    _assert_rows(corr.keep_BT, [[1, 1, 0], [0, 0, 0]])
+
+
+def test_veto_combines_with_rejection_and_is() -> None:
+    """Token rejection at [0.4, 2.5] drops row 1's 3; a veto at 0.3 drops row 0 (its 1/4)."""
+    corr = _correction(
+        rollout_is="token",
+        is_threshold=2.0,
+        rollout_rs="token",
+        rs_lower=0.4,
+        rs_upper=2.5,
+        veto_threshold=0.3,
+    )
+    _assert_rows(corr.token_weights_BT, [[0, 0, 0], [0, 0.5, 0]])
+
+
+def test_a_vetoed_response_stays_in_the_denominator() -> None:
+    """vanilla at ratio 1 (logp = old), token-mean: row 0 (2 tokens, A = 1) is vetoed, row 1
+    (3 tokens, A = 2) kept, so the loss is (0 + 3 * -2) / 5, not -6 / 3."""
+    logp_BT = torch.zeros(2, 3, dtype=torch.float64, requires_grad=True)
+    mask_BT = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]], dtype=torch.float64)
+    rollout_BT = torch.tensor([[0.0, 5.0, 0.0], [0.0, 0.0, 0.0]], dtype=torch.float64)  # e^-5
+    corr = compute_correction(
+        logp_BT.detach(), rollout_BT, mask_BT, CorrectionSettings(veto_threshold=1e-2)
+    )
+    out = policy_loss(
+        logp_BT,
+        logp_BT.detach(),
+        torch.tensor([1.0, 2.0], dtype=torch.float64),
+        mask_BT,
+        token_weights_BT=corr.token_weights_BT,
+    )
+    assert out.loss.item() == pytest.approx(-6.0 / 5)
 
 
 # ----------------------------------------------------------------------------- the loss
@@ -125,14 +198,32 @@ def _policy_batch() -> tuple[torch.Tensor, ...]:
 
 
 SETTINGS = CorrectionSettings(rollout_is="sequence", is_threshold=1.5, rollout_rs="token")
+VETO_SETTINGS = CorrectionSettings(rollout_is="token", veto_threshold=0.8)
+"""With the seed of ``_policy_batch`` the veto drops rows 1, 2, 3, 6 and 7, with and without an
+advantage, and keeps the others (``test_the_veto_case_vetoes_some_rows_with_an_advantage``)."""
 
 
-def _weighted_loss(pieces: list[list[int]], name: str, mode: str, denom: float | None):
+def test_the_veto_case_vetoes_some_rows_with_an_advantage() -> None:
+    _, old_BT, rollout_BT, adv_B, mask_BT = _policy_batch()
+    keep_BT = compute_correction(old_BT, rollout_BT, mask_BT, VETO_SETTINGS).keep_BT
+    vetoed = [b for b in range(8) if mask_BT[b].sum() > 0 and keep_BT[b].sum() == 0]
+    assert vetoed == [1, 2, 3, 6, 7]
+    assert any(adv_B[b] != 0 for b in vetoed) and any(adv_B[b] == 0 for b in vetoed)
+    assert any(adv_B[b] != 0 for b in range(8) if b not in vetoed)
+
+
+def _weighted_loss(
+    pieces: list[list[int]],
+    name: str,
+    mode: str,
+    denom: float | None,
+    settings: CorrectionSettings = SETTINGS,
+):
     logp_BT, old_BT, rollout_BT, adv_B, mask_BT = _policy_batch()
     leaf_BT = logp_BT.clone().requires_grad_(True)
     total = leaf_BT.new_zeros(())
     for rows in pieces:
-        corr = compute_correction(old_BT[rows], rollout_BT[rows], mask_BT[rows], SETTINGS)
+        corr = compute_correction(old_BT[rows], rollout_BT[rows], mask_BT[rows], settings)
         total = (
             total
             + policy_loss(
@@ -154,21 +245,24 @@ def _weighted_loss(pieces: list[list[int]], name: str, mode: str, denom: float |
     return total.detach(), leaf_BT.grad, adv_B, mask_BT
 
 
+@pytest.mark.parametrize("settings", [SETTINGS, VETO_SETTINGS], ids=["is_rs", "veto"])
 @pytest.mark.parametrize("mode", AGG_MODES)
 @pytest.mark.parametrize("name", POLICY_LOSS_NAMES)
-def test_corrected_loss_is_split_and_prune_exact(name: str, mode: str) -> None:
+def test_corrected_loss_is_split_and_prune_exact(
+    name: str, mode: str, settings: CorrectionSettings
+) -> None:
     """With the weights applied, any cut into pieces sharing the planner's normaliser (which
-    counts rejected tokens) sums to the unsplit loss and gradient, zero-advantage rows dropped
-    or not, and their gradient is exactly 0."""
-    whole, whole_grad, adv_B, mask_BT = _weighted_loss([list(range(8))], name, mode, None)
+    counts rejected and vetoed tokens) sums to the unsplit loss and gradient, zero-advantage
+    rows dropped or not, and their gradient is exactly 0."""
+    whole, whole_grad, adv_B, mask_BT = _weighted_loss([list(range(8))], name, mode, None, settings)
     normaliser = normaliser_of(mask_BT.sum(dim=1).long().tolist(), mode, 6.0)
     assert (whole_grad[adv_B == 0] == 0).all()
     for pieces in ([[0, 1, 2], [3, 4, 5, 6, 7]], [[7], [2, 5], [0, 6, 1, 3, 4]]):
-        split, split_grad, _, _ = _weighted_loss(pieces, name, mode, normaliser)
+        split, split_grad, _, _ = _weighted_loss(pieces, name, mode, normaliser, settings)
         torch.testing.assert_close(split, whole)
         torch.testing.assert_close(split_grad, whole_grad)
     kept = [[b for b in rows if adv_B[b] != 0] for rows in ([1, 2, 4], [5, 7])]
-    pruned, pruned_grad, _, _ = _weighted_loss(kept, name, mode, normaliser)
+    pruned, pruned_grad, _, _ = _weighted_loss(kept, name, mode, normaliser, settings)
     torch.testing.assert_close(pruned, whole)
     torch.testing.assert_close(pruned_grad, whole_grad)
 
@@ -212,6 +306,13 @@ def test_metrics_of_a_known_injected_mismatch() -> None:
     assert m["rollout_corr/rollout_is_ratio_fraction_high"] == pytest.approx(0.5)
     assert m["rollout_corr/rollout_rs_masked_fraction"] == pytest.approx(0.5)
     assert m["rollout_corr/rollout_rs_seq_masked_fraction"] == pytest.approx(1.0)
+    # no veto configured: verl reports its two fractions as 0
+    assert m["rollout_corr/rollout_is_veto_fraction"] == 0.0
+    assert m["rollout_corr/rollout_is_catastrophic_token_fraction"] == 0.0
+    # ESS: weights e^-0.3 (inside [1/2, 2]) and e clamped to 2, four of each
+    assert m["rollout_corr/rollout_is_eff_sample_size"] == pytest.approx(
+        (lo + 2.0) ** 2 / 2 / (lo**2 + 4.0)
+    )
     assert set(m) == set(METRIC_NAMES)
 
 
@@ -228,9 +329,66 @@ def test_metrics_at_sequence_level_and_when_policies_agree() -> None:
     assert same["rollout_corr/rollout_is_mean"] == pytest.approx(1.0)
 
 
-def test_stats_merge_like_one_batch_and_survive_the_rows() -> None:
-    """What the ranks do: sum rows, take the maximum of the max rows."""
-    settings = CorrectionSettings(rollout_rs="geometric", rs_lower=0.8, rs_upper=1.3)
+def _ess(weights: list[float]) -> float:
+    """Effective sample size straight from verl's definition: ``1 / mean((w / mean(w))^2)``."""
+    mean = sum(weights) / len(weights)
+    return 1.0 / (sum((w / mean) ** 2 for w in weights) / len(weights))
+
+
+def test_eff_sample_size_of_token_weights_by_hand() -> None:
+    """Token ratios 2, 1, 1/4, 3, 1/2 clamped to [1/2, 2]: 2, 1, 1/2, 2, 1/2."""
+    settings = CorrectionSettings(rollout_is="token", is_threshold=2.0)
+    m = mismatch_stats(OLD_LOGP_BT, ROLLOUT_LOGP_BT, MASK_BT, settings).metrics()
+    assert m["rollout_corr/rollout_is_eff_sample_size"] == pytest.approx(
+        _ess([2.0, 1.0, 0.5, 2.0, 0.5])
+    )
+    assert m["rollout_corr/rollout_is_eff_sample_size"] == pytest.approx(36 / 47.5)
+
+
+def test_eff_sample_size_of_sequence_weights_counts_each_response_once() -> None:
+    """Products 1/2 and 3/2 clamped to [1/1.2, 1.2]: one weight per response, whatever its
+    length (verl would count the first three times and the second twice)."""
+    settings = CorrectionSettings(rollout_is="sequence", is_threshold=1.2)
+    m = mismatch_stats(OLD_LOGP_BT, ROLLOUT_LOGP_BT, MASK_BT, settings).metrics()
+    assert m["rollout_corr/rollout_is_eff_sample_size"] == pytest.approx(_ess([1 / 1.2, 1.2]))
+
+
+def test_eff_sample_size_is_one_for_uniform_weights() -> None:
+    """Equal weights: every unit counts fully (a constant ratio e^0.4 on every token changes
+    the scale of the weights, not their spread)."""
+    settings = CorrectionSettings(rollout_is="token")
+    shifted = mismatch_stats(ROLLOUT_LOGP_BT + 0.4, ROLLOUT_LOGP_BT, MASK_BT, settings)
+    assert shifted.metrics()["rollout_corr/rollout_is_eff_sample_size"] == pytest.approx(1.0)
+
+
+def test_veto_metrics_by_hand() -> None:
+    """Threshold 0.6: tokens at 1/4 (row 0) and 1/2 (row 1) are catastrophic, 2 of 5 tokens,
+    both responses vetoed; a padding slot's ratio never counts. Rejection's own fractions do
+    not include the veto (verl keeps them apart)."""
+    rollout_BT = ROLLOUT_LOGP_BT.clone()
+    rollout_BT[1, 2] = 50.0  # padding slot at ratio e^-50
+    settings = CorrectionSettings(veto_threshold=0.6, rollout_rs="token", rs_lower=0.2)
+    m = mismatch_stats(OLD_LOGP_BT, rollout_BT, MASK_BT, settings).metrics()
+    assert m["rollout_corr/rollout_is_catastrophic_token_fraction"] == pytest.approx(2 / 5)
+    assert m["rollout_corr/rollout_is_veto_fraction"] == pytest.approx(1.0)
+    assert m["rollout_corr/rollout_rs_masked_fraction"] == pytest.approx(1 / 5)  # the 3
+    assert m["rollout_corr/rollout_rs_seq_masked_fraction"] == pytest.approx(1 / 2)
+    only_row_0 = CorrectionSettings(veto_threshold=0.3)
+    m = mismatch_stats(OLD_LOGP_BT, rollout_BT, MASK_BT, only_row_0).metrics()
+    assert m["rollout_corr/rollout_is_catastrophic_token_fraction"] == pytest.approx(1 / 5)
+    assert m["rollout_corr/rollout_is_veto_fraction"] == pytest.approx(1 / 2)
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        CorrectionSettings(rollout_rs="geometric", rs_lower=0.8, rs_upper=1.3),
+        CorrectionSettings(rollout_is="token", veto_threshold=0.3),
+    ],
+)
+def test_stats_merge_like_one_batch_and_survive_the_rows(settings: CorrectionSettings) -> None:
+    """What the ranks do: sum rows, take the maximum of the max rows. The merged ESS and veto
+    fraction are the whole batch's, not a mean of the ranks' values."""
     whole = mismatch_stats(OLD_LOGP_BT, ROLLOUT_LOGP_BT, MASK_BT, settings)
     parts = [
         mismatch_stats(OLD_LOGP_BT[[r]], ROLLOUT_LOGP_BT[[r]], MASK_BT[[r]], settings)
@@ -238,6 +396,9 @@ def test_stats_merge_like_one_batch_and_survive_the_rows() -> None:
     ]
     merged = parts[0].merge(parts[1])
     assert merged.metrics() == pytest.approx(whole.metrics())
+    ess = "rollout_corr/rollout_is_eff_sample_size"
+    mean_of_parts = (parts[0].metrics()[ess] + parts[1].metrics()[ess]) / 2
+    assert merged.metrics()[ess] != pytest.approx(mean_of_parts)
     assert MismatchStats.from_rows(whole.sum_row(), whole.max_row()) == whole
     assert MismatchStats().merge(whole) == whole
 
