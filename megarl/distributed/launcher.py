@@ -1,15 +1,26 @@
 """Single-machine launcher: run a function on N worker processes that form one process group.
 
 ``trainer.launcher=local``. A world of one runs in-process (no spawn cost, easy debugging).
-Otherwise N processes are spawned; if any dies, the others are terminated and
+Otherwise N processes are started; if any dies, the others are terminated and
 :class:`WorkerFailed` names the rank and exit code, so a crash never becomes a hang. With a
 :class:`HeartbeatWatch`, a rank whose main loop stops is named too (see
 :mod:`megarl.distributed.heartbeat`).
 
+How workers start (:func:`start_method`): never by a plain ``fork`` of the launcher, which may
+already hold threads or a process group. Off CUDA they are forked from multiprocessing's *fork
+server*, a clean single-threaded process that imported torch, Megatron-Core and transformers
+once (:data:`WARM_MODULES`): importing them costs several CPU-seconds per process, more than a
+tiny model's whole step, and a launcher that starts many runs (a test session, a sweep) pays it
+once instead of once per rank per run. With CUDA they are spawned fresh, because a process that
+has touched the CUDA driver must not be forked and an import may touch it. A forked worker takes
+the launcher's environment and standard streams as they are when it starts, like a spawned one
+(the fork server's own are those of its start). ``MEGARL_WORKER_START=spawn`` forces spawning.
+
 Workers die with the launcher: each asks the kernel for SIGKILL when its parent exits
-(``PR_SET_PDEATHSIG``, Linux) and watches its parent pid from a daemon thread (the fallback where
-prctl is missing, and for a parent that died before the request). A launcher stopped by SIGTERM
-or SIGINT (:func:`stop_on_signals`) terminates and joins its workers before it exits.
+(``PR_SET_PDEATHSIG``, Linux; the parent is the launcher, or the fork server, which exits when
+the launcher does) and watches the launcher from a daemon thread (the fallback where prctl is
+missing, and for a launcher that died before the request). A launcher stopped by SIGTERM or
+SIGINT (:func:`stop_on_signals`) terminates and joins its workers before it exits.
 """
 
 from __future__ import annotations
@@ -25,8 +36,10 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
+from multiprocessing import reduction
 from typing import Any
 
+import torch
 import torch.multiprocessing as mp
 
 from megarl.distributed.heartbeat import STALE_GRACE_S, Beat, HeartbeatWatch
@@ -37,6 +50,22 @@ CAUSE_GRACE_S = 1.0  # how long a peer's error waits for a killed rank to be see
 PARENT_POLL_S = 1.0  # how often a worker's fallback watch checks that its launcher lives
 WATCH_POLL_S = 1.0  # how often the launcher reads the heartbeats
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+START_METHOD_ENV = "MEGARL_WORKER_START"
+WARM_MODULES: tuple[str, ...] = (
+    "megarl.trainer.rank_loop",
+    "megarl.actor.megatron_actor",
+    "megarl.critic.megatron_critic",
+    "megarl.engines.hf",
+    "megatron.core.models.gpt.gpt_layer_specs",
+    "megatron.core.optimizer",
+    "megatron.core.distributed",
+    "megatron.core.pipeline_parallel",
+    "megatron.core.transformer.moe.moe_layer",
+    "transformers",
+)
+"""What the fork server imports before it forks a worker: the rank loop and the heavy libraries
+its ranks import when they build a model (torch, Megatron-Core, transformers). The rollout
+engines' own (vLLM) are not among them: only the runs that use them import them."""
 
 
 class RunStopped(MegarlError):
@@ -161,12 +190,23 @@ def find_free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """End this worker when the launcher that spawned it ends, however it ends (SIGKILL too).
+def start_method() -> str:
+    """``forkserver`` off CUDA, ``spawn`` with it (see the module docstring), unless
+    ``MEGARL_WORKER_START`` names one of them."""
+    forced = os.environ.get(START_METHOD_ENV)
+    if forced in ("spawn", "forkserver"):
+        return forced
+    return "spawn" if torch.cuda.is_available() else "forkserver"
 
-    The kernel sends SIGKILL when the parent *thread* exits; the spawning thread is the
-    launcher's main thread, so that is when the launcher exits. The pid watch covers systems
-    without prctl and a launcher that died before the request was made.
+
+def _die_with_launcher(launcher_pid: int, forked: bool) -> None:
+    """End this worker when its launcher ends, however it ends (SIGKILL too).
+
+    The kernel sends SIGKILL when the parent *thread* exits: the launcher's main thread for a
+    spawned worker, the fork server for a forked one (the server exits when the launcher
+    does). A watch thread covers systems without prctl and a launcher that died before the
+    request: a spawned worker's parent must be the launcher; a forked one's must stay the same
+    server, and the launcher must exist.
     """
     if sys.platform.startswith("linux"):
         import ctypes
@@ -174,28 +214,81 @@ def _die_with_parent(parent_pid: int) -> None:
         with contextlib.suppress(OSError, AttributeError):
             libc = ctypes.CDLL(None, use_errno=True)
             libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent_pid:
+    parent = os.getppid()
+
+    def launcher_alive() -> bool:
+        if not forked:
+            return os.getppid() == launcher_pid
+        return os.getppid() == parent and _process_lives(launcher_pid)
+
+    if not launcher_alive():
         os._exit(1)
 
     def watch() -> None:
-        while os.getppid() == parent_pid:
+        while launcher_alive():
             time.sleep(PARENT_POLL_S)
         os._exit(1)
 
     threading.Thread(target=watch, name="megarl-parent-watch", daemon=True).start()
 
 
+def _process_lives(pid: int) -> bool:
+    """Whether ``pid`` runs: it exists and is not a zombie (a killed launcher stays one until
+    whoever started it collects its exit status, and ``kill(pid, 0)`` still succeeds then)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return True
+
+
+class _LauncherState:
+    """The launcher's environment and standard streams, carried to a forked worker (which would
+    otherwise keep the fork server's, as they were when the server started)."""
+
+    def __init__(self, forked: bool):
+        self.environ = dict(os.environ) if forked else {}
+        self.forked = forked
+
+    def __reduce__(self):
+        if not self.forked:  # spawned: inherits both already
+            return (_LauncherState, (False,))
+        out, err = (reduction.DupFd(fd) for fd in (1, 2))  # only while a worker is started
+        return (_restore_launcher_state, (self.environ, out, err))
+
+
+def _restore_launcher_state(environ: dict[str, str], out, err) -> _LauncherState:
+    """In a forked worker, before anything else of its arguments is unpickled."""
+    os.environ.clear()
+    os.environ.update(environ)
+    for dup, fd in ((out, 1), (err, 2)):
+        inherited = dup.detach()
+        os.dup2(inherited, fd)
+        os.close(inherited)
+    return _LauncherState(forked=True)
+
+
 def _worker_entry(
+    launcher_state: _LauncherState,
     rank: int,
     fn: Callable,
     world_size: int,
     port: int,
     args: tuple,
     error_queue,
-    parent_pid: int,
+    launcher_pid: int,
     heartbeat_dir: str | None,
 ) -> None:
-    _die_with_parent(parent_pid)
+    """A worker's main; ``launcher_state`` was applied while it was unpickled."""
+    _die_with_launcher(launcher_pid, launcher_state.forked)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the launcher, which stops us
     os.environ.setdefault("OMP_NUM_THREADS", os.environ.get("MEGARL_WORKER_THREADS", "1"))
     ctx = WorkerContext(rank, world_size, "127.0.0.1", port, heartbeat_dir)
@@ -226,13 +319,17 @@ def launch(
 ) -> list[Any]:
     """Run ``fn(WorkerContext, *args)`` on ``world_size`` ranks; return each rank's result.
 
-    ``fn`` must be importable (a module-level function): workers are spawned, not forked, because
-    forking a process that already holds threads or a process group is unsafe. With ``watch``,
-    each rank is told where to publish its heartbeat and a rank that stops is named.
+    ``fn`` must be importable (a module-level function): workers never share the launcher's
+    memory (see :func:`start_method`). With ``watch``, each rank is told where to publish its
+    heartbeat and a rank that stops is named.
     """
     if world_size == 1:
         return [fn(WorkerContext(0, 1, "127.0.0.1", find_free_port()), *args)]
-    ctx = mp.get_context("spawn")
+    method = start_method()
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(list(WARM_MODULES))  # takes effect when the server starts
+    state = _LauncherState(forked=method == "forkserver")
     queue = ctx.SimpleQueue()
     port = find_free_port()
     if watch is not None:
@@ -241,7 +338,7 @@ def launch(
     procs = [
         ctx.Process(
             target=_worker_entry,
-            args=(rank, fn, world_size, port, args, queue, os.getpid(), beat_dir),
+            args=(state, rank, fn, world_size, port, args, queue, os.getpid(), beat_dir),
             daemon=False,
         )
         for rank in range(world_size)

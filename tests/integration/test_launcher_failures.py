@@ -253,3 +253,30 @@ def test_a_python_error_in_a_rank_is_one_line_and_keeps_its_traceback(capfd):
     assert str(failed.value).endswith("failed (exit code 1): KeyError: 'no such column'")
     assert "Traceback" in failed.value.traceback and "_raise_on_rank_1" in failed.value.traceback
     assert "Traceback" not in capfd.readouterr().err
+
+
+def _report_surroundings(ctx) -> tuple[str | None, str, bool]:
+    """What a rank sees of its launcher: an environment variable, the working directory, and
+    whether the heavy libraries were already imported when it started."""
+    print(f"rank {ctx.rank} says hello", flush=True)
+    warm = "megatron.core.optimizer" in sys.modules
+    return os.environ.get("MEGARL_TEST_PROBE"), os.getcwd(), warm
+
+
+@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+def test_workers_see_the_launchers_environment_and_streams_as_they_are_now(
+    tmp_path, monkeypatch, capfd, method
+):
+    """A worker forked from the long-lived fork server still sees the launcher's environment,
+    working directory and stdout as they are when the run starts, like a spawned one; only
+    the forked one starts with Megatron-Core already imported."""
+    from megarl.distributed.launcher import launch
+
+    monkeypatch.setenv("MEGARL_WORKER_START", method)
+    for value, cwd in (("first", tmp_path), ("second", tmp_path.parent)):
+        monkeypatch.setenv("MEGARL_TEST_PROBE", value)
+        monkeypatch.chdir(cwd)
+        results = launch(_report_surroundings, 2, timeout_s=120)
+        assert results == [(value, str(cwd), method == "forkserver")] * 2
+        out = capfd.readouterr().out
+        assert "rank 0 says hello" in out and "rank 1 says hello" in out, out

@@ -38,9 +38,16 @@ def _start(tmp_path, steps: int, env: dict[str, str] | None = None, **overrides)
 
 
 def _workers(launcher_pid: int) -> list[psutil.Process]:
-    """The launcher's spawned rank processes (not multiprocessing's resource tracker)."""
-    children = psutil.Process(launcher_pid).children()
-    return [c for c in children if "spawn_main" in " ".join(c.cmdline())]
+    """The launcher's rank processes: spawned by it, or forked by its fork server (not the
+    server itself, nor multiprocessing's resource tracker)."""
+    ranks = []
+    for child in psutil.Process(launcher_pid).children():
+        cmdline = " ".join(child.cmdline())
+        if "spawn_main" in cmdline:
+            ranks.append(child)
+        elif "multiprocessing.forkserver" in cmdline:
+            ranks.extend(child.children())
+    return ranks
 
 
 def _training_workers(launcher, run_dir: Path, timeout_s: float = 240) -> list[psutil.Process]:
