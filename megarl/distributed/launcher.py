@@ -325,11 +325,13 @@ def launch(
     """
     if world_size == 1:
         return [fn(WorkerContext(0, 1, "127.0.0.1", find_free_port()), *args)]
-    method = start_method()
-    ctx = mp.get_context(method)
-    if method == "forkserver":
+    forked = start_method() == "forkserver"
+    if forked:
+        ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(list(WARM_MODULES))  # takes effect when the server starts
-    state = _LauncherState(forked=method == "forkserver")
+    else:
+        ctx = mp.get_context("spawn")
+    state = _LauncherState(forked)
     queue = ctx.SimpleQueue()
     port = find_free_port()
     if watch is not None:
