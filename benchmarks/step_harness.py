@@ -22,12 +22,12 @@ from dataclasses import dataclass
 
 import torch
 
-from megarl.batch import RolloutBatch
+from megarl.batch import RolloutBatch, RolloutShard
 from megarl.config import planning
 from megarl.config.schema import RunConfig
-from megarl.planner.batch_planner import StepPlan, plan_step
+from megarl.planner.batch_planner import StepPlan
 from megarl.planner.gates import StepGates, decide_gates
-from megarl.trainer import worker
+from megarl.trainer import rank_loop
 from megarl.trainer.metrics import PhaseTimer
 
 
@@ -35,8 +35,10 @@ from megarl.trainer.metrics import PhaseTimer
 class Harness:
     """A live rank-0 runtime plus the rollout batch every trial reuses."""
 
-    runtime: worker._Runtime
+    runtime: rank_loop._Runtime
     batch: RolloutBatch
+    header: RolloutShard
+    """The batch's metadata, as every rank receives it (what the planner reads)."""
     initial_params: list[torch.Tensor]
     device: str
 
@@ -49,14 +51,13 @@ class Harness:
             self.cfg, planner=dataclasses.replace(self.cfg.planner, **changes)
         )
 
-    def plan(self, cfg: RunConfig) -> tuple[StepPlan, StepGates]:
-        b = self.batch
-        plan = plan_step(
-            planning.planner_inputs(
-                cfg, b.seq_lens, b.response_lens, b.advantages.tolist(), b.group_ids.tolist()
-            )
-        )
-        return plan, decide_gates(planning.step_facts(cfg, 1, b.num_seqs))
+    def plan(self, cfg: RunConfig) -> tuple[StepPlan, StepGates, RolloutShard]:
+        """The step's plan and gates under ``cfg``, and the shard of sequences it trains."""
+        self.runtime.cfg = cfg
+        plan, _ = rank_loop._plans(self.runtime, self.header)
+        shard = rank_loop._scatter_sequences(self.runtime, self.batch, self.header, plan)
+        gates = decide_gates(planning.step_facts(cfg, 1, shard.num_seqs, plan=plan))
+        return plan, gates, shard
 
     def reset_weights(self) -> None:
         """Initial weights and a fresh optimizer: every trial starts from the same state."""
@@ -69,18 +70,18 @@ class Harness:
     def run_step(self, cfg: RunConfig) -> tuple[PhaseTimer, StepPlan, StepGates]:
         """Plan, gates, logprob passes and update of one step under ``cfg``; returns the timer."""
         self.reset_weights()
-        self.runtime.cfg = cfg
-        plan, gates = self.plan(cfg)
+        plan, gates, shard = self.plan(cfg)
         timer = PhaseTimer()
-        old, recomputed, ref = worker._logprob_passes(self.runtime, self.batch, plan, gates, timer)
-        worker._update_actor(self.runtime, self.batch, plan, old, recomputed, ref, timer)
+        rt = self.runtime
+        old, recomputed, ref = rank_loop._logprob_passes(rt, shard, plan, gates, timer)
+        rank_loop._update_actor(rt, shard, plan, old, recomputed, ref, timer)
         return timer, plan, gates
 
     def trained_params(self) -> list[torch.Tensor]:
         return [p.detach().clone() for p in self.runtime.actor.model.parameters()]
 
 
-def build_runtime_only(overrides: list[str]) -> worker._Runtime:
+def build_runtime_only(overrides: list[str]) -> rank_loop._Runtime:
     """The rank-0 runtime of ``megarl-train overrides`` (world size 1), as the worker builds it."""
     from megarl.distributed.launcher import WorkerContext, find_free_port
     from megarl.train import compose_config, resolve_device, resolve_model_dir
@@ -96,20 +97,20 @@ def build_runtime_only(overrides: list[str]) -> worker._Runtime:
     )
     if cfg.trainer.world_size != 1:
         raise SystemExit("benchmark harness: one rank only (trainer.n_gpus_per_node=1)")
-    inputs = worker.RunInputs(
+    inputs = rank_loop.RunInputs(
         cfg=cfg, model_dir=resolve_model_dir(cfg), device=resolve_device(cfg.trainer.device)
     )
-    worker._quiet_third_party_warnings()
-    return worker._setup(WorkerContext(0, 1, "127.0.0.1", find_free_port()), inputs)
+    rank_loop._quiet_third_party_warnings()
+    return rank_loop._setup(WorkerContext(0, 1, "127.0.0.1", find_free_port()), inputs)
 
 
 def open_harness(overrides: list[str]) -> Harness:
     """Build the rank-0 runtime of ``megarl-train overrides`` and one scored rollout batch."""
     runtime = build_runtime_only(overrides)
     device = "cuda" if next(runtime.actor.model.parameters()).is_cuda else "cpu"
-    batch, _, _ = runtime.host.rollout(1)
+    header, batch, _, _ = rank_loop._broadcast_rollout(runtime, 1, PhaseTimer())
     initial = [p.detach().clone() for p in runtime.actor.model.parameters()]
-    return Harness(runtime=runtime, batch=batch, initial_params=initial, device=device)
+    return Harness(runtime, batch, header, initial_params=initial, device=device)
 
 
 def close_harness(harness: Harness) -> None:
