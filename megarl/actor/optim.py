@@ -56,12 +56,23 @@ class CpuAdamW:
 
     # --- per-parameter state for checkpoints (megarl.checkpoint) -----------------------------
 
-    def param_state(self, param) -> dict[str, torch.Tensor]:
-        """AdamW's state of one parameter (``exp_avg``, ``exp_avg_sq``, ``step``); {} before
-        the first step. Keyed by parameter so a checkpoint can reshard it like the weights."""
-        return dict(self.inner.state.get(param, {}))
+    def param_states(self) -> dict[torch.nn.Parameter, dict[str, torch.Tensor]]:
+        """AdamW's state of every parameter that has one (``exp_avg``, ``exp_avg_sq``,
+        ``step``; none before the first step). Keyed by parameter so a checkpoint can reshard
+        it like the weights. Called on every rank (Megatron's optimizer needs a collective)."""
+        return {p: dict(self.inner.state[p]) for p in self.params if p in self.inner.state}
 
+    def reload_model_params(self) -> None:
+        """Nothing to refresh: AdamW updates the model's own parameters."""
+
+    @torch.no_grad()
     def load_param_state(self, param, state: dict[str, torch.Tensor]) -> None:
+        """One parameter's saved state; a ``main_param`` (the fp32 master copy a GPU run saves
+        next to its bf16 weights) is the parameter's exact value and replaces it."""
+        state = dict(state)
+        main = state.pop("main_param", None)
+        if main is not None:
+            param.copy_(main.to(param.dtype))
         self.inner.state[param] = {
             key: value.to(param.device).clone() for key, value in state.items()
         }
@@ -132,12 +143,15 @@ class MegatronOptimizer:
             use_distributed_optimizer=distributed,
         )
         self.inner = get_megatron_optimizer(config, [model])
+        self.step_count = 0  # steps taken, restored from a checkpoint
+        self._index = None  # model param -> where its state lives (built on first load)
 
     def zero_grad(self) -> None:
         self.inner.zero_grad()
 
     def step(self) -> float:
         _, grad_norm, _ = self.inner.step()  # pyright: ignore[reportGeneralTypeIssues]  # Megatron's step is unannotated
+        self.step_count += 1
         if self.force_param_sync:
             self.model.start_param_sync(force_sync=True)
         return float(grad_norm or 0.0)
@@ -147,6 +161,36 @@ class MegatronOptimizer:
 
     def load_state_dict(self, state) -> None:
         self.inner.load_state_dict(state)
+
+    # --- per-parameter state for checkpoints (megarl.checkpoint) -----------------------------
+
+    def param_states(self) -> dict[torch.nn.Parameter, dict[str, torch.Tensor]]:
+        """Each parameter's state shaped like it, with its fp32 main copy (``main_param``)
+        under bf16; collective over the distributed optimizer's data-parallel groups, whose
+        first ranks (the checkpoint's writers) get the parameters' full state
+        (:mod:`megarl.actor.megatron_optim_state`)."""
+        from megarl.actor.megatron_optim_state import gather_param_states
+
+        return gather_param_states(self.inner, self.step_count)
+
+    def reload_model_params(self) -> None:
+        """Refresh the fp32 main copies from the model's weights (after a checkpoint load
+        wrote them): Megatron's next step would otherwise overwrite the loaded weights with
+        an update of the old main copies."""
+        self.inner.reload_model_params()
+
+    def load_param_state(self, param, state: dict[str, torch.Tensor]) -> None:
+        from megarl.actor.megatron_optim_state import index_params, load_param_state
+
+        if self._index is None:
+            self._index = index_params(self.inner)
+        target = self._index.get(param)
+        if target is None:
+            raise KeyError(
+                f"the optimizer does not train a parameter of shape {tuple(param.shape)}"
+            )
+        load_param_state(target, param, state)
+        self.step_count = int(state["step"].item())
 
 
 def build_optimizer(model, cfg: ActorConfig, plan):

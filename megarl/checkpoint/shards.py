@@ -27,7 +27,7 @@ from megarl.models.spec import TransformerSpec
 if TYPE_CHECKING:
     from safetensors import safe_open
 
-OPTIM_KEYS = ("exp_avg", "exp_avg_sq", "step")
+OPTIM_MOMENTS = ("exp_avg", "exp_avg_sq")
 SAFETENSORS_METADATA = {"format": "pt"}
 
 
@@ -54,16 +54,21 @@ def rank_shards(local_params: Iterable, prefix: str = "") -> dict[str, torch.Ten
 
 
 def rank_optimizer_state(
-    local_params: Iterable, optimizer, prefix: str = ""
+    local_params: Iterable, states: Mapping[torch.nn.Parameter, dict], prefix: str = ""
 ) -> dict[str, torch.Tensor]:
-    """``{"<state key>/<prefix><name>": tensor}`` for every parameter with optimizer state."""
+    """``{"<state key>/<prefix><name>": tensor}`` for every parameter with optimizer state
+    (``states``: the optimizer's ``param_states()``)."""
     out: dict[str, torch.Tensor] = {}
     for rule, layer, param in local_params:
         name = prefix + rule.mcore_name(layer)
-        for key, value in optimizer.param_state(param).items():
-            # 0-d tensors (the step count) are stored with shape [1]
-            out.setdefault(f"{key}/{name}", value.reshape(1) if value.dim() == 0 else value)
+        for key, value in states.get(param, {}).items():
+            out.setdefault(f"{key}/{name}", _stored(value))
     return out
+
+
+def _stored(value: torch.Tensor) -> torch.Tensor:
+    """0-d tensors (the step count) are stored with shape [1]."""
+    return value.reshape(1) if value.dim() == 0 else value
 
 
 class ShardReader:
@@ -151,22 +156,28 @@ def load_rank_optimizer_state(
     tp: int,
     prefix: str = "",
 ) -> int:
-    """Restore this rank's optimizer state from the checkpoint; returns params restored."""
+    """Restore this rank's optimizer state from the checkpoint; returns params restored. The
+    weights must be loaded first (a GPU optimizer's saved fp32 ``main_param`` replaces the
+    copy it refreshed from them)."""
     count = 0
     for rule, layer, param in local_params:
         name = prefix + rule.mcore_name(layer)
         if not reader.has(f"step/{name}"):
             continue  # saved before the first optimizer step
-        state = {}
-        for key in OPTIM_KEYS:
-            if key == "step":
-                state[key] = reader.read(f"step/{name}", 0).reshape(())
-            else:
-                state[key] = reader.shard(rule, layer, tp_rank, tp, prefix=f"{key}/{prefix}")
-                _check_shape(state[key], param, f"{key}/{name}")
+        state = {"step": reader.read(f"step/{name}", 0).reshape(())}
+        for key in saved_state_keys(reader, name):
+            state[key] = reader.shard(rule, layer, tp_rank, tp, prefix=f"{key}/{prefix}")
+            _check_shape(state[key], param, f"{key}/{name}")
         optimizer.load_param_state(param, state)
         count += 1
     return count
+
+
+def saved_state_keys(reader: ShardReader, name: str) -> tuple[str, ...]:
+    """The per-element state saved for ``name``: Adam's moments, and the fp32 main copy where
+    a mixed-precision (GPU) run saved one."""
+    optional = ("main_param",) if reader.has(f"main_param/{name}") else ()
+    return OPTIM_MOMENTS + optional
 
 
 # --- LoRA adapters (megarl.checkpoint.lora_shards): sites = (SavedSite, LoraAdapter) ----------
@@ -180,14 +191,17 @@ def rank_adapter_shards(sites: Iterable) -> dict[str, torch.Tensor]:
     return out
 
 
-def rank_adapter_optimizer_state(sites: Iterable, optimizer) -> dict[str, torch.Tensor]:
-    """``{"<state key>/<adapter key>": tensor}`` (AdamW holds only adapter params with LoRA)."""
+def rank_adapter_optimizer_state(
+    sites: Iterable, states: Mapping[torch.nn.Parameter, dict]
+) -> dict[str, torch.Tensor]:
+    """``{"<state key>/<adapter key>": tensor}`` (the optimizer holds only adapter params with
+    LoRA; ``states``: its ``param_states()``)."""
     out: dict[str, torch.Tensor] = {}
     for site, adapter in sites:
         for factor in lora_shards.FACTORS:
             key = lora_shards.adapter_key(site.rule, site.layer, factor)
-            for name, value in optimizer.param_state(getattr(adapter, factor)).items():
-                out[f"{name}/{key}"] = value.reshape(1) if value.dim() == 0 else value
+            for name, value in states.get(getattr(adapter, factor), {}).items():
+                out[f"{name}/{key}"] = _stored(value)
     return out
 
 
@@ -203,10 +217,8 @@ def _adapter_factor(
 
 
 @torch.no_grad()
-def load_rank_adapters(
-    reader: ShardReader, sites: Iterable, optimizer, tp_rank: int, tp: int
-) -> int:
-    """Copy this rank's adapter factors and their AdamW state in; returns factors loaded."""
+def load_rank_adapters(reader: ShardReader, sites: Iterable, tp_rank: int, tp: int) -> int:
+    """Copy this rank's adapter factors in; returns factors loaded."""
     count = 0
     for site, adapter in sites:
         for factor in lora_shards.FACTORS:
@@ -221,13 +233,26 @@ def load_rank_adapters(
             _check_shape(value, param, key)
             param.copy_(value.to(param.dtype))
             count += 1
-            if optimizer is None or not reader.has(f"step/{key}"):
-                continue
+    return count
+
+
+def load_rank_adapter_optimizer_state(
+    reader: ShardReader, sites: Iterable, optimizer, tp_rank: int, tp: int
+) -> int:
+    """The adapters' optimizer state, after their weights; returns factors restored."""
+    count = 0
+    for site, adapter in sites:
+        for factor in lora_shards.FACTORS:
+            param = getattr(adapter, factor)
+            key = lora_shards.adapter_key(site.rule, site.layer, factor)
+            if not reader.has(f"step/{key}"):
+                continue  # saved before the first optimizer step
             state = {"step": reader.read(f"step/{key}", 0).reshape(())}
-            for name in ("exp_avg", "exp_avg_sq"):
+            for name in saved_state_keys(reader, key):
                 state[name] = _adapter_factor(reader, site, factor, tp_rank, tp, f"{name}/")
                 _check_shape(state[name], param, f"{name}/{key}")
             optimizer.load_param_state(param, state)
+            count += 1
     return count
 
 

@@ -39,8 +39,8 @@ import torch.distributed as dist
 from megarl.checkpoint import layout
 from megarl.checkpoint.resume import config_tree
 from megarl.checkpoint.shards import (
-    OPTIM_KEYS,
     ShardReader,
+    load_rank_adapter_optimizer_state,
     load_rank_adapters,
     load_rank_optimizer_state,
     load_rank_shards,
@@ -49,6 +49,7 @@ from megarl.checkpoint.shards import (
     rank_optimizer_state,
     rank_shards,
     save_tensors,
+    saved_state_keys,
 )
 from megarl.models import mapping
 
@@ -127,6 +128,9 @@ def save_training_checkpoint(
     tp_rank, tp, pp_rank, pp, dp_rank = _parallel_ranks()
     ep_rank, ep, expert_dp_rank = _expert_ranks()
     sites = _adapter_sites(actor, spec)
+    # collective (Megatron's distributed optimizer gathers onto each group's writing rank)
+    states = actor.optimizer.param_states()
+    critic_states = critic.optimizer.param_states() if critic is not None else {}
     if dp_rank == 0:
         save_tensors(
             {
@@ -138,9 +142,9 @@ def save_training_checkpoint(
         )
         save_tensors(
             {
-                **rank_optimizer_state(actor.local_params(), actor.optimizer),
-                **rank_adapter_optimizer_state(sites, actor.optimizer),
-                **_critic_optimizer_state(critic),
+                **rank_optimizer_state(actor.local_params(), states),
+                **rank_adapter_optimizer_state(sites, states),
+                **_critic_optimizer_state(critic, critic_states),
             },
             staging / layout.optim_file(tp_rank, pp_rank),
         )
@@ -148,7 +152,7 @@ def save_training_checkpoint(
         experts = [item for item in actor.local_params() if mapping.expert_of(item[0]) is not None]
         save_tensors(rank_shards(experts), staging / layout.model_file(tp_rank, pp_rank, ep_rank))
         save_tensors(
-            rank_optimizer_state(experts, actor.optimizer),
+            rank_optimizer_state(experts, states),
             staging / layout.optim_file(tp_rank, pp_rank, ep_rank),
         )
     torch.save({**_rng_state(), **_adapter_rng_state(sites)}, staging / layout.rng_file(rank))
@@ -185,12 +189,19 @@ def restore_training_checkpoint(path: str, actor, spec, host, critic=None) -> in
     info = layout.read_checkpoint(path)
     tp_rank, tp, _, _, _ = _parallel_ranks()
     reader = ShardReader(info, spec, optimizer=True)
-    load_rank_shards(reader, actor.local_params(), tp_rank, tp)
-    load_rank_optimizer_state(reader, actor.local_params(), actor.optimizer, tp_rank, tp)
-    if critic is not None:
-        _load_critic(reader, critic, tp_rank, tp)
     sites = _adapter_sites(actor, spec)
-    load_rank_adapters(reader, sites, actor.optimizer, tp_rank, tp)
+    # weights first: a GPU optimizer refreshes its fp32 main copies from them, then the
+    # optimizer state (with the main copies a mixed-precision run saved) goes on top
+    load_rank_shards(reader, actor.local_params(), tp_rank, tp)
+    load_rank_adapters(reader, sites, tp_rank, tp)
+    if critic is not None:
+        _load_critic_weights(reader, critic, tp_rank, tp)
+    actor.optimizer.reload_model_params()
+    load_rank_optimizer_state(reader, actor.local_params(), actor.optimizer, tp_rank, tp)
+    load_rank_adapter_optimizer_state(reader, sites, actor.optimizer, tp_rank, tp)
+    if critic is not None:
+        critic.optimizer.reload_model_params()
+        _load_critic_optimizer_state(reader, critic, tp_rank, tp)
     rank = dist.get_rank()
     rng_path = info.path / layout.rng_file(rank)
     if info.marker["layout"].get("world_size") == dist.get_world_size() and rng_path.is_file():
@@ -227,37 +238,42 @@ def _critic_shards(critic) -> dict[str, torch.Tensor]:
     return out
 
 
-def _critic_optimizer_state(critic) -> dict[str, torch.Tensor]:
-    """The critic's AdamW state, keyed like the actor's under the critic's prefix."""
+def _critic_optimizer_state(critic, states: dict) -> dict[str, torch.Tensor]:
+    """The critic's optimizer state, keyed like the actor's under the critic's prefix."""
     if critic is None:
         return {}
-    out = rank_optimizer_state(critic.local_params(), critic.optimizer, CRITIC_PREFIX)
+    out = rank_optimizer_state(critic.local_params(), states, CRITIC_PREFIX)
     head = critic.value_head_param()
     if head is not None:
-        for key, value in critic.optimizer.param_state(head).items():
+        for key, value in states.get(head, {}).items():
             out[f"{key}/{VALUE_HEAD_KEY}"] = value.reshape(1) if value.dim() == 0 else value
     return out
 
 
 @torch.no_grad()
-def _load_critic(reader: ShardReader, critic, tp_rank: int, tp: int) -> None:
+def _load_critic_weights(reader: ShardReader, critic, tp_rank: int, tp: int) -> None:
     if not reader.has(VALUE_HEAD_KEY):
         raise layout.CheckpointError(
             f"checkpoint {reader.info.path} has no critic: it was saved by a run without "
             "algo.adv_estimator=gae"
         )
     load_rank_shards(reader, critic.local_params(), tp_rank, tp, CRITIC_PREFIX)
+    head = critic.value_head_param()
+    if head is not None:
+        head.copy_(reader.read(VALUE_HEAD_KEY, 0).to(head.dtype))
+
+
+def _load_critic_optimizer_state(reader: ShardReader, critic, tp_rank: int, tp: int) -> None:
     load_rank_optimizer_state(
         reader, critic.local_params(), critic.optimizer, tp_rank, tp, CRITIC_PREFIX
     )
     head = critic.value_head_param()
-    if head is None:
-        return
-    head.copy_(reader.read(VALUE_HEAD_KEY, 0).to(head.dtype))
-    if reader.has(f"step/{VALUE_HEAD_KEY}"):  # else saved before the critic's first step
-        state = {key: reader.read(f"{key}/{VALUE_HEAD_KEY}", 0) for key in OPTIM_KEYS}
-        state["step"] = state["step"].reshape(())
-        critic.optimizer.load_param_state(head, state)
+    if head is None or not reader.has(f"step/{VALUE_HEAD_KEY}"):
+        return  # off the last stage, or saved before the critic's first step
+    state = {"step": reader.read(f"step/{VALUE_HEAD_KEY}", 0).reshape(())}
+    for key in saved_state_keys(reader, VALUE_HEAD_KEY):
+        state[key] = reader.read(f"{key}/{VALUE_HEAD_KEY}", 0)
+    critic.optimizer.load_param_state(head, state)
 
 
 # --- LoRA adapters (megarl.checkpoint.lora_shards) --------------------------------------------
