@@ -70,7 +70,8 @@ class RoutingRecorder:
             self._layers = None
         if len(layers) != len(self.routers):
             raise RuntimeError(f"{len(layers)} router outputs for {len(self.routers)} routers")
-        self._recorded.update(response_expert_ids(torch.stack(layers, dim=2), mb))
+        ids_BSLK = torch.stack(layers, dim=2).cpu()  # one small copy per forward
+        self._recorded.update(response_expert_ids(ids_BSLK, mb))
 
     def _hook(self, _router: torch.nn.Module, inputs: tuple, output: tuple) -> None:
         if self._layers is None:  # outside a wrapped forward (e.g. recompute in backward)
