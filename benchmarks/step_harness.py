@@ -73,7 +73,7 @@ class Harness:
         plan, gates, shard = self.plan(cfg)
         timer = PhaseTimer()
         rt = self.runtime
-        old, recomputed, ref = rank_loop._logprob_passes(rt, shard, plan, gates, timer)
+        old, recomputed, ref, _ = rank_loop._logprob_passes(rt, shard, plan, gates, timer)
         rank_loop._update_actor(rt, shard, plan, old, recomputed, ref, timer)
         return timer, plan, gates
 

@@ -45,6 +45,11 @@ class RolloutBatch:
     """[N] per-sequence advantage (exactly 0 for all-equal groups)."""
     engine_logprobs: tuple[torch.Tensor, ...]
     """Per sequence: the rollout engine's logprob of each response token."""
+    engine_routing: tuple[torch.Tensor, ...] | None = None
+    """Mixture-of-experts models with an engine that exposes routing: per sequence, ``[R,
+    layers, top_k]`` expert ids (uint8, or int16 past 256 experts) of each response token, what
+    the trainer checks its own routing against (``rollout/moe_routing_mismatch``); None
+    otherwise."""
 
     def __post_init__(self) -> None:
         n = len(self.tokens)
@@ -64,6 +69,12 @@ class RolloutBatch:
                 raise ValueError(
                     f"sequence {i}: {len(toks)} tokens, prompt {plen}, {len(lp)} response logprobs"
                 )
+        if self.engine_routing is not None:
+            routed = [len(r) for r in self.engine_routing]
+            if routed != [len(lp) for lp in self.engine_logprobs]:
+                raise ValueError(
+                    f"engine routing of {routed} tokens, responses {self.response_lens}"
+                )
 
     @property
     def num_seqs(self) -> int:
@@ -78,8 +89,10 @@ class RolloutBatch:
         return [len(t) - p for t, p in zip(self.tokens, self.prompt_lens, strict=True)]
 
     def shard(self, seq_indices: Iterable[int]) -> RolloutShard:
-        """Every sequence's metadata, and the tokens and engine logprobs of ``seq_indices``."""
+        """Every sequence's metadata, and the tokens, engine logprobs and engine routing of
+        ``seq_indices``."""
         wanted = sorted(set(seq_indices))
+        routing = self.engine_routing
         return RolloutShard(
             prompt_lens=self.prompt_lens,
             seq_lens=tuple(self.seq_lens),
@@ -87,6 +100,7 @@ class RolloutBatch:
             advantages=self.advantages,
             tokens={i: self.tokens[i] for i in wanted},
             engine_logprobs={i: self.engine_logprobs[i] for i in wanted},
+            engine_routing={} if routing is None else {i: routing[i] for i in wanted},
         )
 
 
@@ -101,6 +115,9 @@ class RolloutShard:
     tokens: Mapping[int, torch.Tensor]
     """Only the sequences this rank runs, keyed by their index in the batch."""
     engine_logprobs: Mapping[int, torch.Tensor]
+    engine_routing: Mapping[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+    """The engine's expert ids of the sequences this shard holds (empty when the batch has
+    none: a dense model, or an engine that does not expose routing)."""
 
     @property
     def num_seqs(self) -> int:
@@ -112,9 +129,13 @@ class RolloutShard:
         return [s - p for s, p in zip(self.seq_lens, self.prompt_lens, strict=True)]
 
     def with_sequences(self, sequences: RolloutShard) -> RolloutShard:
-        """This shard's metadata with the tokens and engine logprobs that ``sequences`` holds."""
+        """This shard's metadata with the tokens, engine logprobs and engine routing that
+        ``sequences`` holds."""
         return dataclasses.replace(
-            self, tokens=sequences.tokens, engine_logprobs=sequences.engine_logprobs
+            self,
+            tokens=sequences.tokens,
+            engine_logprobs=sequences.engine_logprobs,
+            engine_routing=sequences.engine_routing,
         )
 
 

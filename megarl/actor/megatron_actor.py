@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.actor.router_stats import find_routers
+from megarl.actor.routing_recorder import RoutingRecorder
 from megarl.actor.train_stats import OptimizerStepStats
 from megarl.algo.losses import aggregate, kl_penalty, policy_loss
 from megarl.algo.rollout_correction import CorrectionSettings, compute_correction
@@ -127,6 +128,11 @@ class MegatronActor:
         routers = find_routers(self.chunks) if trainable and self._router_loss_on else []
         self.routers: list[Any] = list(routers)  # Megatron TopKRouters (untyped attributes)
         """The MoE routers whose load-balancing loss joins the gradient (none when it is off)."""
+        self.routing = (
+            RoutingRecorder(self.chunks, spec.moe_top_k) if trainable and spec.is_moe else None
+        )
+        """Mixture-of-experts actors: records the routers' experts for the rank loop's check
+        against the engine's (``rollout/moe_routing_mismatch``); idle unless armed."""
         for router in self.routers:
             # Megatron copies this flag from the config when the router is built, before
             # _wrap_ddp sets it: pin it, so router_loss_coeffs' scaling holds whatever the
@@ -460,9 +466,10 @@ class MegatronActor:
             index, mb = next(data_iterator)
             if router_coeffs is not None:
                 self._set_router_coeff(router_coeffs[index])
-            output = model(
-                mb.tokens_BL, mb.position_ids_BL, None, packed_seq_params=packed_seq_params(mb)
-            )
+            with self._routing_of(mb):
+                output = model(
+                    mb.tokens_BL, mb.position_ids_BL, None, packed_seq_params=packed_seq_params(mb)
+                )
             return output, partial(loss_fn, mb)
 
         max_len = max(mb.tokens_BL.shape[1] for mb in mbs)
@@ -484,6 +491,12 @@ class MegatronActor:
             )
             or []
         )
+
+    def _routing_of(self, mb: MicroBatchTensors):
+        """The routing recorder's scope for one forward (a no-op for dense models)."""
+        if self.routing is None:
+            return contextlib.nullcontext()
+        return self.routing.forward(mb)
 
     # --- weights -----------------------------------------------------------------------------
 

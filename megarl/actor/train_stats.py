@@ -70,6 +70,9 @@ class UpdateStats:
     """Fraction of trained tokens on which the dual clip for negative advantages is active."""
     rollout_corr: Mapping[str, float] = field(default_factory=dict)
     """The ``rollout_corr/*`` engine-vs-trainer mismatch metrics of the same tokens."""
+    routing_mismatch: Mapping[str, float] = field(default_factory=dict)
+    """Mixture-of-experts models: ``rollout/moe_routing_mismatch*``, the engine's and the
+    trainer's experts for the same tokens (empty when nothing was compared)."""
 
     def metrics(self) -> dict[str, float]:
         """verl's metric names."""
@@ -84,6 +87,7 @@ class UpdateStats:
             "actor/num_optimizer_steps": self.num_optimizer_steps,
             "rollout/logprob_abs_diff": self.logprob_abs_diff,
             **self.rollout_corr,
+            **self.routing_mismatch,
         }
 
 
@@ -93,6 +97,7 @@ def summarise_update(
     lp_diff_sum: float = 0.0,
     lp_diff_count: float = 0.0,
     rollout_corr: Mapping[str, float] | None = None,
+    routing_mismatch: Mapping[str, float] | None = None,
 ) -> UpdateStats:
     """Mean over optimizer steps of each step's value.
 
@@ -118,6 +123,7 @@ def summarise_update(
         logprob_abs_diff=lp_diff_sum / lp_diff_count if lp_diff_count > 0 else 0.0,
         pg_clipfrac_lower=_mean([s.clipfrac_lower_sum / s.num_tokens for s in with_tokens]),
         rollout_corr=dict(rollout_corr or {}),
+        routing_mismatch=dict(routing_mismatch or {}),
     )
 
 

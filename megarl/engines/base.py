@@ -78,12 +78,21 @@ class Generation:
     truncation (temperature 1 when greedy)."""
     finished: bool
     """True when the response stopped on EOS, False when it hit ``max_new_tokens``."""
+    routed_experts: torch.Tensor | None = None
+    """Mixture-of-experts models, engines that expose routing: ``[R, layers, top_k]`` ids of
+    the experts each layer's router picked in the forward that produced each response token's
+    logprob (:mod:`megarl.algo.routing_mismatch`); None otherwise."""
 
     def __post_init__(self) -> None:
         if len(self.response_ids) != len(self.response_logprobs):
             raise ValueError(
                 f"{len(self.response_ids)} response tokens but "
                 f"{len(self.response_logprobs)} logprobs"
+            )
+        if self.routed_experts is not None and len(self.routed_experts) != len(self.response_ids):
+            raise ValueError(
+                f"{len(self.response_ids)} response tokens but routing of "
+                f"{len(self.routed_experts)}"
             )
 
 

@@ -15,6 +15,11 @@ is run once to fill a ``DynamicCache``; each step then feeds one token per row. 
 EOS keep being fed a pad token (their outputs are ignored) until all rows finish or
 ``max_new_tokens`` is reached.
 
+Routing: for a mixture-of-experts model the engine also reports, per response token and layer,
+the experts the router picked in the forward that produced the token's logprob (the prefill's
+last column for the first token, then each decode step's one column), read by a forward hook
+from the router itself (:class:`RouterTap`), so they are exactly the experts the engine used.
+
 Memory: ``sleep(2)`` swaps every base parameter's storage for an empty tensor (the Parameter
 objects, and so tied embeddings, survive), ``wake_up`` re-allocates uninitialised storage and
 the engine reports ``base_weights_resident=False`` until every base parameter has been resent
@@ -27,14 +32,16 @@ eval mode, turns off gradients, and may free or wrap its layers.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from megarl.algo.routing_mismatch import expert_id_dtype
 from megarl.engines.base import (
     EngineMemoryState,
     Generation,
@@ -219,6 +226,70 @@ def _copy_lora_tensors(
         raise ValueError(f"adapter is missing {len(missing)} LoRA tensors, e.g. {shown}")
 
 
+# --- mixture-of-experts routing --------------------------------------------------------------
+
+
+def find_hf_routers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The top-k routers of a transformers mixture-of-experts model, in layer order: transformers
+    5 keeps each at ``model.layers.N.mlp.gate`` (Qwen3-MoE, Qwen2-MoE and Mixtral alike), a
+    module with a ``top_k`` whose forward returns ``(logits, weights, expert ids)``. Empty for a
+    dense model (a dense MLP's ``gate`` is the gate projection, which has no ``top_k``)."""
+    return [
+        module
+        for name, module in model.named_modules()
+        if name.endswith("mlp.gate") and hasattr(module, "top_k")
+    ]
+
+
+class RouterTap:
+    """Reads the expert ids each router of a transformers MoE model picks.
+
+    Why a hook on the router rather than ``output_router_logits=True``: that returns only the
+    logits (the top-k would have to be recomputed, with its own tie-breaking) and makes the
+    causal-LM forward compute the load-balancing loss against the attention mask, whose shape
+    does not match one cached decode column. The router's own third output is the ``[tokens,
+    top_k]`` ids its ``torch.topk`` chose, the experts the engine then ran.
+    """
+
+    def __init__(self, routers: Sequence[torch.nn.Module], num_experts: int) -> None:
+        self.routers = list(routers)
+        self.id_dtype = expert_id_dtype(num_experts)
+        self._seen: list[torch.Tensor] = []
+
+    @contextlib.contextmanager
+    def attached(self) -> Iterator[RouterTap]:
+        """Hook every router while the block runs."""
+        self._seen = []
+        handles = [r.register_forward_hook(self._hook) for r in self.routers]
+        try:
+            yield self
+        finally:
+            for handle in handles:
+                handle.remove()
+            self._seen = []
+
+    def _hook(self, _router: torch.nn.Module, _inputs: tuple, output: tuple) -> None:
+        self._seen.append(output[2])
+
+    def last_column(self, batch_size: int) -> torch.Tensor:
+        """``[B, layers, top_k]`` expert ids of the last position of each row in the forward that
+        just ran (the one whose logits were sampled from); forgets that forward."""
+        if len(self._seen) != len(self.routers):
+            raise RuntimeError(f"{len(self._seen)} router outputs for {len(self.routers)} routers")
+        columns = [ids.reshape(batch_size, -1, ids.shape[-1])[:, -1] for ids in self._seen]
+        self._seen = []
+        return torch.stack(columns, dim=1).to(self.id_dtype).cpu()
+
+
+def _num_experts(config: Any, num_routers: int) -> int:
+    """Routed experts per layer from a transformers MoE config (Mixtral's key differs)."""
+    for key in ("num_experts", "num_local_experts"):
+        value = getattr(config, key, None)
+        if isinstance(value, int):
+            return value
+    raise ValueError(f"{num_routers} MoE routers but no expert count in {type(config).__name__}")
+
+
 # --- the engine ------------------------------------------------------------------------------
 
 
@@ -289,6 +360,10 @@ class HFEngine(RolloutEngine):
             model.named_parameters(remove_duplicate=False)
         )
         self._checkpoint_views = checkpoint_views(self._params_by_name, model.config)
+        routers = find_hf_routers(self._model)
+        self._router_tap = (
+            RouterTap(routers, _num_experts(model.config, len(routers))) if routers else None
+        )
         self._sleep = SleepState()
         self._freed: list[_FreedParam] = []
         self._adapter_loaded = False
@@ -318,18 +393,25 @@ class HFEngine(RolloutEngine):
         if not prompts:
             return []
         self._validate_prompts(prompts)
-        tokens_BS, logprobs_BS = self._sample(prompts, params)
+        tap = self._router_tap
+        with tap.attached() if tap is not None else contextlib.nullcontext():
+            tokens_BS, logprobs_BS, routing_BSLK = self._sample(prompts, params)
         generations = []
-        for prompt, tokens_S, logprobs_S in zip(prompts, tokens_BS, logprobs_BS, strict=True):
+        for row, (prompt, tokens_S, logprobs_S) in enumerate(
+            zip(prompts, tokens_BS, logprobs_BS, strict=True)
+        ):
             response, logprobs, finished = trim_at_eos(tokens_S, logprobs_S, self._eos_token_ids)
-            generations.append(Generation(tuple(prompt), response, logprobs, finished))
+            routed = None if routing_BSLK is None else routing_BSLK[row, : len(response)].clone()
+            generations.append(Generation(tuple(prompt), response, logprobs, finished, routed))
         return generations
 
     @torch.inference_mode()
     def _sample(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams
-    ) -> tuple[list[list[int]], list[list[float]]]:
-        """The decode loop; returns untrimmed tokens and logprobs per row (lists, on host)."""
+    ) -> tuple[list[list[int]], list[list[float]], torch.Tensor | None]:
+        """The decode loop; returns untrimmed tokens and logprobs per row (lists, on host) and,
+        for a mixture-of-experts model, the ``[B, S, layers, top_k]`` experts of each sampled
+        token's forward (None for a dense model)."""
         from transformers import DynamicCache
 
         batch = left_pad(prompts, self._pad_token_id, self._device)
@@ -342,8 +424,10 @@ class HFEngine(RolloutEngine):
         attention_mask_BT = batch.attention_mask_BT
         next_position_B = batch.position_ids_BT[:, -1] + 1
         finished_B = torch.zeros(len(prompts), dtype=torch.bool, device=self._device)
-        tokens, logprobs = [], []
+        tokens, logprobs, routes = [], [], []
         for step in range(params.max_new_tokens):
+            if self._router_tap is not None:  # the forward whose logits are sampled next
+                routes.append(self._router_tap.last_column(len(prompts)))
             token_B, logprob_B = sample_next_tokens(logits_BV, params, generator)
             token_B = token_B.masked_fill(finished_B, self._pad_token_id)
             tokens.append(token_B)
@@ -358,7 +442,8 @@ class HFEngine(RolloutEngine):
                 token_B.unsqueeze(1), attention_mask_BT, next_position_B.unsqueeze(1), cache
             )
             next_position_B = next_position_B + 1
-        return torch.stack(tokens, 1).tolist(), torch.stack(logprobs, 1).tolist()
+        routing_BSLK = torch.stack(routes, 1) if routes else None
+        return torch.stack(tokens, 1).tolist(), torch.stack(logprobs, 1).tolist(), routing_BSLK
 
     def _forward_last(
         self,

@@ -53,6 +53,7 @@ from megarl.actor.train_stats import OptimizerStepStats, UpdateStats, summarise_
 from megarl.algo.advantages import get_advantage_estimator
 from megarl.algo.kl_reward import KLController, apply_kl_penalty, build_kl_controller
 from megarl.algo.rollout_correction import MismatchStats, mismatch_stats_of_sequences
+from megarl.algo.routing_mismatch import RoutingMismatch, routing_mismatch_of_sequences
 from megarl.algo.validation import is_validation_step, validates_before_training
 from megarl.batch import RolloutBatch, RolloutShard
 from megarl.config import planning
@@ -391,13 +392,17 @@ def _train(rt: _Runtime) -> None:
                 plan=plan,
             )
         )
-        old, recomputed, ref = _logprob_passes(rt, batch, plan, gates, timer, precomputed)
+        old, recomputed, ref, recomputed_routing = _logprob_passes(
+            rt, batch, plan, gates, timer, precomputed, record_routing=True
+        )
         if critic_plan is not None and targets is not None:
             critic_metrics = _update_critic(rt, batch, critic_plan, targets, timer)
             rollout_metrics = {**rollout_metrics, **critic_metrics}
         token_advantages = None if targets is None else targets.advantages
         with rt.routers.watch() if rt.routers is not None else contextlib.nullcontext():
-            stats = _update_actor(rt, batch, plan, old, recomputed, ref, timer, token_advantages)
+            stats = _update_actor(
+                rt, batch, plan, old, recomputed, ref, timer, token_advantages, recomputed_routing
+            )
         if rt.routers is not None:
             rollout_metrics = {**rollout_metrics, **_router_metrics(rt, rt.routers)}
         _sync_weights(rt, gates, timer, step)
@@ -578,15 +583,21 @@ def _logprob_passes(
     gates: StepGates,
     timer: PhaseTimer,
     precomputed: _Precomputed | None = None,
+    record_routing: bool = False,
 ):
     """Run the forwards the gates asked for, over the sequences this DP rank trains (or take
-    them from ``precomputed``: the KL in the reward ran them on every sequence already)."""
+    them from ``precomputed``: the KL in the reward ran them on every sequence already).
+
+    Returns old, recomputed and reference logprobs, and with ``record_routing`` the actor's
+    experts for the recomputed sequences (the old-logprob pass runs on the generating weights).
+    """
     mine = plan.trained_sequences(rt.dp_rank)
     if precomputed is not None:
-        return _reuse_logprobs(rt, batch, mine, gates, precomputed)
+        return *_reuse_logprobs(rt, batch, mine, gates, precomputed), {}
     temperature = rt.cfg.rollout.temperature
     budget = rt.cfg.actor.logprob_micro_batch_tokens
     recomputed: dict[int, torch.Tensor] = {}
+    routing: dict[int, torch.Tensor] = {}
     if gates.old_log_prob.source == "rollout":
         old = {i: batch.engine_logprobs[i] for i in mine}
     else:
@@ -600,6 +611,7 @@ def _logprob_passes(
             with (
                 timer.phase("old_log_prob"),
                 reported(rt.progress, "old_log_prob", num_seqs, "sequences"),
+                _recording_routing(rt, batch, record_routing) as routing,
             ):
                 recomputed = rt.actor.compute_logprobs(batch, groups, temperature)
         old = recomputed
@@ -609,7 +621,7 @@ def _logprob_passes(
         heartbeat.mark("ref")
         with timer.phase("ref"), reported(rt.progress, "ref", len(mine), "sequences"):
             ref = _reference_logprobs(rt, batch, groups, temperature)
-    return old, recomputed, ref
+    return old, recomputed, ref, routing
 
 
 def _reuse_logprobs(
@@ -660,7 +672,7 @@ def _kl_in_reward(
         planning.step_facts(cfg, step, n, engine_base_weights_resident=engine_base_weights_resident)
     )
     batch = _scatter_sequences(rt, rollout, header, unpruned)
-    old, _, ref = _logprob_passes(rt, batch, unpruned, gates, timer)
+    old, _, ref, _ = _logprob_passes(rt, batch, unpruned, gates, timer)
     local = {}
     if rt.actor.is_last_stage and ref is not None:
         local = {i: (old[i].float(), ref[i].float()) for i in ref}
@@ -770,29 +782,38 @@ def _update_actor(
     ref,
     timer: PhaseTimer,
     token_advantages: dict[int, torch.Tensor] | None = None,
+    recomputed_routing: dict[int, torch.Tensor] | None = None,
 ) -> UpdateStats:
     """Every optimizer step of the plan on this rank's micro-batches; the step's statistics,
-    each the mean over optimizer steps. ``token_advantages``: a critic's, per token."""
+    each the mean over optimizer steps. ``token_advantages``: a critic's, per token.
+
+    The engine check (logprobs, ``rollout_corr/*``, MoE routing) compares the first forward of
+    each trained sequence on the weights the engine generated with: the old-logprob pass's
+    (``recomputed``, ``recomputed_routing``) where the gates ran it, else the first optimizer
+    step's training forward, which also runs before any weight moves.
+    """
     loss = _loss_settings(rt.cfg)
     per_step: list[OptimizerStepStats] = []
     grad_norms: list[float] = []
     lp_diff = [0.0, 0.0]  # |engine - trainer| summed, tokens compared
     mismatch = MismatchStats()  # rollout_corr/*: the same tokens, old vs engine
+    routing = RoutingMismatch()  # rollout/moe_routing_mismatch*: the same tokens' experts
     num_steps = len(plan.optimizer_steps)
     with timer.phase("update_actor"):
         for index, opt_step in enumerate(plan.optimizer_steps):
             heartbeat.mark("update_actor")  # each optimizer step is progress
             rt.progress("update_actor", index, num_steps, "optimizer steps")
-            result = rt.actor.train_step(
-                batch,
-                opt_step,
-                rt.dp_rank,
-                old,
-                ref,
-                loss,
-                capture_logprobs=index == 0,
-                token_advantages=token_advantages,
-            )
+            with _recording_routing(rt, batch, on=index == 0) as train_routing:
+                result = rt.actor.train_step(
+                    batch,
+                    opt_step,
+                    rt.dp_rank,
+                    old,
+                    ref,
+                    loss,
+                    capture_logprobs=index == 0,
+                    token_advantages=token_advantages,
+                )
             per_step.append(result.stats if rt.actor.is_last_stage else OptimizerStepStats())
             grad_norms.append(result.grad_norm)
             if index == 0 and rt.actor.is_last_stage:
@@ -801,19 +822,38 @@ def _update_actor(
                 mismatch = mismatch_stats_of_sequences(
                     trainer_logprobs, batch.engine_logprobs, loss.rollout_correction
                 )
+                trainer_routing = {**train_routing, **(recomputed_routing or {})}
+                if trainer_routing:  # recorded only where this rank holds engine routing
+                    routing = routing_mismatch_of_sequences(trainer_routing, batch.engine_routing)
         rt.progress("update_actor", num_steps, num_steps, "optimizer steps")
     tp = rt.cfg.actor.tp
     global_steps = [
         OptimizerStepStats.from_row(row)
         for row in reduce_sums_to_all([s.as_row() for s in per_step], tp)
     ]
-    [[lp_diff_sum, lp_diff_count, *mismatch_sums]] = reduce_sums_to_all(
-        [lp_diff + mismatch.sum_row()], tp
+    num_routing = len(routing.as_row())
+    [[lp_diff_sum, lp_diff_count, *sums]] = reduce_sums_to_all(
+        [lp_diff + mismatch.sum_row() + routing.as_row()], tp
     )
+    mismatch_sums, routing_sums = sums[:-num_routing], sums[-num_routing:]
     mismatch = MismatchStats.from_rows(mismatch_sums, reduce_max_to_all(mismatch.max_row()))
     return summarise_update(
-        global_steps, grad_norms, lp_diff_sum, lp_diff_count, mismatch.metrics()
+        global_steps,
+        grad_norms,
+        lp_diff_sum,
+        lp_diff_count,
+        mismatch.metrics(),
+        RoutingMismatch.from_row(routing_sums).metrics(),
     )
+
+
+def _recording_routing(rt: _Runtime, batch: RolloutShard, on: bool = True):
+    """Arm the actor's routing recorder around forwards on the generating weights; yields the
+    ``{sequence: experts}`` dict it fills, empty unless ``on``, the model is MoE and this rank
+    holds engine routing to compare with."""
+    if not on or not batch.engine_routing or rt.actor.routing is None:
+        return contextlib.nullcontext({})
+    return rt.actor.routing.recording()
 
 
 def _router_metrics(rt: _Runtime, routers: RouterMonitor) -> dict[str, float]:

@@ -49,6 +49,15 @@ def encode_prompt(tokenizer, problem: Problem, system_prompt: str | None) -> lis
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
+def engine_routing(gens: Sequence[Generation]) -> tuple[torch.Tensor, ...] | None:
+    """Every generation's expert ids when the engine reported them for all (a mixture-of-experts
+    model on an engine that exposes routing), else None: the check needs both sides."""
+    routed = [g.routed_experts for g in gens]
+    if not routed or any(r is None for r in routed):
+        return None
+    return tuple(r for r in routed if r is not None)
+
+
 @dataclass(frozen=True)
 class RolloutSettings:
     group_size: int
@@ -179,6 +188,7 @@ class RolloutProducer:
             engine_logprobs=tuple(
                 torch.tensor(g.response_logprobs, dtype=torch.float32) for g in scored.gens
             ),
+            engine_routing=engine_routing(scored.gens),
         )
         self.last_samples = [
             (scored.problems[i // n].prompt, scored.texts[i], float(scored.rewards[i]))

@@ -1,6 +1,8 @@
 """Mixture-of-experts training on CPU: experts split over expert-parallel ranks train like one
 rank holding them all (and route alike: ``actor/moe_*``), and a checkpoint saved at one
-expert-parallel size resumes at another.
+expert-parallel size resumes at another. The trainer routes every response token as the engine
+did (``rollout/moe_routing_mismatch`` is 0 in fp32), and a mismatch injected into the engine's
+reported routing is counted exactly.
 
 Tiny random-init Qwen3-MoE and Qwen2-MoE (4 experts, top-2; Qwen2-MoE with a gated shared
 expert, which every rank holds) with the HF engine, 2 ranks (DP=2).
@@ -8,6 +10,7 @@ expert, which every rank holds) with the HF engine, 2 ranks (DP=2).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -23,6 +26,7 @@ from megarl.train import run
 pytestmark = pytest.mark.slow
 
 MOE = {"trainer.n_gpus_per_node": 2, "export.checksum_interval": 1}
+ROUTING = "rollout/moe_routing_mismatch"
 
 
 def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -55,6 +59,8 @@ def test_ep2_trains_like_ep1_and_resumes_at_ep1(model, tmp_path):
         assert 1.0 <= a["actor/moe_load_imbalance"] <= 4 / 2  # at most experts / top_k
         assert a["actor/moe_load_imbalance"] == pytest.approx(b["actor/moe_load_imbalance"])
         assert a["actor/moe_aux_loss"] == pytest.approx(b["actor/moe_aux_loss"], rel=1e-6)
+        # fp32, the engine on the trainer's weights: every token reaches the same experts
+        assert a[ROUTING] == b[ROUTING] == 0.0
 
     saved = read_checkpoint(split_dir / "checkpoints" / "step_000002")
     assert saved.ep == 2
@@ -68,6 +74,7 @@ def test_ep2_trains_like_ep1_and_resumes_at_ep1(model, tmp_path):
 
     resumed = run(tiny_overrides(split_dir, 3, **moe), return_final_state=True)
     assert [row["step"] for row in resumed.history] == [1, 2, 3]
+    assert resumed.history[-1][ROUTING] == 0.0
     assert _max_diff(resharded, resumed.final_state) > 0, "the resumed step trained nothing"
 
 
@@ -84,6 +91,44 @@ def test_router_aux_loss_run_trains_every_sequence_and_says_why(tmp_path):
     assert math.isfinite(aux["actor/grad_norm"]) and aux["actor/grad_norm"] > 0
     assert 1.0 <= aux["actor/moe_aux_loss"] < 4 / 2  # 1 when balanced, at most experts / top_k
     assert aux["export/checksum_ok"] == 1.0
+
+
+def _complement_first_layer(batch):
+    """The batch with the engine's layer-0 experts of every response token replaced by the two
+    experts it did not pick (4 experts, top-2): a set that differs from the one the engine used,
+    whatever that was."""
+    routing = []
+    for ids_RLK in batch.engine_routing:
+        ids_RLK = ids_RLK.clone()
+        for token in range(len(ids_RLK)):
+            unused = sorted(set(range(4)) - set(ids_RLK[token, 0].tolist()))
+            ids_RLK[token, 0] = torch.tensor(unused, dtype=ids_RLK.dtype)
+        routing.append(ids_RLK)
+    return dataclasses.replace(batch, engine_routing=tuple(routing))
+
+
+def test_injected_routing_mismatch_is_counted_exactly(tmp_path, monkeypatch):
+    """One rank (in this process, so the patch reaches the rollout host), one step: the engine's
+    reported layer-0 experts are swapped for the unused ones after sampling. The trainer matches
+    the engine everywhere else, so exactly 1 of 4 layers differs on every response token, both
+    for the sequences whose routing comes from the old-logprob pass (two mini-batches: the
+    second one's are recomputed) and for those of the first optimizer step's forward, in padded
+    micro-batches (several sequences per forward: Megatron's sequence-first token order)."""
+    from megarl.trainer.rollout_host import RolloutHost
+
+    produce = RolloutHost.rollout
+
+    def rollout(self, step):
+        batch, metrics, phases = produce(self, step)
+        assert batch.engine_routing is not None
+        return _complement_first_layer(batch), metrics, phases
+
+    monkeypatch.setattr(RolloutHost, "rollout", rollout)
+    extra = {"actor.ppo_mini_batches": 2, "actor.pack_sequences": "false"}
+    [step] = run(tiny_overrides(tmp_path / "run", 1, model="tiny_qwen3_moe", **extra)).history
+    assert step["gates/summary"].startswith("old_lp: 4/8 recompute, rest train forward")
+    assert step[ROUTING] == 0.25  # layer 0 of 4, on every token
+    assert step["rollout/moe_routing_mismatch_tokens"] == 1.0
 
 
 # ----------------------------------------------------------------------------- router aux loss

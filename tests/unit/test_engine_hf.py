@@ -281,6 +281,75 @@ def test_moe_engine_takes_every_exported_name(family, tmp_path):
         )
 
 
+def tiny_moe(family: str, seed: int = 0) -> torch.nn.Module:
+    from megarl.models.random_init import build_random_hf_model
+
+    cfg = dict(
+        model_type=family,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+        **MOE_CONFIGS[family],
+    )
+    return build_random_hf_model(cfg, seed=seed)
+
+
+@torch.no_grad()
+def reference_routing(model: torch.nn.Module, generation: Generation) -> torch.Tensor:
+    """``[R, layers, k]`` experts of one unpadded, uncached forward of prompt+response at the
+    positions that score the response (``P - 1 .. S - 2``), what the trainer compares."""
+    from megarl.engines.hf import find_hf_routers
+
+    seen: list[torch.Tensor] = []
+    routers = find_hf_routers(model)
+    handles = [r.register_forward_hook(lambda _m, _i, out: seen.append(out[2])) for r in routers]
+    model(torch.tensor([generation.prompt_ids + generation.response_ids]))
+    for handle in handles:
+        handle.remove()
+    ids_TLK = torch.stack(seen, dim=1)
+    return ids_TLK[len(generation.prompt_ids) - 1 : -1]
+
+
+@pytest.mark.parametrize("family", sorted(MOE_CONFIGS))
+def test_moe_routing_is_that_of_each_tokens_scoring_forward(family):
+    """The engine's expert ids (left-padded prefill, then cached decode columns) equal a plain
+    full forward's at the positions that score each response token, as compact ids; a model
+    whose first router moved (what a stale or wrong weight sync would leave) routes otherwise,
+    and the comparison sees it."""
+    from megarl.algo.routing_mismatch import routing_mismatch_of_sequences
+
+    model = tiny_moe(family)
+    perturbed = copy.deepcopy(model)
+    gens = make_engine(model).generate(PROMPTS, SamplingParams(max_new_tokens=6, seed=2))
+    engine = {i: g.routed_experts for i, g in enumerate(gens) if g.routed_experts is not None}
+    assert len(engine) == len(PROMPTS)
+    for i, g in enumerate(gens):
+        assert engine[i].shape == (len(g.response_ids), 2, 2) and engine[i].dtype == torch.uint8
+    same = routing_mismatch_of_sequences(
+        {i: reference_routing(model, g) for i, g in enumerate(gens)}, engine
+    )
+    assert same.pairs == 2 * sum(len(g.response_ids) for g in gens)
+    assert same.mismatched_pairs == 0
+
+    with torch.no_grad():
+        router = perturbed.model.layers[0].mlp.gate.weight
+        router.add_(torch.randn(router.shape, generator=torch.Generator().manual_seed(0)))
+    moved = routing_mismatch_of_sequences(
+        {i: reference_routing(perturbed, g) for i, g in enumerate(gens)}, engine
+    )
+    assert moved.pairs == same.pairs
+    assert moved.mismatched_pairs > 0
+
+
+def test_dense_models_report_no_routing():
+    generations = make_engine(tiny_llama()).generate(PROMPTS, greedy(4))
+    assert all(g.routed_experts is None for g in generations)
+
+
 @pytest.mark.parametrize("name", ["lm_head.weight", "model.embed_tokens.weight"])
 def test_tied_embedding_update_under_either_name(name):
     engine = make_engine(tiny_llama(tie=True))
