@@ -32,13 +32,14 @@ import torch
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
 from megarl.actor.router_stats import find_routers
-from megarl.algo.router_replay import layout_of, micro_batch_targets
+from megarl.algo.router_replay import FREE, layout_of, micro_batch_targets
 from megarl.batch import MicroBatchTensors
 
 
 class OwnChoiceReplay(RouterReplay):
-    """Megatron's ``RouterReplay`` that also keeps, while replaying, the top-k ids the router
-    computes on its own (the same call its un-replayed path makes), for the mismatch metric."""
+    """Megatron's ``RouterReplay`` with two additions under REPLAY_FORWARD: rows whose target is
+    :data:`~megarl.algo.router_replay.FREE` take the router's own choice, and the router's own
+    top-k ids (the same call its un-replayed path makes) are kept for the mismatch metric."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -49,14 +50,21 @@ class OwnChoiceReplay(RouterReplay):
     def get_replay_topk(
         self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None
     ):
-        replaying = self.router_replay_action in (
-            RouterReplayAction.REPLAY_FORWARD,
-            RouterReplayAction.REPLAY_BACKWARD,
-        )
-        if replaying and default_compute_topk is not None:
-            with torch.no_grad():
-                self.own_ids = default_compute_topk(scores, topk, num_groups, group_topk)[1]
-        return super().get_replay_topk(scores, topk, num_groups, group_topk, default_compute_topk)
+        if (
+            self.router_replay_action != RouterReplayAction.REPLAY_FORWARD
+            or default_compute_topk is None
+            or self.target_topk_idx is None
+        ):
+            return super().get_replay_topk(
+                scores, topk, num_groups, group_topk, default_compute_topk
+            )
+        with torch.no_grad():
+            own = default_compute_topk(scores, topk, num_groups, group_topk)[1]
+        self.own_ids = own
+        target = self.target_topk_idx.to(scores.device)
+        ids = torch.where(target == FREE, own, target)
+        # the gathered scores of the router's own ids are exactly its top-k values
+        return scores.gather(1, ids), ids
 
 
 def install_replay(modules: Sequence[torch.nn.Module]) -> list[OwnChoiceReplay]:

@@ -16,19 +16,22 @@ Routing of one sequence (``prompt + response``, length ``S = P + R``) is ``[S, l
 expert ids, row ``t`` being the experts of the forward at input position ``t``. The engine
 reports positions ``0 .. P - 2`` from its prefill and ``P - 1 .. S - 2`` as the forwards that
 scored the response tokens; input position ``S - 1`` (the last response token, fed through the
-model only because the micro-batch holds whole sequences) has no engine routing. Its output
-predicts nothing (its label is masked), so any valid ids do: :func:`input_routing` fills it with
-:func:`filler_ids`, as it fills every position the engine did not route.
+model only because the micro-batch holds whole sequences) has no engine routing: :func:`input_routing`
+stores :func:`filler_ids` there so the tensor stays rectangular, and the replay targets never
+use that row.
 
 Megatron's ``RouterReplay`` takes per router a ``[tokens, top_k]`` target in the router input's
 order: the ``[s, b, hidden]`` input flattened sequence first (row ``s * b + b_index``); a packed
 micro-batch is ``[T, 1, hidden]``, so its rows are the packed tokens in order.
-:func:`micro_batch_targets` builds those rows for a padded or packed micro-batch. Positions
-that carry no routing (the right padding of a padded row, a sequence with none recorded) get
-:func:`filler_ids`, experts ``0 .. k-1``: valid and distinct, and unable to change a trained
-logprob, because padding follows every real token of its row (causal attention keeps it out of
-earlier positions), the router and experts act on each token alone (no capacity-based token
-dropping here), and no loss mask selects a padded position or a sequence whose loss weight is 0.
+:func:`micro_batch_targets` builds those rows for a padded or packed micro-batch. Rows without
+recorded routing (each sequence's last input position, the right padding of a padded row, a
+sequence with none recorded) are :data:`FREE`: the router takes its own choice there
+(:class:`megarl.actor.router_replay.OwnChoiceReplay`). Any valid experts would leave the trained
+logprobs' *values* alone (those rows come after every real token of their sequence, and no loss
+mask selects them), but not their *bits*: a token sent to another expert changes how many rows
+that expert's GEMM multiplies, and CPU BLAS picks its blocking by the row count, which moves
+other tokens' results by rounding. Routing them as the router would keeps replaying the
+router's own choice bitwise equal to not replaying.
 
 Pure torch: no distributed, model or engine imports.
 """
@@ -48,6 +51,9 @@ if TYPE_CHECKING:
 
 ROUTER_REPLAY_MODES: tuple[str, ...] = ("disabled", "R2", "R3")
 """The values of ``actor.router_replay.mode``."""
+
+FREE = -1
+"""Replay-target id of a row with no recorded routing: the router routes it on its own."""
 
 ENGINES_REPORTING_ROUTING: tuple[str, ...] = ("hf",)
 """Rollout engines that report every position's experts (R3 needs them); vLLM does not."""
@@ -120,28 +126,29 @@ def micro_batch_targets(
 ) -> Tensor:
     """``[layers, tokens, k]`` int64 replay targets in Megatron's router-input token order.
 
-    ``routing``: ``{sequence: [S, layers, k]}`` input routing; sequences absent from it, and
-    padding, get :func:`filler_ids` (see the module docstring for why that is harmless).
-    Padded ``[B, L_max]``: row ``s * B + b``. Packed ``[1, T]``: the sequences concatenated.
+    ``routing``: ``{sequence: [S, layers, k]}`` input routing. Each sequence's last input
+    position, sequences absent from ``routing`` and padding are :data:`FREE` (see the module
+    docstring for why). Padded ``[B, L_max]``: row ``s * B + b``. Packed ``[1, T]``: the
+    sequences concatenated.
     """
-    filler = filler_ids(top_k, num_layers, torch.long)
     rows = []
     for seq, length in zip(layout.seq_indices, layout.seq_lens, strict=True):
+        free = torch.full((length, num_layers, top_k), FREE, dtype=torch.long)
         ids = routing.get(seq)
-        if ids is None:
-            ids = filler.expand(length, num_layers, top_k)
-        ids = ids.to(filler.device)
-        if ids.shape != (length, num_layers, top_k):
-            raise ValueError(
-                f"sequence {seq}: routing {tuple(ids.shape)}, expected {(length, num_layers, top_k)}"
-            )
-        rows.append(ids.long())
+        if ids is not None:
+            if ids.shape != (length, num_layers, top_k):
+                raise ValueError(
+                    f"sequence {seq}: routing {tuple(ids.shape)}, "
+                    f"expected {(length, num_layers, top_k)}"
+                )
+            free[: length - 1] = ids[: length - 1].long()
+        rows.append(free)
     if layout.packed:
         tokens_TLK = torch.cat(rows)
         if len(tokens_TLK) != layout.width:
             raise ValueError(f"packed routing of {len(tokens_TLK)} tokens, row of {layout.width}")
     else:
-        padded_BSLK = filler.expand(len(rows), layout.width, num_layers, top_k).clone()
+        padded_BSLK = torch.full((len(rows), layout.width, num_layers, top_k), FREE)
         for b, ids in enumerate(rows):
             padded_BSLK[b, : len(ids)] = ids
         tokens_TLK = padded_BSLK.transpose(0, 1).reshape(-1, num_layers, top_k)  # s-major

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from megarl.algo.router_replay import (
+    FREE,
     MicroBatchLayout,
     dense_model_problem,
     filler_ids,
@@ -26,28 +27,30 @@ def _ids(rows: list[list[list[int]]]) -> torch.Tensor:
 SEQ7 = _ids([[[0, 1], [2, 3]], [[1, 2], [0, 3]], [[2, 3], [1, 2]]])
 SEQ2 = _ids([[[3, 1], [3, 0]], [[0, 2], [1, 3]]])
 FILL = [0, 1]
+OWN = [FREE, FREE]
+"""A row the router routes on its own: each sequence's last position, padding, no routing."""
 
 
-def test_padded_targets_are_sequence_first_with_filler_padding():
+def test_padded_targets_are_sequence_first_with_free_last_positions_and_padding():
     layout = MicroBatchLayout(seq_indices=(7, 2), seq_lens=(3, 2), width=3, packed=False)
     targets = micro_batch_targets({7: SEQ7, 2: SEQ2}, layout, num_layers=2, top_k=2)
     assert targets.shape == (2, 6, 2) and targets.dtype == torch.long
-    # rows s * B + b: (s0,b0) (s0,b1) (s1,b0) (s1,b1) (s2,b0) (s2,b1 = padding)
-    assert targets[0].tolist() == [[0, 1], [3, 1], [1, 2], [0, 2], [2, 3], FILL]
-    assert targets[1].tolist() == [[2, 3], [3, 0], [0, 3], [1, 3], [1, 2], FILL]
+    # rows s * B + b: (s0,b0) (s0,b1) (s1,b0) (s1,b1 = last of 2) (s2,b0 = last of 7) (padding)
+    assert targets[0].tolist() == [[0, 1], [3, 1], [1, 2], OWN, OWN, OWN]
+    assert targets[1].tolist() == [[2, 3], [3, 0], [0, 3], OWN, OWN, OWN]
 
 
 def test_packed_targets_are_the_sequences_in_order():
     layout = MicroBatchLayout(seq_indices=(2, 7), seq_lens=(2, 3), width=5, packed=True)
     targets = micro_batch_targets({7: SEQ7, 2: SEQ2}, layout, num_layers=2, top_k=2)
-    assert targets[0].tolist() == [[3, 1], [0, 2], [0, 1], [1, 2], [2, 3]]
-    assert targets[1].tolist() == [[3, 0], [1, 3], [2, 3], [0, 3], [1, 2]]
+    assert targets[0].tolist() == [[3, 1], OWN, [0, 1], [1, 2], OWN]
+    assert targets[1].tolist() == [[3, 0], OWN, [2, 3], [0, 3], OWN]
 
 
-def test_a_sequence_without_routing_gets_filler_and_shapes_are_checked():
+def test_a_sequence_without_routing_routes_on_its_own_and_shapes_are_checked():
     layout = MicroBatchLayout(seq_indices=(7, 2), seq_lens=(3, 2), width=5, packed=True)
     targets = micro_batch_targets({7: SEQ7}, layout, num_layers=2, top_k=2)
-    assert targets[0, 3:].tolist() == [FILL, FILL]
+    assert targets[0].tolist() == [[0, 1], [1, 2], OWN, OWN, OWN]
     with pytest.raises(ValueError, match="sequence 2: routing"):
         micro_batch_targets({7: SEQ7, 2: SEQ7}, layout, num_layers=2, top_k=2)
     short = MicroBatchLayout(seq_indices=(7,), seq_lens=(3,), width=4, packed=True)
@@ -108,7 +111,8 @@ def test_sequence_ids_inverts_the_targets_and_layout_reads_micro_batches():
         assert layout == MicroBatchLayout((1, 0), (3, 5), width=8 if packed else 5, packed=packed)
         targets_LTK = micro_batch_targets(routing, layout, num_layers=2, top_k=2)
         back = sequence_ids(targets_LTK.permute(1, 0, 2), layout)
-        assert all(torch.equal(back[i], routing[i]) for i in (0, 1))
+        assert all(torch.equal(back[i][:-1], routing[i][:-1]) for i in (0, 1))
+        assert all((back[i][-1] == FREE).all() for i in (0, 1))
 
 
 def test_r2_refuses_kl_in_reward_and_makes_the_old_logprob_gate_run_on_policy():
