@@ -50,6 +50,10 @@ class RolloutBatch:
     layers, top_k]`` expert ids (uint8, or int16 past 256 experts) of each response token, what
     the trainer checks its own routing against (``rollout/moe_routing_mismatch``); None
     otherwise."""
+    engine_input_routing: tuple[torch.Tensor, ...] | None = None
+    """Router replay R3 with an engine that exposes routing: per sequence, ``[S, layers,
+    top_k]`` expert ids of every input position (:mod:`megarl.algo.router_replay`); None
+    otherwise."""
 
     def __post_init__(self) -> None:
         n = len(self.tokens)
@@ -69,6 +73,10 @@ class RolloutBatch:
                 raise ValueError(
                     f"sequence {i}: {len(toks)} tokens, prompt {plen}, {len(lp)} response logprobs"
                 )
+        if self.engine_input_routing is not None:
+            routed = [len(r) for r in self.engine_input_routing]
+            if routed != self.seq_lens:
+                raise ValueError(f"engine input routing of {routed} positions, {self.seq_lens}")
         if self.engine_routing is not None:
             routed = [len(r) for r in self.engine_routing]
             if routed != [len(lp) for lp in self.engine_logprobs]:
@@ -92,7 +100,7 @@ class RolloutBatch:
         """Every sequence's metadata, and the tokens, engine logprobs and engine routing of
         ``seq_indices``."""
         wanted = sorted(set(seq_indices))
-        routing = self.engine_routing
+        routing, inputs = self.engine_routing, self.engine_input_routing
         return RolloutShard(
             prompt_lens=self.prompt_lens,
             seq_lens=tuple(self.seq_lens),
@@ -101,6 +109,7 @@ class RolloutBatch:
             tokens={i: self.tokens[i] for i in wanted},
             engine_logprobs={i: self.engine_logprobs[i] for i in wanted},
             engine_routing={} if routing is None else {i: routing[i] for i in wanted},
+            engine_input_routing=({} if inputs is None else {i: inputs[i] for i in wanted}),
         )
 
 
@@ -118,6 +127,8 @@ class RolloutShard:
     engine_routing: Mapping[int, torch.Tensor] = dataclasses.field(default_factory=dict)
     """The engine's expert ids of the sequences this shard holds (empty when the batch has
     none: a dense model, or an engine that does not expose routing)."""
+    engine_input_routing: Mapping[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+    """R3: the engine's experts of every input position of the sequences this shard holds."""
 
     @property
     def num_seqs(self) -> int:
@@ -136,6 +147,7 @@ class RolloutShard:
             tokens=sequences.tokens,
             engine_logprobs=sequences.engine_logprobs,
             engine_routing=sequences.engine_routing,
+            engine_input_routing=sequences.engine_input_routing,
         )
 
 

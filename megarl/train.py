@@ -173,6 +173,7 @@ def _is_megarl_checkpoint(path: str) -> bool:
 
 def validate_against_model(cfg, model_dir: str, device: str = "cpu") -> None:
     """Checks that need the model's shape or the data: parallel layout, gates, planner, dataset."""
+    from megarl.algo.router_replay import dense_model_problem
     from megarl.config.planning import prune_mode, run_facts
     from megarl.data.errors import DatasetError
     from megarl.models.hf_io import load_hf_config
@@ -183,6 +184,7 @@ def validate_against_model(cfg, model_dir: str, device: str = "cpu") -> None:
 
     try:
         spec = spec_from_hf_config(load_hf_config(model_dir))
+        replay_mode = cfg.actor.router_replay.mode
         spec.check_parallelism(cfg.actor.tp, cfg.actor.pp, cfg.actor.vpp, cfg.actor.ep)
         if spec.is_moe and cfg.algo.uses_critic:
             raise StartupError(
@@ -195,6 +197,8 @@ def validate_against_model(cfg, model_dir: str, device: str = "cpu") -> None:
                 f"actor.moe_aux_loss_coef={cfg.actor.moe_aux_loss_coef}: the model "
                 f"({spec.family}) is dense and has no router to balance; set it to 0"
             )
+        if not spec.is_moe and (problem := dense_model_problem(replay_mode, spec.family)):
+            raise StartupError(problem)
         if spec.is_moe and cfg.actor.lora.enabled:
             raise StartupError(
                 f"actor.lora.rank={cfg.actor.lora.rank}: LoRA on a mixture-of-experts model "

@@ -132,12 +132,23 @@ class MegatronActor:
             RoutingRecorder(self.chunks, spec.moe_top_k) if trainable and spec.is_moe else None
         )
         """Mixture-of-experts actors: records the routers' experts for the rank loop's check
-        against the engine's (``rollout/moe_routing_mismatch``); idle unless armed."""
+        against the engine's (``rollout/moe_routing_mismatch``) and for R2; idle unless armed."""
+        self.replay = None
+        if trainable and self._replay_on:
+            from megarl.actor.router_replay import RouterReplayer
+
+            self.replay = RouterReplayer(self.chunks, spec.moe_top_k)
+        """``actor.router_replay.mode`` R2/R3: replays the routing the rank loop arms it with;
+        None otherwise."""
         for router in self.routers:
             # Megatron copies this flag from the config when the router is built, before
             # _wrap_ddp sets it: pin it, so router_loss_coeffs' scaling holds whatever the
             # construction order (it makes the router weigh its loss by its micro-batch's tokens)
             router.calculate_per_token_loss = True
+
+    @property
+    def _replay_on(self) -> bool:
+        return self.spec.is_moe and self.cfg.router_replay.mode != "disabled"
 
     @property
     def _router_loss_on(self) -> bool:
@@ -158,6 +169,7 @@ class MegatronActor:
             use_transformer_engine=self.execution.use_transformer_engine,
             recompute=self.execution.recompute,
             moe_aux_loss_coef=self.cfg.moe_aux_loss_coef if self._router_loss_on else 0.0,
+            moe_routing_replay=self._replay_on,
             **self._head_options(),
         )
 
@@ -492,11 +504,16 @@ class MegatronActor:
             or []
         )
 
+    @contextlib.contextmanager
     def _routing_of(self, mb: MicroBatchTensors):
-        """The routing recorder's scope for one forward (a no-op for dense models)."""
-        if self.routing is None:
-            return contextlib.nullcontext()
-        return self.routing.forward(mb)
+        """The router replay's and the routing recorder's scope for one forward (no-ops for
+        dense models, and while the rank loop has armed neither)."""
+        with contextlib.ExitStack() as scopes:
+            if self.replay is not None:
+                scopes.enter_context(self.replay.forward(mb))
+            if self.routing is not None:
+                scopes.enter_context(self.routing.forward(mb))
+            yield
 
     # --- weights -----------------------------------------------------------------------------
 

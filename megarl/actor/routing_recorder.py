@@ -1,4 +1,4 @@
-"""Which experts the actor's routers pick for the response tokens of chosen forwards.
+"""Which experts the actor's routers pick for every input position of chosen forwards.
 
 The trainer side of ``rollout/moe_routing_mismatch`` (:mod:`megarl.algo.routing_mismatch`): the
 rank loop arms :meth:`RoutingRecorder.recording` around the forwards that run on the weights the
@@ -8,10 +8,11 @@ recompute or a later optimizer step's forward.
 
 Megatron's ``TopKRouter`` returns ``(probs, routing_map)`` with ``routing_map`` a ``[s * b,
 experts]`` mask over the router input ``[s, b, hidden]`` (sequence first, rows in ``s``-major
-order; a packed micro-batch is ``[T, 1, hidden]``). A forward hook turns it into expert ids and
-back into the micro-batch's ``[b, s]`` layout, and :func:`response_expert_ids` cuts out each
-sequence's response positions. With expert parallelism each rank's router still scores all
-experts for its own tokens (the dispatcher moves tokens afterwards), so the ids are global.
+order; a packed micro-batch is ``[T, 1, hidden]``). A forward hook turns it into expert ids,
+and :func:`megarl.algo.router_replay.sequence_ids` cuts each sequence's positions out of that
+order. With expert parallelism each rank's router still scores all experts for its own tokens
+(the dispatcher moves tokens afterwards), so the ids are global. R2 records the same way, in
+the old-logprob pass.
 """
 
 from __future__ import annotations
@@ -22,13 +23,16 @@ from contextlib import contextmanager
 import torch
 
 from megarl.actor.router_stats import find_routers
-from megarl.algo.routing_mismatch import expert_ids_from_routing_map, response_expert_ids
+from megarl.algo.router_replay import layout_of, sequence_ids
+from megarl.algo.routing_mismatch import expert_id_dtype, expert_ids_from_routing_map
 from megarl.batch import MicroBatchTensors
 
 
 class RoutingRecorder:
-    """Records, while armed, ``{sequence: [R, layers, top_k]}`` expert ids of every trained
-    sequence the actor's forwards run.
+    """Records, while armed, ``{sequence: [S, layers, top_k]}`` expert ids of every input
+    position of every trained sequence the actor's forwards run (the mismatch check cuts out the
+    response rows, :func:`megarl.algo.router_replay.response_rows`; R2 replays them all). Under
+    router replay it records the router's own choice, not the replayed one.
 
     ``modules``: the actor's model chunks (one: MoE runs at PP=1); the hooks only read.
     """
@@ -70,14 +74,20 @@ class RoutingRecorder:
             self._layers = None
         if len(layers) != len(self.routers):
             raise RuntimeError(f"{len(layers)} router outputs for {len(self.routers)} routers")
-        ids_BSLK = torch.stack(layers, dim=2).cpu()  # one small copy per forward
-        self._recorded.update(response_expert_ids(ids_BSLK, mb))
+        ids_TLK = torch.stack(layers, dim=1).cpu()  # one small copy per forward
+        trained_B = mb.loss_mask_BL.amax(dim=1) > 0
+        every = sequence_ids(ids_TLK, layout_of(mb))
+        self._recorded.update(
+            {seq: every[seq] for row, seq in enumerate(mb.seq_indices) if bool(trained_B[row])}
+        )
 
-    def _hook(self, _router: torch.nn.Module, inputs: tuple, output: tuple) -> None:
+    def _hook(self, router: torch.nn.Module, _inputs: tuple, output: tuple) -> None:
         if self._layers is None:  # outside a wrapped forward (e.g. recompute in backward)
             return
-        _probs, routing_map = output
-        seq_len, batch_size = inputs[0].shape[:2]
+        own_ids = getattr(getattr(router, "router_replay", None), "own_ids", None)
         with torch.no_grad():
-            ids_TK = expert_ids_from_routing_map(routing_map.detach(), self.top_k)
-        self._layers.append(ids_TK.reshape(seq_len, batch_size, -1).transpose(0, 1))
+            if own_ids is not None:  # replaying: the router's own choice, not the replayed one
+                ids_TK = own_ids.sort(dim=1).values.to(expert_id_dtype(output[1].shape[1]))
+            else:
+                ids_TK = expert_ids_from_routing_map(output[1].detach(), self.top_k)
+        self._layers.append(ids_TK)

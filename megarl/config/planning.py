@@ -50,6 +50,7 @@ def run_facts(cfg: RunConfig) -> RunFacts:
         kl_in_reward=cfg.algo.use_kl_in_reward,
         lora_enabled=cfg.actor.lora.enabled,
         rollout_correction=cfg.algo.rollout_correction.enabled,
+        router_replay_r2=cfg.actor.router_replay.mode == "R2",
     )
 
 

@@ -27,6 +27,7 @@ from megarl.algo.rollout_correction import (
     ROLLOUT_RS_LEVELS,
     CorrectionSettings,
 )
+from megarl.algo.router_replay import ROUTER_REPLAY_MODES, router_replay_problem
 from megarl.data.arithmetic import SUPPORTED_OPS
 from megarl.data.loader import PROMPT_TASKS
 from megarl.data.rewards import (
@@ -315,6 +316,20 @@ class LoraConfig:
 
 
 @dataclass(frozen=True)
+class RouterReplayConfig:
+    """Mixture-of-experts router replay (:mod:`megarl.algo.router_replay`; verl's
+    ``actor_rollout_ref.actor.router_replay``)."""
+
+    mode: str = "disabled"
+    """disabled | R2 (replay the trainer's own old-logprob-pass routing in the training
+    forwards) | R3 (replay the engine's routing of every position in the old-logprob pass and
+    the training forwards)."""
+
+    def __post_init__(self) -> None:
+        _choice("actor.router_replay.mode", self.mode, ROUTER_REPLAY_MODES)
+
+
+@dataclass(frozen=True)
 class ActorConfig:
     tp: int = 1
     pp: int = 1
@@ -374,6 +389,7 @@ class ActorConfig:
     SDPA per sequence block on CPU, transformer-engine THD on GPU. false = right-padded rows."""
     optim: OptimConfig = field(default_factory=OptimConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    router_replay: RouterReplayConfig = field(default_factory=RouterReplayConfig)
 
     def __post_init__(self) -> None:
         _positive("actor.tp", self.tp)
@@ -956,6 +972,14 @@ class RunConfig:
             f"reward.overlong_buffer.len={buffer.len} > rollout.max_new_tokens="
             f"{self.rollout.max_new_tokens}: the buffer is the last part of the allowed length",
         )
+        replay = router_replay_problem(
+            self.actor.router_replay.mode,
+            engine=self.rollout.engine,
+            recompute=self.actor.recompute,
+            old_log_prob=self.planner.old_log_prob,
+            kl_in_reward=self.algo.use_kl_in_reward,
+        )
+        _require(replay is None, str(replay))
         num_seqs = self.data.prompts_per_step * self.rollout.n
         _require(
             num_seqs % self.actor.ppo_mini_batches == 0,

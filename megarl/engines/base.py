@@ -82,6 +82,10 @@ class Generation:
     """Mixture-of-experts models, engines that expose routing: ``[R, layers, top_k]`` ids of
     the experts each layer's router picked in the forward that produced each response token's
     logprob (:mod:`megarl.algo.routing_mismatch`); None otherwise."""
+    prompt_routed_experts: torch.Tensor | None = None
+    """With ``routed_experts``: ``[P - 1, layers, top_k]`` ids of the prompt positions before
+    the last (the prefill's), which with ``routed_experts`` make the routing of every input
+    position that router replay (R3) needs (:mod:`megarl.algo.router_replay`)."""
 
     def __post_init__(self) -> None:
         if len(self.response_ids) != len(self.response_logprobs):
@@ -93,6 +97,11 @@ class Generation:
             raise ValueError(
                 f"{len(self.response_ids)} response tokens but routing of "
                 f"{len(self.routed_experts)}"
+            )
+        prompt_routed = self.prompt_routed_experts
+        if prompt_routed is not None and len(prompt_routed) != len(self.prompt_ids) - 1:
+            raise ValueError(
+                f"{len(self.prompt_ids)} prompt tokens but prompt routing of {len(prompt_routed)}"
             )
 
 

@@ -18,7 +18,9 @@ EOS keep being fed a pad token (their outputs are ignored) until all rows finish
 Routing: for a mixture-of-experts model the engine also reports, per response token and layer,
 the experts the router picked in the forward that produced the token's logprob (the prefill's
 last column for the first token, then each decode step's one column), read by a forward hook
-from the router itself (:class:`RouterTap`), so they are exactly the experts the engine used.
+from the router itself (:class:`RouterTap`), so they are exactly the experts the engine used;
+and the prefill's experts of every other prompt position, which router replay
+(``actor.router_replay.mode=R3``) needs.
 
 Memory: ``sleep(2)`` swaps every base parameter's storage for an empty tensor (the Parameter
 objects, and so tied embeddings, survive), ``wake_up`` re-allocates uninitialised storage and
@@ -271,14 +273,20 @@ class RouterTap:
     def _hook(self, _router: torch.nn.Module, _inputs: tuple, output: tuple) -> None:
         self._seen.append(output[2])
 
+    def columns(self, batch_size: int) -> torch.Tensor:
+        """``[B, T, layers, top_k]`` expert ids of every position of the forward that just ran
+        (the prefill's ``T`` left-padded columns, or a decode step's one); forgets that
+        forward."""
+        if len(self._seen) != len(self.routers):
+            raise RuntimeError(f"{len(self._seen)} router outputs for {len(self.routers)} routers")
+        columns = [ids.reshape(batch_size, -1, ids.shape[-1]) for ids in self._seen]
+        self._seen = []
+        return torch.stack(columns, dim=2).to(self.id_dtype).cpu()
+
     def last_column(self, batch_size: int) -> torch.Tensor:
         """``[B, layers, top_k]`` expert ids of the last position of each row in the forward that
         just ran (the one whose logits were sampled from); forgets that forward."""
-        if len(self._seen) != len(self.routers):
-            raise RuntimeError(f"{len(self._seen)} router outputs for {len(self.routers)} routers")
-        columns = [ids.reshape(batch_size, -1, ids.shape[-1])[:, -1] for ids in self._seen]
-        self._seen = []
-        return torch.stack(columns, dim=1).to(self.id_dtype).cpu()
+        return self.columns(batch_size)[:, -1]
 
 
 def _num_experts(config: Any, num_routers: int) -> int:
@@ -395,22 +403,32 @@ class HFEngine(RolloutEngine):
         self._validate_prompts(prompts)
         tap = self._router_tap
         with tap.attached() if tap is not None else contextlib.nullcontext():
-            tokens_BS, logprobs_BS, routing_BSLK = self._sample(prompts, params)
+            tokens_BS, logprobs_BS, routing = self._sample(prompts, params)
         generations = []
         for row, (prompt, tokens_S, logprobs_S) in enumerate(
             zip(prompts, tokens_BS, logprobs_BS, strict=True)
         ):
             response, logprobs, finished = trim_at_eos(tokens_S, logprobs_S, self._eos_token_ids)
-            routed = None if routing_BSLK is None else routing_BSLK[row, : len(response)].clone()
-            generations.append(Generation(tuple(prompt), response, logprobs, finished, routed))
+            routed = prompt_routed = None
+            if routing is not None:
+                prefill_BTLK, routing_BSLK = routing
+                routed = routing_BSLK[row, : len(response)].clone()
+                # left-padded: the row's prompt is the last P columns; the last one scored
+                # response token 0 and is already routed[0]
+                width = prefill_BTLK.shape[1]
+                prompt_routed = prefill_BTLK[row, width - len(prompt) : width - 1].clone()
+            generations.append(
+                Generation(tuple(prompt), response, logprobs, finished, routed, prompt_routed)
+            )
         return generations
 
     @torch.inference_mode()
     def _sample(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams
-    ) -> tuple[list[list[int]], list[list[float]], torch.Tensor | None]:
+    ) -> tuple[list[list[int]], list[list[float]], tuple[torch.Tensor, torch.Tensor] | None]:
         """The decode loop; returns untrimmed tokens and logprobs per row (lists, on host) and,
-        for a mixture-of-experts model, the ``[B, S, layers, top_k]`` experts of each sampled
+        for a mixture-of-experts model, the prefill's ``[B, T, layers, top_k]`` experts of every
+        (left-padded) prompt column and the ``[B, S, layers, top_k]`` experts of each sampled
         token's forward (None for a dense model)."""
         from transformers import DynamicCache
 
@@ -425,9 +443,16 @@ class HFEngine(RolloutEngine):
         next_position_B = batch.position_ids_BT[:, -1] + 1
         finished_B = torch.zeros(len(prompts), dtype=torch.bool, device=self._device)
         tokens, logprobs, routes = [], [], []
+        prefill_BTLK = None
+        if self._router_tap is not None:
+            prefill_BTLK = self._router_tap.columns(len(prompts))
         for step in range(params.max_new_tokens):
             if self._router_tap is not None:  # the forward whose logits are sampled next
-                routes.append(self._router_tap.last_column(len(prompts)))
+                routes.append(
+                    prefill_BTLK[:, -1]
+                    if step == 0 and prefill_BTLK is not None
+                    else self._router_tap.last_column(len(prompts))
+                )
             token_B, logprob_B = sample_next_tokens(logits_BV, params, generator)
             token_B = token_B.masked_fill(finished_B, self._pad_token_id)
             tokens.append(token_B)
@@ -442,8 +467,10 @@ class HFEngine(RolloutEngine):
                 token_B.unsqueeze(1), attention_mask_BT, next_position_B.unsqueeze(1), cache
             )
             next_position_B = next_position_B + 1
-        routing_BSLK = torch.stack(routes, 1) if routes else None
-        return torch.stack(tokens, 1).tolist(), torch.stack(logprobs, 1).tolist(), routing_BSLK
+        routing = None
+        if prefill_BTLK is not None and routes:
+            routing = (prefill_BTLK, torch.stack(routes, 1))
+        return torch.stack(tokens, 1).tolist(), torch.stack(logprobs, 1).tolist(), routing
 
     def _forward_last(
         self,

@@ -43,12 +43,13 @@ def transformer_config(
     recompute: str | None = None,
     ep: int = 1,
     moe_aux_loss_coef: float = 0.0,
+    moe_routing_replay: bool = False,
 ):
     """Megatron ``TransformerConfig`` for a Llama-style block; fusions off so CPU can run it."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     return TransformerConfig(
-        **_moe_config(spec, ep, moe_aux_loss_coef),
+        **_moe_config(spec, ep, moe_aux_loss_coef, moe_routing_replay),
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
         ffn_hidden_size=spec.ffn_hidden_size,
@@ -90,7 +91,9 @@ def transformer_config(
     )
 
 
-def _moe_config(spec: TransformerSpec, ep: int, moe_aux_loss_coef: float = 0.0) -> dict:
+def _moe_config(
+    spec: TransformerSpec, ep: int, moe_aux_loss_coef: float = 0.0, routing_replay: bool = False
+) -> dict:
     """The ``TransformerConfig`` fields that differ between a dense and a mixture-of-experts block.
 
     The router follows the HF model: softmax in fp32; Mixtral (and Qwen3-MoE with
@@ -106,6 +109,8 @@ def _moe_config(spec: TransformerSpec, ep: int, moe_aux_loss_coef: float = 0.0) 
     (``TransformerSpec.check_parallelism``). A shared expert (Qwen2-MoE) is Megatron's
     ``SharedExpertMLP`` with its sigmoid gate (see :func:`megarl.models.mapping.shared_expert_rules`),
     computed on each rank's own tokens before dispatch, not overlapped with it.
+    ``routing_replay`` (``actor.router_replay.mode`` R2/R3) gives each router Megatron's
+    ``RouterReplay`` hook.
     """
     if not spec.is_moe:
         # irrelevant (dense) but the alltoall dispatcher is the one allowing variable lengths
@@ -124,6 +129,8 @@ def _moe_config(spec: TransformerSpec, ep: int, moe_aux_loss_coef: float = 0.0) 
         "expert_model_parallel_size": ep,
         "moe_shared_expert_intermediate_size": spec.moe_shared_ffn_hidden_size or None,
         "moe_shared_expert_gate": bool(spec.moe_shared_ffn_hidden_size),
+        # each router gets a RouterReplay (idle until megarl.actor.router_replay arms it)
+        "moe_enable_routing_replay": routing_replay,
     }
 
 
@@ -162,6 +169,7 @@ def build_gpt_model(
     recompute: str | None = None,
     value_head: ValueHeadInit | None = None,
     moe_aux_loss_coef: float = 0.0,
+    moe_routing_replay: bool = False,
 ):
     """A ``GPTModel`` holding this rank's TP shard of this rank's PP stage.
 
@@ -182,6 +190,7 @@ def build_gpt_model(
         recompute=recompute,
         ep=parallel_state.get_expert_model_parallel_world_size(),
         moe_aux_loss_coef=moe_aux_loss_coef,
+        moe_routing_replay=moe_routing_replay,
     )
     pre = parallel_state.is_pipeline_first_stage(ignore_virtual=vpp is None, vp_stage=vp_stage)
     post = parallel_state.is_pipeline_last_stage(ignore_virtual=vpp is None, vp_stage=vp_stage)
@@ -220,6 +229,7 @@ def build_model_chunks(
     recompute: str | None = None,
     value_head: ValueHeadInit | None = None,
     moe_aux_loss_coef: float = 0.0,
+    moe_routing_replay: bool = False,
 ) -> list:
     """This rank's model chunks: one ``GPTModel`` without a virtual pipeline, else ``vpp`` of them.
 
@@ -242,6 +252,7 @@ def build_model_chunks(
             recompute=recompute,
             value_head=value_head,
             moe_aux_loss_coef=moe_aux_loss_coef,
+            moe_routing_replay=moe_routing_replay,
         )
         for stage in stages
     ]

@@ -29,6 +29,10 @@ reason. Workers only execute the gates; no skip decision lives inline in GPU cod
   whole response, and the sequence-level IS and rejection of the rollout correction use the
   product over it. The policy loss is therefore no fact of the gate: every loss gets the same
   decision (``tests/unit/test_gates_from_plan.py`` checks it for GSPO on packed plans).
+
+  **Router replay R2** (``actor.router_replay.mode=R2``, mixture-of-experts) replays in every
+  training forward the experts the trainer's router picked in the old-logprob pass, so under
+  "auto" that pass runs on every sequence, the on-policy first slice included, and says so.
 * **Reference forward**: only while ``actor.kl_coef`` is non-zero or the KL is in the reward
   (``algo.use_kl_in_reward``). Its source (none, a frozen model copy, or the LoRA actor with
   its adapters disabled) is decided at start-up.
@@ -45,6 +49,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
+
+ROUTER_REPLAY_R2 = "actor.router_replay.mode=R2 records the routing to replay"
+"""The old-logprob gate's reason under R2."""
 
 
 class GateConfigError(ValueError):
@@ -118,6 +125,9 @@ class RunFacts:
     rollout_correction: bool = False
     """``algo.rollout_correction`` reweights or rejects tokens by ``pi_old / pi_rollout``: the
     old logprobs must be the trainer's, never the engine's."""
+    router_replay_r2: bool = False
+    """``actor.router_replay.mode=R2``: the old-logprob pass records the routing every training
+    forward replays, so it runs on every sequence, also on an on-policy slice."""
 
 
 @dataclass(frozen=True)
@@ -306,6 +316,8 @@ def decide_old_log_prob(facts: StepFacts) -> PassGate:
         return _recompute_gate(facts.all_sequences, "planner.old_log_prob=always")
     if facts.run.kl_in_reward:
         return _recompute_gate(facts.all_sequences, f"{KL_IN_REWARD}: all, before advantages")
+    if facts.run.router_replay_r2:
+        return _recompute_gate(facts.all_sequences, ROUTER_REPLAY_R2)
     # Only the first slice of a single epoch trains on the generating weights.
     first_stale = 1 if facts.run.ppo_epochs == 1 else 0
     last = len(facts.slices) - 1

@@ -35,6 +35,7 @@ import contextlib
 import dataclasses
 import os
 import warnings
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, cast
@@ -53,6 +54,7 @@ from megarl.actor.train_stats import OptimizerStepStats, UpdateStats, summarise_
 from megarl.algo.advantages import get_advantage_estimator
 from megarl.algo.kl_reward import KLController, apply_kl_penalty, build_kl_controller
 from megarl.algo.rollout_correction import MismatchStats, mismatch_stats_of_sequences
+from megarl.algo.router_replay import response_rows
 from megarl.algo.routing_mismatch import RoutingMismatch, routing_mismatch_of_sequences
 from megarl.algo.validation import is_validation_step, validates_before_training
 from megarl.batch import RolloutBatch, RolloutShard
@@ -588,8 +590,11 @@ def _logprob_passes(
     """Run the forwards the gates asked for, over the sequences this DP rank trains (or take
     them from ``precomputed``: the KL in the reward ran them on every sequence already).
 
-    Returns old, recomputed and reference logprobs, and with ``record_routing`` the actor's
-    experts for the recomputed sequences (the old-logprob pass runs on the generating weights).
+    Returns old, recomputed and reference logprobs, and the actor's experts of every input
+    position of the recomputed sequences, recorded with ``record_routing`` where the engine
+    reported routing (the old-logprob pass runs on the generating weights) and always under
+    router replay R2 (the training forwards replay them). Under R3 the pass replays the
+    engine's routing.
     """
     mine = plan.trained_sequences(rt.dp_rank)
     if precomputed is not None:
@@ -611,7 +616,10 @@ def _logprob_passes(
             with (
                 timer.phase("old_log_prob"),
                 reported(rt.progress, "old_log_prob", num_seqs, "sequences"),
-                _recording_routing(rt, batch, record_routing) as routing,
+                _recording_routing(
+                    rt, batch, record_routing, for_replay=_mode(rt) == "R2"
+                ) as routing,
+                _replaying(rt, _engine_replay(rt, batch, groups)),
             ):
                 recomputed = rt.actor.compute_logprobs(batch, groups, temperature)
         old = recomputed
@@ -799,11 +807,15 @@ def _update_actor(
     mismatch = MismatchStats()  # rollout_corr/*: the same tokens, old vs engine
     routing = RoutingMismatch()  # rollout/moe_routing_mismatch*: the same tokens' experts
     num_steps = len(plan.optimizer_steps)
+    replayed = _training_replay(rt, batch, plan, recomputed_routing or {})
     with timer.phase("update_actor"):
         for index, opt_step in enumerate(plan.optimizer_steps):
             heartbeat.mark("update_actor")  # each optimizer step is progress
             rt.progress("update_actor", index, num_steps, "optimizer steps")
-            with _recording_routing(rt, batch, on=index == 0) as train_routing:
+            with (
+                _recording_routing(rt, batch, on=index == 0) as train_routing,
+                _replaying(rt, replayed),
+            ):
                 result = rt.actor.train_step(
                     batch,
                     opt_step,
@@ -822,8 +834,11 @@ def _update_actor(
                 mismatch = mismatch_stats_of_sequences(
                     trainer_logprobs, batch.engine_logprobs, loss.rollout_correction
                 )
-                trainer_routing = {**train_routing, **(recomputed_routing or {})}
-                if trainer_routing:  # recorded only where this rank holds engine routing
+                trainer_routing = {
+                    i: response_rows(ids, batch.prompt_lens[i])
+                    for i, ids in {**train_routing, **(recomputed_routing or {})}.items()
+                }
+                if trainer_routing and batch.engine_routing:  # both sides recorded
                     routing = routing_mismatch_of_sequences(trainer_routing, batch.engine_routing)
         rt.progress("update_actor", num_steps, num_steps, "optimizer steps")
     tp = rt.cfg.actor.tp
@@ -847,13 +862,56 @@ def _update_actor(
     )
 
 
-def _recording_routing(rt: _Runtime, batch: RolloutShard, on: bool = True):
+def _recording_routing(
+    rt: _Runtime, batch: RolloutShard, on: bool = True, for_replay: bool = False
+):
     """Arm the actor's routing recorder around forwards on the generating weights; yields the
     ``{sequence: experts}`` dict it fills, empty unless ``on``, the model is MoE and this rank
-    holds engine routing to compare with."""
-    if not on or not batch.engine_routing or rt.actor.routing is None:
+    holds engine routing to compare with, or ``for_replay`` (R2) asks for it."""
+    if not on or not (batch.engine_routing or for_replay) or rt.actor.routing is None:
         return contextlib.nullcontext({})
     return rt.actor.routing.recording()
+
+
+def _mode(rt: _Runtime) -> str:
+    """``actor.router_replay.mode``."""
+    return rt.cfg.actor.router_replay.mode
+
+
+def _replaying(rt: _Runtime, routing: Mapping[int, torch.Tensor] | None):
+    """Arm the actor's router replay with ``routing`` (a no-op for None)."""
+    if routing is None or rt.actor.replay is None:
+        return contextlib.nullcontext()
+    return rt.actor.replay.replaying(routing)
+
+
+def _engine_replay(
+    rt: _Runtime, batch: RolloutShard, groups: Sequence[Sequence[int]]
+) -> Mapping[int, torch.Tensor] | None:
+    """R3: the engine's input routing of the sequences in ``groups``; None otherwise."""
+    if _mode(rt) != "R3":
+        return None
+    seqs = [i for group in groups for i in group]
+    missing = [i for i in seqs if i not in batch.engine_input_routing]
+    if missing:
+        raise RuntimeError(f"R3: no engine routing for sequences {missing[:5]}")
+    return batch.engine_input_routing
+
+
+def _training_replay(
+    rt: _Runtime, batch: RolloutShard, plan: StepPlan, recorded: Mapping[int, torch.Tensor]
+) -> Mapping[int, torch.Tensor] | None:
+    """What the training forwards replay: the engine's routing (R3) or the old-logprob pass's
+    (R2, which the gates ran on every sequence); None without replay."""
+    mode = _mode(rt)
+    if mode == "R3":
+        return _engine_replay(rt, batch, [plan.trained_sequences(rt.dp_rank)])
+    if mode != "R2":
+        return None
+    missing = [i for i in plan.trained_sequences(rt.dp_rank) if i not in recorded]
+    if missing:
+        raise RuntimeError(f"R2: the old-logprob pass recorded no routing of {missing[:5]}")
+    return recorded
 
 
 def _router_metrics(rt: _Runtime, routers: RouterMonitor) -> dict[str, float]:

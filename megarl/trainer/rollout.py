@@ -16,6 +16,7 @@ import torch
 
 from megarl.algo.advantages import get_advantage_estimator
 from megarl.algo.dapo import FilterDecision, groups_with_signal, overlong_penalty
+from megarl.algo.router_replay import input_routing
 from megarl.batch import RolloutBatch
 from megarl.data.loader import PromptStream
 from megarl.data.problems import Problem
@@ -49,6 +50,18 @@ def encode_prompt(tokenizer, problem: Problem, system_prompt: str | None) -> lis
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
+def engine_input_routing(gens: Sequence[Generation]) -> tuple[torch.Tensor, ...] | None:
+    """Every generation's ``[S, layers, top_k]`` experts of every input position (prompt and
+    response, the last filled: :func:`megarl.algo.router_replay.input_routing`) when the engine
+    reported them for all, else None."""
+    joined = []
+    for g in gens:
+        if g.routed_experts is None or g.prompt_routed_experts is None:
+            return None
+        joined.append(input_routing(g.prompt_routed_experts, g.routed_experts))
+    return tuple(joined) or None
+
+
 def engine_routing(gens: Sequence[Generation]) -> tuple[torch.Tensor, ...] | None:
     """Every generation's expert ids when the engine reported them for all (a mixture-of-experts
     model on an engine that exposes routing), else None: the check needs both sides."""
@@ -75,6 +88,9 @@ class RolloutSettings:
     """DAPO's dynamic sampling: keep only groups whose scores differ, generate more to refill."""
     max_num_gen_batches: int = 10
     """Generation batches a step may use with ``filter_groups`` (0 = no limit)."""
+    input_routing: bool = False
+    """``actor.router_replay.mode=R3``: the batch carries the engine's experts of every input
+    position (:attr:`RolloutBatch.engine_input_routing`), not only of the response tokens."""
 
 
 class FilterGroupsExhausted(MegarlError):
@@ -189,6 +205,9 @@ class RolloutProducer:
                 torch.tensor(g.response_logprobs, dtype=torch.float32) for g in scored.gens
             ),
             engine_routing=engine_routing(scored.gens),
+            engine_input_routing=(
+                engine_input_routing(scored.gens) if settings.input_routing else None
+            ),
         )
         self.last_samples = [
             (scored.problems[i // n].prompt, scored.texts[i], float(scored.rewards[i]))

@@ -82,6 +82,7 @@ class RolloutHost:
             overlong_penalty_factor=cfg.reward.overlong_buffer.penalty_factor,
             filter_groups=cfg.algo.filter_groups.enable,
             max_num_gen_batches=cfg.algo.filter_groups.max_num_gen_batches,
+            input_routing=cfg.actor.router_replay.mode == "R3",
         )
         self.console = Console(
             cfg.trainer.total_steps,

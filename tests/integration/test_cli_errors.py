@@ -73,6 +73,14 @@ _VLLM_CASES = (
             ],
             "planner.prune_zero_adv=match_loss_curve cannot prune: actor.moe_aux_loss_coef=0.01",
         ),
+        (
+            ["model=tiny_llama", "actor.router_replay.mode=R3"],
+            "actor.router_replay.mode=R3: the model (llama) is dense and has no router",
+        ),
+        (
+            ["model=tiny_qwen3_moe", "actor.router_replay.mode=R2", "actor.recompute=full"],
+            "actor.router_replay.mode=R2 with actor.recompute=full is not supported",
+        ),
         (["model.path=/nonexistent/model"], "model.path=/nonexistent/model"),
         (["data.task=jsonl", "data.path=/nonexistent/data.jsonl"], "/nonexistent/data.jsonl"),
         (["planner.prune_zero_adv=match_loss_curve", "actor.kl_coef=0.1"], "actor.kl_coef"),

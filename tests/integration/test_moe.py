@@ -131,6 +131,82 @@ def test_injected_routing_mismatch_is_counted_exactly(tmp_path, monkeypatch):
     assert step["rollout/moe_routing_mismatch_tokens"] == 1.0
 
 
+def _complement_first_layer_inputs(batch):
+    """:func:`_complement_first_layer` of the engine's input routing too (every position),
+    which R3 replays."""
+    batch = _complement_first_layer(batch)
+    routing = []
+    for ids_SLK in batch.engine_input_routing:
+        ids_SLK = ids_SLK.clone()
+        for pos in range(len(ids_SLK)):
+            unused = sorted(set(range(4)) - set(ids_SLK[pos, 0].tolist()))
+            ids_SLK[pos, 0] = torch.tensor(unused, dtype=ids_SLK.dtype)
+        routing.append(ids_SLK)
+    return dataclasses.replace(batch, engine_input_routing=tuple(routing))
+
+
+def test_r3_replays_injected_routing_and_the_metric_keeps_the_routers_own_choice(
+    tmp_path, monkeypatch
+):
+    """R3 with the engine's layer-0 experts swapped at every position: the trainer's forwards
+    run the injected experts, so its logprobs leave the engine's (which used the real ones)
+    by far more than rounding, while ``rollout/moe_routing_mismatch`` still compares the
+    engine with the router's own choice (before replay)."""
+    from megarl.trainer.rollout_host import RolloutHost
+
+    produce = RolloutHost.rollout
+
+    def rollout(self, step):
+        batch, metrics, phases = produce(self, step)
+        assert batch.engine_input_routing is not None
+        return _complement_first_layer_inputs(batch), metrics, phases
+
+    monkeypatch.setattr(RolloutHost, "rollout", rollout)
+    extra = {
+        "actor.ppo_mini_batches": 2,
+        "actor.pack_sequences": "false",
+        "actor.router_replay.mode": "R3",
+    }
+    [step] = run(tiny_overrides(tmp_path / "run", 1, model="tiny_qwen3_moe", **extra)).history
+    # layer 0 always differs; the replayed layer-0 experts also change the hidden states the
+    # later routers see, so some of their own choices leave the engine's too (without replay
+    # exactly 0.25: test_injected_routing_mismatch_is_counted_exactly)
+    assert 0.25 < step[ROUTING] < 1.0
+    assert step["rollout/logprob_abs_diff"] > 1e-3  # without replay: <= 1e-4 (fp32)
+
+
+def test_replaying_the_routers_own_choice_trains_bitwise_alike(tmp_path):
+    """fp32 on CPU: engine and trainer pick the same experts, and with one optimizer step per
+    rollout every forward runs on the weights the engine generated with, so R3 (the engine's
+    routing) and R2 (the old-logprob pass's) replay the router's own choice: 2 steps train
+    bitwise like no replay, so the plumbing does not perturb the math. All three recompute the
+    old logprobs (R2 needs that pass), so they differ in replay alone. Packed micro-batches (the
+    injected-routing tests run padded ones). With more optimizer steps per rollout replay rightly
+    trains otherwise: a later step's forward runs on moved weights, and a tiny random router's
+    near-ties flip under the smallest update."""
+    extra = {"model": "tiny_qwen3_moe", "planner.old_log_prob": "always"}
+    settings = {
+        "disabled": {},
+        "R3": {"actor.router_replay.mode": "R3"},
+        "R2": {"actor.router_replay.mode": "R2"},
+    }
+    runs = {
+        name: run(tiny_overrides(tmp_path / name, 2, **extra, **more), return_final_state=True)
+        for name, more in settings.items()
+    }
+    plain = runs["disabled"]
+    assert any(m["actor/grad_norm"] > 0 for m in plain.history), "nothing trained"
+    for mode in ("R3", "R2"):
+        replayed = runs[mode]
+        assert all(
+            torch.equal(plain.final_state[k], replayed.final_state[k]) for k in plain.final_state
+        ), mode
+        for a, b in zip(plain.history, replayed.history, strict=True):
+            for key in ("actor/pg_loss", "actor/grad_norm", "critic/rewards/mean"):
+                assert a[key] == b[key], (mode, key)
+            assert b[ROUTING] == 0.0
+
+
 # ----------------------------------------------------------------------------- router aux loss
 
 TINY_MOE = {

@@ -314,6 +314,21 @@ def reference_routing(model: torch.nn.Module, generation: Generation) -> torch.T
     return ids_TLK[len(generation.prompt_ids) - 1 : -1]
 
 
+@torch.no_grad()
+def reference_input_routing(model: torch.nn.Module, generation: Generation) -> torch.Tensor:
+    """``[S - 1, layers, k]`` experts of one plain forward at every input position but the
+    last."""
+    from megarl.engines.hf import find_hf_routers
+
+    seen: list[torch.Tensor] = []
+    routers = find_hf_routers(model)
+    handles = [r.register_forward_hook(lambda _m, _i, out: seen.append(out[2])) for r in routers]
+    model(torch.tensor([generation.prompt_ids + generation.response_ids]))
+    for handle in handles:
+        handle.remove()
+    return torch.stack(seen, dim=1)[:-1]
+
+
 @pytest.mark.parametrize("family", sorted(MOE_CONFIGS))
 def test_moe_routing_is_that_of_each_tokens_scoring_forward(family):
     """The engine's expert ids (left-padded prefill, then cached decode columns) equal a plain
@@ -334,6 +349,13 @@ def test_moe_routing_is_that_of_each_tokens_scoring_forward(family):
     )
     assert same.pairs == 2 * sum(len(g.response_ids) for g in gens)
     assert same.mismatched_pairs == 0
+    # R3's input routing: the prefill's prompt positions (left padding cut off) and the
+    # response rows, against the same full forward's positions 0 .. S - 2, as sets
+    for g in gens:
+        assert g.prompt_routed_experts is not None and g.routed_experts is not None
+        assert g.prompt_routed_experts.shape == (len(g.prompt_ids) - 1, 2, 2)
+        full = torch.cat([g.prompt_routed_experts, g.routed_experts]).long().sort(-1).values
+        assert torch.equal(full, reference_input_routing(model, g).sort(-1).values)
 
     with torch.no_grad():
         router = perturbed.model.layers[0].mlp.gate.weight
