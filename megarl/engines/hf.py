@@ -233,7 +233,7 @@ def _copy_lora_tensors(
 
 def find_hf_routers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The top-k routers of a transformers mixture-of-experts model, in layer order: transformers
-    5 keeps each at ``model.layers.N.mlp.gate`` (Qwen3-MoE, Qwen2-MoE and Mixtral alike), a
+    5 keeps each at the decoder's ``layers[N].mlp.gate`` (Qwen3-MoE, Qwen2-MoE and Mixtral alike), a
     module with a ``top_k`` whose forward returns ``(logits, weights, expert ids)``. Empty for a
     dense model (a dense MLP's ``gate`` is the gate projection, which has no ``top_k``)."""
     return [
