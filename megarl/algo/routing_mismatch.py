@@ -33,13 +33,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import astuple, dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
-
-if TYPE_CHECKING:
-    from megarl.batch import MicroBatchTensors
 
 MISMATCH_METRIC = "rollout/moe_routing_mismatch"
 MISMATCH_TOKENS_METRIC = "rollout/moe_routing_mismatch_tokens"
@@ -69,28 +65,6 @@ def expert_ids_from_routing_map(routing_map_TE: Tensor, top_k: int) -> Tensor:
     order_TE = torch.argsort(selected_TE.to(torch.uint8), dim=1, descending=True, stable=True)
     ids_TK = order_TE[:, :top_k].sort(dim=1).values
     return ids_TK.to(expert_id_dtype(routing_map_TE.shape[1]))
-
-
-def response_expert_ids(ids_BSLK: Tensor, mb: MicroBatchTensors) -> dict[int, Tensor]:
-    """Cut each trained sequence's response positions out of one forward's routing.
-
-    ``ids_BSLK``: expert ids in the micro-batch's model-input layout, ``[B, L_max, layers, k]``
-    padded or ``[1, T, layers, k]`` packed. A sequence's response positions are where its
-    ``response_mask_BL`` row is 1 (``P - 1 .. S - 2``); a packed sequence's sit at its
-    ``cu_seqlens`` offset. Rows whose loss weight is 0 (filler micro-batches) are left out, as
-    they are from the logprob check. Returns ``{sequence index: [R, layers, k]}``.
-    """
-    out: dict[int, Tensor] = {}
-    trained_B = mb.loss_mask_BL.amax(dim=1) > 0
-    for row, seq in enumerate(mb.seq_indices):
-        if not bool(trained_B[row]):
-            continue
-        positions = mb.response_mask_BL[row].nonzero().squeeze(1).to(ids_BSLK.device)
-        if mb.cu_seqlens is None:
-            out[seq] = ids_BSLK[row, positions].cpu()
-        else:
-            out[seq] = ids_BSLK[0, mb.cu_seqlens[row] + positions].cpu()
-    return out
 
 
 @dataclass(frozen=True)

@@ -9,34 +9,13 @@ stand-ins of Megatron's optimizer in ``tests/unit/test_megatron_optim_state.py``
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 import torch
+from test_gpu_path import TINY, require_cuda
 
 pytestmark = pytest.mark.gpu
-
-TINY = {
-    "model_type": "llama",
-    "vocab_size": 1024,
-    "hidden_size": 256,
-    "intermediate_size": 512,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 10000.0,
-    "max_position_embeddings": 512,
-    "tie_word_embeddings": False,
-}
-
-
-def require_cuda() -> None:
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device (torch.cuda.is_available() is False)")
-    if importlib.util.find_spec("megatron") is None:
-        pytest.skip("needs megatron-core")
 
 
 def _actor(spec, state, distributed: bool):

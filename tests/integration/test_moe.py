@@ -97,14 +97,20 @@ def _complement_first_layer(batch):
     """The batch with the engine's layer-0 experts of every response token replaced by the two
     experts it did not pick (4 experts, top-2): a set that differs from the one the engine used,
     whatever that was."""
-    routing = []
-    for ids_RLK in batch.engine_routing:
-        ids_RLK = ids_RLK.clone()
-        for token in range(len(ids_RLK)):
-            unused = sorted(set(range(4)) - set(ids_RLK[token, 0].tolist()))
-            ids_RLK[token, 0] = torch.tensor(unused, dtype=ids_RLK.dtype)
-        routing.append(ids_RLK)
-    return dataclasses.replace(batch, engine_routing=tuple(routing))
+    return dataclasses.replace(batch, engine_routing=_unused_in_layer_0(batch.engine_routing))
+
+
+def _unused_in_layer_0(routing):
+    """Each ``[positions, layers, 2]`` tensor with layer 0's experts replaced, at every
+    position, by the two of the 4 it did not pick."""
+    swapped = []
+    for ids in routing:
+        ids = ids.clone()
+        for pos in range(len(ids)):
+            unused = sorted(set(range(4)) - set(ids[pos, 0].tolist()))
+            ids[pos, 0] = torch.tensor(unused, dtype=ids.dtype)
+        swapped.append(ids)
+    return tuple(swapped)
 
 
 def test_injected_routing_mismatch_is_counted_exactly(tmp_path, monkeypatch):
@@ -135,14 +141,9 @@ def _complement_first_layer_inputs(batch):
     """:func:`_complement_first_layer` of the engine's input routing too (every position),
     which R3 replays."""
     batch = _complement_first_layer(batch)
-    routing = []
-    for ids_SLK in batch.engine_input_routing:
-        ids_SLK = ids_SLK.clone()
-        for pos in range(len(ids_SLK)):
-            unused = sorted(set(range(4)) - set(ids_SLK[pos, 0].tolist()))
-            ids_SLK[pos, 0] = torch.tensor(unused, dtype=ids_SLK.dtype)
-        routing.append(ids_SLK)
-    return dataclasses.replace(batch, engine_input_routing=tuple(routing))
+    return dataclasses.replace(
+        batch, engine_input_routing=_unused_in_layer_0(batch.engine_input_routing)
+    )
 
 
 def test_r3_replays_injected_routing_and_the_metric_keeps_the_routers_own_choice(

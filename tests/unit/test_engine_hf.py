@@ -255,17 +255,7 @@ def test_moe_engine_takes_every_exported_name(family, tmp_path):
     from megarl.models.random_init import build_random_hf_model
     from megarl.models.spec import spec_from_hf_config
 
-    cfg = dict(
-        model_type=family,
-        vocab_size=VOCAB,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_experts_per_tok=2,
-        max_position_embeddings=64,
-        **MOE_CONFIGS[family],
-    )
+    cfg = tiny_moe_config(family)
     engine = make_engine(build_random_hf_model(cfg, seed=0))
     new_model = build_random_hf_model(cfg, seed=1)
     new_model.save_pretrained(tmp_path)
@@ -281,10 +271,9 @@ def test_moe_engine_takes_every_exported_name(family, tmp_path):
         )
 
 
-def tiny_moe(family: str, seed: int = 0) -> torch.nn.Module:
-    from megarl.models.random_init import build_random_hf_model
-
-    cfg = dict(
+def tiny_moe_config(family: str) -> dict:
+    """A 2-layer model of ``family`` with :data:`MOE_CONFIGS`' experts."""
+    return dict(
         model_type=family,
         vocab_size=VOCAB,
         hidden_size=32,
@@ -295,7 +284,12 @@ def tiny_moe(family: str, seed: int = 0) -> torch.nn.Module:
         max_position_embeddings=64,
         **MOE_CONFIGS[family],
     )
-    return build_random_hf_model(cfg, seed=seed)
+
+
+def tiny_moe(family: str, seed: int = 0) -> torch.nn.Module:
+    from megarl.models.random_init import build_random_hf_model
+
+    return build_random_hf_model(tiny_moe_config(family), seed=seed)
 
 
 @torch.no_grad()

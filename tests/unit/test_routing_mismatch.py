@@ -16,10 +16,8 @@ from megarl.algo.routing_mismatch import (
     compare_routing,
     expert_id_dtype,
     expert_ids_from_routing_map,
-    response_expert_ids,
     routing_mismatch_of_sequences,
 )
-from megarl.batch import RolloutBatch, collate, pack
 
 # one sequence, 3 response tokens, 2 layers, top-2
 ENGINE_TLK = torch.tensor([[[0, 1], [2, 3]], [[1, 2], [0, 3]], [[3, 0], [1, 2]]])
@@ -103,40 +101,3 @@ def test_expert_id_dtype_is_the_smallest_that_fits() -> None:
     assert expert_id_dtype(257) == torch.int16
     with pytest.raises(ValueError):
         expert_id_dtype(2**15 + 1)
-
-
-def _batch() -> RolloutBatch:
-    lens, prompts = (6, 4, 5), (3, 2, 4)
-    return RolloutBatch(
-        tokens=tuple(torch.arange(n) + 10 for n in lens),
-        prompt_lens=prompts,
-        group_ids=torch.zeros(3, dtype=torch.long),
-        rewards=torch.zeros(3),
-        advantages=torch.ones(3),
-        engine_logprobs=tuple(torch.zeros(n - p) for n, p in zip(lens, prompts, strict=True)),
-    )
-
-
-def _position_ids(layout: torch.Tensor) -> torch.Tensor:
-    """Routing whose ids encode the position: ``[.., t, layer, :] = [t, t + layer]``."""
-    pos = layout.unsqueeze(-1).unsqueeze(-1)
-    layer = torch.arange(2).view(1, 1, 2, 1)
-    return torch.cat([pos.expand(-1, -1, 2, 1), pos + layer], dim=-1)
-
-
-@pytest.mark.parametrize("packed", [False, True])
-def test_response_positions_are_the_scoring_ones(packed: bool) -> None:
-    """Response token j of a sequence with prompt P is routed at position P - 1 + j, packed or
-    padded; a filler row (loss weight 0) is left out."""
-    batch = _batch()
-    seqs, weights = (0, 1, 2), (1.0, 1.0, 0.0)
-    mb = pack(batch, seqs, weights) if packed else collate(batch, seqs, 0, weights)
-    ids = _position_ids(mb.position_ids_BL)  # positions restart per sequence when packed
-    out = response_expert_ids(ids, mb)
-    assert sorted(out) == [0, 1]
-    for seq in out:
-        prompt, size = batch.prompt_lens[seq], len(batch.tokens[seq])
-        expected_positions = list(range(prompt - 1, size - 1))
-        assert out[seq].shape == (size - prompt, 2, 2)
-        assert out[seq][:, 0, 0].tolist() == expected_positions
-        assert out[seq][:, 1, 1].tolist() == [p + 1 for p in expected_positions]
