@@ -225,15 +225,21 @@ def _row_gather_index(
     return index_BL, valid_BL
 
 
+def _round_up(size: int, multiple: int) -> int:
+    return -(-size // multiple) * multiple
+
+
 def collate(
     batch: Rollouts,
     seq_indices: Sequence[int],
     pad_id: int,
     loss_weights: Sequence[float] | None = None,
+    length_multiple: int = 1,
 ) -> MicroBatchTensors:
-    """Pad the chosen sequences to a common length and build labels and masks."""
+    """Pad the chosen sequences to a common length (a multiple of ``length_multiple``) and
+    build labels and masks."""
     seq_indices = tuple(int(i) for i in seq_indices)
-    length = max(len(batch.tokens[i]) for i in seq_indices)
+    length = _round_up(max(len(batch.tokens[i]) for i in seq_indices), length_multiple)
     num = len(seq_indices)
     tokens = torch.full((num, length), pad_id, dtype=torch.long)
     labels = torch.full((num, length), pad_id, dtype=torch.long)
@@ -251,13 +257,20 @@ def collate(
 
 
 def pack(
-    batch: Rollouts, seq_indices: Sequence[int], loss_weights: Sequence[float] | None = None
+    batch: Rollouts,
+    seq_indices: Sequence[int],
+    loss_weights: Sequence[float] | None = None,
+    pad_id: int = 0,
+    length_multiple: int = 1,
 ) -> MicroBatchTensors:
-    """Concatenate the chosen sequences into one ``[1, T]`` row (no pad tokens at all).
+    """Concatenate the chosen sequences into one ``[1, T]`` row.
 
     Positions restart at 0 per sequence and the boundaries go to ``cu_seqlens``; each
     sequence's last label is a dummy (its own last token) that no mask selects, so no label
-    crosses into the next sequence. Loss-side tensors are the same as :func:`collate`'s.
+    crosses into the next sequence. Loss-side tensors are the same as :func:`collate`'s. No pad
+    tokens, unless ``T`` must be a multiple of ``length_multiple``: then a tail of ``pad_id``
+    follows ``cu_seqlens[-1]``, a segment of its own for attention
+    (:func:`megarl.actor.megatron_actor.packed_seq_params`) that no sequence reads.
     """
     seq_indices = tuple(int(i) for i in seq_indices)
     seqs = [batch.tokens[i].long() for i in seq_indices]
@@ -265,9 +278,11 @@ def pack(
     cu = [0]
     for size in lens:
         cu.append(cu[-1] + size)
-    tokens = torch.cat(seqs)
-    labels = torch.cat([torch.cat([s[1:], s[-1:]]) for s in seqs])
-    positions = torch.cat([torch.arange(size) for size in lens])
+    tail = _round_up(cu[-1], length_multiple) - cu[-1]
+    pad = torch.full((tail,), pad_id, dtype=torch.long)
+    tokens = torch.cat([*seqs, pad])
+    labels = torch.cat([*(torch.cat([s[1:], s[-1:]]) for s in seqs), pad])
+    positions = torch.cat([*(torch.arange(size) for size in lens), torch.arange(tail)])
     rows = _loss_side(batch, seq_indices, max(lens), loss_weights)
     return MicroBatchTensors(
         seq_indices=seq_indices,
@@ -309,11 +324,13 @@ def build_micro_batch(
     pad_id: int,
     loss_weights: Sequence[float] | None = None,
     packed: bool = False,
+    length_multiple: int = 1,
 ) -> MicroBatchTensors:
-    """:func:`pack` or :func:`collate`: the one place the layout is chosen."""
+    """:func:`pack` or :func:`collate`: the one place the layout is chosen. ``length_multiple``:
+    the sequence dimension's size divides by it (sequence parallelism splits it)."""
     if packed:
-        return pack(batch, seq_indices, loss_weights)
-    return collate(batch, seq_indices, pad_id, loss_weights)
+        return pack(batch, seq_indices, loss_weights, pad_id, length_multiple)
+    return collate(batch, seq_indices, pad_id, loss_weights, length_multiple)
 
 
 def per_token_to_response(

@@ -128,8 +128,11 @@ class MegatronActor:
         routers = find_routers(self.chunks) if trainable and self._router_loss_on else []
         self.routers: list[Any] = list(routers)  # Megatron TopKRouters (untyped attributes)
         """The MoE routers whose load-balancing loss joins the gradient (none when it is off)."""
+        split = ps.get_tensor_model_parallel_group() if self.length_multiple > 1 else None
         self.routing = (
-            RoutingRecorder(self.chunks, spec.moe_top_k) if trainable and spec.is_moe else None
+            RoutingRecorder(self.chunks, spec.moe_top_k, split)
+            if trainable and spec.is_moe
+            else None
         )
         """Mixture-of-experts actors: records the routers' experts for the rank loop's check
         against the engine's (``rollout/moe_routing_mismatch``) and for R2; idle unless armed."""
@@ -137,7 +140,7 @@ class MegatronActor:
         if trainable and self._replay_on:
             from megarl.actor.router_replay import RouterReplayer
 
-            self.replay = RouterReplayer(self.chunks, spec.moe_top_k)
+            self.replay = RouterReplayer(self.chunks, spec.moe_top_k, split)
         """``actor.router_replay.mode`` R2/R3: replays the routing the rank loop arms it with;
         None otherwise."""
         for router in self.routers:
@@ -145,6 +148,12 @@ class MegatronActor:
             # _wrap_ddp sets it: pin it, so router_loss_coeffs' scaling holds whatever the
             # construction order (it makes the router weigh its loss by its micro-batch's tokens)
             router.calculate_per_token_loss = True
+
+    @property
+    def length_multiple(self) -> int:
+        """What every micro-batch's sequence dimension divides by: ``actor.tp`` when the model
+        runs sequence-parallel (:func:`megarl.models.megatron_gpt.uses_sequence_parallel`)."""
+        return self.cfg.tp if megatron_gpt.uses_sequence_parallel(self.spec, self.cfg.tp) else 1
 
     @property
     def _replay_on(self) -> bool:
@@ -209,7 +218,12 @@ class MegatronActor:
     ) -> MicroBatchTensors:
         """Packed or padded per the execution plan, on this rank's device."""
         mb = build_micro_batch(
-            batch, seq_indices, self.pad_id, loss_weights, packed=self.execution.pack_sequences
+            batch,
+            seq_indices,
+            self.pad_id,
+            loss_weights,
+            packed=self.execution.pack_sequences,
+            length_multiple=self.length_multiple,
         )
         return mb.to(self.device)
 
@@ -553,17 +567,22 @@ def packed_seq_params(mb: MicroBatchTensors):
     The same object drives RoPE (positions restart at each ``cu_seqlens`` boundary) and the
     attention core (TE's fused THD attention on GPU, per-block SDPA otherwise).
     """
-    if not mb.is_packed:
+    if mb.cu_seqlens is None:
         return None
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    cu = torch.tensor(mb.cu_seqlens, dtype=torch.int32, device=mb.tokens_BL.device)
+    bounds, longest = list(mb.cu_seqlens), mb.max_seqlen
+    width = int(mb.tokens_BL.shape[1])
+    if bounds[-1] < width:  # a padding tail (sequence parallelism): a segment of its own
+        bounds.append(width)
+        longest = max(longest, width - bounds[-2])
+    cu = torch.tensor(bounds, dtype=torch.int32, device=mb.tokens_BL.device)
     return PackedSeqParams(
         qkv_format="thd",
         cu_seqlens_q=cu,
         cu_seqlens_kv=cu,
-        max_seqlen_q=mb.max_seqlen,
-        max_seqlen_kv=mb.max_seqlen,
+        max_seqlen_q=longest,
+        max_seqlen_kv=longest,
     )
 
 
@@ -587,7 +606,7 @@ def reduce_max_to_all(values: Sequence[float]) -> list[float]:
 
 def reduce_sums_to_all(rows: Sequence[Sequence[float]], tp: int) -> list[list[float]]:
     """Sum equal-length rows of per-rank statistics over the whole world in one all-reduce;
-    the last-stage TP replicas each hold the same values, so they are counted once."""
+    the ``tp`` TP replicas of a value each hold it, so it is counted once."""
     if not rows:
         return []
     device = "cuda" if dist.get_backend() == "nccl" else "cpu"  # NCCL reduces GPU tensors only

@@ -27,11 +27,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
 from megarl.actor.router_stats import find_routers
+from megarl.actor.routing_recorder import sequence_slice
 from megarl.algo.router_replay import FREE, layout_of, micro_batch_targets
 from megarl.batch import MicroBatchTensors
 
@@ -87,9 +89,14 @@ class RouterReplayer:
     """Forces the armed forwards onto recorded routing; idle (routers route on their own)
     otherwise."""
 
-    def __init__(self, modules: Sequence[torch.nn.Module], top_k: int) -> None:
+    def __init__(
+        self, modules: Sequence[torch.nn.Module], top_k: int, sequence_group: Any = None
+    ) -> None:
+        """``sequence_group``: the TP group when the model runs sequence-parallel (each TP
+        rank's routers then take their slice of the targets), else None."""
         self.replays = install_replay(modules)
         self.top_k = top_k
+        self.sequence_group = sequence_group
         self._routing: Mapping[int, torch.Tensor] | None = None
 
     @contextmanager
@@ -111,7 +118,9 @@ class RouterReplayer:
             return
         targets_LTK = micro_batch_targets(
             self._routing, layout_of(mb), len(self.replays), self.top_k
-        ).to(mb.tokens_BL.device)
+        )
+        targets_LTK = sequence_slice(targets_LTK, self.sequence_group, dim=1)
+        targets_LTK = targets_LTK.to(mb.tokens_BL.device)
         for replay, target_TK in zip(self.replays, targets_LTK, strict=True):
             replay.target_topk_idx = target_TK
             replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)

@@ -11,16 +11,19 @@ experts]`` mask over the router input ``[s, b, hidden]`` (sequence first, rows i
 order; a packed micro-batch is ``[T, 1, hidden]``). A forward hook turns it into expert ids,
 and :func:`megarl.algo.router_replay.sequence_ids` cuts each sequence's positions out of that
 order. With expert parallelism each rank's router still scores all experts for its own tokens
-(the dispatcher moves tokens afterwards), so the ids are global. R2 records the same way, in
-the old-logprob pass.
+(the dispatcher moves tokens afterwards), so the ids are global. Sequence-parallel (MoE under
+TP), a TP rank's router sees the ``t``-th of ``tp`` equal slices of that order; the recorder
+gathers the slices over the TP group. R2 records the same way, in the old-logprob pass.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from megarl.actor.router_stats import find_routers
 from megarl.algo.router_replay import layout_of, sequence_ids
@@ -35,11 +38,15 @@ class RoutingRecorder:
     router replay it records the router's own choice, not the replayed one.
 
     ``modules``: the actor's model chunks (one: MoE runs at PP=1); the hooks only read.
+    ``sequence_group``: the TP group when the model runs sequence-parallel, else None.
     """
 
-    def __init__(self, modules: Sequence[torch.nn.Module], top_k: int) -> None:
+    def __init__(
+        self, modules: Sequence[torch.nn.Module], top_k: int, sequence_group: Any = None
+    ) -> None:
         self.routers = find_routers(modules)
         self.top_k = top_k
+        self.sequence_group = sequence_group
         self._recorded: dict[int, torch.Tensor] | None = None
         """The dict the armed recording fills; None while disarmed."""
         self._layers: list[torch.Tensor] | None = None
@@ -74,7 +81,7 @@ class RoutingRecorder:
             self._layers = None
         if len(layers) != len(self.routers):
             raise RuntimeError(f"{len(layers)} router outputs for {len(self.routers)} routers")
-        ids_TLK = torch.stack(layers, dim=1).cpu()  # one small copy per forward
+        ids_TLK = gather_sequence(torch.stack(layers, dim=1), self.sequence_group).cpu()
         trained_B = mb.loss_mask_BL.amax(dim=1) > 0
         every = sequence_ids(ids_TLK, layout_of(mb))
         self._recorded.update(
@@ -91,3 +98,21 @@ class RoutingRecorder:
             else:
                 ids_TK = expert_ids_from_routing_map(output[1].detach(), self.top_k)
         self._layers.append(ids_TK)
+
+
+def gather_sequence(rows: torch.Tensor, group: Any) -> torch.Tensor:
+    """Every TP rank's slice of the router-input rows, concatenated in rank order (the rows
+    themselves without sequence parallelism, ``group`` None)."""
+    if group is None:
+        return rows
+    slices = [torch.empty_like(rows) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(slices, rows.contiguous(), group=group)
+    return torch.cat(slices)
+
+
+def sequence_slice(rows: torch.Tensor, group: Any, dim: int = 0) -> torch.Tensor:
+    """This TP rank's slice of router-input rows along ``dim`` (all of them without sequence
+    parallelism): the inverse of :func:`gather_sequence`."""
+    if group is None:
+        return rows
+    return rows.chunk(dist.get_world_size(group), dim=dim)[dist.get_rank(group)]

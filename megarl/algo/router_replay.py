@@ -86,7 +86,8 @@ class MicroBatchLayout:
     seq_indices: tuple[int, ...]
     seq_lens: tuple[int, ...]
     width: int
-    """Padded: the row length ``L_max``; packed: the total ``T``."""
+    """Padded: the row length ``L_max``; packed: the total ``T`` (sequences, then any padding
+    tail)."""
     packed: bool
 
 
@@ -97,7 +98,7 @@ def layout_of(mb: MicroBatchTensors) -> MicroBatchLayout:
     if mb.cu_seqlens is not None:
         cu = mb.cu_seqlens
         lens = tuple(int(b - a) for a, b in itertools.pairwise(cu))
-        return MicroBatchLayout(mb.seq_indices, lens, int(cu[-1]), packed=True)
+        return MicroBatchLayout(mb.seq_indices, lens, int(mb.tokens_BL.shape[1]), packed=True)
     lens = tuple(int(row.nonzero().max()) + 2 for row in mb.response_mask_BL)
     return MicroBatchLayout(mb.seq_indices, lens, int(mb.tokens_BL.shape[1]), packed=False)
 
@@ -144,9 +145,12 @@ def micro_batch_targets(
             free[: length - 1] = ids[: length - 1].long()
         rows.append(free)
     if layout.packed:
-        tokens_TLK = torch.cat(rows)
-        if len(tokens_TLK) != layout.width:
-            raise ValueError(f"packed routing of {len(tokens_TLK)} tokens, row of {layout.width}")
+        tail = layout.width - sum(layout.seq_lens)  # padding after the last sequence
+        if tail < 0:
+            raise ValueError(
+                f"packed routing of {sum(layout.seq_lens)} tokens, row of {layout.width}"
+            )
+        tokens_TLK = torch.cat([*rows, torch.full((tail, num_layers, top_k), FREE)])
     else:
         padded_BSLK = torch.full((len(rows), layout.width, num_layers, top_k), FREE)
         for b, ids in enumerate(rows):

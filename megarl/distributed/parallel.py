@@ -59,6 +59,7 @@ def init_model_parallel(
     vpp: int | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     ep: int = 1,
+    seed: int = 1234,
 ) -> ParallelLayout:
     """Create Megatron's TP/PP/DP (and expert-parallel) groups on top of the global group, with
     the same timeout. Experts are split over ``ep`` ranks of the data-parallel dimension, each
@@ -73,6 +74,12 @@ def init_model_parallel(
         # annotated int, but only ever given to timedelta(minutes=...), which takes a float
         distributed_timeout_minutes=timeout_s / 60,  # pyright: ignore[reportArgumentType]
     )
+    if torch.cuda.is_available():
+        # the model-parallel RNG states sequence-parallel layers and expert inits fork from
+        # (on CPU the fork is a no-op: megarl.distributed.platform)
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        model_parallel_cuda_manual_seed(seed)
     return ParallelLayout(world_size=dist.get_world_size(), rank=dist.get_rank(), tp=tp, pp=pp)
 
 

@@ -17,6 +17,17 @@ Megatron-Core is written for CUDA. On CPU (gloo) it works once four things are h
    the autograd engine directly instead (``deallocate_pipeline_outputs``), which MoE's backward
    gathers need.
 4. Megatron's MoE router calls transformer-engine's GEMM whenever TE imports: set to None.
+5. Megatron's alltoall token dispatcher (the one that takes a different number of tokens on
+   each expert-parallel rank) copies its split sizes to the host on a side CUDA stream: on CPU
+   the stream is a no-op stand-in, and the split sizes become the numpy arrays the copy would
+   have made (the copy is skipped for tensors already on the CPU, leaving tensors that
+   ``all_to_all_single`` refuses as split sizes).
+6. Under TP the alltoall dispatcher gathers and reduce-scatters token slices of different sizes
+   over the TP group (``all_gather`` / ``reduce_scatter`` with tensor lists), which gloo takes
+   only in equal sizes: the slices are zero-padded to the largest, and the reduce-scatter is an
+   all-reduce of the padded stack (:func:`_uneven_collectives`).
+7. Sequence-parallel layers fork Megatron's model-parallel CUDA RNG state around their dropout
+   (probability 0 in megarl's models): on CPU the fork is a no-op.
 
 Nothing here is entered on a CUDA device. The equivalence tests
 (``tests/integration/test_megatron_equivalence.py``, dense and MoE, forward and backward at
@@ -75,15 +86,133 @@ def _no_te_router_gemm() -> Iterator[None]:
         moe_utils.te_general_gemm = saved
 
 
+class _HostStream:
+    """Stands in for ``torch.cuda.Stream`` (and its events) where everything runs on the host:
+    one instance, so "am I on a side stream?" reads no. A class, not a function, because
+    modules imported meanwhile write ``torch.cuda.Stream | None`` in their annotations."""
+
+    _instance: _HostStream | None = None
+
+    def __new__(cls, *_args: object, **_kwargs: object) -> _HostStream:
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def wait_stream(self, _other: object) -> None:
+        return None
+
+    def record_event(self, *_args: object, **_kwargs: object) -> _HostStream:
+        return self
+
+    def synchronize(self) -> None:
+        return None
+
+
 @contextlib.contextmanager
 def _patched_cuda_queries() -> Iterator[None]:
-    saved = (torch.cuda.current_device, torch.cuda.synchronize)
+    saved = (
+        torch.cuda.current_device,
+        torch.cuda.synchronize,
+        torch.cuda.Stream,
+        torch.cuda.current_stream,
+        torch.cuda.stream,
+    )
     torch.cuda.current_device = lambda: 0  # type: ignore[assignment]
     torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
+    torch.cuda.Stream = _HostStream  # type: ignore[assignment,misc]
+    torch.cuda.current_stream = lambda *a, **k: _HostStream()  # type: ignore[assignment]
+    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()  # type: ignore[assignment]
     try:
         yield
     finally:
-        torch.cuda.current_device, torch.cuda.synchronize = saved
+        (
+            torch.cuda.current_device,
+            torch.cuda.synchronize,
+            torch.cuda.Stream,
+            torch.cuda.current_stream,
+            torch.cuda.stream,
+        ) = saved
+
+
+def _pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    if tensor.shape[0] == rows:
+        return tensor.contiguous()
+    padded = tensor.new_zeros((rows, *tensor.shape[1:]))
+    padded[: tensor.shape[0]] = tensor
+    return padded
+
+
+@contextlib.contextmanager
+def _uneven_collectives() -> Iterator[None]:
+    """``all_gather`` and ``reduce_scatter`` over tensor lists whose first dimensions differ,
+    on gloo (equal sizes go to the originals)."""
+    import torch.distributed as dist
+
+    saved = (dist.all_gather, dist.reduce_scatter)
+    all_gather, reduce_scatter = saved
+
+    def gather(tensor_list, tensor, group=None, async_op=False):
+        rows = [t.shape[0] for t in tensor_list]
+        if async_op or len(set(rows)) == 1:
+            return all_gather(tensor_list, tensor, group=group, async_op=async_op)
+        padded = [tensor.new_empty((max(rows), *tensor.shape[1:])) for _ in rows]
+        all_gather(padded, _pad_rows(tensor, max(rows)), group=group)
+        for out, got, size in zip(tensor_list, padded, rows, strict=True):
+            out.copy_(got[:size])
+        return None
+
+    def scatter(output, input_list, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        rows = [t.shape[0] for t in input_list]
+        if async_op or op != dist.ReduceOp.SUM:
+            return reduce_scatter(output, input_list, op=op, group=group, async_op=async_op)
+        stacked = torch.stack([_pad_rows(t, max(rows)) for t in input_list])
+        dist.all_reduce(stacked, group=group)
+        output.copy_(stacked[dist.get_rank(group)][: output.shape[0]])
+        return None
+
+    dist.all_gather, dist.reduce_scatter = gather, scatter  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        dist.all_gather, dist.reduce_scatter = saved  # type: ignore[assignment]
+
+
+@contextlib.contextmanager
+def _no_cuda_rng_fork() -> Iterator[None]:
+    try:
+        from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
+    except ImportError:
+        yield
+        return
+    saved = CudaRNGStatesTracker.fork
+    CudaRNGStatesTracker.fork = lambda *_a, **_k: contextlib.nullcontext()  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        CudaRNGStatesTracker.fork = saved  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def _host_split_sizes() -> Iterator[None]:
+    """The alltoall dispatcher's ``maybe_move_tensor_to_cpu(as_numpy=True)`` returns a numpy
+    array for a CUDA tensor but leaves a CPU tensor a tensor; give it the array either way."""
+    try:
+        from megatron.core.transformer.moe import token_dispatcher
+    except ImportError:
+        yield
+        return
+    saved = token_dispatcher.maybe_move_tensor_to_cpu
+
+    def to_host(tensor, as_numpy: bool = False, record_stream: bool = False):
+        if torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy() if as_numpy else tensor
+        return saved(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    token_dispatcher.maybe_move_tensor_to_cpu = to_host
+    try:
+        yield
+    finally:
+        token_dispatcher.maybe_move_tensor_to_cpu = saved
 
 
 _active_depth = 0
@@ -100,6 +229,9 @@ def enter_cpu_shims() -> None:
         _exit_stack = contextlib.ExitStack()
         _exit_stack.enter_context(_patched_cuda_queries())
         _exit_stack.enter_context(_no_te_router_gemm())
+        _exit_stack.enter_context(_host_split_sizes())
+        _exit_stack.enter_context(_no_cuda_rng_fork())
+        _exit_stack.enter_context(_uneven_collectives())
         _exit_stack.enter_context(CudaToCpuMode())
     _active_depth += 1
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -74,7 +75,7 @@ def transformer_config(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp,
-        sequence_parallel=False,
+        sequence_parallel=uses_sequence_parallel(spec, tp),
         use_cpu_initialization=use_cpu_initialization,
         params_dtype=dtype,
         pipeline_dtype=dtype,
@@ -91,6 +92,15 @@ def transformer_config(
     )
 
 
+def uses_sequence_parallel(spec: TransformerSpec, tp: int) -> bool:
+    """Megatron trains a mixture-of-experts layer under TP only with sequence parallelism: each
+    TP rank keeps ``1/tp`` of the sequence between the tensor-parallel blocks (norms, router,
+    token dispatch) and gathers it for attention and the output layer. So every micro-batch's
+    sequence dimension must divide by ``tp`` (:attr:`MegatronActor.length_multiple`). Dense
+    models keep whole sequences on every TP rank."""
+    return spec.is_moe and tp > 1
+
+
 def _moe_config(
     spec: TransformerSpec, ep: int, moe_aux_loss_coef: float = 0.0, routing_replay: bool = False
 ) -> dict:
@@ -103,20 +113,21 @@ def _moe_config(
     also makes a sequence's gradient depend on which others share its micro-batch, so pruning
     is off with it). ``moe_aux_loss_coef > 0`` (``actor.moe_aux_loss_coef``) turns on Megatron's
     per-micro-batch Switch loss (``aux_loss``); the actor rescales its coefficient per
-    micro-batch (``MegatronActor.router_loss_coeffs``). The allgather token
-    dispatcher runs on CPU; it needs fixed sequence lengths across pipeline stages, which is why
-    MoE runs at PP=1, and Megatron trains MoE under TP only with sequence parallelism, hence TP=1
-    (``TransformerSpec.check_parallelism``). A shared expert (Qwen2-MoE) is Megatron's
+    micro-batch (``MegatronActor.router_loss_coeffs``). Tokens move between
+    expert-parallel ranks with Megatron's alltoall dispatcher, the one that lets each rank hold a
+    different number of tokens (the allgather dispatcher needs equal counts on every rank, which
+    packed RL micro-batches never have); on CPU it runs through
+    :mod:`megarl.distributed.platform`. Under TP the model runs sequence-parallel
+    (:func:`uses_sequence_parallel`); PP stays 1 (``TransformerSpec.check_parallelism``). A shared expert (Qwen2-MoE) is Megatron's
     ``SharedExpertMLP`` with its sigmoid gate (see :func:`megarl.models.mapping.shared_expert_rules`),
     computed on each rank's own tokens before dispatch, not overlapped with it.
     ``routing_replay`` (``actor.router_replay.mode`` R2/R3) gives each router Megatron's
     ``RouterReplay`` hook.
     """
     if not spec.is_moe:
-        # irrelevant (dense) but the alltoall dispatcher is the one allowing variable lengths
         return {"variable_seq_lengths": True, "moe_token_dispatcher_type": "alltoall"}
     return {
-        "variable_seq_lengths": False,
+        "variable_seq_lengths": True,
         "num_moe_experts": spec.num_experts,
         "moe_router_topk": spec.moe_top_k,
         "moe_ffn_hidden_size": spec.moe_ffn_hidden_size,
@@ -124,7 +135,7 @@ def _moe_config(
         "moe_router_dtype": "fp32",
         "moe_router_load_balancing_type": "aux_loss" if moe_aux_loss_coef > 0 else "none",
         "moe_aux_loss_coeff": moe_aux_loss_coef,
-        "moe_token_dispatcher_type": "allgather",
+        "moe_token_dispatcher_type": "alltoall",
         "moe_grouped_gemm": False,
         "expert_model_parallel_size": ep,
         "moe_shared_expert_intermediate_size": spec.moe_shared_ffn_hidden_size or None,
@@ -134,10 +145,32 @@ def _moe_config(
     }
 
 
+class LocalRMSNorm(torch.nn.RMSNorm):
+    """The local spec's RMSNorm (torch's, as Megatron's ``WrappedTorchNorm`` builds it) that
+    also runs sequence-parallel, which ``WrappedTorchNorm`` refuses: each TP rank then normalises
+    its slice of the sequence, so the weight is marked ``sequence_parallel`` and Megatron's
+    ``finalize_model_grads`` sums its gradient over TP, as it does for transformer-engine's
+    norm."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_unused) -> None:
+        super().__init__(hidden_size, eps=eps)
+        self.weight.sequence_parallel = config.sequence_parallel  # pyright: ignore[reportAttributeAccessIssue]
+
+
+class LocalHeadRMSNorm(torch.nn.RMSNorm):
+    """The q/k norm over each attention head: it sees whole sequences (attention gathers them
+    under sequence parallelism), and ``finalize_model_grads`` sums its gradient over TP by
+    name."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_unused) -> None:
+        super().__init__(hidden_size, eps=eps)
+
+
 def layer_spec(
     use_transformer_engine: bool = False, qk_layernorm: bool = False, num_experts: int = 0
 ):
-    """Local Megatron layer spec with SDPA core attention, or the transformer-engine spec.
+    """Local Megatron layer spec with SDPA core attention and :class:`LocalRMSNorm`, or the
+    transformer-engine spec.
 
     Experts are Megatron's ``SequentialMLP`` (one linear pair per expert, no grouped GEMM), whose
     per-expert parameters map one to one onto the checkpoint's per-expert tensors.
@@ -152,9 +185,32 @@ def layer_spec(
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm, **moe)
     spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_layernorm, **moe)
     # ModuleSpec.submodules is typed ``object`` in Megatron; the local spec's layout is fixed
-    attention = spec.submodules.self_attention  # pyright: ignore[reportAttributeAccessIssue]
-    attention.submodules.core_attention = SDPACoreAttention
+    layer: Any = spec.submodules
+    layer.input_layernorm = layer.pre_mlp_layernorm = LocalRMSNorm
+    attention = layer.self_attention.submodules
+    attention.core_attention = SDPACoreAttention
+    if qk_layernorm:
+        attention.q_layernorm = attention.k_layernorm = LocalHeadRMSNorm
     return spec
+
+
+def block_spec(config, layer, vp_stage: int | None):
+    """``layer`` for every layer of this rank's stage; sequence-parallel on the local spec, with
+    the final norm a :class:`LocalRMSNorm` too (Megatron would pick ``WrappedTorchNorm``)."""
+    if not config.sequence_parallel or layer.submodules.input_layernorm is not LocalRMSNorm:
+        return layer
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlock,
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
+
+    layers = get_num_layers_to_build(config, vp_stage=vp_stage)
+    submodules = TransformerBlockSubmodules(
+        layer_specs=[layer] * layers, layer_norm=ModuleSpec(module=LocalRMSNorm)
+    )
+    return ModuleSpec(module=TransformerBlock, submodules=submodules)
 
 
 def build_gpt_model(
@@ -196,8 +252,12 @@ def build_gpt_model(
     post = parallel_state.is_pipeline_last_stage(ignore_virtual=vpp is None, vp_stage=vp_stage)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(
-            use_transformer_engine, qk_layernorm=spec.qk_norm, num_experts=spec.num_experts
+        transformer_layer_spec=block_spec(
+            config,
+            layer_spec(
+                use_transformer_engine, qk_layernorm=spec.qk_norm, num_experts=spec.num_experts
+            ),
+            vp_stage,
         ),
         vocab_size=spec.padded_vocab_size(tp),
         max_sequence_length=spec.max_position_embeddings,

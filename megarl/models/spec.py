@@ -134,13 +134,12 @@ class TransformerSpec:
                 f"actor.tp={tp} does not divide the experts' intermediate size "
                 f"{self.moe_ffn_hidden_size}"
             )
-        if self.is_moe and (pp > 1 or tp > 1):
-            # Megatron's allgather token dispatcher (the one that runs on CPU) needs fixed
-            # sequence lengths across pipeline stages, where packed RL batches vary; and its MoE
-            # layer trains under TP only with sequence parallelism, which megarl does not use.
+        if self.is_moe and pp > 1:
+            # the router replay, routing record and router statistics read every MoE layer on
+            # one stage
             raise ModelSpecError(
-                f"actor.tp={tp}, actor.pp={pp}: mixture-of-experts models train at actor.tp=1 "
-                "and actor.pp=1 for now; split the experts with actor.ep"
+                f"actor.pp={pp}: mixture-of-experts models train at actor.pp=1 for now; split "
+                "them with actor.tp and actor.ep"
             )
 
 

@@ -915,9 +915,11 @@ def _training_replay(
 
 
 def _router_metrics(rt: _Runtime, routers: RouterMonitor) -> dict[str, float]:
-    """``actor/moe_*`` from every rank's routing counts (each router saw its rank's tokens)."""
+    """``actor/moe_*`` from every rank's routing counts (each router saw its rank's tokens: all
+    of them on every TP rank, or its slice of them sequence-parallel)."""
     counts = routers.local_counts()
-    summed = reduce_sums_to_all(counts.reshape(-1, counts.shape[-1]).tolist(), rt.cfg.actor.tp)
+    replicas = rt.cfg.actor.tp // rt.actor.length_multiple
+    summed = reduce_sums_to_all(counts.reshape(-1, counts.shape[-1]).tolist(), replicas)
     tokens, probs = torch.tensor(summed, dtype=torch.float64).reshape(counts.shape)
     return router_metrics(tokens, probs, routers.top_k)
 

@@ -31,7 +31,12 @@ def full_logits(actor, batch, tp: int, vocab_size: int | None = None) -> torch.T
 
     from megarl.batch import collate
 
-    mbs = [collate(batch, [i], pad_id=0) for i in range(batch.num_seqs)]
+    # sequence-parallel models take lengths that divide by actor.tp: cut the padding off after
+    mbs = [
+        collate(batch, [i], pad_id=0, length_multiple=actor.length_multiple)
+        for i in range(batch.num_seqs)
+    ]
+    length = max(len(t) for t in batch.tokens)
 
     def gather_logits(mb, logits):
         shards = [torch.empty_like(logits) for _ in range(tp)]
@@ -44,5 +49,5 @@ def full_logits(actor, batch, tp: int, vocab_size: int | None = None) -> torch.T
         outs = actor._run_schedule(mbs, gather_logits, forward_only=True)
     if not actor.is_last_stage:
         return None
-    logits = torch.cat([o["logits"] for o in outs])
+    logits = torch.cat([o["logits"] for o in outs])[:, :length]
     return logits if vocab_size is None else logits[..., :vocab_size]

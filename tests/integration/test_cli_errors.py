@@ -55,8 +55,8 @@ _VLLM_CASES = (
         (["actor.ep=2", "trainer.n_gpus_per_node=2"], "actor.ep=2 needs a mixture-of-experts"),
         (["actor.ep=2"], "actor.ep=2 does not divide the 1 data-parallel ranks"),
         (
-            ["model=tiny_qwen3_moe", "actor.tp=2", "trainer.n_gpus_per_node=2"],
-            "mixture-of-experts models train at actor.tp=1 and actor.pp=1",
+            ["model=tiny_qwen3_moe", "actor.pp=2", "trainer.n_gpus_per_node=2"],
+            "mixture-of-experts models train at actor.pp=1",
         ),
         (["model=tiny_qwen3_moe", "actor.lora.rank=8"], "LoRA on a mixture-of-experts model"),
         (["model=tiny_qwen3_moe", "recipe=ppo"], "a critic for a mixture-of-experts model"),

@@ -47,7 +47,12 @@ def _reference(hf_config: dict, seed: int, save_to=None):
     return ids, logits, state
 
 
-def _worker(ctx, tp: int, pp: int, hf_config: dict, ids, ref_logits, state, ep: int = 1):
+def _worker(
+    ctx, tp: int, pp: int, hf_config: dict, ids, ref_logits, state, ep: int = 1, trim: int = 0
+):
+    """``trim``: each data-parallel rank drops ``trim * rank`` trailing positions, so the ranks
+    of an expert-parallel group hold different numbers of tokens (the HF logits of a prefix are
+    the prefix of the logits: causal)."""
     from megarl.actor.megatron_actor import MegatronActor
     from megarl.config.schema import ActorConfig
     from megarl.distributed import parallel
@@ -60,10 +65,19 @@ def _worker(ctx, tp: int, pp: int, hf_config: dict, ids, ref_logits, state, ep: 
     parallel.init_model_parallel(tp, pp, ep=ep)
     spec = spec_from_hf_config(hf_config)
     actor = MegatronActor(
-        spec, ActorConfig(tp=tp, pp=pp), "cpu", torch.float32, state, pad_id=0, trainable=True
+        spec,
+        ActorConfig(tp=tp, pp=pp, ep=ep),
+        "cpu",
+        torch.float32,
+        state,
+        pad_id=0,
+        trainable=True,
     )
     from logits_probe import full_logits, probe_batch
+    from megatron.core import parallel_state as ps
 
+    keep = ids.shape[1] - trim * ps.get_data_parallel_rank()
+    ids, ref_logits = ids[:, :keep], ref_logits[:, :keep]
     num, batch = ids.shape[0], probe_batch(ids)
     got = full_logits(actor, batch, tp, hf_config["vocab_size"])
     logits_diff = None if got is None else (got - ref_logits).abs().max().item()
@@ -149,16 +163,34 @@ Qwen2-MoE (q/k/v bias, no renormalisation) with a gated shared expert beside the
 
 
 @pytest.mark.parametrize(
-    ("family", "ep"),
-    [("qwen3_moe", 2), ("mixtral", 2), ("qwen2_moe", 1), ("qwen2_moe", 2)],
-    ids=["qwen3_moe-ep2", "mixtral-ep2", "qwen2_moe-ep1", "qwen2_moe-ep2"],
+    ("family", "tp", "ep"),
+    [
+        ("qwen3_moe", 1, 2),
+        ("mixtral", 1, 2),
+        ("qwen2_moe", 1, 1),
+        ("qwen2_moe", 1, 2),
+        ("qwen3_moe", 2, 1),
+        ("qwen2_moe", 2, 2),
+    ],
+    ids=[
+        "qwen3_moe-ep2",
+        "mixtral-ep2",
+        "qwen2_moe-ep1",
+        "qwen2_moe-ep2",
+        "qwen3_moe-tp2",
+        "qwen2_moe-tp2-ep2",
+    ],
 )
-def test_tiny_moe_matches_hf(family, ep, tmp_path):
-    """Each rank of an EP group holds half the experts; tokens are dispatched to them and back."""
+def test_tiny_moe_matches_hf(family, tp, ep, tmp_path):
+    """Each rank of an EP group holds 1/ep of the experts; tokens are dispatched to them and
+    back. The ranks of an EP group hold different numbers of tokens, as packed RL micro-batches
+    do. Under TP the model runs sequence-parallel: each TP rank routes a slice of the sequence
+    (11 positions, padded to 12) through experts whose intermediate size is split over TP."""
     cfg = MOE[family]
     ids, ref_logits, state = _reference(cfg, 7, save_to=tmp_path)
     assert any(".experts.3." in name for name in state)
-    results = launch(_worker, ep, args=(1, 1, cfg, ids, ref_logits, state, ep), timeout_s=240)
+    args = (tp, 1, cfg, ids, ref_logits, state, ep, 3)
+    results = launch(_worker, tp * ep, args=args, timeout_s=240)  # DP = EP
     _assert_matches(results, 1e-5, every_rank=True)
 
 

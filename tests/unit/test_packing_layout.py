@@ -113,3 +113,22 @@ def test_response_extraction_round_trip_on_packed():
 def test_build_micro_batch_padded_by_default():
     mb = build_micro_batch(_batch(), [0, 2], pad_id=0)
     assert not mb.is_packed and mb.tokens_BL.shape == (2, 4)
+
+
+def test_sequence_dimension_pads_to_a_multiple_and_rows_read_the_same():
+    """Sequence parallelism splits the sequence dimension: packed rows get a padding tail after
+    the last sequence, padded rows more columns; what each sequence reads is unchanged."""
+    batch = _batch()
+    plain = pack(batch, [1, 0, 2])
+    tailed = pack(batch, [1, 0, 2], pad_id=7, length_multiple=4)
+    assert plain.tokens_BL.shape == (1, 13) and tailed.tokens_BL.shape == (1, 16)
+    assert tailed.cu_seqlens == plain.cu_seqlens
+    assert tailed.tokens_BL[0, 13:].tolist() == [7, 7, 7]
+    assert tailed.position_ids_BL[0, 13:].tolist() == [0, 1, 2]
+    values = torch.arange(16.0).unsqueeze(0)
+    assert torch.equal(tailed.to_rows(values), plain.to_rows(values[:, :13]))
+    wide = collate(batch, [1, 0, 2], pad_id=0, length_multiple=4)
+    assert wide.tokens_BL.shape == (3, 8)
+    narrow = collate(batch, [1, 0, 2], pad_id=0)
+    assert torch.equal(wide.loss_mask_BL[:, :6], narrow.loss_mask_BL)
+    assert not wide.loss_mask_BL[:, 6:].any()

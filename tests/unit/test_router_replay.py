@@ -53,7 +53,10 @@ def test_a_sequence_without_routing_routes_on_its_own_and_shapes_are_checked():
     assert targets[0].tolist() == [[0, 1], [1, 2], OWN, OWN, OWN]
     with pytest.raises(ValueError, match="sequence 2: routing"):
         micro_batch_targets({7: SEQ7, 2: SEQ7}, layout, num_layers=2, top_k=2)
-    short = MicroBatchLayout(seq_indices=(7,), seq_lens=(3,), width=4, packed=True)
+    # a padding tail (sequence parallelism) routes on its own
+    tailed = MicroBatchLayout(seq_indices=(7,), seq_lens=(3,), width=4, packed=True)
+    assert micro_batch_targets({7: SEQ7}, tailed, 2, 2)[0].tolist() == [[0, 1], [1, 2], OWN, OWN]
+    short = MicroBatchLayout(seq_indices=(7,), seq_lens=(3,), width=2, packed=True)
     with pytest.raises(ValueError, match="packed routing of 3 tokens"):
         micro_batch_targets({7: SEQ7}, short, num_layers=2, top_k=2)
 
