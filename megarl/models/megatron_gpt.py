@@ -194,10 +194,10 @@ def layer_spec(
     return spec
 
 
-def block_spec(config, layer, vp_stage: int | None):
+def block_spec(config, layer, vp_stage: int | None, use_transformer_engine: bool):
     """``layer`` for every layer of this rank's stage; sequence-parallel on the local spec, with
     the final norm a :class:`LocalRMSNorm` too (Megatron would pick ``WrappedTorchNorm``)."""
-    if not config.sequence_parallel or layer.submodules.input_layernorm is not LocalRMSNorm:
+    if not config.sequence_parallel or use_transformer_engine:
         return layer
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_block import (
@@ -258,6 +258,7 @@ def build_gpt_model(
                 use_transformer_engine, qk_layernorm=spec.qk_norm, num_experts=spec.num_experts
             ),
             vp_stage,
+            use_transformer_engine,
         ),
         vocab_size=spec.padded_vocab_size(tp),
         max_sequence_length=spec.max_position_embeddings,

@@ -149,6 +149,21 @@ def _unused_in_layer_0(routing):
     return tuple(swapped)
 
 
+def _alter_rollouts(monkeypatch, reported: str, alter) -> None:
+    """Every rollout batch of runs in this process goes through ``alter`` before training; the
+    engine must have reported the ``reported`` routing field."""
+    from megarl.trainer.rollout_host import RolloutHost
+
+    produce = RolloutHost.rollout
+
+    def rollout(self, step):
+        batch, metrics, phases = produce(self, step)
+        assert getattr(batch, reported) is not None
+        return alter(batch), metrics, phases
+
+    monkeypatch.setattr(RolloutHost, "rollout", rollout)
+
+
 def test_injected_routing_mismatch_is_counted_exactly(tmp_path, monkeypatch):
     """One rank (in this process, so the patch reaches the rollout host), one step: the engine's
     reported layer-0 experts are swapped for the unused ones after sampling. The trainer matches
@@ -156,16 +171,7 @@ def test_injected_routing_mismatch_is_counted_exactly(tmp_path, monkeypatch):
     for the sequences whose routing comes from the old-logprob pass (two mini-batches: the
     second one's are recomputed) and for those of the first optimizer step's forward, in padded
     micro-batches (several sequences per forward: Megatron's sequence-first token order)."""
-    from megarl.trainer.rollout_host import RolloutHost
-
-    produce = RolloutHost.rollout
-
-    def rollout(self, step):
-        batch, metrics, phases = produce(self, step)
-        assert batch.engine_routing is not None
-        return _complement_first_layer(batch), metrics, phases
-
-    monkeypatch.setattr(RolloutHost, "rollout", rollout)
+    _alter_rollouts(monkeypatch, "engine_routing", _complement_first_layer)
     extra = {"actor.ppo_mini_batches": 2, "actor.pack_sequences": "false"}
     [step] = run(tiny_overrides(tmp_path / "run", 1, model="tiny_qwen3_moe", **extra)).history
     assert step["gates/summary"].startswith("old_lp: 4/8 recompute, rest train forward")
@@ -189,16 +195,7 @@ def test_r3_replays_injected_routing_and_the_metric_keeps_the_routers_own_choice
     run the injected experts, so its logprobs leave the engine's (which used the real ones)
     by far more than rounding, while ``rollout/moe_routing_mismatch`` still compares the
     engine with the router's own choice (before replay)."""
-    from megarl.trainer.rollout_host import RolloutHost
-
-    produce = RolloutHost.rollout
-
-    def rollout(self, step):
-        batch, metrics, phases = produce(self, step)
-        assert batch.engine_input_routing is not None
-        return _complement_first_layer_inputs(batch), metrics, phases
-
-    monkeypatch.setattr(RolloutHost, "rollout", rollout)
+    _alter_rollouts(monkeypatch, "engine_input_routing", _complement_first_layer_inputs)
     extra = {
         "actor.ppo_mini_batches": 2,
         "actor.pack_sequences": "false",

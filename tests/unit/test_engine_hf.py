@@ -296,16 +296,7 @@ def tiny_moe(family: str, seed: int = 0) -> torch.nn.Module:
 def reference_routing(model: torch.nn.Module, generation: Generation) -> torch.Tensor:
     """``[R, layers, k]`` experts of one unpadded, uncached forward of prompt+response at the
     positions that score the response (``P - 1 .. S - 2``), what the trainer compares."""
-    from megarl.engines.hf import find_hf_routers
-
-    seen: list[torch.Tensor] = []
-    routers = find_hf_routers(model)
-    handles = [r.register_forward_hook(lambda _m, _i, out: seen.append(out[2])) for r in routers]
-    model(torch.tensor([generation.prompt_ids + generation.response_ids]))
-    for handle in handles:
-        handle.remove()
-    ids_TLK = torch.stack(seen, dim=1)
-    return ids_TLK[len(generation.prompt_ids) - 1 : -1]
+    return reference_input_routing(model, generation)[len(generation.prompt_ids) - 1 :]
 
 
 @torch.no_grad()
