@@ -128,7 +128,7 @@ class MegatronActor:
         routers = find_routers(self.chunks) if trainable and self._router_loss_on else []
         self.routers: list[Any] = list(routers)  # Megatron TopKRouters (untyped attributes)
         """The MoE routers whose load-balancing loss joins the gradient (none when it is off)."""
-        split = ps.get_tensor_model_parallel_group() if self.length_multiple > 1 else None
+        split = ps.get_tensor_model_parallel_group() if self.sequence_split > 1 else None
         self.routing = (
             RoutingRecorder(self.chunks, spec.moe_top_k, split)
             if trainable and spec.is_moe
@@ -150,10 +150,18 @@ class MegatronActor:
             router.calculate_per_token_loss = True
 
     @property
-    def length_multiple(self) -> int:
-        """What every micro-batch's sequence dimension divides by: ``actor.tp`` when the model
-        runs sequence-parallel (:func:`megarl.models.megatron_gpt.uses_sequence_parallel`)."""
+    def sequence_split(self) -> int:
+        """Into how many slices the TP ranks cut every micro-batch's sequence between the
+        tensor-parallel blocks: ``actor.tp`` when the model runs sequence-parallel
+        (:func:`megarl.models.megatron_gpt.uses_sequence_parallel`), else 1 (every TP rank
+        holds the whole sequence)."""
         return self.cfg.tp if megatron_gpt.uses_sequence_parallel(self.spec, self.cfg.tp) else 1
+
+    @property
+    def length_multiple(self) -> int:
+        """What every micro-batch's sequence dimension divides by: one slice per TP rank under
+        sequence parallelism (:attr:`sequence_split`)."""
+        return self.sequence_split
 
     @property
     def _replay_on(self) -> bool:
@@ -351,8 +359,14 @@ class MegatronActor:
         ``coef / T``, with ``T`` summed over the DP group (one scalar all-reduce per step);
         the policy loss is untouched. A filler micro-batch (loss weight 0, only there to give
         ranks equal counts) gets 0: its tokens are no training data, so they must not pull the
-        router either. TP is 1 for MoE (``TransformerSpec.check_parallelism``), so Megatron's
-        reduction of expert counts over the TP/CP group is over one rank.
+        router either.
+
+        Sequence-parallel (MoE under TP), each TP rank's router sees ``1/tp`` of the
+        micro-batch: Megatron sums the expert counts over the TP group, so each rank's
+        ``aux_mb`` is its slice's share of the whole micro-batch's loss, but it multiplies that
+        by the slice's ``T_mb / tp`` tokens, so the router gradients summed over TP carry
+        ``T_mb / tp x aux_mb``. The coefficient is therefore ``tp x coef / T`` there (``T`` and
+        ``T_mb`` count the padding to a multiple of TP, which Megatron routes and counts too).
 
         What it is not: one loss over the whole step's tokens (Megatron's ``global_aux_loss``).
         The micro-batch grouping (``actor.micro_batch_tokens``, the DP split) therefore changes
@@ -367,7 +381,7 @@ class MegatronActor:
         device = "cuda" if dist.get_backend() == "nccl" else "cpu"
         total = torch.tensor([float(local)], dtype=torch.float64, device=device)
         dist.all_reduce(total, group=ps.get_data_parallel_group())
-        coef = self.cfg.moe_aux_loss_coef / float(total.item())
+        coef = self.cfg.moe_aux_loss_coef * self.sequence_split / float(total.item())
         return [coef if keep else 0.0 for keep in trained]
 
     def _set_router_coeff(self, coeff: float) -> None:

@@ -93,7 +93,8 @@ class RouterReplayer:
         self, modules: Sequence[torch.nn.Module], top_k: int, sequence_group: Any = None
     ) -> None:
         """``sequence_group``: the TP group when the model runs sequence-parallel (each TP
-        rank's routers then take their slice of the targets), else None."""
+        rank's routers then take their slice of the targets), else None. The routing it is
+        armed with is of this pipeline stage's layers."""
         self.replays = install_replay(modules)
         self.top_k = top_k
         self.sequence_group = sequence_group

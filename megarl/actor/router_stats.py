@@ -23,8 +23,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from typing import cast
 
 import torch
+
+from megarl.algo.router_replay import stage_layers
 
 
 def router_metrics(
@@ -63,6 +66,15 @@ def find_routers(modules: Sequence[torch.nn.Module]) -> list[torch.nn.Module]:
     ]
 
 
+def router_layers(routers: Sequence[torch.nn.Module]) -> range:
+    """The model layers (0-based) that ``routers`` sit in, from Megatron's global
+    ``layer_number`` of each: under pipeline parallelism one stage's consecutive slice."""
+    numbers = [router.layer_number for router in routers]
+    if not all(isinstance(n, int) for n in numbers):
+        raise TypeError(f"routers without a layer number: {numbers}")
+    return stage_layers(cast("list[int]", numbers))
+
+
 class RouterMonitor:
     """Counts, while :meth:`watch` is active, what every router of ``modules`` decides.
 
@@ -72,6 +84,8 @@ class RouterMonitor:
 
     def __init__(self, modules: Sequence[torch.nn.Module], num_experts: int, top_k: int) -> None:
         self.routers = find_routers(modules)
+        self.layers = router_layers(self.routers)
+        """The model layers this rank's routers sit in (one pipeline stage's)."""
         self.top_k = top_k
         layers = len(self.routers)
         self.tokens_per_expert = torch.zeros(layers, num_experts, dtype=torch.float64)
@@ -106,6 +120,15 @@ class RouterMonitor:
         return hook
 
     def local_counts(self) -> torch.Tensor:
-        """``[2, layers, experts]``: tokens per expert and probability sums, this rank only
-        (sum them over the data-parallel group before :func:`router_metrics`)."""
+        """``[2, layers, experts]``: tokens per expert and probability sums of this rank's
+        routers only."""
         return torch.stack([self.tokens_per_expert, self.prob_sums])
+
+    def model_counts(self, num_layers: int) -> torch.Tensor:
+        """``[2, num_layers, experts]``: :meth:`local_counts` at their model layers, zeros in the
+        other pipeline stages' layers; the sum over every rank is what :func:`router_metrics`
+        takes."""
+        local = self.local_counts()
+        counts = local.new_zeros(2, num_layers, local.shape[2])
+        counts[:, self.layers.start : self.layers.stop] = local
+        return counts

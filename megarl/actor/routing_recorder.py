@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megarl.actor.router_stats import find_routers
+from megarl.actor.router_stats import find_routers, router_layers
 from megarl.algo.router_replay import layout_of, sequence_ids
 from megarl.algo.routing_mismatch import expert_id_dtype, expert_ids_from_routing_map
 from megarl.batch import MicroBatchTensors
@@ -37,7 +37,8 @@ class RoutingRecorder:
     response rows, :func:`megarl.algo.router_replay.response_rows`; R2 replays them all). Under
     router replay it records the router's own choice, not the replayed one.
 
-    ``modules``: the actor's model chunks (one: MoE runs at PP=1); the hooks only read.
+    ``modules``: the actor's model chunks; the hooks only read. Under pipeline parallelism the
+    ids are of this stage's layers (:attr:`layers`).
     ``sequence_group``: the TP group when the model runs sequence-parallel, else None.
     """
 
@@ -45,6 +46,8 @@ class RoutingRecorder:
         self, modules: Sequence[torch.nn.Module], top_k: int, sequence_group: Any = None
     ) -> None:
         self.routers = find_routers(modules)
+        self.layers = router_layers(self.routers)
+        """The model layers the recorded ids are of: this pipeline stage's."""
         self.top_k = top_k
         self.sequence_group = sequence_group
         self._recorded: dict[int, torch.Tensor] | None = None

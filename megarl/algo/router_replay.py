@@ -39,7 +39,7 @@ Pure torch: no distributed, model or engine imports.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -157,6 +157,47 @@ def micro_batch_targets(
             padded_BSLK[b, : len(ids)] = ids
         tokens_TLK = padded_BSLK.transpose(0, 1).reshape(-1, num_layers, top_k)  # s-major
     return tokens_TLK.permute(1, 0, 2).contiguous()
+
+
+@dataclass(frozen=True)
+class ReplayPlan:
+    """Which routing each forward of a step records and replays, from
+    ``actor.router_replay.mode`` alone (the rank loop executes it; :func:`replay_plan`)."""
+
+    old_log_prob_replays_engine: bool
+    """R3: the old-logprob pass runs on the engine's routing."""
+    old_log_prob_records_for_training: bool
+    """R2: the old-logprob pass records the routers' choices for the training forwards (it
+    records for ``rollout/moe_routing_mismatch`` anyway where the engine reported routing)."""
+    training_replays: str
+    """``"engine"`` (R3), ``"old_log_prob"`` (R2) or ``"none"``."""
+
+
+def replay_plan(mode: str) -> ReplayPlan:
+    """The :class:`ReplayPlan` of a validated ``actor.router_replay.mode``."""
+    if mode not in ROUTER_REPLAY_MODES:
+        raise ValueError(f"router replay mode {mode!r}")
+    return ReplayPlan(
+        old_log_prob_replays_engine=mode == "R3",
+        old_log_prob_records_for_training=mode == "R2",
+        training_replays={"R3": "engine", "R2": "old_log_prob"}.get(mode, "none"),
+    )
+
+
+def stage_layers(layer_numbers: Sequence[int]) -> range:
+    """The model layers (0-based) of one pipeline stage's routers, from Megatron's 1-based
+    global ``layer_number`` of each, in model order; they must be consecutive."""
+    first = layer_numbers[0] - 1 if layer_numbers else 0
+    layers = range(first, first + len(layer_numbers))
+    if [n - 1 for n in layer_numbers] != list(layers):
+        raise ValueError(f"router layers {list(layer_numbers)} are not consecutive")
+    return layers
+
+
+def stage_routing(routing: Mapping[int, Tensor], layers: range) -> dict[int, Tensor]:
+    """``{sequence: [S, all layers, k]}`` routing cut to one pipeline stage's ``layers`` (views:
+    what that stage's routers replay or are compared with)."""
+    return {seq: ids[:, layers.start : layers.stop] for seq, ids in routing.items()}
 
 
 def router_replay_problem(

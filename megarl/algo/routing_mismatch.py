@@ -24,7 +24,9 @@ routing of the very forward that produced the token's logprob on either side; th
 token is never fed through the model and has no routing of its own.
 
 Counts are sums, merged over data-parallel ranks before any division, so the fractions are
-token-weighted over the whole step, not means of per-rank means.
+token-weighted over the whole step, not means of per-rank means. Under pipeline parallelism
+each stage compares its own layers (:class:`StageRouting`); the pair counts add up over the
+stages, a token's "differs somewhere" flags are merged by logical or.
 
 Pure torch: no distributed, model or engine imports.
 """
@@ -102,7 +104,33 @@ class RoutingMismatch:
         }
 
 
-def compare_routing(engine_BTLK: Tensor, trainer_BTLK: Tensor, mask_BT: Tensor) -> RoutingMismatch:
+@dataclass(frozen=True)
+class StageRouting:
+    """One pipeline stage's comparison, over its own layers: the (token, layer) pair counts,
+    which add up over stages, and per compared response token whether any of its layers
+    differs, which the stages merge by logical or (:meth:`counts` after an element-wise
+    maximum over the pipeline group) so that a token counts once, whichever stage saw it."""
+
+    pairs: float
+    mismatched_pairs: float
+    differs_T: Tensor
+    """``[tokens]`` bool, the compared response tokens of every sequence, in ascending sequence
+    index: the same order on every stage, which runs the same sequences."""
+
+    def counts(self, differs_T: Tensor | None = None, count_tokens: bool = True) -> RoutingMismatch:
+        """This stage's :class:`RoutingMismatch`. ``differs_T``: the flags merged over the
+        pipeline stages (this stage's own by default, at PP = 1); ``count_tokens`` on one stage
+        only, so that the tokens are not counted once per stage."""
+        flags = self.differs_T if differs_T is None else differs_T
+        return RoutingMismatch(
+            pairs=self.pairs,
+            mismatched_pairs=self.mismatched_pairs,
+            tokens=float(flags.numel()) if count_tokens else 0.0,
+            mismatched_tokens=float(flags.sum()) if count_tokens else 0.0,
+        )
+
+
+def compare_routing(engine_BTLK: Tensor, trainer_BTLK: Tensor, mask_BT: Tensor) -> StageRouting:
     """Compare expert sets per (token, layer) where ``mask_BT`` is set.
 
     ``[B, T, layers, k]`` expert ids on both sides, each (token, layer)'s k ids in any order;
@@ -118,22 +146,21 @@ def compare_routing(engine_BTLK: Tensor, trainer_BTLK: Tensor, mask_BT: Tensor) 
     valid_BT = mask_BT.bool()
     differs_BTL = differs_BTL & valid_BT.unsqueeze(-1)
     num_layers = engine_BTLK.shape[2]
-    return RoutingMismatch(
+    return StageRouting(
         pairs=float(valid_BT.sum()) * num_layers,
         mismatched_pairs=float(differs_BTL.sum()),
-        tokens=float(valid_BT.sum()),
-        mismatched_tokens=float(differs_BTL.any(dim=-1).sum()),
+        differs_T=differs_BTL.any(dim=-1)[valid_BT],
     )
 
 
 def routing_mismatch_of_sequences(
     trainer: Mapping[int, Tensor], engine: Mapping[int, Tensor]
-) -> RoutingMismatch:
+) -> StageRouting:
     """:func:`compare_routing` of every sequence in both maps (``{index: [R, layers, k]}``): the
-    trainer's captured routing against the engine's of the same response tokens."""
+    trainer's captured routing against the engine's of the same response tokens and layers."""
     keys = sorted(set(trainer) & set(engine))
     if not keys:
-        return RoutingMismatch()
+        return StageRouting(0.0, 0.0, torch.zeros(0, dtype=torch.bool))
     for i in keys:
         if trainer[i].shape != engine[i].shape:
             raise ValueError(

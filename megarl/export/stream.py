@@ -52,10 +52,18 @@ class ExportRanks:
     ep_rank: int = 0
     expert_dp_rank: int = 0
     """Replica index among the ranks holding the same experts; replica 0 exports them."""
-    expert_leaders: tuple[int, ...] = (0,)
-    """Global rank exporting each expert-parallel rank's experts; meaningful on rank 0. These are
-    rank 0's expert-parallel group: mixture-of-experts models run at TP=1 and PP=1
-    (``TransformerSpec.check_parallelism``), so rank 0's peers there are the leaders."""
+    expert_leaders: tuple[tuple[int, ...], ...] = ((0,),)
+    """Per pipeline stage, the global rank exporting each expert-parallel rank's experts;
+    meaningful on rank 0. Megatron numbers ranks with the pipeline stage outermost in both its
+    dense and its expert grid, so stage ``p`` is rank 0's expert-parallel group (TP rank 0,
+    replica 0 of every expert rank) shifted to stage ``p``'s leader."""
+
+    def source_of(self, pp_rank: int, ep_rank: int | None) -> int:
+        """The global rank that sends rank 0 an item of stage ``pp_rank`` (an expert's of
+        expert-parallel rank ``ep_rank``, or a dense parameter's for None)."""
+        if ep_rank is None:
+            return self.stage_leaders[pp_rank]
+        return self.expert_leaders[pp_rank][ep_rank]
 
     @staticmethod
     def from_megatron() -> ExportRanks:
@@ -63,7 +71,7 @@ class ExportRanks:
 
         pp_group = _one_group(ps.get_pipeline_model_parallel_group())
         leaders = tuple(dist.get_process_group_ranks(pp_group))
-        ep_group = _one_group(ps.get_expert_model_parallel_group())
+        ep_group = dist.get_process_group_ranks(_one_group(ps.get_expert_model_parallel_group()))
         return ExportRanks(
             rank=dist.get_rank(),
             pp_rank=ps.get_pipeline_model_parallel_rank(),
@@ -75,7 +83,9 @@ class ExportRanks:
             stage_leaders=leaders,
             ep_rank=ps.get_expert_model_parallel_rank(),
             expert_dp_rank=ps.get_expert_data_parallel_rank(),
-            expert_leaders=tuple(dist.get_process_group_ranks(ep_group)),
+            expert_leaders=tuple(
+                tuple(lead + r - ep_group[0] for r in ep_group) for lead in leaders
+            ),
         )
 
 
@@ -247,10 +257,7 @@ class BucketStream:
                 dist.send(pair, dst=0)
 
     def _receive(self, item: ExportItem) -> NamedTensors:
-        if item.ep_rank is None:
-            src = self.ranks.stage_leaders[item.pp_rank]
-        else:
-            src = self.ranks.expert_leaders[item.ep_rank]
+        src = self.ranks.source_of(item.pp_rank, item.ep_rank)
         out: NamedTensors = []
         for name, shape in zip(item.hf_names, item.hf_shapes, strict=True):
             buffer = torch.empty(shape, dtype=self.dtype, device=self.device)

@@ -118,7 +118,9 @@ def _moe_config(
     different number of tokens (the allgather dispatcher needs equal counts on every rank, which
     packed RL micro-batches never have); on CPU it runs through
     :mod:`megarl.distributed.platform`. Under TP the model runs sequence-parallel
-    (:func:`uses_sequence_parallel`); PP stays 1 (``TransformerSpec.check_parallelism``). A shared expert (Qwen2-MoE) is Megatron's
+    (:func:`uses_sequence_parallel`); under PP each stage holds its layers' experts, and
+    activations of every micro-batch's own length pass between stages
+    (``variable_seq_lengths``). A shared expert (Qwen2-MoE) is Megatron's
     ``SharedExpertMLP`` with its sigmoid gate (see :func:`megarl.models.mapping.shared_expert_rules`),
     computed on each rank's own tokens before dispatch, not overlapped with it.
     ``routing_replay`` (``actor.router_replay.mode`` R2/R3) gives each router Megatron's

@@ -134,13 +134,6 @@ class TransformerSpec:
                 f"actor.tp={tp} does not divide the experts' intermediate size "
                 f"{self.moe_ffn_hidden_size}"
             )
-        if self.is_moe and pp > 1:
-            # the router replay, routing record and router statistics read every MoE layer on
-            # one stage
-            raise ModelSpecError(
-                f"actor.pp={pp}: mixture-of-experts models train at actor.pp=1 for now; split "
-                "them with actor.tp and actor.ep"
-            )
 
 
 def _rope_theta(config: Mapping[str, Any]) -> float:

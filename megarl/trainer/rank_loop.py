@@ -35,7 +35,6 @@ import contextlib
 import dataclasses
 import os
 import warnings
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, cast
@@ -49,13 +48,13 @@ from megarl.actor.megatron_actor import (
     reduce_max_to_all,
     reduce_sums_to_all,
 )
-from megarl.actor.router_stats import RouterMonitor, router_metrics
+from megarl.actor.router_stats import RouterMonitor
 from megarl.actor.train_stats import OptimizerStepStats, UpdateStats, summarise_update
 from megarl.algo.advantages import get_advantage_estimator
 from megarl.algo.kl_reward import KLController, apply_kl_penalty, build_kl_controller
 from megarl.algo.rollout_correction import MismatchStats, mismatch_stats_of_sequences
-from megarl.algo.router_replay import response_rows
-from megarl.algo.routing_mismatch import RoutingMismatch, routing_mismatch_of_sequences
+from megarl.algo.router_replay import replay_plan
+from megarl.algo.routing_mismatch import RoutingMismatch
 from megarl.algo.validation import is_validation_step, validates_before_training
 from megarl.batch import RolloutBatch, RolloutShard
 from megarl.config import planning
@@ -64,6 +63,7 @@ from megarl.distributed import heartbeat
 from megarl.distributed.launcher import WorkerContext
 from megarl.planner.batch_planner import StepPlan, plan_forward_micro_batches, plan_step
 from megarl.planner.gates import ReferenceSource, StepGates, decide_gates, decide_reference
+from megarl.trainer import moe_routing
 from megarl.trainer.metrics import PhaseTimer
 from megarl.trainer.progress import PhaseHook, no_progress, reported
 
@@ -406,7 +406,9 @@ def _train(rt: _Runtime) -> None:
                 rt, batch, plan, old, recomputed, ref, timer, token_advantages, recomputed_routing
             )
         if rt.routers is not None:
-            rollout_metrics = {**rollout_metrics, **_router_metrics(rt, rt.routers)}
+            replicas = rt.cfg.actor.tp // rt.actor.sequence_split
+            router_metrics = moe_routing.router_statistics(rt.routers, rt.spec.num_layers, replicas)
+            rollout_metrics = {**rollout_metrics, **router_metrics}
         _sync_weights(rt, gates, timer, step)
         if rt.host is not None:
             validation = {}
@@ -603,6 +605,7 @@ def _logprob_passes(
     budget = rt.cfg.actor.logprob_micro_batch_tokens
     recomputed: dict[int, torch.Tensor] = {}
     routing: dict[int, torch.Tensor] = {}
+    replay = replay_plan(rt.cfg.actor.router_replay.mode)
     if gates.old_log_prob.source == "rollout":
         old = {i: batch.engine_logprobs[i] for i in mine}
     else:
@@ -616,10 +619,15 @@ def _logprob_passes(
             with (
                 timer.phase("old_log_prob"),
                 reported(rt.progress, "old_log_prob", num_seqs, "sequences"),
-                _recording_routing(
-                    rt, batch, record_routing, for_replay=_mode(rt) == "R2"
+                moe_routing.recording(
+                    rt.actor, batch, record_routing, replay.old_log_prob_records_for_training
                 ) as routing,
-                _replaying(rt, _engine_replay(rt, batch, groups)),
+                moe_routing.replaying(
+                    rt.actor,
+                    moe_routing.engine_replay(
+                        rt.actor, batch, replay, [i for g in groups for i in g]
+                    ),
+                ),
             ):
                 recomputed = rt.actor.compute_logprobs(batch, groups, temperature)
         old = recomputed
@@ -805,16 +813,20 @@ def _update_actor(
     grad_norms: list[float] = []
     lp_diff = [0.0, 0.0]  # |engine - trainer| summed, tokens compared
     mismatch = MismatchStats()  # rollout_corr/*: the same tokens, old vs engine
-    routing = RoutingMismatch()  # rollout/moe_routing_mismatch*: the same tokens' experts
+    stage_routing = None  # rollout/moe_routing_mismatch*: the same tokens' experts
     num_steps = len(plan.optimizer_steps)
-    replayed = _training_replay(rt, batch, plan, recomputed_routing or {})
+    trained = plan.trained_sequences(rt.dp_rank)
+    replay = replay_plan(rt.cfg.actor.router_replay.mode)
+    replayed = moe_routing.training_replay(
+        rt.actor, batch, replay, trained, recomputed_routing or {}
+    )
     with timer.phase("update_actor"):
         for index, opt_step in enumerate(plan.optimizer_steps):
             heartbeat.mark("update_actor")  # each optimizer step is progress
             rt.progress("update_actor", index, num_steps, "optimizer steps")
             with (
-                _recording_routing(rt, batch, on=index == 0) as train_routing,
-                _replaying(rt, replayed),
+                moe_routing.recording(rt.actor, batch, on=index == 0) as train_routing,
+                moe_routing.replaying(rt.actor, replayed),
             ):
                 result = rt.actor.train_step(
                     batch,
@@ -834,18 +846,19 @@ def _update_actor(
                 mismatch = mismatch_stats_of_sequences(
                     trainer_logprobs, batch.engine_logprobs, loss.rollout_correction
                 )
-                trainer_routing = {
-                    i: response_rows(ids, batch.prompt_lens[i])
-                    for i, ids in {**train_routing, **(recomputed_routing or {})}.items()
-                }
-                if trainer_routing and batch.engine_routing:  # both sides recorded
-                    routing = routing_mismatch_of_sequences(trainer_routing, batch.engine_routing)
+            if index == 0:  # every pipeline stage compares the experts of its own layers
+                stage_routing = moe_routing.compare_with_engine(
+                    rt.actor, batch, {**train_routing, **(recomputed_routing or {})}
+                )
         rt.progress("update_actor", num_steps, num_steps, "optimizer steps")
     tp = rt.cfg.actor.tp
     global_steps = [
         OptimizerStepStats.from_row(row)
         for row in reduce_sums_to_all([s.as_row() for s in per_step], tp)
     ]
+    routing = moe_routing.stage_mismatch(
+        stage_routing, _pipeline_group(rt), rt.cfg.actor.pp, rt.actor.is_last_stage
+    )
     num_routing = len(routing.as_row())
     [[lp_diff_sum, lp_diff_count, *sums]] = reduce_sums_to_all(
         [lp_diff + mismatch.sum_row() + routing.as_row()], tp
@@ -862,66 +875,13 @@ def _update_actor(
     )
 
 
-def _recording_routing(
-    rt: _Runtime, batch: RolloutShard, on: bool = True, for_replay: bool = False
-):
-    """Arm the actor's routing recorder around forwards on the generating weights; yields the
-    ``{sequence: experts}`` dict it fills, empty unless ``on``, the model is MoE and this rank
-    holds engine routing to compare with, or ``for_replay`` (R2) asks for it."""
-    if not on or not (batch.engine_routing or for_replay) or rt.actor.routing is None:
-        return contextlib.nullcontext({})
-    return rt.actor.routing.recording()
-
-
-def _mode(rt: _Runtime) -> str:
-    """``actor.router_replay.mode``."""
-    return rt.cfg.actor.router_replay.mode
-
-
-def _replaying(rt: _Runtime, routing: Mapping[int, torch.Tensor] | None):
-    """Arm the actor's router replay with ``routing`` (a no-op for None)."""
-    if routing is None or rt.actor.replay is None:
-        return contextlib.nullcontext()
-    return rt.actor.replay.replaying(routing)
-
-
-def _engine_replay(
-    rt: _Runtime, batch: RolloutShard, groups: Sequence[Sequence[int]]
-) -> Mapping[int, torch.Tensor] | None:
-    """R3: the engine's input routing of the sequences in ``groups``; None otherwise."""
-    if _mode(rt) != "R3":
+def _pipeline_group(rt: _Runtime):
+    """This rank's pipeline-parallel group (the stages of its model replica); None at PP = 1."""
+    if rt.cfg.actor.pp == 1:
         return None
-    seqs = [i for group in groups for i in group]
-    missing = [i for i in seqs if i not in batch.engine_input_routing]
-    if missing:
-        raise RuntimeError(f"R3: no engine routing for sequences {missing[:5]}")
-    return batch.engine_input_routing
+    from megatron.core import parallel_state as ps
 
-
-def _training_replay(
-    rt: _Runtime, batch: RolloutShard, plan: StepPlan, recorded: Mapping[int, torch.Tensor]
-) -> Mapping[int, torch.Tensor] | None:
-    """What the training forwards replay: the engine's routing (R3) or the old-logprob pass's
-    (R2, which the gates ran on every sequence); None without replay."""
-    mode = _mode(rt)
-    if mode == "R3":
-        return _engine_replay(rt, batch, [plan.trained_sequences(rt.dp_rank)])
-    if mode != "R2":
-        return None
-    missing = [i for i in plan.trained_sequences(rt.dp_rank) if i not in recorded]
-    if missing:
-        raise RuntimeError(f"R2: the old-logprob pass recorded no routing of {missing[:5]}")
-    return recorded
-
-
-def _router_metrics(rt: _Runtime, routers: RouterMonitor) -> dict[str, float]:
-    """``actor/moe_*`` from every rank's routing counts (each router saw its rank's tokens: all
-    of them on every TP rank, or its slice of them sequence-parallel)."""
-    counts = routers.local_counts()
-    replicas = rt.cfg.actor.tp // rt.actor.length_multiple
-    summed = reduce_sums_to_all(counts.reshape(-1, counts.shape[-1]).tolist(), replicas)
-    tokens, probs = torch.tensor(summed, dtype=torch.float64).reshape(counts.shape)
-    return router_metrics(tokens, probs, routers.top_k)
+    return ps.get_pipeline_model_parallel_group()
 
 
 def _logprob_diff(batch: RolloutShard, trainer_logprobs: dict) -> list[float]:

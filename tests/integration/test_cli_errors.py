@@ -54,10 +54,6 @@ _VLLM_CASES = (
         (["actor.ppo_mini_batches=5"], "actor.ppo_mini_batches=5"),
         (["actor.ep=2", "trainer.n_gpus_per_node=2"], "actor.ep=2 needs a mixture-of-experts"),
         (["actor.ep=2"], "actor.ep=2 does not divide the 1 data-parallel ranks"),
-        (
-            ["model=tiny_qwen3_moe", "actor.pp=2", "trainer.n_gpus_per_node=2"],
-            "mixture-of-experts models train at actor.pp=1",
-        ),
         (["model=tiny_qwen3_moe", "actor.lora.rank=8"], "LoRA on a mixture-of-experts model"),
         (["model=tiny_qwen3_moe", "recipe=ppo"], "a critic for a mixture-of-experts model"),
         (["actor.moe_aux_loss_coef=-0.1"], "actor.moe_aux_loss_coef=-0.1: must be"),

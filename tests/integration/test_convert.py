@@ -91,8 +91,9 @@ def test_tiny_round_trip_tp2_pp2(tiny_hf, tmp_path):
     [
         # Qwen3's q/k norms and its head size apart from hidden / heads
         ("tiny_qwen3", 2, 2, "model.layers.3.self_attn.k_norm.weight"),
-        # per-expert tensors and the router (experts train at TP=1 x PP=1)
-        ("tiny_qwen3_moe", 1, 1, "model.layers.3.mlp.experts.3.down_proj.weight"),
+        # per-expert tensors and the router, the experts' intermediate size split over TP and
+        # their layers over PP
+        ("tiny_qwen3_moe", 2, 2, "model.layers.3.mlp.experts.3.down_proj.weight"),
         # Qwen2-MoE's gated shared expert beside the routed ones, q/k/v bias
         ("tiny_qwen2_moe", 1, 1, "model.layers.3.mlp.shared_expert_gate.weight"),
     ],

@@ -163,14 +163,16 @@ Qwen2-MoE (q/k/v bias, no renormalisation) with a gated shared expert beside the
 
 
 @pytest.mark.parametrize(
-    ("family", "tp", "ep"),
+    ("family", "tp", "pp", "ep"),
     [
-        ("qwen3_moe", 1, 2),
-        ("mixtral", 1, 2),
-        ("qwen2_moe", 1, 1),
-        ("qwen2_moe", 1, 2),
-        ("qwen3_moe", 2, 1),
-        ("qwen2_moe", 2, 2),
+        ("qwen3_moe", 1, 1, 2),
+        ("mixtral", 1, 1, 2),
+        ("qwen2_moe", 1, 1, 1),
+        ("qwen2_moe", 1, 1, 2),
+        ("qwen3_moe", 2, 1, 1),
+        ("qwen2_moe", 2, 1, 2),
+        ("qwen3_moe", 1, 2, 2),
+        ("qwen2_moe", 2, 2, 1),
     ],
     ids=[
         "qwen3_moe-ep2",
@@ -179,19 +181,23 @@ Qwen2-MoE (q/k/v bias, no renormalisation) with a gated shared expert beside the
         "qwen2_moe-ep2",
         "qwen3_moe-tp2",
         "qwen2_moe-tp2-ep2",
+        "qwen3_moe-pp2-ep2",
+        "qwen2_moe-tp2-pp2",
     ],
 )
-def test_tiny_moe_matches_hf(family, tp, ep, tmp_path):
+def test_tiny_moe_matches_hf(family, tp, pp, ep, tmp_path):
     """Each rank of an EP group holds 1/ep of the experts; tokens are dispatched to them and
     back. The ranks of an EP group hold different numbers of tokens, as packed RL micro-batches
     do. Under TP the model runs sequence-parallel: each TP rank routes a slice of the sequence
-    (11 positions, padded to 12) through experts whose intermediate size is split over TP."""
+    (11 positions, padded to 12) through experts whose intermediate size is split over TP. Under
+    PP each stage holds one layer with its experts, and the exporter takes each stage's experts
+    from that stage's expert ranks."""
     cfg = MOE[family]
     ids, ref_logits, state = _reference(cfg, 7, save_to=tmp_path)
     assert any(".experts.3." in name for name in state)
-    args = (tp, 1, cfg, ids, ref_logits, state, ep, 3)
-    results = launch(_worker, tp * ep, args=args, timeout_s=240)  # DP = EP
-    _assert_matches(results, 1e-5, every_rank=True)
+    args = (tp, pp, cfg, ids, ref_logits, state, ep, 3)
+    results = launch(_worker, tp * pp * ep, args=args, timeout_s=240)  # DP = EP
+    _assert_matches(results, 1e-5, every_rank=pp == 1)
 
 
 @pytest.mark.parametrize(

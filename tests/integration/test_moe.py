@@ -114,6 +114,46 @@ def test_tp2_sequence_parallel_trains_like_tp1_and_resumes_there(tmp_path):
     assert resumed.history[-1][ROUTING] == 0.0
 
 
+def test_pp2_trains_like_pp1_replays_each_stages_layers_and_resumes_at_pp1(tmp_path):
+    """PP=2 x EP=2 on 4 ranks against EP=2 on 2 (both DP=2, so the same rollouts): each stage
+    holds 2 of the 4 layers with their experts. Under R3 every stage replays its own layers of
+    the engine's routing (another stage's layers would route other experts and move the
+    logprobs far from the engine's); the router statistics, placed at their model layers, and
+    the routing comparison, merged over the stages, equal the one-stage run's."""
+    moe = dict(MOE, model="tiny_qwen3_moe", **{"data.prompts_per_step": 3, "rollout.n": 3})
+    pp_dir = tmp_path / "pp2"
+    four = {"actor.pp": 2, "actor.ep": 2, "trainer.n_gpus_per_node": 4}
+    staged = run(
+        tiny_overrides(
+            pp_dir,
+            2,
+            **{**moe, **four, "actor.router_replay.mode": "R3", "trainer.save_interval": 2},
+        ),
+        return_final_state=True,
+    )
+    whole = run(
+        tiny_overrides(tmp_path / "pp1", 2, **moe, **{"actor.ep": 2}), return_final_state=True
+    )
+    initial = load_hf_state_dict(pp_dir / "init_model")
+    assert _max_diff(staged.final_state, initial) > 1e-4, "training barely moved the weights"
+    for a, b in zip(staged.history, whole.history, strict=True):
+        assert a["critic/rewards/mean"] == b["critic/rewards/mean"]
+        assert a["actor/grad_norm"] == pytest.approx(b["actor/grad_norm"], rel=1e-6)
+        assert a["export/checksum_ok"] == 1.0
+        assert a["rollout/logprob_abs_diff"] <= 1e-4
+        assert a[ROUTING] == b[ROUTING] == 0.0
+        assert a["rollout/moe_routing_mismatch_tokens"] == 0.0
+        assert a["actor/moe_load_imbalance"] == pytest.approx(b["actor/moe_load_imbalance"])
+        assert a["actor/moe_aux_loss"] == pytest.approx(b["actor/moe_aux_loss"], rel=1e-6)
+    assert _max_diff(staged.final_state, whole.final_state) <= 5e-5
+
+    saved = read_checkpoint(pp_dir / "checkpoints" / "step_000002")
+    assert (saved.pp, saved.ep) == (2, 2)
+    resumed = run(tiny_overrides(pp_dir, 3, **moe, **{"actor.ep": 2}), return_final_state=True)
+    assert [row["step"] for row in resumed.history] == [1, 2, 3]
+    assert resumed.history[-1][ROUTING] == 0.0
+
+
 def test_router_aux_loss_run_trains_every_sequence_and_says_why(tmp_path):
     """One step with actor.moe_aux_loss_coef > 0 through the whole run: the plan keeps every
     sequence and its summary names the key, and actor/moe_aux_loss still reports the loss
@@ -261,10 +301,11 @@ TINY_MOE = {
     "max_position_embeddings": 128,
     "tie_word_embeddings": False,
 }
-AUX_SEQ_LENS = (9, 14, 6, 11, 8, 5)
+AUX_SEQ_LENS = (9, 13, 6, 11, 7, 6)
 AUX_PROMPT_LENS = (3, 4, 2, 4, 3, 2)
 AUX_TRAINED = (0, 1, 2, 3, 4)
-"""Two DP ranks train (0, 1), (2,) and (3, 4), (5,); sequence 5 is a filler (loss weight 0)."""
+"""Two DP ranks train (0, 1), (2,) and (3, 4), (5,); sequence 5 is a filler (loss weight 0).
+Every micro-batch holds an even number of tokens: at TP=2 none is padded."""
 AUX_COEF = 0.5
 
 
@@ -331,21 +372,13 @@ def _switch_loss_grads(model, mbs, num_experts: int, top_k: int, total_tokens: i
     return [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads, strict=True)]
 
 
-def _aux_worker(ctx, hf_config: dict, state):
-    import torch.distributed as dist
-
+def _aux_gradients(spec, state, tp: int, coef: float, dp_rank: int):
+    """One optimizer step of :func:`_aux_step` at ``actor.moe_aux_loss_coef=coef``: every
+    parameter's gradient (this rank's shard) and the grad norm."""
     from megarl.actor.megatron_actor import LossSettings, MegatronActor
     from megarl.config.schema import ActorConfig, OptimConfig
-    from megarl.distributed import parallel
-    from megarl.distributed.platform import enter_cpu_shims
     from megarl.models.chunk import unwrap
-    from megarl.models.spec import spec_from_hf_config
 
-    enter_cpu_shims()
-    parallel.init_process_group("cpu", ctx.rank, ctx.world_size, ctx.master_addr, ctx.master_port)
-    parallel.init_model_parallel(1, 1)
-    spec = spec_from_hf_config(hf_config)
-    batch, step = _aux_batch(), _aux_step()
     loss = LossSettings(
         temperature=1.0,
         clip_low=0.2,
@@ -355,21 +388,31 @@ def _aux_worker(ctx, hf_config: dict, state):
         kl_estimator="low_var_kl",
         entropy_coef=0.0,
     )
+    cfg = ActorConfig(tp=tp, lr=1e-4, moe_aux_loss_coef=coef, optim=OptimConfig(grad_clip=0.0))
+    actor = MegatronActor(spec, cfg, "cpu", torch.float32, state, 0, trainable=True)
+    result = actor.train_step(_aux_batch(), _aux_step(), dp_rank, None, None, loss)
+    named = unwrap(actor.model).named_parameters()
+    return {n: p.main_grad.detach().clone() for n, p in named}, result.grad_norm
 
-    def actor(coef: float, trainable: bool = True):
-        cfg = ActorConfig(lr=1e-4, moe_aux_loss_coef=coef, optim=OptimConfig(grad_clip=0.0))
-        return MegatronActor(spec, cfg, "cpu", torch.float32, state, 0, trainable=trainable)
 
-    def grads_after_one_step(coef: float):
-        trained = actor(coef)
-        result = trained.train_step(batch, step, ctx.rank, None, None, loss)
-        named = unwrap(trained.model).named_parameters()
-        return {n: p.main_grad.detach().clone() for n, p in named}, result.grad_norm
+def _aux_worker(ctx, hf_config: dict, state):
+    import torch.distributed as dist
 
-    without, norm_without = grads_after_one_step(0.0)
-    with_aux, norm_with = grads_after_one_step(AUX_COEF)
+    from megarl.actor.megatron_actor import MegatronActor
+    from megarl.config.schema import ActorConfig
+    from megarl.distributed import parallel
+    from megarl.distributed.platform import enter_cpu_shims
+    from megarl.models.spec import spec_from_hf_config
 
-    reference = actor(0.0, trainable=False)
+    enter_cpu_shims()
+    parallel.init_process_group("cpu", ctx.rank, ctx.world_size, ctx.master_addr, ctx.master_port)
+    parallel.init_model_parallel(1, 1)
+    spec = spec_from_hf_config(hf_config)
+    batch, step = _aux_batch(), _aux_step()
+    without, norm_without = _aux_gradients(spec, state, 1, 0.0, ctx.rank)
+    with_aux, norm_with = _aux_gradients(spec, state, 1, AUX_COEF, ctx.rank)
+
+    reference = MegatronActor(spec, ActorConfig(), "cpu", torch.float32, state, 0, trainable=False)
     for p in reference.model.parameters():
         p.requires_grad_(True)
     mine = [m for m in step.ranks[ctx.rank].micro_batches if m.num_trained]
@@ -410,3 +453,42 @@ def test_router_aux_loss_adds_coef_times_the_switch_loss_gradient(tmp_path):
         assert all(r["measured"][i].abs().max().item() > 1e-3 * scale for i in router)
         norm_without, norm_with = r["grad_norms"]
         assert norm_with != pytest.approx(norm_without, rel=1e-6)
+
+
+def _aux_router_worker(ctx, tp: int, hf_config: dict, state):
+    """What the load-balancing loss adds to each router's gradient, per unit coefficient."""
+    from megatron.core import parallel_state as ps
+
+    from megarl.distributed import parallel
+    from megarl.distributed.platform import enter_cpu_shims
+    from megarl.models.spec import spec_from_hf_config
+
+    enter_cpu_shims()
+    parallel.init_process_group("cpu", ctx.rank, ctx.world_size, ctx.master_addr, ctx.master_port)
+    parallel.init_model_parallel(tp, 1)
+    spec = spec_from_hf_config(hf_config)
+    dp_rank = ps.get_data_parallel_rank()
+    without, _ = _aux_gradients(spec, state, tp, 0.0, dp_rank)
+    with_aux, _ = _aux_gradients(spec, state, tp, AUX_COEF, dp_rank)
+    parallel.destroy()
+    routers = [n for n in without if n.endswith("mlp.router.weight")]
+    return {n: (with_aux[n] - without[n]) / AUX_COEF for n in routers}
+
+
+def test_router_aux_loss_gradient_at_tp2_equals_tp1(tmp_path):
+    """Sequence-parallel (TP=2, 4 ranks), each TP rank's router routes half of every
+    micro-batch and Megatron weighs its share of the loss by half the tokens: the coefficient
+    makes up for it, so the routers' load-balancing gradient equals TP=1's (proven exact
+    above). The routers' weights are whole on every TP rank, so they compare directly."""
+    from megarl.distributed.launcher import launch
+    from megarl.models.random_init import save_random_hf_model
+
+    state = load_hf_state_dict(save_random_hf_model(TINY_MOE, 5, tmp_path / "init"))
+    one = launch(_aux_router_worker, 2, args=(1, TINY_MOE, state), timeout_s=300)[0]
+    two = launch(_aux_router_worker, 4, args=(2, TINY_MOE, state), timeout_s=300)[0]
+    assert sorted(one) == sorted(two) and len(one) == TINY_MOE["num_hidden_layers"]
+    for name, expected in one.items():
+        scale = expected.abs().max().item()
+        assert scale > 1e-3, name
+        # seen: 5e-6 relative; without the TP factor, half
+        assert (two[name] - expected).abs().max().item() <= 1e-4 * scale, name

@@ -203,7 +203,7 @@ def test_rule_with_unknown_dim_is_rejected():
 @pytest.mark.parametrize(
     ("tp", "pp", "ep", "words"),
     [
-        (1, 2, 1, "actor.pp=2: mixture-of-experts models train at actor.pp=1"),
+        (1, 3, 1, "actor.pp=3 does not divide"),
         (3, 1, 1, "actor.tp=3 does not divide"),
         (1, 1, 3, "actor.ep=3 does not divide the model's 4 experts"),
     ],
@@ -214,6 +214,7 @@ def test_moe_layouts_megarl_cannot_train_are_refused(tp, pp, ep, words):
     )
     spec.check_parallelism(1, 1, ep=2)
     spec.check_parallelism(2, 1, ep=2)  # sequence-parallel
+    spec.check_parallelism(1, 2, ep=2)  # each stage holds its layers' experts
     with pytest.raises(ModelSpecError, match=words):
         spec.check_parallelism(tp, pp, ep=ep)
 

@@ -14,8 +14,11 @@ from megarl.algo.router_replay import (
     filler_ids,
     input_routing,
     micro_batch_targets,
+    replay_plan,
     response_rows,
     router_replay_problem,
+    stage_layers,
+    stage_routing,
 )
 
 
@@ -133,3 +136,32 @@ def test_r2_refuses_kl_in_reward_and_makes_the_old_logprob_gate_run_on_policy():
     r2 = decide_old_log_prob(StepFacts(RunFacts(1, 1, 2, router_replay_r2=True), 0, slices))
     assert r2.run and r2.seq_indices == (0, 1, 2, 3)
     assert r2.reason == "actor.router_replay.mode=R2 records the routing to replay"
+
+
+def test_replay_plan_says_what_each_forward_records_and_replays():
+    r3, r2, off = replay_plan("R3"), replay_plan("R2"), replay_plan("disabled")
+    assert (r3.old_log_prob_replays_engine, r3.training_replays) == (True, "engine")
+    assert not r3.old_log_prob_records_for_training
+    assert (r2.old_log_prob_replays_engine, r2.training_replays) == (False, "old_log_prob")
+    assert r2.old_log_prob_records_for_training
+    assert off == replay_plan("disabled")
+    assert (off.old_log_prob_replays_engine, off.old_log_prob_records_for_training) == (
+        False,
+        False,
+    )
+    assert off.training_replays == "none"
+    with pytest.raises(ValueError, match="R4"):
+        replay_plan("R4")
+
+
+def test_a_pipeline_stage_takes_its_own_layers_of_every_sequence():
+    """Megatron numbers layers from 1 across the whole model: a second stage of a 4-layer model
+    holds layers 3 and 4, which are rows 2:4 of the engine's per-position routing."""
+    assert stage_layers([3, 4]) == range(2, 4)
+    assert stage_layers([1]) == range(1)
+    with pytest.raises(ValueError, match="not consecutive"):
+        stage_layers([1, 3])
+    routing = {7: torch.arange(3 * 4 * 2).reshape(3, 4, 2), 2: torch.zeros(2, 4, 2)}
+    staged = stage_routing(routing, range(2, 4))
+    assert sorted(staged) == [2, 7]
+    assert torch.equal(staged[7], routing[7][:, 2:4]) and staged[2].shape == (2, 2, 2)

@@ -39,6 +39,7 @@ class _Router(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.weight = torch.nn.Parameter(torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.0, 0.0]]))
+        self.layer_number = 3  # Megatron's global, 1-based: layer 2 of the model
 
     def forward(self, hidden):
         logits = hidden.reshape(-1, 2) @ self.weight.T
@@ -66,6 +67,10 @@ def test_monitor_counts_only_while_watching_and_restarts_from_zero():
     assert counts.tolist() == [[3.0, 3.0, 0.0]]
     expected = torch.softmax(hidden.reshape(-1, 2) @ model.mlp.router.weight.T, -1).sum(0)
     assert torch.allclose(probs[0], expected.double())
+    placed = monitor.model_counts(num_layers=4)  # the other layers are other stages'
+    assert placed.shape == (2, 4, 3)
+    assert torch.equal(placed[:, 2], monitor.local_counts()[:, 0])
+    assert placed[:, [0, 1, 3]].abs().sum() == 0
     with monitor.watch():
         pass
     assert monitor.local_counts().sum() == 0

@@ -24,7 +24,7 @@ ENGINE_TLK = torch.tensor([[[0, 1], [2, 3]], [[1, 2], [0, 3]], [[3, 0], [1, 2]]]
 
 
 def _compare(engine_TLK: torch.Tensor, trainer_TLK: torch.Tensor) -> RoutingMismatch:
-    return routing_mismatch_of_sequences({0: trainer_TLK}, {0: engine_TLK})
+    return routing_mismatch_of_sequences({0: trainer_TLK}, {0: engine_TLK}).counts()
 
 
 def test_same_sets_in_another_order_are_equal() -> None:
@@ -57,17 +57,38 @@ def test_padding_is_never_counted() -> None:
     engine = torch.tensor([[[[0, 1]], [[2, 3]]], [[[0, 1]], [[9, 9]]]])  # [B=2, T=2, L=1, k=2]
     trainer = torch.tensor([[[[1, 0]], [[3, 2]]], [[[0, 1]], [[0, 0]]]])
     mask = torch.tensor([[1, 1], [1, 0]])
-    counts = compare_routing(engine, trainer, mask)
+    counts = compare_routing(engine, trainer, mask).counts()
     assert counts == RoutingMismatch(pairs=3, mismatched_pairs=0, tokens=3, mismatched_tokens=0)
 
 
 def test_sequences_of_other_lengths_are_padded_and_masked() -> None:
     engine = {0: ENGINE_TLK, 1: ENGINE_TLK[:1], 5: ENGINE_TLK}
     trainer = {0: ENGINE_TLK, 1: torch.tensor([[[0, 1], [0, 1]]])}  # seq 1 layer 1 differs
-    counts = routing_mismatch_of_sequences(trainer, engine)  # seq 5: no trainer routing
+    counts = routing_mismatch_of_sequences(trainer, engine).counts()  # seq 5: no trainer routing
     assert counts == RoutingMismatch(pairs=8, mismatched_pairs=1, tokens=4, mismatched_tokens=1)
     with pytest.raises(ValueError, match="sequence 0"):
         routing_mismatch_of_sequences({0: ENGINE_TLK[:2]}, engine)
+
+
+def test_pipeline_stages_add_pairs_and_count_each_token_once() -> None:
+    """Layers 0 and 1 on two pipeline stages. Token 0 differs in layer 1 only, token 2 in both
+    layers: each stage compares its own layer, the flags are merged by logical or (what the
+    rank loop's maximum over the pipeline group does), and one stage counts the tokens. The
+    sum equals the comparison of both layers on one stage."""
+    trainer = ENGINE_TLK.clone()
+    trainer[0, 1] = torch.tensor([2, 1])
+    trainer[2, 0] = torch.tensor([0, 2])
+    trainer[2, 1] = torch.tensor([2, 3])
+    stages = [
+        routing_mismatch_of_sequences({0: trainer[:, [layer]]}, {0: ENGINE_TLK[:, [layer]]})
+        for layer in (0, 1)
+    ]
+    assert [s.differs_T.tolist() for s in stages] == [[False, False, True], [True, False, True]]
+    merged = torch.maximum(stages[0].differs_T, stages[1].differs_T)
+    rows = [s.counts(merged, count_tokens=s is stages[-1]).as_row() for s in stages]
+    summed = RoutingMismatch.from_row([a + b for a, b in zip(*rows, strict=True)])
+    assert summed == _compare(ENGINE_TLK, trainer)
+    assert summed == RoutingMismatch(pairs=6, mismatched_pairs=3, tokens=3, mismatched_tokens=2)
 
 
 def test_ranks_aggregate_token_weighted() -> None:
@@ -84,7 +105,7 @@ def test_ranks_aggregate_token_weighted() -> None:
 
 def test_nothing_compared_reports_nothing() -> None:
     assert RoutingMismatch().metrics() == {}
-    assert routing_mismatch_of_sequences({}, {0: ENGINE_TLK}) == RoutingMismatch()
+    assert routing_mismatch_of_sequences({}, {0: ENGINE_TLK}).counts() == RoutingMismatch()
 
 
 def test_routing_map_to_sorted_compact_ids() -> None:
