@@ -80,78 +80,69 @@ def test_ep2_trains_like_ep1_and_resumes_at_ep1(model, tmp_path):
     assert _max_diff(resharded, resumed.final_state) > 0, "the resumed step trained nothing"
 
 
-def test_tp2_sequence_parallel_trains_like_tp1_and_resumes_there(tmp_path):
-    """TP=2 x EP=2 on 4 ranks against EP=2 on 2 (both DP=2, so the same rollouts): under TP the
-    MoE model runs sequence-parallel, each TP rank routing a slice of every micro-batch (padded
-    to an even length) through half of each expert's intermediate size."""
-    moe = dict(MOE, model="tiny_qwen3_moe", **{"data.prompts_per_step": 3, "rollout.n": 3})
-    sp_dir = tmp_path / "tp2"
-    four = {"actor.tp": 2, "actor.ep": 2, "trainer.n_gpus_per_node": 4}
-    sp = run(
-        tiny_overrides(sp_dir, 2, **{**moe, **four, "trainer.save_interval": 2}),
+SPLIT_MOE = dict(MOE, model="tiny_qwen3_moe", **{"data.prompts_per_step": 3, "rollout.n": 3})
+"""3 prompts x 3 samples: the expert-parallel ranks hold different token counts."""
+
+
+def _four_ranks_train_like_ep2(tmp_path, layout: dict):
+    """2 steps on 4 ranks at ``layout`` (saved at step 2) against 2 ranks at EP=2, both DP=2 so
+    they see the same rollouts: the same rewards, grad norms to rel 1e-6, the engine serving
+    the trainer's bits, no routing mismatch; final weights within 5e-5 (Adam's first steps
+    move a weight by about lr * g / (|g| + eps): where a gradient entry is near 0, rounding of
+    the split sums moves it by a few percent of actor.lr = 1e-3). Returns both runs; the
+    4-rank run's folder is ``tmp_path / "four"``."""
+    four = {**SPLIT_MOE, **layout, "trainer.n_gpus_per_node": 4, "trainer.save_interval": 2}
+    split = run(tiny_overrides(tmp_path / "four", 2, **four), return_final_state=True)
+    whole = run(
+        tiny_overrides(tmp_path / "two", 2, **SPLIT_MOE, **{"actor.ep": 2}),
         return_final_state=True,
     )
-    whole = run(
-        tiny_overrides(tmp_path / "tp1", 2, **moe, **{"actor.ep": 2}), return_final_state=True
-    )
-    initial = load_hf_state_dict(sp_dir / "init_model")
-    assert _max_diff(sp.final_state, initial) > 1e-4, "training barely moved the weights"
-    for a, b in zip(sp.history, whole.history, strict=True):
+    initial = load_hf_state_dict(tmp_path / "four" / "init_model")
+    assert _max_diff(split.final_state, initial) > 1e-4, "training barely moved the weights"
+    for a, b in zip(split.history, whole.history, strict=True):
         assert a["critic/rewards/mean"] == b["critic/rewards/mean"]
         assert a["actor/grad_norm"] == pytest.approx(b["actor/grad_norm"], rel=1e-6)
         assert a["export/checksum_ok"] == 1.0
         assert a["rollout/logprob_abs_diff"] <= 1e-4
-        # the TP ranks' slices are gathered back into each sequence's routing
         assert a[ROUTING] == b[ROUTING] == 0.0
-        # the router statistics count the padding to an even length too, as Megatron routes it
-        assert 1.0 <= a["actor/moe_load_imbalance"] <= 4 / 2
-    # Adam's first steps move a weight by about lr * g / (|g| + eps): where a gradient entry is
-    # near 0, rounding (the TP ranks' partial sums) moves it by a few percent of actor.lr = 1e-3
-    assert _max_diff(sp.final_state, whole.final_state) <= 5e-5
+    assert _max_diff(split.final_state, whole.final_state) <= 5e-5
+    return split, whole
 
-    resumed = run(tiny_overrides(sp_dir, 3, **moe, **{"actor.ep": 2}), return_final_state=True)
+
+def _resumes_at_ep2(run_dir) -> None:
+    """The 4-rank checkpoint resumes on 2 ranks at EP=2 and trains a third step."""
+    resumed = run(tiny_overrides(run_dir, 3, **SPLIT_MOE, **{"actor.ep": 2}))
     assert [row["step"] for row in resumed.history] == [1, 2, 3]
     assert resumed.history[-1][ROUTING] == 0.0
+
+
+def test_tp2_sequence_parallel_trains_like_tp1_and_resumes_there(tmp_path):
+    """TP=2 x EP=2 on 4 ranks against EP=2 on 2: under TP the MoE model runs
+    sequence-parallel, each TP rank routing a slice of every micro-batch (padded to an even
+    length) through half of each expert's intermediate size; the TP ranks' slices are gathered
+    back into each sequence's routing (no mismatch)."""
+    sp, _ = _four_ranks_train_like_ep2(tmp_path, {"actor.tp": 2, "actor.ep": 2})
+    for a in sp.history:
+        # the router statistics count the padding to an even length too, as Megatron routes it
+        assert 1.0 <= a["actor/moe_load_imbalance"] <= 4 / 2
+    _resumes_at_ep2(tmp_path / "four")
 
 
 def test_pp2_trains_like_pp1_replays_each_stages_layers_and_resumes_at_pp1(tmp_path):
-    """PP=2 x EP=2 on 4 ranks against EP=2 on 2 (both DP=2, so the same rollouts): each stage
-    holds 2 of the 4 layers with their experts. Under R3 every stage replays its own layers of
-    the engine's routing (another stage's layers would route other experts and move the
-    logprobs far from the engine's); the router statistics, placed at their model layers, and
-    the routing comparison, merged over the stages, equal the one-stage run's."""
-    moe = dict(MOE, model="tiny_qwen3_moe", **{"data.prompts_per_step": 3, "rollout.n": 3})
-    pp_dir = tmp_path / "pp2"
-    four = {"actor.pp": 2, "actor.ep": 2, "trainer.n_gpus_per_node": 4}
-    staged = run(
-        tiny_overrides(
-            pp_dir,
-            2,
-            **{**moe, **four, "actor.router_replay.mode": "R3", "trainer.save_interval": 2},
-        ),
-        return_final_state=True,
-    )
-    whole = run(
-        tiny_overrides(tmp_path / "pp1", 2, **moe, **{"actor.ep": 2}), return_final_state=True
-    )
-    initial = load_hf_state_dict(pp_dir / "init_model")
-    assert _max_diff(staged.final_state, initial) > 1e-4, "training barely moved the weights"
+    """PP=2 x EP=2 on 4 ranks against EP=2 on 2: each stage holds 2 of the 4 layers with their
+    experts. Under R3 every stage replays its own layers of the engine's routing (another
+    stage's layers would route other experts and move the logprobs far from the engine's);
+    the router statistics, placed at their model layers, and the routing comparison, merged
+    over the stages, equal the one-stage run's."""
+    layout = {"actor.pp": 2, "actor.ep": 2, "actor.router_replay.mode": "R3"}
+    staged, whole = _four_ranks_train_like_ep2(tmp_path, layout)
     for a, b in zip(staged.history, whole.history, strict=True):
-        assert a["critic/rewards/mean"] == b["critic/rewards/mean"]
-        assert a["actor/grad_norm"] == pytest.approx(b["actor/grad_norm"], rel=1e-6)
-        assert a["export/checksum_ok"] == 1.0
-        assert a["rollout/logprob_abs_diff"] <= 1e-4
-        assert a[ROUTING] == b[ROUTING] == 0.0
         assert a["rollout/moe_routing_mismatch_tokens"] == 0.0
         assert a["actor/moe_load_imbalance"] == pytest.approx(b["actor/moe_load_imbalance"])
         assert a["actor/moe_aux_loss"] == pytest.approx(b["actor/moe_aux_loss"], rel=1e-6)
-    assert _max_diff(staged.final_state, whole.final_state) <= 5e-5
-
-    saved = read_checkpoint(pp_dir / "checkpoints" / "step_000002")
+    saved = read_checkpoint(tmp_path / "four" / "checkpoints" / "step_000002")
     assert (saved.pp, saved.ep) == (2, 2)
-    resumed = run(tiny_overrides(pp_dir, 3, **moe, **{"actor.ep": 2}), return_final_state=True)
-    assert [row["step"] for row in resumed.history] == [1, 2, 3]
-    assert resumed.history[-1][ROUTING] == 0.0
+    _resumes_at_ep2(tmp_path / "four")
 
 
 def test_router_aux_loss_run_trains_every_sequence_and_says_why(tmp_path):
