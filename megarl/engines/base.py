@@ -14,6 +14,11 @@ Two definitions here are contracts the trainer relies on:
   absolute difference as ``rollout/logprob_abs_diff``; a mismatch in definition would show up
   there as a bug, so engines must not "helpfully" report a different quantity. Greedy
   decoding (``temperature == 0``) reports ``log_softmax(logits)``, i.e. temperature 1.
+* A :class:`Request` carries its own seed. The engines derive every random draw of a
+  response from that seed (the HF engine: token ``j`` from ``(seed, j)`` alone), so what a
+  request samples does not depend on which other requests share its call; an interrupted
+  request resumed with its tokens so far (``Request.generated_ids``) continues the same
+  stream on the HF engine, and a seeded new one on vLLM (see :func:`token_seed`).
 * ``EngineMemoryState.base_weights_resident`` is False exactly when the engine no longer
   holds valid base weights (after a sleep that discarded them) and the trainer must resend
   them with ``update_weights`` before the next ``generate``.
@@ -25,14 +30,33 @@ This module imports no engine library and no engine: the engines import it, and
 from __future__ import annotations
 
 import abc
+import hashlib
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import threading
+
     import torch
 
 _MAX_SEED = 2**63 - 1
+
+
+def request_seed(seed: int, index: int) -> int:
+    """A distinct, reproducible 63-bit seed for request ``index`` of a call seeded ``seed``."""
+    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & _MAX_SEED
+
+
+def token_seed(seed: int, position: int) -> int:
+    """The seed of the draw of response token ``position`` of a request seeded ``seed``.
+
+    A function of the two numbers alone, so a response sampled in one call, in a batch of
+    any composition, or in several calls (interrupted, then resumed from its tokens so far)
+    draws the same random numbers at every position."""
+    digest = hashlib.blake2b(f"{seed}:token:{position}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & _MAX_SEED
 
 
 @dataclass(frozen=True)
@@ -47,8 +71,10 @@ class SamplingParams:
     max_new_tokens: int = 32
     """Upper bound on response length, EOS included."""
     seed: int = 0
-    """Seeds this call's sampling stream only, so a rollout is reproducible from (weights,
-    prompts, seed) whatever else the process did with torch's global RNG (e.g. training)."""
+    """:meth:`RolloutEngine.generate` seeds prompt ``i`` ``request_seed(seed, i)`` from it, so a
+    rollout is reproducible from (weights, prompts, seed) whatever else the process did with
+    torch's global RNG (e.g. training); :meth:`RolloutEngine.generate_requests` ignores it (each
+    request brings its own)."""
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -67,8 +93,38 @@ class SamplingParams:
 
 
 @dataclass(frozen=True)
+class Request:
+    """One response to sample (or to go on sampling): what :meth:`RolloutEngine.generate_requests`
+    takes."""
+
+    prompt_ids: tuple[int, ...]
+    seed: int
+    """This response's own sampling stream (see :func:`token_seed`)."""
+    generated_ids: tuple[int, ...] = ()
+    """Tokens an earlier, interrupted call already sampled for this response: context for the
+    next token, not output, and counted against ``max_new_tokens``. Empty for a new request."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.seed <= _MAX_SEED:
+            raise ValueError(f"request seed must be in [0, 2**63), got {self.seed}")
+
+    @property
+    def context_ids(self) -> tuple[int, ...]:
+        """What the model reads before the next token: the prompt, then the tokens so far."""
+        return tuple(self.prompt_ids) + tuple(self.generated_ids)
+
+    def budget(self, params: SamplingParams) -> int:
+        """New tokens this request may still sample under ``params`` (>= 0)."""
+        return max(0, params.max_new_tokens - len(self.generated_ids))
+
+
+@dataclass(frozen=True)
 class Generation:
-    """One sampled response and what the trainer needs to score it."""
+    """One sampled response and what the trainer needs to score it.
+
+    From :meth:`RolloutEngine.generate_requests`, a resumed request's generation holds only
+    the tokens that call sampled (its ``prompt_ids`` are the request's own prompt); the caller
+    joins the pieces."""
 
     prompt_ids: tuple[int, ...]
     response_ids: tuple[int, ...]
@@ -77,7 +133,8 @@ class Generation:
     """``log_softmax(logits / temperature)[token]`` per response token, before any top-p
     truncation (temperature 1 when greedy)."""
     finished: bool
-    """True when the response stopped on EOS, False when it hit ``max_new_tokens``."""
+    """True when the response stopped on EOS, False when it hit ``max_new_tokens`` or was
+    interrupted."""
     routed_experts: torch.Tensor | None = None
     """Mixture-of-experts models, engines that expose routing: ``[R, layers, top_k]`` ids of
     the experts each layer's router picked in the forward that produced each response token's
@@ -85,7 +142,11 @@ class Generation:
     prompt_routed_experts: torch.Tensor | None = None
     """With ``routed_experts``: ``[P - 1, layers, top_k]`` ids of the prompt positions before
     the last (the prefill's), which with ``routed_experts`` make the routing of every input
-    position that router replay (R3) needs (:mod:`megarl.algo.router_replay`)."""
+    position that router replay (R3) needs (:mod:`megarl.algo.router_replay`). None for a
+    resumed request (its prompt routing came with its first piece)."""
+    interrupted: bool = False
+    """The call was interrupted (``generate_requests``' ``interrupt``) before this response
+    ended: resume it with a :class:`Request` whose ``generated_ids`` hold its tokens so far."""
 
     def __post_init__(self) -> None:
         if len(self.response_ids) != len(self.response_logprobs):
@@ -123,14 +184,38 @@ class RolloutEngine(abc.ABC):
     def eos_token_ids(self) -> tuple[int, ...]:
         """Token ids that end a response (all of them stop generation)."""
 
-    @abc.abstractmethod
     def generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams
     ) -> list[Generation]:
-        """Sample one response per prompt, in prompt order.
+        """Sample one response per prompt, in prompt order; prompt ``i`` is seeded
+        ``request_seed(params.seed, i)``.
 
         A GRPO group is expressed by repeating a prompt; each copy gets its own sample.
         Raises RuntimeError when the engine is asleep or its base weights were freed.
+        """
+        requests = [
+            Request(tuple(prompt), request_seed(params.seed, index))
+            for index, prompt in enumerate(prompts)
+        ]
+        return self.generate_requests(requests, params)
+
+    @abc.abstractmethod
+    def generate_requests(
+        self,
+        requests: Sequence[Request],
+        params: SamplingParams,
+        interrupt: threading.Event | None = None,
+    ) -> list[Generation]:
+        """Sample (or go on sampling) one response per request, in request order.
+
+        ``params.seed`` is unused: each request brings its own. A request with
+        ``generated_ids`` continues from them and may sample ``params.max_new_tokens`` minus
+        their number (a request with no budget left is refused). Once ``interrupt`` is set the
+        call returns soon (between two tokens): every response that has not ended comes back
+        with ``interrupted=True`` and the tokens sampled so far -- possibly none (the HF engine
+        always samples one first) -- ready to be resumed (after a weight update, by the
+        asynchronous rollout). Raises RuntimeError when the engine is asleep or its base
+        weights were freed.
         """
 
     @abc.abstractmethod

@@ -3,17 +3,26 @@
 Why not ``model.generate``: the trainer compares the engine's per-token logprobs with its own
 (``rollout/logprob_abs_diff``), so the engine must report exactly
 ``log_softmax(logits / temperature)[token]`` of the untruncated distribution, and a rollout
-must be reproducible from (weights, prompts, seed) alone. Owning the loop makes both
-explicit: logits are read before any processor touches them, and every random draw comes from
-a ``torch.Generator`` seeded from ``SamplingParams.seed``, never from torch's global RNG.
+must be reproducible from (weights, requests) alone. Owning the loop makes both explicit:
+logits are read before any processor touches them, and response token ``j`` of a request is
+drawn by inverting its distribution's CDF at a uniform from a ``torch.Generator`` seeded
+``token_seed(request.seed, j)``, never from torch's global RNG nor from a stream the batch
+shares. A request's tokens therefore do not depend on which requests share its call, and a
+response interrupted after ``n`` tokens and resumed (its tokens so far as
+``Request.generated_ids``) draws token ``n`` from the same seed as an uninterrupted call
+would: same weights, same tokens, logprobs equal up to the floating-point difference between
+a cached decode step and a prefill.
 
-Batching: prompts are left-padded so that every row's next token sits in the last column.
-Pad positions are masked out of attention and given dummy position ids; real tokens get
-positions ``0..len-1`` as in an unpadded forward, so a row's logits do not depend on what it
-was batched with (the unit tests check this against a one-sequence full forward). The prompt
-is run once to fill a ``DynamicCache``; each step then feeds one token per row. Rows that hit
-EOS keep being fed a pad token (their outputs are ignored) until all rows finish or
-``max_new_tokens`` is reached.
+Batching: contexts (prompt, then any tokens of an earlier call) are left-padded so that every
+row's next token sits in the last column. Pad positions are masked out of attention and given
+dummy position ids; real tokens get positions ``0..len-1`` as in an unpadded forward, so a
+row's logits do not depend on what it was batched with (the unit tests check this against a
+one-sequence full forward). The context is run once to fill a ``DynamicCache``; each step
+then feeds one token per row. A row ends on EOS or when it has used its own budget
+(``max_new_tokens`` minus the tokens it came with); ended rows keep being fed a pad token
+(their outputs are ignored) until every row has ended. An ``interrupt`` event is polled after
+each step's draw (so every call samples at least one token per row): once it is set the loop
+stops and the rows still going come back ``interrupted``.
 
 Routing: for a mixture-of-experts model the engine also reports, per response token and layer,
 the experts the router picked in the forward that produced the token's logprob (the prefill's
@@ -38,7 +47,7 @@ import contextlib
 import gc
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -47,14 +56,18 @@ from megarl.algo.routing_mismatch import expert_id_dtype
 from megarl.engines.base import (
     EngineMemoryState,
     Generation,
+    Request,
     RolloutEngine,
     SamplingParams,
     SleepState,
     merge_token_ids,
+    token_seed,
 )
 from megarl.export.checksum import tensor_checksum
 
 if TYPE_CHECKING:
+    import threading
+
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 PEFT_PREFIX = "base_model.model."
@@ -141,30 +154,36 @@ def top_p_filter(probs_BV: torch.Tensor, top_p: float) -> torch.Tensor:
     return torch.zeros_like(probs_BV).scatter(-1, sorted_ids_BV, sorted_probs_BV)
 
 
+def invert_cdf(probs_BV: torch.Tensor, uniform_B: torch.Tensor) -> torch.Tensor:
+    """Row ``b``'s token: the first whose cumulative mass exceeds ``uniform_B[b]`` (in [0, 1))
+    times the row's total mass, so the row is drawn by its own uniform alone.
+
+    Accumulated in float64: a ``uniform < 1`` then scales the total to strictly less than the
+    total, and a token of probability zero (top-p's tail) adds no mass, so it is never the
+    first to exceed the threshold."""
+    cdf_BV = probs_BV.double().cumsum(dim=-1)
+    threshold_B1 = uniform_B.to(cdf_BV.device).unsqueeze(-1) * cdf_BV[:, -1:]
+    return torch.searchsorted(cdf_BV, threshold_B1, right=True).squeeze(-1)
+
+
 def sample_next_tokens(
-    logits_BV: torch.Tensor, params: SamplingParams, generator: torch.Generator
+    logits_BV: torch.Tensor, params: SamplingParams, uniform_B: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draw one token per row; return (token_B, logprob_B) with the interface's logprob."""
+    """Draw one token per row; return (token_B, logprob_B) with the interface's logprob.
+
+    ``uniform_B`` holds each row's own U[0, 1) draw (float64; None exactly when greedy), so a
+    row's token depends on its logits and its uniform, never on the other rows."""
     logits_BV = logits_BV.float()
     if params.greedy:
         logprobs_BV = torch.log_softmax(logits_BV, dim=-1)
         token_B = logits_BV.argmax(dim=-1)
     else:
+        if uniform_B is None:
+            raise ValueError("sampling at a temperature needs one uniform draw per row")
         logprobs_BV = torch.log_softmax(logits_BV / params.temperature, dim=-1)
-        probs_BV = top_p_filter(logprobs_BV.exp(), params.top_p)
-        token_B = torch.multinomial(probs_BV, 1, generator=generator).squeeze(-1)
+        token_B = invert_cdf(top_p_filter(logprobs_BV.exp(), params.top_p), uniform_B)
     logprob_B = logprobs_BV.gather(-1, token_B.unsqueeze(-1)).squeeze(-1)
     return token_B, logprob_B
-
-
-def trim_at_eos(
-    tokens_S: Sequence[int], logprobs_S: Sequence[float], eos_token_ids: Sequence[int]
-) -> tuple[tuple[int, ...], tuple[float, ...], bool]:
-    """Cut a row's samples after its first EOS (kept); report whether it stopped on EOS."""
-    for index, token in enumerate(tokens_S):
-        if token in eos_token_ids:
-            return tuple(tokens_S[: index + 1]), tuple(logprobs_S[: index + 1]), True
-    return tuple(tokens_S), tuple(logprobs_S), False
 
 
 # --- LoRA (PEFT) -----------------------------------------------------------------------------
@@ -346,6 +365,58 @@ class _FreedParam:
     dtype: torch.dtype
 
 
+@dataclass
+class _Response:
+    """What one ``generate_requests`` call samples for one request, token by token."""
+
+    request: Request
+    budget: int
+    """New tokens it may sample in this call."""
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finished: bool = False
+    """It sampled an EOS token."""
+
+    @property
+    def ended(self) -> bool:
+        """Stopped on EOS or its budget; a response that has not ended was interrupted."""
+        return self.finished or len(self.tokens) == self.budget
+
+    def next_uniform(self, generator: torch.Generator) -> float:
+        """The U[0, 1) draw of the next token: ``generator`` re-seeded from the request's seed
+        and the token's position in the whole response (tokens of earlier calls included)."""
+        position = len(self.request.generated_ids) + len(self.tokens)
+        generator.manual_seed(token_seed(self.request.seed, position))
+        return torch.rand((), generator=generator, dtype=torch.float64).item()
+
+    def append(self, token: int, logprob: float, is_eos: bool) -> None:
+        self.tokens.append(token)
+        self.logprobs.append(logprob)
+        self.finished = is_eos
+
+    def generation(self, row: int, routing: tuple[torch.Tensor, torch.Tensor] | None) -> Generation:
+        """The result, given this response's ``row`` in the batch and the call's routing."""
+        prompt = tuple(self.request.prompt_ids)
+        routed = prompt_routed = None
+        if routing is not None:
+            prefill_BTLK, routing_BSLK = routing
+            routed = routing_BSLK[row, : len(self.tokens)].clone()
+            if not self.request.generated_ids:
+                # left-padded: the row's prompt is the last P columns; the last one scored
+                # response token 0 and is already routed[0]
+                width = prefill_BTLK.shape[1]
+                prompt_routed = prefill_BTLK[row, width - len(prompt) : width - 1].clone()
+        return Generation(
+            prompt,
+            tuple(self.tokens),
+            tuple(self.logprobs),
+            self.finished,
+            routed,
+            prompt_routed,
+            interrupted=not self.ended,
+        )
+
+
 class HFEngine(RolloutEngine):
     """Rollouts from a ``transformers`` causal LM, on CPU or one accelerator."""
 
@@ -394,83 +465,99 @@ class HFEngine(RolloutEngine):
 
     # -- generate --
 
-    def generate(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams
+    def generate_requests(
+        self,
+        requests: Sequence[Request],
+        params: SamplingParams,
+        interrupt: threading.Event | None = None,
     ) -> list[Generation]:
+        """Samples at least one token per request before it looks at ``interrupt``: the event
+        is polled once after each decode step's draw, so every call makes progress and an
+        interrupted response never comes back empty."""
         self._sleep.require_ready_to_generate()
-        if not prompts:
+        if not requests:
             return []
-        self._validate_prompts(prompts)
+        self._validate_requests(requests, params)
+        responses = [_Response(request, request.budget(params)) for request in requests]
         tap = self._router_tap
         with tap.attached() if tap is not None else contextlib.nullcontext():
-            tokens_BS, logprobs_BS, routing = self._sample(prompts, params)
-        generations = []
-        for row, (prompt, tokens_S, logprobs_S) in enumerate(
-            zip(prompts, tokens_BS, logprobs_BS, strict=True)
-        ):
-            response, logprobs, finished = trim_at_eos(tokens_S, logprobs_S, self._eos_token_ids)
-            routed = prompt_routed = None
-            if routing is not None:
-                prefill_BTLK, routing_BSLK = routing
-                routed = routing_BSLK[row, : len(response)].clone()
-                # left-padded: the row's prompt is the last P columns; the last one scored
-                # response token 0 and is already routed[0]
-                width = prefill_BTLK.shape[1]
-                prompt_routed = prefill_BTLK[row, width - len(prompt) : width - 1].clone()
-            generations.append(
-                Generation(tuple(prompt), response, logprobs, finished, routed, prompt_routed)
-            )
-        return generations
+            routing = self._decode(responses, params, interrupt)
+        return [response.generation(row, routing) for row, response in enumerate(responses)]
 
     @torch.inference_mode()
-    def _sample(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams
-    ) -> tuple[list[list[int]], list[list[float]], tuple[torch.Tensor, torch.Tensor] | None]:
-        """The decode loop; returns untrimmed tokens and logprobs per row (lists, on host) and,
-        for a mixture-of-experts model, the prefill's ``[B, T, layers, top_k]`` experts of every
-        (left-padded) prompt column and the ``[B, S, layers, top_k]`` experts of each sampled
-        token's forward (None for a dense model)."""
+    def _decode(
+        self,
+        responses: list[_Response],
+        params: SamplingParams,
+        interrupt: threading.Event | None,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The decode loop: fills ``responses`` until each has ended or ``interrupt`` is set.
+
+        Returns, for a mixture-of-experts model, the prefill's ``[B, T, layers, top_k]``
+        experts of every (left-padded) context column and the ``[B, S, layers, top_k]``
+        experts of each step's forward (None for a dense model)."""
         from transformers import DynamicCache
 
-        batch = left_pad(prompts, self._pad_token_id, self._device)
-        generator = torch.Generator(device=self._device).manual_seed(params.seed)
-        eos_ids = torch.tensor(self._eos_token_ids, device=self._device)
+        batch_size = len(responses)
+        batch = left_pad(
+            [response.request.context_ids for response in responses],
+            self._pad_token_id,
+            self._device,
+        )
         cache = DynamicCache(config=self._model.config)
         logits_BV = self._forward_last(
             batch.input_ids_BT, batch.attention_mask_BT, batch.position_ids_BT, cache
         )
         attention_mask_BT = batch.attention_mask_BT
         next_position_B = batch.position_ids_BT[:, -1] + 1
-        finished_B = torch.zeros(len(prompts), dtype=torch.bool, device=self._device)
-        tokens, logprobs, routes = [], [], []
-        prefill_BTLK = None
-        if self._router_tap is not None:
-            prefill_BTLK = self._router_tap.columns(len(prompts))
-        for step in range(params.max_new_tokens):
-            if self._router_tap is not None:  # the forward whose logits are sampled next
-                routes.append(
-                    prefill_BTLK[:, -1]
-                    if step == 0 and prefill_BTLK is not None
-                    else self._router_tap.last_column(len(prompts))
-                )
-            token_B, logprob_B = sample_next_tokens(logits_BV, params, generator)
-            token_B = token_B.masked_fill(finished_B, self._pad_token_id)
-            tokens.append(token_B)
-            logprobs.append(logprob_B)
-            finished_B = finished_B | torch.isin(token_B, eos_ids)
-            if step + 1 == params.max_new_tokens or bool(finished_B.all()):
+        tap = self._router_tap
+        prefill_BTLK = tap.columns(batch_size) if tap is not None else None
+        routes: list[torch.Tensor] = []
+        # on the host whatever the device: re-seeded before each draw, so one serves all rows
+        generator = torch.Generator()
+        while True:
+            if tap is not None and prefill_BTLK is not None:  # the forward sampled from next
+                routes.append(prefill_BTLK[:, -1] if not routes else tap.last_column(batch_size))
+            token_B = self._sample_step(responses, logits_BV, params, generator)
+            if all(response.ended for response in responses):
+                break
+            if interrupt is not None and interrupt.is_set():
                 break
             attention_mask_BT = torch.cat(
-                [attention_mask_BT, attention_mask_BT.new_ones((len(prompts), 1))], dim=1
+                [attention_mask_BT, attention_mask_BT.new_ones((batch_size, 1))], dim=1
             )
             logits_BV = self._forward_last(
                 token_B.unsqueeze(1), attention_mask_BT, next_position_B.unsqueeze(1), cache
             )
             next_position_B = next_position_B + 1
-        routing = None
-        if prefill_BTLK is not None and routes:
-            routing = (prefill_BTLK, torch.stack(routes, 1))
-        return torch.stack(tokens, 1).tolist(), torch.stack(logprobs, 1).tolist(), routing
+        if prefill_BTLK is None:
+            return None
+        return prefill_BTLK, torch.stack(routes, 1)
+
+    def _sample_step(
+        self,
+        responses: list[_Response],
+        logits_BV: torch.Tensor,
+        params: SamplingParams,
+        generator: torch.Generator,
+    ) -> torch.Tensor:
+        """Sample the next token of every response that has not ended and record it; return
+        the ``[B]`` tokens to feed next (the pad token for rows that ended, whose outputs are
+        ignored)."""
+        live = [row for row, response in enumerate(responses) if not response.ended]
+        uniform_L = None
+        if not params.greedy:
+            uniform_L = torch.tensor(
+                [responses[row].next_uniform(generator) for row in live], dtype=torch.float64
+            )
+        token_L, logprob_L = sample_next_tokens(logits_BV[live], params, uniform_L)
+        for row, token, logprob in zip(live, token_L.tolist(), logprob_L.tolist(), strict=True):
+            responses[row].append(token, logprob, token in self._eos_token_ids)
+        token_B = torch.full(
+            (len(responses),), self._pad_token_id, dtype=torch.long, device=self._device
+        )
+        token_B[live] = token_L
+        return token_B
 
     def _forward_last(
         self,
@@ -490,16 +577,26 @@ class HFEngine(RolloutEngine):
         )
         return output.logits[:, -1, :]
 
-    def _validate_prompts(self, prompts: Sequence[Sequence[int]]) -> None:
+    def _validate_requests(self, requests: Sequence[Request], params: SamplingParams) -> None:
+        """Refuse what the decode loop cannot continue: an empty prompt, ids the embedding does
+        not have, a response that already ended (no budget left, or EOS among its tokens)."""
         embeddings = self._model.get_input_embeddings()
         if not isinstance(embeddings, torch.nn.Embedding):
             raise TypeError(f"input embeddings are a {type(embeddings).__name__}, not an Embedding")
         vocab_size = embeddings.num_embeddings
-        for index, prompt in enumerate(prompts):
-            if len(prompt) == 0:
-                raise ValueError(f"prompt {index} is empty")
-            if min(prompt) < 0 or max(prompt) >= vocab_size:
-                raise ValueError(f"prompt {index} has token ids outside [0, {vocab_size})")
+        for index, request in enumerate(requests):
+            if len(request.prompt_ids) == 0:
+                raise ValueError(f"request {index} has an empty prompt")
+            context = request.context_ids
+            if min(context) < 0 or max(context) >= vocab_size:
+                raise ValueError(f"request {index} has token ids outside [0, {vocab_size})")
+            if request.budget(params) == 0:
+                raise ValueError(
+                    f"request {index} has no budget left: {len(request.generated_ids)} tokens "
+                    f"generated, max_new_tokens={params.max_new_tokens}"
+                )
+            if any(token in self._eos_token_ids for token in request.generated_ids):
+                raise ValueError(f"request {index} already ended: EOS among its generated_ids")
 
     # -- weights --
 

