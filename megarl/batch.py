@@ -54,6 +54,10 @@ class RolloutBatch:
     """Router replay R3 with an engine that exposes routing: per sequence, ``[S, layers,
     top_k]`` expert ids of every input position (:mod:`megarl.algo.router_replay`); None
     otherwise."""
+    behaviour_versions: tuple[torch.Tensor, ...] | None = None
+    """Per sequence: the policy version of the weights that sampled each response token (int64,
+    one per token; :mod:`megarl.planner.staleness`). None = unknown, taken as the trainer's
+    current weights (batches built by hand in tests)."""
 
     def __post_init__(self) -> None:
         n = len(self.tokens)
@@ -83,10 +87,21 @@ class RolloutBatch:
                 raise ValueError(
                     f"engine routing of {routed} tokens, responses {self.response_lens}"
                 )
+        if self.behaviour_versions is not None:
+            tagged = [len(v) for v in self.behaviour_versions]
+            if tagged != self.response_lens:
+                raise ValueError(f"behaviour versions of {tagged} tokens, {self.response_lens}")
 
     @property
     def num_seqs(self) -> int:
         return len(self.tokens)
+
+    @property
+    def oldest_versions(self) -> tuple[int, ...] | None:
+        """Per sequence, the oldest behaviour version of its tokens (what the gates read)."""
+        if self.behaviour_versions is None:
+            return None
+        return tuple(int(v.min()) for v in self.behaviour_versions)
 
     @property
     def seq_lens(self) -> list[int]:
@@ -110,6 +125,7 @@ class RolloutBatch:
             engine_logprobs={i: self.engine_logprobs[i] for i in wanted},
             engine_routing={} if routing is None else {i: routing[i] for i in wanted},
             engine_input_routing=({} if inputs is None else {i: inputs[i] for i in wanted}),
+            oldest_versions=self.oldest_versions,
         )
 
 
@@ -129,6 +145,8 @@ class RolloutShard:
     none: a dense model, or an engine that does not expose routing)."""
     engine_input_routing: Mapping[int, torch.Tensor] = dataclasses.field(default_factory=dict)
     """R3: the engine's experts of every input position of the sequences this shard holds."""
+    oldest_versions: tuple[int, ...] | None = None
+    """Every sequence's oldest behaviour version (:attr:`RolloutBatch.oldest_versions`)."""
 
     @property
     def num_seqs(self) -> int:

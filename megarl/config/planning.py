@@ -20,6 +20,7 @@ from megarl.planner.batch_planner import (
     resolve_prune_mode,
 )
 from megarl.planner.gates import OldLogProbMode, RefLogProbMode, RunFacts, StepFacts
+from megarl.planner.staleness import trainer_version
 
 if TYPE_CHECKING:  # the batch types carry tensors; planning reads only their sizes
     from megarl.batch import RolloutShard
@@ -44,7 +45,7 @@ def run_facts(cfg: RunConfig) -> RunFacts:
         ppo_mini_batches=cfg.actor.ppo_mini_batches,
         ppo_epochs=cfg.actor.ppo_epochs,
         total_steps=cfg.trainer.total_steps,
-        old_log_prob=OldLogProbMode(cfg.planner.old_log_prob),
+        old_log_prob=old_log_prob_mode(cfg),
         ref_log_prob=RefLogProbMode(cfg.planner.ref_log_prob),
         kl_coef=cfg.actor.kl_coef,
         kl_in_reward=cfg.algo.use_kl_in_reward,
@@ -54,25 +55,37 @@ def run_facts(cfg: RunConfig) -> RunFacts:
     )
 
 
+def old_log_prob_mode(cfg: RunConfig) -> OldLogProbMode:
+    """``planner.old_log_prob``, or ``rollout`` (the behaviour logprobs as old) under
+    ``algo.rollout_correction.bypass_mode``, its spelling in verl's keys."""
+    if cfg.algo.rollout_correction.bypass_mode:
+        return OldLogProbMode.ROLLOUT
+    return OldLogProbMode(cfg.planner.old_log_prob)
+
+
 def step_facts(
     cfg: RunConfig,
     step: int,
     num_sequences: int,
     engine_base_weights_resident: bool | None = None,
     plan: StepPlan | None = None,
+    behaviour_versions: Sequence[int] | None = None,
 ) -> StepFacts:
     """The gates' view of one step: the slices are what each optimizer step consumes.
 
     Those are the baseline mini-batches, unless ``plan`` (this step's :class:`StepPlan`) merged
     them (``planner.prune_zero_adv=fast``): then the merged runs are the slices, so a sequence
     trained before the rollout's first optimizer step is not recomputed just because the
-    unmerged schedule would have trained it later.
+    unmerged schedule would have trained it later. ``behaviour_versions``: each sequence's
+    oldest (:attr:`RolloutShard.oldest_versions`), against the step's trainer version.
     """
     return StepFacts(
         run=run_facts(cfg),
         step=step,
         slices=executed_slices(cfg, num_sequences, plan),
         engine_base_weights_resident=engine_base_weights_resident,
+        behaviour_versions=None if behaviour_versions is None else tuple(behaviour_versions),
+        trainer_version=trainer_version(step),
     )
 
 

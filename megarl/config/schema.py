@@ -623,6 +623,10 @@ class ModelConfig:
         _choice("model.dtype", self.dtype, ("auto", "float32", "bfloat16"))
 
 
+AUTO = "auto"
+"""A key's value that the run's config resolves from other keys."""
+
+
 def _optional_choice(key: str, value: object, choices: tuple[str, ...]) -> None:
     _require(
         value is None or value in choices,
@@ -643,9 +647,13 @@ class RolloutCorrectionConfig:
     differing from the trainer's (:mod:`megarl.algo.rollout_correction`); verl's keys. All off
     by default; the ``rollout_corr/*`` mismatch metrics are reported either way."""
 
-    rollout_is: str | None = None
-    """token | sequence | null: truncated importance-sampling weight ``min(pi_old /
-    pi_rollout, rollout_is_threshold)`` per token, or with the response's product of ratios."""
+    rollout_is: str | None = "auto"
+    """token | sequence | null | auto: truncated importance-sampling weight ``min(pi_old /
+    pi_rollout, rollout_is_threshold)`` per token, or with the response's product of ratios.
+    auto (the default) = null in synchronous training, token (verl's default) where
+    ``async_training`` lets tokens be stale: there ``pi_old`` is the proximal policy (the
+    trainer's weights before the step) and ``pi_rollout`` each token's behaviour policy, which
+    makes the loss AReaL's decoupled PPO. Resolved when the run's config is built."""
     rollout_is_threshold: float = DEFAULT_IS_THRESHOLD
     """Truncation of the IS weight (verl's default 2.0)."""
     rollout_rs: str | None = None
@@ -660,10 +668,16 @@ class RolloutCorrectionConfig:
     ``pi_old / pi_rollout`` is below this gets weight 0 on every token, whatever
     ``rollout_is`` / ``rollout_rs`` say (verl suggests 1e-4 to 1e-6: a catastrophic outlier, not
     noise). At 1 or above it would drop nearly every response, so it is refused."""
+    bypass_mode: bool = False
+    """verl's key: the behaviour (engine) logprobs stand in as the old ones, so the PPO ratio
+    is taken against the policy that sampled each token and no proximal forward runs: cheaper,
+    and an approximation of decoupled PPO (its trust region is around stale policies). The same
+    as ``planner.old_log_prob=rollout``; rollout_is / rollout_rs then have nothing to compare
+    and are refused."""
 
     def __post_init__(self) -> None:
         key = "algo.rollout_correction"
-        _optional_choice(f"{key}.rollout_is", self.rollout_is, ROLLOUT_IS_LEVELS)
+        _optional_choice(f"{key}.rollout_is", self.rollout_is, (*ROLLOUT_IS_LEVELS, AUTO))
         _optional_choice(f"{key}.rollout_rs", self.rollout_rs, ROLLOUT_RS_LEVELS)
         _positive(f"{key}.rollout_is_threshold", self.rollout_is_threshold)
         _optional_number(f"{key}.rollout_rs_threshold", self.rollout_rs_threshold)
@@ -695,6 +709,21 @@ class RolloutCorrectionConfig:
         return self.settings.enabled
 
     @property
+    def corrects(self) -> bool:
+        """Whether the loss reweights (IS) or rejects (RS) tokens by ``pi_old / pi_rollout``:
+        what makes stale tokens' gradient right (the veto alone only drops outliers)."""
+        return self.settings.rollout_is is not None or self.rollout_rs is not None
+
+    def resolved(self, stale: bool, bypass: bool) -> RolloutCorrectionConfig:
+        """``rollout_is=auto`` made concrete: token where tokens may be ``stale`` and the old
+        logprobs are the trainer's (the proximal policy), else null; ``bypass``: the behaviour
+        logprobs are the old ones (``bypass_mode``, or ``planner.old_log_prob=rollout``)."""
+        if self.rollout_is != AUTO:
+            return self
+        rollout_is = "token" if stale and not bypass else None
+        return dataclasses.replace(self, rollout_is=rollout_is)
+
+    @property
     def rs_bounds(self) -> tuple[float, float]:
         """(upper, lower) rejection bounds, nulls resolved as verl resolves them."""
         upper = self.rollout_rs_threshold
@@ -709,7 +738,7 @@ class RolloutCorrectionConfig:
         """What :mod:`megarl.algo.rollout_correction` computes with."""
         upper, lower = self.rs_bounds
         return CorrectionSettings(
-            rollout_is=self.rollout_is,
+            rollout_is=None if self.rollout_is == AUTO else self.rollout_is,
             is_threshold=float(self.rollout_is_threshold),
             rollout_rs=self.rollout_rs,
             rs_upper=upper,
@@ -924,6 +953,58 @@ class ExportConfig:
         )
 
 
+ASYNC_MODES: tuple[str, ...] = ("sync", "one_step_off", "fully_async")
+"""``async_training.mode``: how generation and training overlap (:mod:`megarl.planner.staleness`)."""
+
+
+@dataclass(frozen=True)
+class AsyncTrainingConfig:
+    """``async_training`` (verl's section name): generation overlapped with training, the
+    rollout engine on devices of its own (split placement). The bound, versions and exactness
+    are :mod:`megarl.planner.staleness`'s docstring."""
+
+    mode: str = "sync"
+    """sync (the engine and the trainer take turns) | one_step_off (batch t+1 is generated
+    while batch t trains; weights pushed after each update) | fully_async (the rollout side
+    streams finished groups into a buffer the trainer takes a step's worth from, in prompt
+    order, whenever it is ready)."""
+    max_staleness: int = 1
+    """fully_async: no token is trained more than this many policy versions after the version
+    that sampled it, enforced when a prompt starts generating (never by discarding finished
+    work); 0 trains like sync. one_step_off is 1 by definition."""
+    partial_rollout: bool = False
+    """fully_async: at a weight sync, requests in flight are interrupted and continue from the
+    tokens sampled so far under the new weights (every token keeps the version that sampled
+    it); false: the sync waits until they finish."""
+
+    def __post_init__(self) -> None:
+        _choice("async_training.mode", self.mode, ASYNC_MODES)
+        _require(
+            self.max_staleness >= 0,
+            f"async_training.max_staleness={self.max_staleness}: must be >= 0 "
+            "(0 trains like the synchronous loop)",
+        )
+        _require(
+            self.mode != "one_step_off" or self.max_staleness == 1,
+            f"async_training.max_staleness={self.max_staleness}: one_step_off is staleness 1 by "
+            "definition; use async_training.mode=fully_async for another bound",
+        )
+        _require(
+            not self.partial_rollout or self.mode == "fully_async",
+            f"async_training.partial_rollout=true needs async_training.mode=fully_async "
+            f"(mode={self.mode})",
+        )
+
+    @property
+    def is_async(self) -> bool:
+        return self.mode != "sync"
+
+    @property
+    def staleness_bound(self) -> int:
+        """The most versions a trained token may lag: 0 in sync, the bound otherwise."""
+        return 0 if self.mode == "sync" else self.max_staleness
+
+
 @dataclass(frozen=True)
 class RunConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
@@ -936,6 +1017,7 @@ class RunConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     planner: PlannerConfig = field(default_factory=PlannerConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
+    async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
 
     def __post_init__(self) -> None:
         model_parallel = self.actor.tp * self.actor.pp
@@ -980,6 +1062,7 @@ class RunConfig:
             kl_in_reward=self.algo.use_kl_in_reward,
         )
         _require(replay is None, str(replay))
+        self._check_async_training()
         num_seqs = self.data.prompts_per_step * self.rollout.n
         _require(
             num_seqs % self.actor.ppo_mini_batches == 0,
@@ -990,6 +1073,67 @@ class RunConfig:
             num_seqs % self.critic_ppo_mini_batches == 0,
             f"data.prompts_per_step x rollout.n = {num_seqs} sequences is not divisible by "
             f"critic.ppo_mini_batches={self.critic_ppo_mini_batches}",
+        )
+
+    def _check_async_training(self) -> None:
+        """What an asynchronous mode needs (split placement, an engine that never sleeps, a
+        corrected loss once tokens may be stale), and the rollout correction's ``auto``
+        resolved: token-level IS (verl's default) where tokens may be stale, else off."""
+        mode = self.async_training.mode
+        correction = self.algo.rollout_correction
+        stale = self.async_training.staleness_bound > 0
+        bypass = correction.bypass_mode or self.planner.old_log_prob == "rollout"
+        resolved = correction.resolved(stale, bypass)
+        object.__setattr__(
+            self, "algo", dataclasses.replace(self.algo, rollout_correction=resolved)
+        )
+        _require(
+            not correction.bypass_mode or self.planner.old_log_prob in ("auto", "rollout"),
+            f"algo.rollout_correction.bypass_mode=true takes the behaviour logprobs as the old "
+            f"ones, which planner.old_log_prob={self.planner.old_log_prob} contradicts; leave it "
+            "auto",
+        )
+        _require(  # planner.old_log_prob=rollout with a correction: the gates' own refusal
+            not (correction.bypass_mode and resolved.corrects),
+            f"algo.rollout_correction.bypass_mode=true takes the behaviour logprobs as the old "
+            f"ones, so rollout_is={resolved.rollout_is} / rollout_rs={resolved.rollout_rs} would "
+            "compare them with themselves; drop them, or bypass_mode",
+        )
+        if not self.async_training.is_async:
+            return
+        key = f"async_training.mode={mode}"
+        _require(
+            self.rollout.n_gpus > 0,
+            f"{key} overlaps generation with training, which needs the engine on devices of its "
+            "own: set rollout.n_gpus > 0 (split placement, trainer.launcher=ray); colocated "
+            "there is nothing to overlap",
+        )
+        _require(
+            self.rollout.sleep_level == 0,
+            f"{key}: rollout.sleep_level={self.rollout.sleep_level}, but the engine generates "
+            "while the trainer trains and never sleeps; set rollout.sleep_level=0",
+        )
+        _require(
+            not self.algo.filter_groups.enable,
+            f"{key}: algo.filter_groups (DAPO's dynamic sampling) runs only in the synchronous "
+            "loop; set async_training.mode=sync or algo.filter_groups.enable=false",
+        )
+        _require(
+            not (self.async_training.partial_rollout and self.actor.router_replay.mode == "R3"),
+            "async_training.partial_rollout=true with actor.router_replay.mode=R3: an "
+            "interrupted response's routing would span several weight versions; use R2",
+        )
+        _require(
+            self.rollout.max_num_seqs >= self.rollout.n,
+            f"{key}: rollout.max_num_seqs={self.rollout.max_num_seqs} is below rollout.n="
+            f"{self.rollout.n}, so no whole group could ever start",
+        )
+        _require(
+            not stale or resolved.corrects or bypass,
+            f"{key} trains tokens up to {self.async_training.staleness_bound} version(s) old, "
+            "but algo.rollout_correction has neither rollout_is nor rollout_rs: the loss would "
+            "ignore which policy sampled them; set rollout_is=token (verl's default, what auto "
+            "gives) or bypass_mode=true (the behaviour logprobs as old, an approximation)",
         )
 
     @property
@@ -1077,9 +1221,14 @@ AUTO_OR_BOOL = ("trainer.progress",)
 """Keys that take ``auto`` or a boolean (checked by their section)."""
 
 
+def _null_allowed(fld: dataclasses.Field, value: Any) -> bool:
+    """``value`` is null and the key's type admits null (``str | None`` with a string default)."""
+    return value is None and "None" in str(fld.type)
+
+
 def _convert_leaf(fld: dataclasses.Field, key: str, value: Any) -> Any:
     default = fld.default if fld.default is not dataclasses.MISSING else None
-    if key in AUTO_OR_BOOL:
+    if key in AUTO_OR_BOOL or _null_allowed(fld, value):
         return value
     if isinstance(default, bool):
         _require(isinstance(value, bool), f"{key}={value!r}: expected true or false")

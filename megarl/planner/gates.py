@@ -30,6 +30,17 @@ reason. Workers only execute the gates; no skip decision lives inline in GPU cod
   product over it. The policy loss is therefore no fact of the gate: every loss gets the same
   decision (``tests/unit/test_gates_from_plan.py`` checks it for GSPO on packed plans).
 
+  **Stale sequences** (asynchronous training, :mod:`megarl.planner.staleness`). A sequence with
+  a token sampled by older weights than the trainer's (its oldest *behaviour version* below the
+  trainer's) needs, as its old logprobs, the *proximal* policy of decoupled PPO: the trainer's
+  weights at the start of the step, against which PPO clips, while the rollout correction
+  weighs each token by ``pi_prox / pi_behaviour`` (the engine's logprobs are the behaviour
+  policy's). The first slice's training forward runs on exactly those weights, so there it
+  *is* the proximal policy, stale or not, and only the slices trained after an optimizer step
+  are recomputed: the rule above, unchanged. Versions change what the loss weighs, never which
+  forwards run; the reason names them (``train forward (proximal; behaviour version 6 <
+  trainer 7)``).
+
   **Router replay R2** (``actor.router_replay.mode=R2``, mixture-of-experts) replays in every
   training forward the experts the trainer's router picked in the old-logprob pass, so under
   "auto" that pass runs on every sequence, the on-policy first slice included, and says so.
@@ -142,6 +153,11 @@ class StepFacts:
     engine_base_weights_resident: bool | None = None
     """The rollout engine's own report: does it still hold the base weights (did not sleep, or
     slept at a level that keeps them)? Required with LoRA; ignored without."""
+    behaviour_versions: tuple[int, ...] | None = None
+    """Per sequence (batch order): the oldest policy version that sampled one of its tokens;
+    None = the trainer's current weights sampled every sequence."""
+    trainer_version: int = 0
+    """The version of the weights this step trains from (``step - 1``)."""
 
     def __post_init__(self) -> None:
         if self.run.lora_enabled and self.engine_base_weights_resident is None:
@@ -149,6 +165,24 @@ class StepFacts:
                 "engine_base_weights_resident must come from the engine's report when "
                 "LoRA is enabled (it is never inferred from config)"
             )
+        versions = self.behaviour_versions
+        if versions is not None and len(versions) != len(self.all_sequences):
+            raise ValueError(
+                f"{len(versions)} behaviour versions for {len(self.all_sequences)} sequences"
+            )
+        if versions is not None and any(v > self.trainer_version for v in versions):
+            raise ValueError(
+                f"a behaviour version above the trainer's {self.trainer_version}: {versions}"
+            )
+
+    @property
+    def stale_sequences(self) -> tuple[int, ...]:
+        """The sequences with a token sampled by older weights than the trainer's, sorted."""
+        if self.behaviour_versions is None:
+            return ()
+        return tuple(
+            i for i, version in enumerate(self.behaviour_versions) if version < self.trainer_version
+        )
 
     @property
     def all_sequences(self) -> tuple[int, ...]:
@@ -318,16 +352,19 @@ def decide_old_log_prob(facts: StepFacts) -> PassGate:
         return _recompute_gate(facts.all_sequences, f"{KL_IN_REWARD}: all, before advantages")
     if facts.run.router_replay_r2:
         return _recompute_gate(facts.all_sequences, ROUTER_REPLAY_R2)
-    # Only the first slice of a single epoch trains on the generating weights.
-    first_stale = 1 if facts.run.ppo_epochs == 1 else 0
+    # Only the first slice of a single epoch trains on the weights the step starts from.
+    first_moved = 1 if facts.run.ppo_epochs == 1 else 0
     last = len(facts.slices) - 1
-    if first_stale > last:
+    stale = f"; {_stale_reason(facts)}" if facts.stale_sequences else ""
+    if first_moved > last:
+        if stale:
+            return _train_forward_gate(f"proximal{stale}")
         if facts.run.rollout_correction:
             return _train_forward_gate(f"on-policy: {_CORRECTION_OLD}")
         return _train_forward_gate("on-policy")
-    seqs = tuple(sorted(i for s in facts.slices[first_stale:] for i in s))
-    label = f"mb{first_stale}" if first_stale == last else f"mb{first_stale}-{last}"
-    return _recompute_gate(seqs, f"{label} after step")
+    seqs = tuple(sorted(i for s in facts.slices[first_moved:] for i in s))
+    label = f"mb{first_moved}" if first_moved == last else f"mb{first_moved}-{last}"
+    return _recompute_gate(seqs, f"{label} after step{stale}")
 
 
 def decide_ref_log_prob(facts: StepFacts) -> PassGate:
@@ -402,6 +439,15 @@ def _check_forced_modes(run: RunFacts, num_slices: int, step: int) -> None:
 KL_IN_REWARD = "algo.use_kl_in_reward=true"
 """The gates' reason when the KL in the reward is what runs a pass."""
 _CORRECTION_OLD = "the train forward is pi_old for algo.rollout_correction"
+
+
+def _stale_reason(facts: StepFacts) -> str:
+    """``behaviour version 6 < trainer 7`` (or ``versions 4-6``) of the stale sequences."""
+    assert facts.behaviour_versions is not None  # there are stale sequences
+    versions = [facts.behaviour_versions[i] for i in facts.stale_sequences]
+    low, high = min(versions), max(versions)
+    shown = f"version {low}" if low == high else f"versions {low}-{high}"
+    return f"behaviour {shown} < trainer {facts.trainer_version}"
 
 
 def _kl_term(kl_coef: float) -> str:
