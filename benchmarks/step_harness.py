@@ -7,8 +7,9 @@ generation. This harness builds the rank-0 runtime of a normal run once (same co
 named phases (plan, gates, logprob passes, update) under any mode, restoring the weights and a
 fresh optimizer before each trial.
 
-It reaches into ``megarl.trainer.rank_loop``'s private step functions on purpose: the benchmark must
-time exactly what the training loop runs, not a re-implementation of it.
+It calls the step's own stages (``megarl.trainer.logprob_passes``, ``actor_update``, ``scatter``)
+and reaches into ``megarl.trainer.rank_loop``'s set-up on purpose: the benchmark must time exactly
+what the training loop runs, not a re-implementation of it.
 """
 
 from __future__ import annotations
@@ -28,14 +29,18 @@ from megarl.config.schema import RunConfig
 from megarl.planner.batch_planner import StepPlan
 from megarl.planner.gates import StepGates, decide_gates
 from megarl.trainer import rank_loop
+from megarl.trainer.actor_update import update_actor
+from megarl.trainer.logprob_passes import logprob_passes
 from megarl.trainer.metrics import PhaseTimer
+from megarl.trainer.runtime import Runtime
+from megarl.trainer.scatter import scatter_sequences
 
 
 @dataclass
 class Harness:
     """A live rank-0 runtime plus the rollout batch every trial reuses."""
 
-    runtime: rank_loop._Runtime
+    runtime: Runtime
     batch: RolloutBatch
     header: RolloutShard
     """The batch's metadata, as every rank receives it (what the planner reads)."""
@@ -55,7 +60,7 @@ class Harness:
         """The step's plan and gates under ``cfg``, and the shard of sequences it trains."""
         self.runtime.cfg = cfg
         plan, _ = rank_loop._plans(self.runtime, self.header)
-        shard = rank_loop._scatter_sequences(self.runtime, self.batch, self.header, plan)
+        shard = scatter_sequences(self.runtime, self.batch, self.header, plan)
         gates = decide_gates(planning.step_facts(cfg, 1, shard.num_seqs, plan=plan))
         return plan, gates, shard
 
@@ -73,15 +78,14 @@ class Harness:
         plan, gates, shard = self.plan(cfg)
         timer = PhaseTimer()
         rt = self.runtime
-        old, recomputed, ref, _ = rank_loop._logprob_passes(rt, shard, plan, gates, timer)
-        rank_loop._update_actor(rt, shard, plan, old, recomputed, ref, timer)
+        update_actor(rt, shard, plan, logprob_passes(rt, shard, plan, gates, timer), timer)
         return timer, plan, gates
 
     def trained_params(self) -> list[torch.Tensor]:
         return [p.detach().clone() for p in self.runtime.actor.model.parameters()]
 
 
-def build_runtime_only(overrides: list[str]) -> rank_loop._Runtime:
+def build_runtime_only(overrides: list[str]) -> Runtime:
     """The rank-0 runtime of ``megarl-train overrides`` (world size 1), as the worker builds it."""
     from megarl.distributed.launcher import WorkerContext, find_free_port
     from megarl.train import compose_config, resolve_device, resolve_model_dir
@@ -108,7 +112,9 @@ def open_harness(overrides: list[str]) -> Harness:
     """Build the rank-0 runtime of ``megarl-train overrides`` and one scored rollout batch."""
     runtime = build_runtime_only(overrides)
     device = "cuda" if next(runtime.actor.model.parameters()).is_cuda else "cpu"
-    header, batch, _, _ = rank_loop._broadcast_rollout(runtime, 1, PhaseTimer())
+    rollout = runtime.source.next_batch(1, PhaseTimer())
+    header, batch = rollout.header, rollout.batch
+    assert batch is not None  # rank 0
     initial = [p.detach().clone() for p in runtime.actor.model.parameters()]
     return Harness(runtime, batch, header, initial_params=initial, device=device)
 

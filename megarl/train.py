@@ -511,21 +511,43 @@ def _log_traceback(cfg, failed, trace: str) -> None:
 
 
 def _split_rollout(cfg, inputs):
-    """``rollout.n_gpus > 0``: the rollout driver as its own Ray actor (None = colocated)."""
+    """``rollout.n_gpus > 0``: the rollout driver as its own Ray actor (None = colocated). On
+    one CPU machine (a private Ray, one node) it gets ``rollout.n_gpus`` cores of its own and
+    the ranks the rest (:func:`~megarl.distributed.execution.split_cpu_cores`)."""
     if cfg.rollout.n_gpus == 0:
         return None
     import dataclasses
 
     from megarl.distributed.ray_launcher import SideActor, forwarded_env
-    from megarl.trainer.split_rollout import RolloutActor
+    from megarl.trainer.split_rollout import ASYNC_CONCURRENCY, RolloutActor
 
+    cores = _cpu_core_split(cfg, inputs.device)
+    rollout_cores = None if cores is None else cores.rollout
+    rank_cores = None if cores is None else cores.ranks
+    init_args = (cfg, inputs.model_dir, inputs.device, forwarded_env(), list(sys.path))
     return SideActor(
         role="rollout",
         cls=RolloutActor,
         n_gpus=cfg.rollout.n_gpus,
-        init_args=(cfg, inputs.model_dir, inputs.device, forwarded_env(), list(sys.path)),
-        attach=lambda handle, args: (dataclasses.replace(args[0], rollout_actor=handle),),
+        init_args=(*init_args, rollout_cores),
+        attach=lambda handle, args: (
+            dataclasses.replace(args[0], rollout_actor=handle, rank_cores=rank_cores),
+        ),
+        max_concurrency=ASYNC_CONCURRENCY if cfg.async_training.is_async else 1,
     )
+
+
+def _cpu_core_split(cfg, device: str):
+    """How split placement shares this machine's cores, when it runs on this machine alone."""
+    if device != "cpu" or cfg.trainer.nnodes != 1 or os.environ.get("RAY_ADDRESS"):
+        return None
+    from megarl.distributed.execution import split_cpu_cores
+
+    available = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else ()
+    cores = split_cpu_cores(sorted(available), cfg.rollout.n_gpus)
+    if cores is not None:
+        print(f"megarl ray: {cores.describe()}", file=sys.stderr, flush=True)
+    return cores
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -184,8 +184,13 @@ def save_training_checkpoint(
     return time.perf_counter() - start
 
 
-def restore_training_checkpoint(path: str, actor, spec, host, critic=None) -> int:
-    """Load a checkpoint into this rank (at this run's layout); returns the checkpoint's step."""
+def restore_training_checkpoint(
+    path: str, actor, spec, host, critic=None, run_dir: str | None = None
+) -> int:
+    """Load a checkpoint into this rank (at this run's layout); returns the checkpoint's step.
+
+    Rank 0 passes its rollout host (or, in split placement, the proxy to it) and the run's
+    ``run_dir``, whose ``metrics.jsonl`` holds the history the host continues."""
     info = layout.read_checkpoint(path)
     tp_rank, tp, _, _, _ = _parallel_ranks()
     reader = ShardReader(info, spec, optimizer=True)
@@ -209,8 +214,10 @@ def restore_training_checkpoint(path: str, actor, spec, host, critic=None) -> in
         _set_rng_state(state)
         _set_adapter_rng_state(sites, state)
     if host is not None:
+        if run_dir is None:
+            raise ValueError("restoring the rollout host's state needs the run's run_dir")
         state = json.loads((info.path / layout.HOST_STATE_FILE).read_text(encoding="utf-8"))
-        metrics_path = Path(host.cfg.trainer.run_dir) / "metrics.jsonl"
+        metrics_path = Path(run_dir) / "metrics.jsonl"
         host.load_state_dict(state, layout.read_metrics(metrics_path))
     return info.step
 

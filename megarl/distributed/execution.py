@@ -24,8 +24,12 @@ Decisions, and why:
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import os
+from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 
 class ExecutionError(ValueError):
@@ -234,3 +238,39 @@ def _cuda_plan(request: ExecutionRequest, env: Environment) -> ExecutionPlan:
         packed_attention=packed,
         reasons=tuple(reasons),
     )
+
+
+# --- split placement on one CPU machine ----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CoreSplit:
+    """Split placement on one CPU machine: the cores of the rollout actor and of the ranks."""
+
+    rollout: tuple[int, ...]
+    ranks: tuple[int, ...]
+
+    def describe(self) -> str:
+        return f"CPU cores: rollout actor {list(self.rollout)}, ranks {list(self.ranks)}"
+
+
+def split_cpu_cores(available: Sequence[int], rollout_devices: int) -> CoreSplit | None:
+    """The CPU analogue of separate device pools (``rollout.n_gpus=N`` on CPU): the rollout
+    actor gets ``N`` cores of its own (the highest numbered), the ranks share the rest, so
+    generation and training do not take each other's cores, as they would not take each
+    other's GPUs. None when there are too few cores to leave the ranks one."""
+    cores = sorted(available)
+    if rollout_devices < 1 or len(cores) <= rollout_devices:
+        return None
+    return CoreSplit(rollout=tuple(cores[-rollout_devices:]), ranks=tuple(cores[:-rollout_devices]))
+
+
+def pin_to_cores(cores: Sequence[int]) -> None:
+    """Bind every thread of this process (and the threads it starts later, which inherit it)
+    to ``cores``; Linux only (elsewhere a no-op)."""
+    if not hasattr(os, "sched_setaffinity"):
+        return
+    tasks = Path("/proc/self/task")
+    for tid in [int(t.name) for t in tasks.iterdir()] if tasks.is_dir() else [0]:
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            os.sched_setaffinity(tid, set(cores))

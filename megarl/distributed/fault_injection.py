@@ -9,7 +9,8 @@ failure is reported. ``MEGARL_FAULT_FREEZE=<rank>:<step>`` makes that rank's mai
 forever at the start of that step (after marking the step's first phase), as a deadlock or a
 stuck device would: the process and its heartbeat thread live on, only the loop stops.
 ``MEGARL_FAULT_RAISE=<rank>:<step>`` makes that rank's main loop raise :class:`InjectedError` at
-the same point, as a bug in the training code would. Unset (always, outside tests) each costs one
+the same point, as a bug in the training code would. ``rollout:<step>`` in either of the first two
+names the asynchronous rollout loop (split placement) when it draws that step's prompts. Unset (always, outside tests) each costs one
 dictionary lookup per step.
 """
 
@@ -48,13 +49,15 @@ def maybe_die(who: int | str, step: int) -> None:
     os._exit(EXIT_CODE)
 
 
-def maybe_freeze(rank: int, step: int) -> None:
-    """Sleep forever if ``MEGARL_FAULT_FREEZE`` names this rank and step."""
+def maybe_freeze(who: int | str, step: int) -> None:
+    """Sleep forever if ``MEGARL_FAULT_FREEZE`` names this rank (or :data:`ROLLOUT`: the
+    asynchronous rollout loop, when it draws that step's prompts) and step."""
     spec = os.environ.get(FREEZE_ENV)
-    if not spec or parse(spec) != (rank, step):
+    if not spec or parse(spec) != (who, step):
         return
     _write_mark()
-    print(f"fault injection: rank {rank} freezes at step {step}", file=sys.stderr, flush=True)
+    name = who if who == ROLLOUT else f"rank {who}"
+    print(f"fault injection: {name} freezes at step {step}", file=sys.stderr, flush=True)
     while True:
         time.sleep(3600)
 

@@ -126,13 +126,16 @@ class SideActorFailed(RuntimeError):
         return f"{self.where} failed: {self.detail}"
 
 
-def get_from_side_actor(ref, where: str, call: str = "") -> Any:
-    """``ray.get`` on a side actor's call; its death or error becomes :class:`SideActorFailed`."""
+def get_from_side_actor(ref, where: str, call: str = "", timeout_s: float | None = None) -> Any:
+    """``ray.get`` on a side actor's call; its death, its error or (with ``timeout_s``) no
+    answer in time becomes :class:`SideActorFailed`."""
     import ray.exceptions
 
     during = f" during {call}" if call else ""
     try:
-        return ray.get(ref)
+        return ray.get(ref, timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        raise SideActorFailed(where, f"no answer within {timeout_s:g} s{during}") from None
     except ray.exceptions.RayActorError as exc:
         raise SideActorFailed(where, _death_cause(exc) + during) from None
     except ray.exceptions.RayTaskError as exc:
@@ -247,6 +250,8 @@ class SideActor:
     init_args: tuple
     n_gpus: int
     attach: Callable[[Any, tuple], tuple]
+    max_concurrency: int = 1
+    """Ray threads serving its calls (more than one: they may run at the same time)."""
 
     def bundle(self, device: str) -> dict[str, float]:
         return (
@@ -431,6 +436,7 @@ def start_side_actor(side: SideActor, device: str):
             num_cpus=bundle["CPU"],
             num_gpus=bundle.get("GPU", 0),
             max_restarts=0,
+            max_concurrency=side.max_concurrency,
             scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=group),
         )
         .remote(*side.init_args)

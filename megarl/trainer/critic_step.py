@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -23,11 +24,19 @@ from torch.nn.utils.rnn import pad_sequence
 from megarl.actor.megatron_actor import reduce_sums_to_all
 from megarl.algo.gae import critic_data_metrics, gae_advantage_return, outcome_token_rewards
 from megarl.batch import RolloutBatch, RolloutShard
+from megarl.config import planning
 from megarl.config.schema import ActorConfig, LoraConfig, RunConfig
 from megarl.critic.megatron_critic import CriticStepStats, MegatronCritic, ValueLossSettings
-from megarl.planner.batch_planner import StepPlan, plan_forward_micro_batches
-from megarl.trainer.progress import PhaseHook, no_progress
+from megarl.distributed import heartbeat
+from megarl.planner.batch_planner import StepPlan, plan_forward_micro_batches, plan_step
+from megarl.trainer.progress import PhaseHook, no_progress, reported
 from megarl.trainer.rollout import advantage_metrics
+from megarl.trainer.scatter import scatter_by_dp_rank, scatter_sequences
+
+if TYPE_CHECKING:
+    from megarl.trainer.metrics import PhaseTimer
+    from megarl.trainer.rollout_source import StepRollout
+    from megarl.trainer.runtime import Runtime
 
 
 @dataclass(frozen=True)
@@ -47,6 +56,51 @@ class CriticTargets:
             returns={i: self.returns[i] for i in seq_indices},
             advantages={i: self.advantages[i] for i in seq_indices},
         )
+
+
+def values_and_gae(
+    rt: Runtime,
+    rollout: StepRollout,
+    token_rewards: Mapping[int, Tensor] | None,
+    timer: PhaseTimer,
+) -> tuple[StepRollout, CriticTargets | None]:
+    """The critic's values of every sequence (an unpruned split), then on rank 0 GAE's
+    targets of every sequence and the ``critic/*`` data metrics; every rank gets the
+    per-sequence advantage summary the planner reads."""
+    assert rt.critic is not None
+    cfg = rt.cfg
+    unpruned = plan_step(planning.every_sequence_inputs(cfg, rollout.header))
+    batch = scatter_sequences(rt, rollout.batch, rollout.header, unpruned)
+    heartbeat.mark("values")
+    mine = unpruned.trained_sequences(rt.dp_rank)
+    with timer.phase("values"), reported(rt.progress, "values", len(mine), "sequences"):
+        values = gather_values(rt.critic, batch, mine, cfg.actor.logprob_micro_batch_tokens)
+    payload: list = [None]
+    targets, metrics = None, {}
+    if rollout.batch is not None and values is not None:
+        with timer.phase("adv"):
+            targets, summary_B, metrics = gae_targets(cfg, rollout.batch, values, token_rewards)
+        payload = [summary_B]
+    dist.broadcast_object_list(payload, src=0)
+    return rollout.with_advantages(payload[0], metrics), targets
+
+
+def scatter_targets(
+    rt: Runtime, targets: CriticTargets | None, plan: StepPlan, critic_plan: StepPlan
+) -> CriticTargets:
+    """Rank 0 sends every rank the GAE targets of the sequences it runs in either plan."""
+    source = None if targets is None else targets.subset
+    return scatter_by_dp_rank(rt, source, plan, critic_plan)
+
+
+def critic_update(
+    rt: Runtime, batch: RolloutShard, plan: StepPlan, targets: CriticTargets, timer: PhaseTimer
+) -> dict[str, float]:
+    """Every optimizer step of the critic's plan; its ``critic/*`` update metrics."""
+    assert rt.critic is not None
+    heartbeat.mark("update_critic")
+    with timer.phase("update_critic"):
+        return update_critic(rt.critic, rt.cfg, batch, plan, rt.dp_rank, targets, rt.progress)
 
 
 def critic_model_config(cfg: RunConfig) -> ActorConfig:

@@ -1,8 +1,15 @@
 """Turn a step's prompts into a scored :class:`RolloutBatch`: generate, reward, advantages.
 
 A plain class (no process groups), run by the rollout host (rank 0, or the rollout actor).
-Sampling draws from its own seeded stream per step (:func:`sampling_seed`), so two runs with the same seed and equal weights generate the same rollouts, whatever the planner
-or training did in between.
+Sampling draws from its own seeded stream per step (:func:`sampling_seed`), one stream per
+response (the engine's :class:`~megarl.engines.base.Request` seeds), so two runs with the same
+seed and equal weights generate the same rollouts, whatever the planner or training did in
+between, and whether the step's responses were generated in one call or (asynchronous
+training, :mod:`megarl.trainer.async_rollout`) group by group in calls shared with other steps.
+
+The synchronous loop calls :meth:`RolloutProducer.produce`; the asynchronous rollout side uses
+its parts: :meth:`~RolloutProducer.draw` a step's prompts, :meth:`~RolloutProducer.score_groups`
+as groups finish, :meth:`~RolloutProducer.assemble` the step when the trainer takes it.
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ from megarl.batch import RolloutBatch
 from megarl.data.loader import PromptStream
 from megarl.data.problems import Problem
 from megarl.data.rewards import RewardChoice, score_samples
-from megarl.engines.base import Generation, RolloutEngine, SamplingParams
+from megarl.engines.base import Generation, Request, RolloutEngine, SamplingParams, request_seed
 from megarl.errors import MegarlError
 from megarl.planner.batch_planner import CRITIC_ESTIMATORS
 from megarl.trainer.progress import PhaseHook, no_progress
@@ -98,7 +105,38 @@ class FilterGroupsExhausted(MegarlError):
 
 
 @dataclass(frozen=True)
-class _ScoredGroups:
+class StepPrompts:
+    """One generation batch of a step's prompts, as the engine is given them."""
+
+    step: int
+    problems: list[Problem]
+    prompt_ids: list[list[int]]
+    """Each problem's encoded prompt (chat template applied)."""
+    seed: int
+    """The batch's sampling seed (:func:`sampling_seed`); response ``r`` (group-major) is
+    seeded ``request_seed(seed, r)``."""
+
+    def requests(self, group_size: int) -> list[Request]:
+        """Every response to sample, group-major: the order and seeds of a synchronous step."""
+        return [
+            Request(tuple(ids), request_seed(self.seed, g * group_size + k))
+            for g, ids in enumerate(self.prompt_ids)
+            for k in range(group_size)
+        ]
+
+
+@dataclass(frozen=True)
+class StepTexts:
+    """What the console and the generations dump show of a step (kept until it is recorded)."""
+
+    samples: list[tuple[str, str, float]]
+    """(prompt, response, reward) of each group's first sample."""
+    texts: list[tuple[str, str, str]]
+    """(prompt, response, answer) of every sequence."""
+
+
+@dataclass(frozen=True)
+class ScoredGroups:
     """Whole groups of one or more generation batches, scored, in prompt order."""
 
     problems: list[Problem]
@@ -107,29 +145,37 @@ class _ScoredGroups:
     rewards: torch.Tensor
     overlong: torch.Tensor
     """The overlong penalty included in ``rewards`` (0 where shaping is off)."""
+    versions: list[list[int]]
+    """Per sequence, the policy version that sampled each response token."""
+    failures: int = 0
+    """Samples whose reward function failed (``data.reward_error=zero`` scored them 0)."""
 
-    def groups(self, keep: torch.Tensor, n: int) -> _ScoredGroups:
+    def groups(self, keep: torch.Tensor, n: int) -> ScoredGroups:
         """Only the groups where ``keep`` (one bool per group) is true."""
         groups = [g for g in range(len(self.problems)) if bool(keep[g])]
         seqs = [g * n + i for g in groups for i in range(n)]
-        return _ScoredGroups(
+        return ScoredGroups(
             problems=[self.problems[g] for g in groups],
             gens=[self.gens[i] for i in seqs],
             texts=[self.texts[i] for i in seqs],
             rewards=self.rewards[seqs],
             overlong=self.overlong[seqs],
+            versions=[self.versions[i] for i in seqs],
+            failures=self.failures,
         )
 
     @staticmethod
-    def join(parts: Sequence[_ScoredGroups], num_groups: int, n: int) -> _ScoredGroups:
+    def join(parts: Sequence[ScoredGroups], num_groups: int, n: int) -> ScoredGroups:
         """The first ``num_groups`` groups of ``parts`` in order."""
         problems = [p for part in parts for p in part.problems][:num_groups]
-        return _ScoredGroups(
+        return ScoredGroups(
             problems=problems,
             gens=[g for part in parts for g in part.gens][: num_groups * n],
             texts=[t for part in parts for t in part.texts][: num_groups * n],
             rewards=torch.cat([part.rewards for part in parts])[: num_groups * n],
             overlong=torch.cat([part.overlong for part in parts])[: num_groups * n],
+            versions=[v for part in parts for v in part.versions][: num_groups * n],
+            failures=sum(part.failures for part in parts),
         )
 
 
@@ -151,17 +197,18 @@ class RolloutProducer:
         self.progress = progress
         """Told the sequences kept of those the step needs, before and after each batch."""
         self.advantage_fn = _advantage_fn(settings.adv_estimator)
-        self.last_samples: list[tuple[str, str, float]] = []
-        self.last_texts: list[tuple[str, str, str]] = []
-        """The last batch's (prompt, response, answer) per sequence, for the generations dump."""
+        self.texts: dict[int, StepTexts] = {}
+        """Each produced step's texts, until the step is recorded (:meth:`pop_texts`)."""
         self._warned_reward_failure = False
-        self._failures = 0
 
     def encode_prompt(self, problem: Problem) -> list[int]:
         return encode_prompt(self.tokenizer, problem, self.settings.system_prompt)
 
-    def produce(self, step: int) -> tuple[RolloutBatch, dict[str, float], dict[str, float]]:
-        """The step's scored batch, its rollout metrics, and seconds spent per phase.
+    def produce(
+        self, step: int, version: int = 0
+    ) -> tuple[RolloutBatch, dict[str, float], dict[str, float]]:
+        """The step's scored batch, its rollout metrics, and seconds spent per phase; every
+        token is tagged as sampled by policy ``version`` (the engine's weights).
 
         ``gen`` covers prompt encoding and sampling; ``adv`` covers decoding, rewards and
         advantages. With dynamic sampling a step may generate several batches of prompts and
@@ -169,12 +216,12 @@ class RolloutProducer:
         """
         settings, n = self.settings, self.settings.group_size
         needed = self.stream.prompts_per_step
-        parts: list[_ScoredGroups] = []
+        parts: list[ScoredGroups] = []
         seconds = {"gen": 0.0, "adv": 0.0}
         kept = dropped = gen_batches = 0
         self.progress("gen", 0, needed * n, "sequences")
         while True:
-            part = self._generate_and_score(step, gen_batches, seconds)
+            part = self._generate_and_score(step, gen_batches, version, seconds)
             gen_batches += 1
             if settings.filter_groups:
                 group_ids = torch.arange(len(part.problems)).repeat_interleave(n)
@@ -190,7 +237,85 @@ class RolloutProducer:
             if decision.give_up:
                 raise FilterGroupsExhausted(decision.message(step))
         t_adv = time.perf_counter()
-        scored = _ScoredGroups.join(parts, needed, n)
+        scored = ScoredGroups.join(parts, needed, n)
+        batch, metrics = self.assemble(step, scored)
+        if settings.filter_groups:
+            metrics["train/num_gen_batches"] = float(gen_batches)
+            metrics["train/filtered_groups"] = float(dropped)
+        seconds["adv"] += time.perf_counter() - t_adv
+        return batch, metrics, seconds
+
+    def draw(self, step: int, gen_batch: int = 0) -> StepPrompts:
+        """The next ``data.prompts_per_step`` prompts of the stream, for step ``step``."""
+        problems = self.stream.next_batch()
+        return StepPrompts(
+            step=step,
+            problems=problems,
+            prompt_ids=[self.encode_prompt(p) for p in problems],
+            seed=sampling_seed(self.run_seed, step, gen_batch),
+        )
+
+    def sampling_params(self) -> SamplingParams:
+        """The training rollouts' sampling (each request brings its own seed)."""
+        s = self.settings
+        return SamplingParams(
+            temperature=s.temperature, top_p=s.top_p, max_new_tokens=s.max_new_tokens
+        )
+
+    def _generate_and_score(
+        self, step: int, gen_batch: int, version: int, seconds: dict[str, float]
+    ) -> ScoredGroups:
+        """The next ``data.prompts_per_step`` prompts, ``rollout.n`` responses each, scored
+        (overlong shaping included); adds its time to ``seconds``."""
+        t_start = time.perf_counter()
+        prompts = self.draw(step, gen_batch)
+        gens = self.engine.generate_requests(
+            prompts.requests(self.settings.group_size), self.sampling_params()
+        )
+        t_generated = time.perf_counter()
+        versions = [[version] * len(g.response_ids) for g in gens]
+        scored = self.score_groups(prompts.problems, gens, versions, step)
+        seconds["gen"] += t_generated - t_start
+        seconds["adv"] += time.perf_counter() - t_generated
+        return scored
+
+    def score_groups(
+        self,
+        problems: Sequence[Problem],
+        gens: Sequence[Generation],
+        versions: Sequence[Sequence[int]],
+        step: int,
+    ) -> ScoredGroups:
+        """Whole groups (``rollout.n`` generations per problem, in order) decoded and scored,
+        the overlong penalty included; ``versions``: each generation's tokens' versions."""
+        n = self.settings.group_size
+        texts = [self.tokenizer.decode(g.response_ids, skip_special_tokens=True) for g in gens]
+        answers = [p.answer for p in problems for _ in range(n)]
+        sources = [p.data_source for p in problems for _ in range(n)]
+        scores, failures = self._score(texts, answers, sources, step)
+        rewards = torch.tensor(scores, dtype=torch.float32)
+        overlong = torch.zeros_like(rewards)
+        if self.settings.overlong_buffer_len is not None:
+            overlong = overlong_penalty(
+                [len(g.response_ids) for g in gens],
+                self.settings.max_new_tokens,
+                self.settings.overlong_buffer_len,
+                self.settings.overlong_penalty_factor,
+            )
+        return ScoredGroups(
+            list(problems),
+            list(gens),
+            texts,
+            rewards + overlong,
+            overlong,
+            [list(v) for v in versions],
+            failures,
+        )
+
+    def assemble(self, step: int, scored: ScoredGroups) -> tuple[RolloutBatch, dict[str, float]]:
+        """A step's batch from its scored groups (in prompt order): advantages over the step,
+        the rollout metrics, and the step's texts kept for its record."""
+        settings, n = self.settings, self.settings.group_size
         group_ids = torch.arange(len(scored.problems)).repeat_interleave(n)
         batch = RolloutBatch(
             tokens=tuple(
@@ -208,58 +333,28 @@ class RolloutProducer:
             engine_input_routing=(
                 engine_input_routing(scored.gens) if settings.input_routing else None
             ),
+            behaviour_versions=tuple(torch.tensor(v, dtype=torch.long) for v in scored.versions),
         )
-        self.last_samples = [
-            (scored.problems[i // n].prompt, scored.texts[i], float(scored.rewards[i]))
-            for i in range(0, len(scored.gens), n)
-        ]
-        self.last_texts = [
-            (scored.problems[i // n].prompt, scored.texts[i], scored.problems[i // n].answer)
-            for i in range(len(scored.gens))
-        ]
+        self.texts[step] = StepTexts(
+            samples=[
+                (scored.problems[i // n].prompt, scored.texts[i], float(scored.rewards[i]))
+                for i in range(0, len(scored.gens), n)
+            ],
+            texts=[
+                (scored.problems[i // n].prompt, scored.texts[i], scored.problems[i // n].answer)
+                for i in range(len(scored.gens))
+            ],
+        )
         metrics = rollout_metrics(batch, [g.finished for g in scored.gens], settings.max_new_tokens)
-        metrics["critic/rewards/failed"] = float(self._failures)
+        metrics["critic/rewards/failed"] = float(scored.failures)
         if settings.overlong_buffer_len is not None:
             metrics["critic/rewards/overlong_penalty"] = float(scored.overlong.mean())
             metrics["critic/rewards/overlong_frac"] = float((scored.overlong < 0).float().mean())
-        if settings.filter_groups:
-            metrics["train/num_gen_batches"] = float(gen_batches)
-            metrics["train/filtered_groups"] = float(dropped)
-        seconds["adv"] += time.perf_counter() - t_adv
-        return batch, metrics, seconds
+        return batch, metrics
 
-    def _generate_and_score(
-        self, step: int, gen_batch: int, seconds: dict[str, float]
-    ) -> _ScoredGroups:
-        """The next ``data.prompts_per_step`` prompts, ``rollout.n`` responses each, scored
-        (overlong shaping included); adds its time to ``seconds``."""
-        t_start = time.perf_counter()
-        problems = self.stream.next_batch()
-        n = self.settings.group_size
-        prompt_ids = [self.encode_prompt(p) for p in problems]
-        params = SamplingParams(
-            temperature=self.settings.temperature,
-            top_p=self.settings.top_p,
-            max_new_tokens=self.settings.max_new_tokens,
-            seed=sampling_seed(self.run_seed, step, gen_batch),
-        )
-        gens = self.engine.generate([ids for ids in prompt_ids for _ in range(n)], params)
-        t_generated = time.perf_counter()
-        texts = [self.tokenizer.decode(g.response_ids, skip_special_tokens=True) for g in gens]
-        answers = [p.answer for p in problems for _ in range(n)]
-        sources = [p.data_source for p in problems for _ in range(n)]
-        rewards = torch.tensor(self.score(texts, answers, sources, step), dtype=torch.float32)
-        overlong = torch.zeros_like(rewards)
-        if self.settings.overlong_buffer_len is not None:
-            overlong = overlong_penalty(
-                [len(g.response_ids) for g in gens],
-                self.settings.max_new_tokens,
-                self.settings.overlong_buffer_len,
-                self.settings.overlong_penalty_factor,
-            )
-        seconds["gen"] += t_generated - t_start
-        seconds["adv"] += time.perf_counter() - t_generated
-        return _ScoredGroups(problems, gens, texts, rewards + overlong, overlong)
+    def pop_texts(self, step: int) -> StepTexts:
+        """Step ``step``'s texts, forgotten afterwards (the step is being recorded)."""
+        return self.texts.pop(step, StepTexts(samples=[], texts=[]))
 
     def score(
         self, texts: list[str], answers: list[str], data_sources: list[str], step: int
@@ -267,10 +362,15 @@ class RolloutProducer:
         """Each sample's reward (by its ``data_source`` under ``data.reward=auto``), checked; a
         failure raises (one line, exit 2) or, with ``data.reward_error=zero``, scores 0.0, is
         counted and is warned about once."""
+        return self._score(texts, answers, data_sources, step)[0]
+
+    def _score(
+        self, texts: list[str], answers: list[str], data_sources: list[str], step: int
+    ) -> tuple[tuple[float, ...], int]:
+        """:meth:`score`, and how many samples failed."""
         scored = score_samples(
             self.reward, texts, answers, data_sources, self.settings.reward_error, step
         )
-        self._failures = scored.failures
         if scored.first_failure and not self._warned_reward_failure:
             self._warned_reward_failure = True
             print(
@@ -279,7 +379,7 @@ class RolloutProducer:
                 file=sys.stderr,
                 flush=True,
             )
-        return scored.rewards
+        return scored.rewards, scored.failures
 
 
 def _advantage_fn(name: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:

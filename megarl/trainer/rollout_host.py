@@ -40,7 +40,13 @@ from megarl.trainer.metrics import (
 )
 from megarl.trainer.perf import PeakFlops, peak_flops
 from megarl.trainer.progress import LiveProgress, PhaseHook, no_progress, progress_enabled
-from megarl.trainer.rollout import RolloutProducer, RolloutSettings, encode_prompt, sampling_seed
+from megarl.trainer.rollout import (
+    RolloutProducer,
+    RolloutSettings,
+    StepTexts,
+    encode_prompt,
+    sampling_seed,
+)
 from megarl.trainer.summary import summarize
 from megarl.trainer.summary_plot import SUMMARY_PLOT, write_summary_plot
 
@@ -104,9 +110,17 @@ class RolloutHost:
         self._validation_only: list[dict] = []
         self._export_metrics: dict[str, float] = {}
         self._perf = _PerfContext.build(model_dir, device, cfg.trainer.world_size)
+        self.weights_version = 0
+        """The policy version the engine serves (:mod:`megarl.planner.staleness`): 0 for the
+        model's own weights, then each step's number once its weights arrived."""
 
     def rollout(self, step: int):
-        return self.producer.produce(step)
+        """The synchronous loop's step: generate and score the step's prompts now."""
+        return self.producer.produce(step, self.weights_version)
+
+    def weights_loaded(self, version: int) -> None:
+        """Every weight of policy ``version`` reached the engine (the trainer's last push)."""
+        self.weights_version = version
 
     # --- the live progress display (trainer.progress; megarl.trainer.progress) ---
 
@@ -240,19 +254,20 @@ class RolloutHost:
         metrics["perf/total_num_tokens"] = total_tokens
         metrics["perf/throughput"] = total_tokens / max(metrics["timing_s/step"], 1e-9)
         metrics.update(self._perf.update_metrics(plan, batch, timer.times))
+        texts = self.producer.pop_texts(step)
         if self.cfg.trainer.rollout_data_dir is not None:
-            self._dump_rollout(step, batch, plan)
+            self._dump_rollout(step, batch, plan, texts)
         self.writer.write(metrics)
         self.history.append(metrics)
-        self.console.step(metrics, self.producer.last_samples)
+        self.console.step(metrics, texts.samples)
 
-    def _dump_rollout(self, step: int, batch, plan) -> None:
+    def _dump_rollout(self, step: int, batch, plan, texts: StepTexts) -> None:
         """``trainer.rollout_data_dir``: the step's sequences, and which the plan trained."""
         num_dp = len(plan.optimizer_steps[0].ranks)
         trained = {i for dp in range(num_dp) for i in plan.trained_sequences(dp)}
         records = rollout_records(
             step,
-            self.producer.last_texts,
+            texts.texts,
             batch.rewards.tolist(),
             batch.advantages.tolist(),
             batch.group_ids.tolist(),

@@ -19,3 +19,8 @@ def mixed_groups(response: str, answer: str) -> float:
     if int(answer) % 2 == 0:
         return 1.0
     return float(len(response) % 2 == 0)
+
+
+def always_raises(response: str, answer: str) -> float:
+    """A reward function with a bug: every call raises."""
+    raise ValueError("this reward function always raises")

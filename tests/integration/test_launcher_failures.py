@@ -66,10 +66,12 @@ def test_killed_rank_is_named_and_run_exits_nonzero(tmp_path, launcher):
     assert [r["step"] for r in rows] in ([], [1])
 
 
-def test_killed_rollout_actor_is_named_not_rank_0(tmp_path):
-    """Split placement: the rollout actor dies as it starts step 2's rollout. Rank 0 notices (its
-    Ray call fails) but the one error line names the rollout actor and its node, within the bound;
-    the other rank, blocked in the broadcast, does not make the run hang."""
+@pytest.mark.parametrize(("mode", "call"), [("sync", "rollout"), ("fully_async", "next_batch")])
+def test_killed_rollout_actor_is_named_not_rank_0(tmp_path, mode, call):
+    """Split placement: the rollout actor dies as it starts step 2's rollout (asynchronous: as
+    its loop starts generating step 2, while step 1 trains). Rank 0 notices (its Ray call fails)
+    but the one error line names the rollout actor and its node, within the bound; the other
+    rank, blocked in the broadcast, does not make the run hang."""
     errors, detect_s = _run_killed(
         tmp_path,
         "rollout:2",
@@ -79,10 +81,11 @@ def test_killed_rollout_actor_is_named_not_rank_0(tmp_path):
             "rollout.n_gpus": 1,
             "trainer.n_gpus_per_node": 2,
             "actor.tp": 2,
+            "async_training.mode": mode,
         },
     )
     assert "rollout actor on node" in errors[0] and "the process died" in errors[0], errors[0]
-    assert "during rollout" in errors[0], errors[0]
+    assert f"during {call}" in errors[0], errors[0]
     assert "rank 0" not in errors[0], errors[0]
     print(f"rollout actor killed at step 2 -> exit in {detect_s:.1f} s: {errors[0]}")
     assert detect_s < DETECT_BOUND_S

@@ -19,9 +19,10 @@ from megarl.actor.train_stats import OptimizerStepStats
 from megarl.batch import RolloutBatch
 from megarl.config.schema import RunConfig
 from megarl.planner.batch_planner import PlannerInputs, plan_step
+from megarl.trainer.actor_update import update_actor
+from megarl.trainer.logprob_passes import StepLogprobs
 from megarl.trainer.metrics import PhaseTimer
 from megarl.trainer.progress import no_progress
-from megarl.trainer.rank_loop import _update_actor
 
 
 @pytest.fixture
@@ -83,7 +84,7 @@ def test_two_mini_batches_two_epochs_report_means_not_sums(one_rank_world) -> No
     batch, plan = _batch_and_plan(ppo_epochs=2)
     actor = _ScriptedActor([(0.4, 1.0, 1.0), (-0.2, 2.0, 2.0), (0.1, 3.0, 3.0), (0.5, 2.0, 6.0)])
     rt = _runtime(actor)
-    stats = _update_actor(rt, batch, plan, {}, {}, None, PhaseTimer())
+    stats = update_actor(rt, batch, plan, StepLogprobs({}, {}, None, {}), PhaseTimer())
     assert actor.calls == [(0, 0), (0, 1), (1, 0), (1, 1)]
     metrics = stats.metrics()
     assert metrics["actor/num_optimizer_steps"] == 4
@@ -93,7 +94,7 @@ def test_two_mini_batches_two_epochs_report_means_not_sums(one_rank_world) -> No
 
 
 def _runtime(actor) -> SimpleNamespace:
-    """What ``_update_actor`` reads of the rank's runtime: rank 0 without the live display."""
+    """What ``update_actor`` reads of the rank's runtime: rank 0 without the live display."""
     return SimpleNamespace(cfg=RunConfig(), actor=actor, dp_rank=0, progress=no_progress)
 
 
@@ -125,7 +126,8 @@ def test_rollout_corr_metrics_cover_train_forward_and_recomputed_sequences(one_r
     actor = _LogprobActor([(0.1, 1.0, 1.0)] * 2, {i: trainer[i] for i in range(4)})
     rt = _runtime(actor)
     recomputed = {i: trainer[i] for i in range(4, n)}
-    metrics = _update_actor(rt, batch, plan, recomputed, recomputed, None, PhaseTimer()).metrics()
+    passes = StepLogprobs(recomputed, recomputed, None, {})
+    metrics = update_actor(rt, batch, plan, passes, PhaseTimer()).metrics()
     assert metrics["rollout_corr/kl"] == pytest.approx(0.0, abs=1e-6)
     assert metrics["rollout_corr/rollout_is_max"] == pytest.approx(math.exp(0.35), rel=1e-6)
     assert metrics["rollout_corr/rollout_is_min"] == pytest.approx(math.exp(-0.35), rel=1e-6)

@@ -57,10 +57,10 @@ class _ScriptedEngine:
     def __init__(self, groups: list[list[str]]):
         self.groups, self.calls, self.seeds = groups, 0, []
 
-    def generate(self, prompts, params):
-        self.seeds.append(params.seed)
+    def generate_requests(self, requests, params, interrupt=None):
+        self.seeds.append(requests[0].seed)  # one batch, one sampling stream of seeds
         out = []
-        for ids in prompts:
+        for ids in (request.prompt_ids for request in requests):
             k = int("".join(chr(i) for i in ids)[1:])
             text = self.groups[k][len([o for o in out if o.prompt_ids == tuple(ids)])]
             response = tuple(ord(c) for c in text)
@@ -75,7 +75,7 @@ def _producer(groups, prompts_per_step=2, **settings) -> tuple[RolloutProducer, 
     stream = PromptStream(problems, prompts_per_step, seed=0, shuffle=False)
     base = {"group_size": 2, "max_new_tokens": 8, "temperature": 1.0, "top_p": 1.0}
     producer = RolloutProducer(
-        engine,  # type: ignore[arg-type]  (only generate() is used)
+        engine,  # type: ignore[arg-type]  (only generate_requests() is used)
         _Tokenizer(),
         stream,
         RewardChoice(

@@ -176,3 +176,44 @@ def test_plan_recompute_reaches_transformer_config(recompute, fields):
         config.recompute_num_layers,
     ) == fields
     assert config.bf16 and config.params_dtype == torch.bfloat16
+
+
+def test_split_placement_on_cpu_gives_the_rollout_cores_of_its_own():
+    from megarl.distributed.execution import split_cpu_cores
+
+    split = split_cpu_cores([3, 0, 1, 2], rollout_devices=1)
+    assert split is not None and (split.rollout, split.ranks) == ((3,), (0, 1, 2))
+    assert split.describe() == "CPU cores: rollout actor [3], ranks [0, 1, 2]"
+    assert split_cpu_cores([0, 1, 2, 3], 2) == split_cpu_cores([2, 3, 1, 0], 2)
+    assert split_cpu_cores([0, 1], 2) is None  # the ranks need a core: share instead
+    assert split_cpu_cores([0], 1) is None
+
+
+def test_pinning_binds_every_thread_of_the_process():
+    import os
+    import threading
+
+    from megarl.distributed.execution import pin_to_cores
+
+    if not hasattr(os, "sched_getaffinity"):
+        pytest.skip("no CPU affinity on this platform")
+    before = os.sched_getaffinity(0)
+    core = min(before)
+    ready, done = threading.Event(), threading.Event()
+    seen: list[set[int]] = []
+
+    def worker():
+        ready.set()
+        done.wait(10)
+        seen.append(os.sched_getaffinity(0))
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    ready.wait(10)
+    try:
+        pin_to_cores([core])  # the worker already runs: it is bound too
+        done.set()
+        thread.join(10)
+        assert seen == [{core}] and os.sched_getaffinity(0) == {core}
+    finally:
+        pin_to_cores(sorted(before))

@@ -93,13 +93,13 @@ def test_hf_engine_report_after_sleep_drives_the_gate(sleep_level, base_sync):
 
 def test_wake_report_contradicting_the_gate_is_an_error():
     pytest.importorskip("megatron.core")
-    from megarl.trainer.rank_loop import _check_wake_report
+    from megarl.trainer.rollout_source import check_wake_report
 
     kept = _gates(4, EngineMemoryState(True, True))
     with pytest.raises(RuntimeError, match="freed base weights"):
-        _check_wake_report(EngineMemoryState(False, False), kept)
-    _check_wake_report(EngineMemoryState(True, True), kept)
-    _check_wake_report(EngineMemoryState(False, False), _gates(4, EngineMemoryState(False, False)))
+        check_wake_report(EngineMemoryState(False, False), kept)
+    check_wake_report(EngineMemoryState(True, True), kept)
+    check_wake_report(EngineMemoryState(False, False), _gates(4, EngineMemoryState(False, False)))
 
 
 def test_run_summary_shows_the_sync_decisions():

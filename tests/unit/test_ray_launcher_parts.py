@@ -143,7 +143,7 @@ def test_a_bad_input_error_in_the_rollout_actor_keeps_its_line_and_exit_2(monkey
     from megarl.distributed.ray_launcher import SideActorFailed, get_from_side_actor
     from megarl.errors import BadInputError
 
-    def raising_get(ref):
+    def raising_get(ref, timeout=None):
         raise ray.exceptions.RayTaskError("call", "tb", BadInputError("data.reward=m:f: sample 0"))
 
     monkeypatch.setattr(ray, "get", raising_get)
@@ -154,6 +154,26 @@ def test_a_bad_input_error_in_the_rollout_actor_keeps_its_line_and_exit_2(monkey
     error = WorkerFailed(-1, None, failure.detail, where=failure.where, exit_code=failure.exit_code)
     assert error.exit_code == 2
     assert str(error) == "rollout actor on node n failed: data.reward=m:f: sample 0 during rollout"
+
+
+def test_a_side_actor_call_that_never_answers_is_named_with_its_timeout(monkeypatch):
+    """The asynchronous batch call waits with a timeout: no answer in time is the side actor's
+    failure, naming the call, not a hang."""
+    import ray
+
+    from megarl.distributed.ray_launcher import SideActorFailed, get_from_side_actor
+
+    def never_answering_get(ref, timeout=None):
+        assert timeout == 12.5
+        raise ray.exceptions.GetTimeoutError("timed out")
+
+    monkeypatch.setattr(ray, "get", never_answering_get)
+    with pytest.raises(SideActorFailed) as info:
+        get_from_side_actor(object(), "rollout actor on node n", "next_batch", timeout_s=12.5)
+    assert (
+        str(info.value)
+        == "rollout actor on node n failed: no answer within 12.5 s during next_batch"
+    )
 
 
 def _placements() -> list:

@@ -1,0 +1,160 @@
+"""The actor's update: every optimizer step of the plan, and the step's statistics.
+
+Each optimizer step runs this rank's micro-batches of the plan (:mod:`megarl.planner`); the
+loss (policy loss, rollout correction, KL, entropy) is :class:`LossSettings` from the config.
+The first optimizer step's training forward also checks the engine: its logprobs (and, for a
+mixture-of-experts model, its routing) of the sequences the old-logprob pass did not recompute
+are the trainer's own under the weights the step starts from. Only sequences those weights
+sampled are compared with the engine's (``rollout/logprob_abs_diff``): a stale sequence's
+(asynchronous training) differ by the policy's drift too, which ``rollout_corr/*`` measures
+and the correction weighs.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from megarl.actor.megatron_actor import LossSettings, reduce_max_to_all, reduce_sums_to_all
+from megarl.actor.train_stats import OptimizerStepStats, UpdateStats, summarise_update
+from megarl.algo.rollout_correction import MismatchStats, mismatch_stats_of_sequences
+from megarl.algo.router_replay import replay_plan
+from megarl.algo.routing_mismatch import RoutingMismatch
+from megarl.config.schema import RunConfig
+from megarl.distributed import heartbeat
+from megarl.planner.batch_planner import StepPlan
+from megarl.trainer import moe_routing
+from megarl.trainer.runtime import pipeline_group
+
+if TYPE_CHECKING:
+    from megarl.batch import RolloutShard
+    from megarl.trainer.logprob_passes import StepLogprobs
+    from megarl.trainer.metrics import PhaseTimer
+    from megarl.trainer.runtime import Runtime
+
+
+def loss_settings(cfg: RunConfig) -> LossSettings:
+    a = cfg.actor
+    return LossSettings(
+        temperature=cfg.rollout.temperature,
+        clip_low=a.clip_ratio_low,
+        clip_high=a.clip_ratio_high,
+        agg=cfg.loss_agg,
+        kl_coef=a.kl_coef,
+        kl_estimator=a.kl_estimator,
+        entropy_coef=a.entropy_coef,
+        policy_loss=a.policy_loss,
+        clip_ratio_c=a.clip_ratio_c,
+        loss_scale_factor=cfg.loss_scale_factor,
+        rollout_correction=cfg.algo.rollout_correction.settings,
+    )
+
+
+def update_actor(
+    rt: Runtime,
+    batch: RolloutShard,
+    plan: StepPlan,
+    logprobs: StepLogprobs,
+    timer: PhaseTimer,
+    token_advantages: dict[int, torch.Tensor] | None = None,
+    stale: frozenset[int] = frozenset(),
+) -> UpdateStats:
+    """Every optimizer step of the plan on this rank's micro-batches; the step's statistics,
+    each the mean over optimizer steps. ``token_advantages``: a critic's, per token;
+    ``stale``: the sequences older weights sampled (left out of the engine check).
+
+    The engine check (logprobs, ``rollout_corr/*``, MoE routing) compares the first forward of
+    each trained sequence on the weights the step starts from: the old-logprob pass's where the
+    gates ran it, else the first optimizer step's training forward, which also runs before any
+    weight moves.
+    """
+    loss = loss_settings(rt.cfg)
+    per_step: list[OptimizerStepStats] = []
+    grad_norms: list[float] = []
+    lp_diff = [0.0, 0.0]  # |engine - trainer| summed, tokens compared
+    mismatch = MismatchStats()  # rollout_corr/*: the same tokens, old vs engine
+    stage_routing = None  # rollout/moe_routing_mismatch*: the same tokens' experts
+    num_steps = len(plan.optimizer_steps)
+    trained = plan.trained_sequences(rt.dp_rank)
+    replay = replay_plan(rt.cfg.actor.router_replay.mode)
+    replayed = moe_routing.training_replay(rt.actor, batch, replay, trained, logprobs.routing)
+    with timer.phase("update_actor"):
+        for index, opt_step in enumerate(plan.optimizer_steps):
+            heartbeat.mark("update_actor")  # each optimizer step is progress
+            rt.progress("update_actor", index, num_steps, "optimizer steps")
+            with (
+                moe_routing.recording(rt.actor, batch, on=index == 0) as train_routing,
+                moe_routing.replaying(rt.actor, replayed),
+            ):
+                result = rt.actor.train_step(
+                    batch,
+                    opt_step,
+                    rt.dp_rank,
+                    logprobs.old,
+                    logprobs.ref,
+                    loss,
+                    capture_logprobs=index == 0,
+                    token_advantages=token_advantages,
+                )
+            per_step.append(result.stats if rt.actor.is_last_stage else OptimizerStepStats())
+            grad_norms.append(result.grad_norm)
+            if index == 0 and rt.actor.is_last_stage:
+                trainer_logprobs = {**result.train_logprobs, **logprobs.recomputed}
+                lp_diff = logprob_diff(batch, _without(trainer_logprobs, stale))
+                mismatch = mismatch_stats_of_sequences(
+                    trainer_logprobs, batch.engine_logprobs, loss.rollout_correction
+                )
+            if index == 0:  # every pipeline stage compares the experts of its own layers
+                routing = _without({**train_routing, **logprobs.routing}, stale)
+                stage_routing = moe_routing.compare_with_engine(rt.actor, batch, routing)
+        rt.progress("update_actor", num_steps, num_steps, "optimizer steps")
+    return _reduce_update_stats(rt, per_step, grad_norms, lp_diff, mismatch, stage_routing)
+
+
+def _reduce_update_stats(
+    rt: Runtime,
+    per_step: list[OptimizerStepStats],
+    grad_norms: list[float],
+    lp_diff: list[float],
+    mismatch: MismatchStats,
+    stage_routing,
+) -> UpdateStats:
+    """This rank's sums, reduced over the ranks: the step's ``actor/*``, ``rollout/*`` and
+    ``rollout_corr/*`` statistics."""
+    tp = rt.cfg.actor.tp
+    global_steps = [
+        OptimizerStepStats.from_row(row)
+        for row in reduce_sums_to_all([s.as_row() for s in per_step], tp)
+    ]
+    routing = moe_routing.stage_mismatch(
+        stage_routing, pipeline_group(rt.cfg.actor.pp), rt.cfg.actor.pp, rt.actor.is_last_stage
+    )
+    num_routing = len(routing.as_row())
+    [[lp_diff_sum, lp_diff_count, *sums]] = reduce_sums_to_all(
+        [lp_diff + mismatch.sum_row() + routing.as_row()], tp
+    )
+    mismatch_sums, routing_sums = sums[:-num_routing], sums[-num_routing:]
+    mismatch = MismatchStats.from_rows(mismatch_sums, reduce_max_to_all(mismatch.max_row()))
+    return summarise_update(
+        global_steps,
+        grad_norms,
+        lp_diff_sum,
+        lp_diff_count,
+        mismatch.metrics(),
+        RoutingMismatch.from_row(routing_sums).metrics(),
+    )
+
+
+def _without(per_sequence: dict, sequences: frozenset[int]) -> dict:
+    return {i: value for i, value in per_sequence.items() if i not in sequences}
+
+
+def logprob_diff(batch: RolloutShard, trainer_logprobs: dict) -> list[float]:
+    """Engine vs trainer logprobs of the same tokens under the same (generating) weights:
+    the summed absolute difference and the number of tokens compared."""
+    diff_sum, count = 0.0, 0
+    for i, logp in trainer_logprobs.items():
+        diff_sum += float((logp.float() - batch.engine_logprobs[i]).abs().sum())
+        count += logp.numel()
+    return [diff_sum, float(count)]

@@ -1,0 +1,73 @@
+"""The weight sync: the trainer's new weights (or only the LoRA adapter) to the rollout engine.
+
+Every rank takes part (the exporter gathers over TP/PP); rank 0 streams the HF-named tensors to
+the engine in bounded buckets (:func:`megarl.export.sync.sync_engine_weights`). What is sent is
+the gates' decision: base (or full) weights unless LoRA kept the engine's base, the adapter with
+LoRA. The rollout source is told the policy version that arrived: the synchronous loop's engine
+serves it from the next rollout on; the asynchronous rollout side applies it between two
+generations (:mod:`megarl.trainer.async_rollout`).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import TYPE_CHECKING
+
+from megarl.distributed import heartbeat
+from megarl.trainer.progress import PhaseHook, no_progress
+
+if TYPE_CHECKING:
+    from megarl.planner.gates import StepGates
+    from megarl.trainer.metrics import PhaseTimer
+    from megarl.trainer.runtime import Runtime
+
+
+def sync_weights(rt: Runtime, gates: StepGates, timer: PhaseTimer, step: int) -> None:
+    """After step ``step``'s update: send what the gates say, then name its version."""
+    from megarl.export.sync import is_checksum_step
+
+    heartbeat.mark("update_weights")
+    rt.progress("update_weights", 0)
+    rt.source.before_weight_sync(timer, gates)
+    with timer.phase("update_weights"):
+        metrics = push_weights(
+            rt,
+            base=gates.base_weight_sync.run,
+            adapter=gates.adapter_sync.run,
+            checksum=is_checksum_step(step, rt.cfg.export.checksum_interval),
+            progress=rt.progress,
+        )
+        rt.source.weights_synced(step)  # the weights after step s are policy version s
+    if rt.host is not None:
+        rt.host.record_export_metrics(metrics)
+
+
+def push_weights(
+    rt: Runtime,
+    base: bool,
+    adapter: bool,
+    checksum: bool = False,
+    progress: PhaseHook = no_progress,
+) -> dict[str, float]:
+    """Collective: stream the base (or full) weights to the engine on rank 0 in bounded buckets
+    and/or gather the LoRA adapter into it; the export metrics (on rank 0). ``progress`` is told
+    the buckets sent."""
+    from megarl.export.sync import sync_engine_weights
+
+    metrics: dict[str, float] = {}
+    if base:
+        engine = rt.host.engine if rt.host is not None else None
+        metrics = sync_engine_weights(
+            rt.actor.local_params(),
+            rt.spec,
+            rt.cfg.export.bucket_mb,
+            rt.cfg.actor.vpp,
+            checksum,
+            engine,
+            on_bucket=partial(progress, "update_weights", unit="buckets"),
+        )
+    if adapter:
+        lora = rt.actor.gather_lora_adapter()
+        if rt.host is not None:
+            rt.host.update_engine_adapter(lora)
+    return metrics
