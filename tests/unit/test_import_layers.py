@@ -24,6 +24,7 @@ LAYERS = (
     "models",
     "export",
     "engines",
+    "agent",
     "config",
     "checkpoint",
     "actor",

@@ -1,0 +1,1127 @@
+"""Run model-written Python code, which is hostile, without letting it harm the training run.
+
+A policy that can call a code tool will, over millions of rollouts, write every program there is:
+infinite loops, fork bombs, memory hogs, ``os.environ`` dumps (API keys), reads of the run's
+checkpoints and data, writes into the repository, network calls. :func:`run_python` runs one
+program so that each of those ends as a :class:`SandboxResult` within its :class:`SandboxLimits`
+and leaves nothing behind: no process, no file, no changed state of the host.
+
+How (each layer is documented in ``docs/sandbox.md``):
+
+* a **launcher** (this file run as a script by a fresh interpreter, so no fork of the
+  multi-threaded trainer ever runs Python code) enters new namespaces, then forks an **init**
+  that builds the confinement and forks the program: ``python -I -B -u -`` reading the code
+  from stdin, with a cleared environment, in an empty temporary folder;
+* **namespaces** (root: directly; unprivileged: inside a user namespace where the kernel allows):
+  network (no interface but a down loopback: no network at all), PID (when init dies the kernel
+  kills every process left, including ones that called ``setsid()``), mount (a private root
+  holding only the system and Python installation, read-only, and a small in-memory work
+  folder), IPC and UTS;
+* an **unprivileged uid** (root only), fresh per run: the file permissions of everything else
+  apply, ``RLIMIT_NPROC`` counts (the kernel exempts uid 0), and every process of the uid can be
+  found and killed afterwards;
+* **Landlock** (unprivileged, Linux >= 5.13): read-only access to the system and Python,
+  read-write to the temporary folder, no TCP bind/connect (ABI >= 4), no signals or abstract
+  UNIX sockets out of the sandbox (ABI >= 6);
+* ``no_new_privs`` (no set-uid binary can give privileges back) and **resource limits** (CPU
+  seconds, address space, processes, file size, open files, no core dumps);
+* the **wall-clock timeout**, the output cap and the program's own exit all end the same
+  way: the launcher SIGKILLs init's process group and init (whose death empties the PID
+  namespace), kills orphans that come to it as subreaper and reaps everything; the parent then
+  sweeps the run's uid and removes the folder.
+
+A layer the machine does not allow is skipped and said so: every result carries a
+:class:`SandboxReport` of what was applied and what was not, and ``require=`` turns a missing
+layer into :class:`SandboxUnavailable` before any model code runs. This module imports only the
+standard library: it is also the launcher script.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import dataclasses
+import json
+import os
+import resource
+import secrets
+import shutil
+import signal
+import stat
+import sys
+import tempfile
+import time
+from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+# Run as a script, this file is the launcher: it needs no asyncio, a third of its start-up.
+if TYPE_CHECKING or __name__ != "__main__":
+    import asyncio
+
+# ----------------------------------------------------------------------------------------------
+# Public types
+
+
+@dataclass(frozen=True)
+class SandboxLimits:
+    """What one program may use. The defaults fit a math/code tool call; the tool YAML's
+    ``config`` overrides any of them by name (see ``docs/sandbox.md``).
+
+    ``memory_mb`` and ``cpu_s`` bind each process; ``max_processes`` (processes and threads,
+    the program included) bounds how many there are, so the worst case is about
+    ``max_processes * memory_mb`` of memory. ``max_file_mb`` bounds each file and, with a
+    private root, all of the work folder together (an in-memory tmpfs of that size).
+    ``max_output_bytes`` caps each of stdout and stderr: a program that prints more is stopped,
+    its output cut there and marked truncated.
+    """
+
+    timeout_s: float = 10.0
+    cpu_s: int = 5
+    memory_mb: int = 512
+    max_processes: int = 16
+    max_file_mb: int = 16
+    max_open_files: int = 64
+    max_output_bytes: int = 16_384
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            kind = float if f.name == "timeout_s" else int
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"sandbox limit {f.name} must be a number, got {value!r}")
+            if kind is int and not isinstance(value, int):
+                raise ValueError(f"sandbox limit {f.name} must be an integer, got {value!r}")
+            if value <= 0:
+                raise ValueError(f"sandbox limit {f.name} must be positive, got {value!r}")
+        if self.memory_mb < 32:
+            raise ValueError(f"memory_mb={self.memory_mb}: an interpreter needs at least 32 MiB")
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> SandboxLimits:
+        """The limits named in ``config`` (other keys are the caller's); the rest default."""
+        return cls(**{k: config[k] for k in cls.field_names() if k in config})
+
+
+# The summary names ``require=`` accepts, each satisfied by any one of the layers listed.
+REQUIREMENTS: Mapping[str, tuple[str, ...]] = {
+    "network": ("net-namespace",),
+    "filesystem": ("private-root", "landlock-fs"),
+    "processes": ("pid-namespace", "private-uid"),
+}
+
+
+@dataclass(frozen=True)
+class SandboxReport:
+    """Which protections a run actually had, as measured by the init that applied them.
+
+    ``applied`` holds layer names (``net-namespace``, ``pid-namespace``, ``mount-namespace``,
+    ``private-root``, ``ipc-namespace``, ``uts-namespace``, ``user-namespace``,
+    ``private-uid``, ``landlock-fs``, ``landlock-net``, ``landlock-scope``, ``no-new-privs``,
+    ``rlimits``, ``rlimit-nproc``, ``clean-env``, ``isolated-python``, ``new-session``);
+    ``missing`` says, in words, what was not applied and why. Nothing is claimed that the
+    kernel did not accept.
+    """
+
+    applied: tuple[str, ...]
+    missing: tuple[str, ...] = ()
+    uid: int | None = None
+    landlock_abi: int = 0
+
+    @property
+    def network_isolated(self) -> bool:
+        """No network at all (a network namespace). Landlock alone blocks TCP only."""
+        return self.satisfies("network")
+
+    @property
+    def filesystem_confined(self) -> bool:
+        """Files outside the temporary folder and the installations cannot be read or written."""
+        return self.satisfies("filesystem")
+
+    @property
+    def processes_contained(self) -> bool:
+        """Every process the program starts is killed at the end, also one that ``setsid()``-s."""
+        return self.satisfies("processes")
+
+    def satisfies(self, requirement: str) -> bool:
+        """``requirement``: a summary name of :data:`REQUIREMENTS` or a layer name."""
+        layers = REQUIREMENTS.get(requirement, (requirement,))
+        return any(layer in self.applied for layer in layers)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> SandboxReport:
+        return cls(
+            applied=tuple(data["applied"]),
+            missing=tuple(data["missing"]),
+            uid=data.get("uid"),
+            landlock_abi=int(data.get("landlock_abi", 0)),
+        )
+
+
+@dataclass(frozen=True)
+class SandboxResult:
+    """How a program ended. ``exit_code`` is ``None`` when it did not exit by itself;
+    ``killed_by`` then says why: ``"timeout"``, ``"output_limit"`` or the signal's name
+    (``"SIGXCPU"``: CPU limit; ``"SIGKILL"``: hard CPU limit or the kernel). ``stdout`` and
+    ``stderr`` are decoded UTF-8 (undecodable bytes replaced), each at most
+    ``max_output_bytes`` long; ``truncated`` says whether anything was cut."""
+
+    stdout: str
+    stderr: str
+    exit_code: int | None
+    timed_out: bool
+    killed_by: str | None
+    truncated: bool
+    report: SandboxReport = field(repr=False)
+    duration_s: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0 and self.killed_by is None
+
+
+class SandboxError(RuntimeError):
+    """The sandbox itself could not run the program (not the program's fault)."""
+
+
+class SandboxUnavailable(SandboxError):
+    """A protection named in ``require=`` is not available on this machine."""
+
+
+# ----------------------------------------------------------------------------------------------
+# The parent side: start the launcher, feed the code, collect output, kill, clean up.
+
+# Grace for the launcher's pipes to close after the kill; beyond it the run is abandoned.
+_KILL_GRACE_S = 5.0
+# How long the uid sweep keeps finding and killing processes before it gives up.
+_SWEEP_ROUNDS = 50
+# Fresh uids/gids for root runs are drawn from here: far above any distribution's users.
+_UID_BASE = 0x6000_0000
+_UID_SPAN = 1 << 24
+_SYSTEM_READ_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/etc/ld.so.cache")
+_DEVICES = ("/dev/null", "/dev/zero", "/dev/random", "/dev/urandom")
+
+
+async def run_python(
+    code: str,
+    limits: SandboxLimits | None = None,
+    *,
+    python: str | None = None,
+    read_paths: Iterable[str] = (),
+    require: Collection[str] = (),
+    work_root: str | None = None,
+) -> SandboxResult:
+    """Run ``code`` as a Python program in a fresh sandbox; never raises for what the program
+    does (it is all in the result), only :class:`SandboxError` when the sandbox cannot start.
+
+    ``python``: the interpreter (default: this one, so the program sees the same installed
+    packages, read-only). ``read_paths``: more folders it may read. ``require``: names of
+    :data:`REQUIREMENTS` (or layers) that must be applied, else :class:`SandboxUnavailable`.
+    ``work_root``: where the temporary folder is made (default: the system's temp dir).
+    """
+    limits = limits or SandboxLimits()
+    python = python or sys.executable
+    if not python:
+        raise SandboxError("no Python interpreter to run the code with (sys.executable is empty)")
+    unknown = [r for r in require if r not in REQUIREMENTS and r not in _LAYERS]
+    if unknown:
+        raise ValueError(f"unknown sandbox requirements {unknown}; known: {sorted(REQUIREMENTS)}")
+    run = _Run.create(python, limits, read_paths, require, work_root)
+    try:
+        return await run.execute(code.encode("utf-8", errors="replace"))
+    finally:
+        await asyncio.shield(asyncio.to_thread(run.cleanup))
+
+
+_PROBES: dict[str, SandboxReport] = {}
+
+
+async def probe(python: str | None = None) -> SandboxReport:
+    """The protections this machine gives a run (runs an empty program once per interpreter):
+    for start-up logs and for skipping tests that need a protection."""
+    python = python or sys.executable
+    if python not in _PROBES:
+        result = await run_python("", SandboxLimits(timeout_s=30), python=python)
+        _PROBES[python] = result.report
+    return _PROBES[python]
+
+
+def _interpreter_paths(python: str) -> list[str]:
+    """What an interpreter reads: ``bin``, ``lib`` (``lib64``) and ``pyvenv.cfg`` of its
+    installation prefix (``bin/..``), of the one it links to (a venv's ``python`` is a symlink)
+    and of a venv's base (``pyvenv.cfg``'s ``home``). Not the whole prefix: an interpreter in
+    ``~/bin`` must not make the home folder readable."""
+    prefixes: list[str] = []
+    for exe in (os.path.abspath(python), os.path.realpath(python)):
+        prefix = os.path.dirname(os.path.dirname(exe))
+        prefixes.append(prefix)
+        cfg = os.path.join(prefix, "pyvenv.cfg")
+        if os.path.isfile(cfg):
+            with open(cfg, encoding="utf-8") as f:
+                for line in f:
+                    key, _, value = line.partition("=")
+                    if key.strip() == "home" and value.strip():
+                        prefixes.append(os.path.dirname(value.strip()))
+    if os.path.realpath(python) == os.path.realpath(sys.executable):
+        prefixes += [sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix]
+    parts = ("bin", "lib", "lib64", "pyvenv.cfg")
+    return [os.path.join(prefix, part) for prefix in prefixes for part in parts]
+
+
+def _read_path_list(python: str, extra: Iterable[str]) -> list[str]:
+    """Existing read paths, each once (a symlink with its target), none below another one
+    (bound as a whole already)."""
+    candidates = [*_SYSTEM_READ_PATHS, *_interpreter_paths(python), *extra]
+    unique: list[str] = []
+    for path in (os.path.abspath(p) for p in candidates):
+        for one in (path, os.path.realpath(path)):
+            if os.path.lexists(one) and one not in unique:
+                unique.append(one)
+    return [
+        p for p in unique if not any(p != q and p.startswith(q.rstrip("/") + "/") for q in unique)
+    ]
+
+
+def _minimal_env(python: str, workdir: str) -> dict[str, str]:
+    """Everything the program's environment holds: nothing of the trainer's (API keys, tokens,
+    cluster addresses). One thread per numeric library: threads count as processes."""
+    bin_dir = os.path.dirname(os.path.abspath(python))
+    return {
+        "PATH": f"{bin_dir}:/usr/local/bin:/usr/bin:/bin",
+        "LANG": "C.UTF-8",
+        "HOME": workdir,
+        "TMPDIR": workdir,
+        "OMP_NUM_THREADS": "1",
+        "OPENBLAS_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+    }
+
+
+class _CappedBuffer:
+    """Keeps the first ``cap`` bytes of a stream and whether more came."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.data = bytearray()
+        self.overflowed = False
+
+    def add(self, chunk: bytes) -> bool:
+        """False once the stream went over the cap."""
+        room = self.cap - len(self.data)
+        self.data += chunk[: max(room, 0)]
+        if len(chunk) > room:
+            self.overflowed = True
+        return not self.overflowed
+
+    def text(self) -> str:
+        return self.data.decode("utf-8", errors="replace")
+
+
+@dataclass
+class _Run:
+    """One program's sandbox on the parent side: its folders, uid and launcher process."""
+
+    limits: SandboxLimits
+    base: str
+    uid: int | None
+    spec: dict[str, Any]
+    proc: asyncio.subprocess.Process | None = None
+    killed_by: str | None = None
+
+    @classmethod
+    def create(
+        cls,
+        python: str,
+        limits: SandboxLimits,
+        read_paths: Iterable[str],
+        require: Collection[str],
+        work_root: str | None,
+    ) -> _Run:
+        """Make ``<tmp>/megarl-sandbox-*/{work,root}``: ``work`` is the program's empty cwd,
+        ``root`` the mount point of its private root. The base is 0711 (traversable, not
+        listable) so that a fresh uid can reach ``work`` even without a private root."""
+        base = tempfile.mkdtemp(prefix="megarl-sandbox-", dir=work_root)
+        workdir = os.path.join(base, "work")
+        newroot = os.path.join(base, "root")
+        uid = _UID_BASE + secrets.randbelow(_UID_SPAN) if os.geteuid() == 0 else None
+        try:
+            os.chmod(base, 0o711)
+            os.mkdir(workdir, 0o700)
+            os.mkdir(newroot, 0o700)
+            if uid is not None:
+                os.chown(workdir, uid, uid)
+        except OSError:
+            _remove_tree(base)
+            raise
+        spec = {
+            "python": os.path.abspath(python),
+            "read_paths": _read_path_list(python, read_paths),
+            "workdir": workdir,
+            "newroot": newroot,
+            "uid": uid,
+            "limits": dataclasses.asdict(limits),
+            "env": _minimal_env(python, workdir),
+            "require": list(require),
+            "parent_pid": os.getpid(),
+        }
+        return cls(limits=limits, base=base, uid=uid, spec=spec)
+
+    async def execute(self, code: bytes) -> SandboxResult:
+        start = time.monotonic()
+        read_fd, write_fd = os.pipe()
+        try:
+            self.proc = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-I",
+                "-S",
+                os.path.abspath(__file__),
+                json.dumps({**self.spec, "control_fd": write_fd}),
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                pass_fds=(write_fd,),
+                start_new_session=True,
+                env=self.spec["env"],
+                cwd=self.base,
+            )
+        except OSError as e:
+            os.close(read_fd)
+            raise SandboxError(f"cannot start the sandbox launcher: {e}") from e
+        finally:
+            os.close(write_fd)
+        out = _CappedBuffer(self.limits.max_output_bytes)
+        err = _CappedBuffer(self.limits.max_output_bytes)
+        control = await self._supervise(code, read_fd, out, err)
+        return self._result(control, out, err, time.monotonic() - start)
+
+    async def _supervise(
+        self, code: bytes, control_fd: int, out: _CappedBuffer, err: _CappedBuffer
+    ) -> bytes:
+        """Feed the code and read everything until the launcher is gone, killing it at the
+        timeout or when the output goes over the cap. Returns the control channel's bytes."""
+        proc = self.proc
+        assert proc is not None and proc.stdin and proc.stdout and proc.stderr
+        control = bytearray()
+        tasks = [
+            asyncio.ensure_future(self._feed(proc.stdin, code)),
+            asyncio.ensure_future(self._pump(proc.stdout, out)),
+            asyncio.ensure_future(self._pump(proc.stderr, err)),
+            asyncio.ensure_future(_read_fd(control_fd, control)),
+            asyncio.ensure_future(proc.wait()),
+        ]
+        try:
+            _, pending = await asyncio.wait(tasks, timeout=self.limits.timeout_s)
+            if pending:
+                self.kill("timeout")
+                _, pending = await asyncio.wait(pending, timeout=_KILL_GRACE_S)
+            if pending:  # the launcher did not end the run (or a process escaped it)
+                await asyncio.to_thread(self.kill_hard)
+                _, pending = await asyncio.wait(pending, timeout=_KILL_GRACE_S)
+        finally:
+            for task in tasks:
+                task.cancel()
+            self.kill(None)
+        return bytes(control)
+
+    @staticmethod
+    async def _feed(stdin: asyncio.StreamWriter, code: bytes) -> None:
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            stdin.write(code)
+            await stdin.drain()
+        stdin.close()
+
+    async def _pump(self, stream: asyncio.StreamReader, buf: _CappedBuffer) -> None:
+        while chunk := await stream.read(1 << 16):
+            if not buf.add(chunk):
+                self.kill("output_limit")
+                return
+
+    def kill(self, reason: str | None) -> None:
+        """Ask the launcher to end the run (SIGTERM): it SIGKILLs init, whose death takes the
+        PID namespace and everything in it along, kills what else is left below it, reaps it
+        all and exits. ``reason`` is recorded once."""
+        if self.proc is None or self.proc.returncode is not None:
+            return
+        if reason and self.killed_by is None:
+            self.killed_by = reason
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.proc.pid, signal.SIGTERM)
+
+    def kill_hard(self) -> None:
+        """Blocking: SIGKILL the launcher's process group and every process of the run's uid
+        (for when the launcher cannot do its job, and processes that left the group)."""
+        if self.proc is not None and self.proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        if self.uid is not None:
+            _sweep_uid(self.uid, rounds=_SWEEP_ROUNDS)
+
+    def _result(
+        self, control: bytes, out: _CappedBuffer, err: _CappedBuffer, duration: float
+    ) -> SandboxResult:
+        messages = [json.loads(line) for line in control.decode().splitlines() if line.strip()]
+        by_kind = {key: m[key] for m in messages for key in m}
+        if "error" in by_kind:
+            report = by_kind.get("report")
+            exc = SandboxUnavailable if by_kind.get("unavailable") else SandboxError
+            raise exc(by_kind["error"] + (f" (applied: {report['applied']})" if report else ""))
+        if "report" not in by_kind:
+            if self.killed_by == "timeout":
+                raise SandboxError(f"the sandbox did not start within {self.limits.timeout_s} s")
+            detail = err.text().strip()[-2000:] or f"launcher exit status {self.proc_status()}"
+            raise SandboxError(f"the sandbox did not start: {detail}")
+        exit_info = by_kind.get("exit", {})
+        exit_code = exit_info.get("code") if self.killed_by is None else None
+        killed_by = self.killed_by or exit_info.get("signal")
+        if exit_code is None and killed_by is None:
+            killed_by = "SIGKILL"  # the launcher died before reporting: the kernel killed it
+        return SandboxResult(
+            stdout=out.text(),
+            stderr=err.text(),
+            exit_code=exit_code,
+            timed_out=self.killed_by == "timeout",
+            killed_by=killed_by,
+            truncated=out.overflowed or err.overflowed,
+            report=SandboxReport.from_json(by_kind["report"]),
+            duration_s=duration,
+        )
+
+    def proc_status(self) -> int | None:
+        return self.proc.returncode if self.proc else None
+
+    def cleanup(self) -> None:
+        """Blocking (run in a thread, also when the caller was cancelled): make sure no process
+        of the run is left, then remove its folder."""
+        if self.proc is not None and self.proc.returncode is None:
+            self.kill(None)
+            _wait_gone(self.proc.pid, _KILL_GRACE_S)
+        self.kill_hard()
+        _remove_tree(self.base)
+
+
+def _wait_gone(pid: int, timeout_s: float) -> None:
+    """Wait until ``pid`` has exited (gone, or a zombie its parent has yet to reap)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rpartition(")")[2].split()[0]
+        except (OSError, IndexError):
+            return
+        if state in ("Z", "X"):
+            return
+        time.sleep(0.01)
+
+
+async def _read_fd(fd: int, into: bytearray) -> None:
+    """Read a pipe's read end until EOF without blocking the loop (owns and closes ``fd``)."""
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader()
+    transport, _ = await loop.connect_read_pipe(
+        lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(fd, "rb", buffering=0)
+    )
+    try:
+        while chunk := await reader.read(1 << 16):
+            into += chunk
+    finally:
+        transport.close()
+
+
+def _processes_of_uid(uid: int) -> list[int]:
+    """Live (non-zombie) processes whose real uid is ``uid``, from /proc."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/status", encoding="ascii", errors="replace") as f:
+                status = dict(line.split(":", 1) for line in f if ":" in line)
+        except OSError:
+            continue
+        state = status.get("State", "").strip()[:1]
+        uids = status.get("Uid", "").split()
+        if uids and int(uids[0]) == uid and state not in ("Z", "X"):
+            pids.append(int(entry))
+    return pids
+
+
+def _sweep_uid(uid: int, rounds: int) -> None:
+    """SIGKILL every process of the run's private uid until none is left (a fork bomb without
+    a PID namespace may fork between the listing and the kill: hence rounds)."""
+    for _ in range(rounds):
+        pids = _processes_of_uid(uid)
+        if not pids:
+            return
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.01)
+
+
+def _remove_tree(path: str) -> None:
+    """Remove the run's folder, also where the program took away its own permissions on parts
+    of it (unprivileged runs: root ignores modes)."""
+    for _ in range(3):
+        try:
+            shutil.rmtree(path)
+            return
+        except FileNotFoundError:
+            return
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.chmod(path, stat.S_IRWXU)
+            for root, dirs, _files in os.walk(path):  # top-down: fixed before it is entered
+                for name in dirs:
+                    with contextlib.suppress(OSError):
+                        os.chmod(os.path.join(root, name), stat.S_IRWXU)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# The launcher and init: a fresh interpreter running this file (stdlib only, single-threaded).
+
+_LAYERS = (
+    "new-session",
+    "clean-env",
+    "isolated-python",
+    "user-namespace",
+    "net-namespace",
+    "pid-namespace",
+    "mount-namespace",
+    "ipc-namespace",
+    "uts-namespace",
+    "private-root",
+    "private-uid",
+    "no-new-privs",
+    "landlock-fs",
+    "landlock-net",
+    "landlock-scope",
+    "rlimits",
+    "rlimit-nproc",
+)
+
+_CLONE_NEWNS = 0x00020000
+_CLONE_NEWUTS = 0x04000000
+_CLONE_NEWIPC = 0x08000000
+_CLONE_NEWUSER = 0x10000000
+_CLONE_NEWPID = 0x20000000
+_CLONE_NEWNET = 0x40000000
+_NAMESPACES = {
+    _CLONE_NEWNET: "net-namespace",
+    _CLONE_NEWPID: "pid-namespace",
+    _CLONE_NEWNS: "mount-namespace",
+    _CLONE_NEWIPC: "ipc-namespace",
+    _CLONE_NEWUTS: "uts-namespace",
+}
+
+_MS_RDONLY = 1
+_MS_NOSUID = 2
+_MS_NODEV = 4
+_MS_NOEXEC = 8
+_MS_REMOUNT = 32
+_MS_NOATIME = 1024
+_MS_NODIRATIME = 2048
+_MS_BIND = 4096
+_MS_MOVE = 8192
+_MS_REC = 16384
+_MS_PRIVATE = 1 << 18
+_MS_RELATIME = 1 << 21
+
+_PR_SET_PDEATHSIG = 1
+_PR_SET_DUMPABLE = 4
+_PR_SET_NO_NEW_PRIVS = 38
+_PR_SET_CHILD_SUBREAPER = 36
+
+# Landlock: syscall numbers (>= 424: the same on every architecture) and access rights by ABI.
+_SYS_LANDLOCK_CREATE_RULESET = 444
+_SYS_LANDLOCK_ADD_RULE = 445
+_SYS_LANDLOCK_RESTRICT_SELF = 446
+_LANDLOCK_CREATE_RULESET_VERSION = 1
+_LANDLOCK_RULE_PATH_BENEATH = 1
+_LL_EXECUTE = 1 << 0
+_LL_WRITE_FILE = 1 << 1
+_LL_READ_FILE = 1 << 2
+_LL_READ_DIR = 1 << 3
+_LL_ABI1_ALL = (1 << 13) - 1  # execute, write/read file, read dir, remove/make anything
+_LL_REFER = 1 << 13
+_LL_TRUNCATE = 1 << 14
+_LL_IOCTL_DEV = 1 << 15
+_LL_FILE_RIGHTS = _LL_EXECUTE | _LL_WRITE_FILE | _LL_READ_FILE | _LL_TRUNCATE | _LL_IOCTL_DEV
+_LL_BIND_TCP = 1 << 0
+_LL_CONNECT_TCP = 1 << 1
+_LL_SCOPE_ABSTRACT_UNIX_SOCKET = 1 << 0
+_LL_SCOPE_SIGNAL = 1 << 1
+
+
+class _RulesetAttr(ctypes.Structure):
+    _fields_ = (
+        ("handled_access_fs", ctypes.c_uint64),
+        ("handled_access_net", ctypes.c_uint64),
+        ("scoped", ctypes.c_uint64),
+    )
+
+
+class _PathBeneathAttr(ctypes.Structure):
+    _pack_ = 1
+    _fields_ = (
+        ("allowed_access", ctypes.c_uint64),
+        ("parent_fd", ctypes.c_int32),
+    )
+
+
+class _Layers:
+    """What the launcher and init applied and what they could not, for the report."""
+
+    def __init__(self) -> None:
+        self.applied = ["new-session", "clean-env", "isolated-python"]
+        self.missing: list[str] = []
+        self.uid: int | None = None
+        self.landlock_abi = 0
+
+    def add(self, name: str) -> None:
+        self.applied.append(name)
+
+    def lack(self, what: str) -> None:
+        self.missing.append(what)
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "applied": self.applied,
+            "missing": self.missing,
+            "uid": self.uid,
+            "landlock_abi": self.landlock_abi,
+        }
+
+
+def _libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    libc.mount.argtypes = (
+        ctypes.c_char_p,
+        ctypes.c_char_p,
+        ctypes.c_char_p,
+        ctypes.c_ulong,
+        ctypes.c_char_p,
+    )
+    return libc
+
+
+def _check(result: int, what: str) -> int:
+    if result < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+    return result
+
+
+def _mount(
+    libc: ctypes.CDLL,
+    source: str | None,
+    target: str,
+    fstype: str | None,
+    flags: int,
+    data: str | None = None,
+) -> None:
+    def enc(s: str | None) -> bytes | None:
+        return s.encode() if s is not None else None
+
+    _check(libc.mount(enc(source), enc(target), enc(fstype), flags, enc(data)), f"mount {target}")
+
+
+def _send(fd: int, message: Mapping[str, Any]) -> None:
+    os.write(fd, (json.dumps(message) + "\n").encode())
+
+
+class _Stop(Exception):
+    """Raised by the launcher's SIGTERM handler: the parent asks it to end the run."""
+
+
+def _launcher_main(argv: list[str]) -> int:
+    """The launcher: enter namespaces, fork init, wait for it, then kill and reap every process
+    left below it. It runs as the trainer's user (root: with all capabilities) and never runs
+    model code. SIGTERM (the parent's timeout) ends the run the same way, so that every process
+    is reaped here and none becomes a zombie of the machine's init."""
+    spec = json.loads(argv[0])
+    control = spec["control_fd"]
+    os.set_inheritable(control, False)  # the program's exec closes it
+    libc = _libc()
+    # The trainer dying must not leave a sandbox behind; our parent may already be gone.
+    libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    if os.getppid() != spec["parent_pid"]:
+        return 1
+    # Orphans below us (a daemon that left init, without a PID namespace) come to us.
+    libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    signal.signal(signal.SIGTERM, _raise_stop)
+    layers = _Layers()
+    flags = _enter_namespaces(libc, layers)
+    pid = os.fork()
+    if pid == 0:
+        try:
+            _init_main(spec, libc, layers, flags)
+        except BaseException as e:  # noqa: BLE001 - any failure must reach the parent, then exit
+            with contextlib.suppress(OSError):
+                _send(control, {"error": f"sandbox setup failed: {e!r}"})
+        os._exit(125)
+    os.close(control)
+    for fd in (0, 1, 2):  # the launcher holds no end of the program's pipes
+        os.close(fd)
+    with contextlib.suppress(_Stop):
+        os.waitpid(pid, 0)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _kill_descendants(pid)
+    return 0
+
+
+def _raise_stop(signum: int, frame: Any) -> None:
+    raise _Stop
+
+
+def _kill_descendants(init_pid: int, timeout_s: float = 5.0) -> None:
+    """SIGKILL init and every child we have (orphans come to us as subreaper) and reap them,
+    until we have no child left. Killing our own unreaped children cannot hit a reused pid."""
+    children_file = f"/proc/self/task/{os.getpid()}/children"
+    deadline = time.monotonic() + timeout_s
+    # Init's process group first: one atomic kill of every process that kept it (a fork bomb
+    # cannot outrun it), then the ones that left it, as they come to us.
+    for kill in (os.killpg, os.kill):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            kill(init_pid, signal.SIGKILL)
+    while time.monotonic() < deadline:
+        try:
+            with open(children_file) as f:
+                children = [int(c) for c in f.read().split()]
+        except OSError:
+            children = []
+        for child in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGKILL)
+        try:
+            while os.waitpid(-1, os.WNOHANG)[0]:
+                pass
+        except ChildProcessError:
+            return  # no child left
+        time.sleep(0.005)
+
+
+def _enter_namespaces(libc: ctypes.CDLL, layers: _Layers) -> int:
+    """Root: unshare net, PID, mount, IPC, UTS (each alone if the set fails). Not root: the
+    same inside a new user namespace mapping only our own uid, if the kernel allows one."""
+    wanted = _CLONE_NEWNET | _CLONE_NEWPID | _CLONE_NEWNS | _CLONE_NEWIPC | _CLONE_NEWUTS
+    entered = 0
+    if os.geteuid() == 0:
+        if libc.unshare(wanted) == 0:
+            entered = wanted
+        else:
+            for flag in _NAMESPACES:
+                if libc.unshare(flag) == 0:
+                    entered |= flag
+    else:
+        uid, gid = os.getuid(), os.getgid()
+        if libc.unshare(_CLONE_NEWUSER | wanted) == 0:
+            entered = wanted
+            layers.add("user-namespace")
+            for path, text in (
+                ("/proc/self/setgroups", "deny"),
+                ("/proc/self/uid_map", f"{uid} {uid} 1"),
+                ("/proc/self/gid_map", f"{gid} {gid} 1"),
+            ):
+                with open(path, "w") as f:
+                    f.write(text)
+        else:
+            err = os.strerror(ctypes.get_errno())
+            layers.lack(f"namespaces: not root and no user namespace ({err})")
+    for flag, name in _NAMESPACES.items():
+        if entered & flag:
+            layers.add(name)
+        elif os.geteuid() == 0:
+            layers.lack(f"{name}: unshare refused ({os.strerror(ctypes.get_errno())})")
+    return entered
+
+
+def _init_main(spec: dict[str, Any], libc: ctypes.CDLL, layers: _Layers, flags: int) -> None:
+    """Init (PID 1 of the new PID namespace): confine itself (root, files, Landlock, uid),
+    report, fork the program and wait for it. When init exits, the kernel kills every process
+    left in its PID namespace."""
+    control = spec["control_fd"]
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)  # a program signalling init must not end the run
+    os.setpgid(0, 0)  # a group of its own, which the program inherits: killed at once
+    libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)  # the launcher gone: so are we
+    workdir = spec["workdir"]
+    private_root = False
+    if flags & _CLONE_NEWNS:
+        _build_private_root(libc, spec)
+        private_root = True
+        layers.add("private-root")
+    else:
+        layers.lack(
+            "private-root: no mount namespace; the host's file tree is visible (Landlock or "
+            "file permissions decide), UNIX sockets with open permissions are reachable"
+        )
+    os.chdir(workdir)
+    _apply_landlock(libc, spec, layers, private_root)
+    _drop_uid(spec, layers, private_root)
+    _check(libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
+    layers.add("no-new-privs")
+    libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)  # the program, even with init's uid, cannot ptrace it
+    libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)  # a uid change cleared it
+    limits = _rlimits(spec, layers)
+    report = SandboxReport.from_json(layers.as_json())
+    _send(control, {"report": layers.as_json()})
+    missing = [r for r in spec["require"] if not report.satisfies(r)]
+    if missing:
+        error = f"required sandbox protections missing: {missing}; {list(report.missing)}"
+        _send(control, {"error": error, "unavailable": True})
+        os._exit(125)
+    pid = os.fork()
+    if pid == 0:
+        _exec_program(spec, limits, control)
+    for fd in (0, 1, 2):
+        os.close(fd)
+    _send(control, {"exit": _wait_program(pid)})
+    os._exit(0)
+
+
+def _build_private_root(libc: ctypes.CDLL, spec: dict[str, Any]) -> None:
+    """A root of its own: a read-only tmpfs holding read-only binds of the system and Python
+    folders at their usual paths, four device files, and two small tmpfs of ``max_file_mb``
+    each: the work folder (at its usual path, owned by the program's uid) and /dev/shm; then
+    chroot into it. Nothing else of the host exists for the program, and what it writes is in
+    memory, bounded, never on the host's disk."""
+    newroot = spec["newroot"]
+    _mount(libc, None, "/", None, _MS_REC | _MS_PRIVATE)  # nothing propagates back to the host
+    _mount(libc, "tmpfs", newroot, "tmpfs", _MS_NOSUID | _MS_NODEV, "size=1m,mode=0755")
+    for path in spec["read_paths"]:
+        _bind(libc, path, newroot, read_only=True)
+    for dev in _DEVICES:
+        if os.path.exists(dev):
+            _bind(libc, dev, newroot, read_only=False, nodev=False)
+    size = f"size={spec['limits']['max_file_mb']}m,nr_inodes=16k"
+    owner = spec["uid"] if spec["uid"] is not None else os.getuid()
+    work = newroot + spec["workdir"]
+    os.makedirs(work, exist_ok=True)
+    tmpfs_flags = _MS_NOSUID | _MS_NODEV
+    _mount(libc, "tmpfs", work, "tmpfs", tmpfs_flags, f"{size},mode=0700,uid={owner},gid={owner}")
+    shm = newroot + "/dev/shm"
+    os.makedirs(shm, exist_ok=True)
+    _mount(libc, "tmpfs", shm, "tmpfs", tmpfs_flags | _MS_NOEXEC, f"{size},mode=1777")
+    _mount(libc, None, newroot, None, _MS_REMOUNT | _MS_RDONLY | _MS_NOSUID | _MS_NODEV)
+    os.chdir(newroot)
+    _mount(libc, newroot, "/", None, _MS_MOVE)
+    os.chroot(".")
+
+
+def _bind(
+    libc: ctypes.CDLL, path: str, newroot: str, *, read_only: bool, nodev: bool = True
+) -> None:
+    """Bind ``path`` to the same path under ``newroot`` (a symlink is copied as a symlink;
+    its target is bound on its own). The remount keeps the flags an unprivileged mount
+    namespace may not drop (nosuid, noexec...) and adds read-only/nosuid/nodev."""
+    target = newroot + path
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    if os.path.islink(path):
+        os.symlink(os.readlink(path), target)
+        return
+    if os.path.isdir(path):
+        os.makedirs(target, exist_ok=True)
+    else:
+        open(target, "a").close()  # a file mount point
+    _mount(libc, path, target, None, _MS_BIND | _MS_REC)
+    flags = _MS_BIND | _MS_REMOUNT | _MS_NOSUID | _locked_flags(path)
+    flags |= (_MS_RDONLY if read_only else 0) | (_MS_NODEV if nodev else 0)
+    _mount(libc, None, target, None, flags)
+
+
+def _locked_flags(path: str) -> int:
+    """The mount flags of ``path``'s mount that a remount must repeat (``statvfs`` view)."""
+    f_flag = os.statvfs(path).f_flag
+    pairs = (
+        (os.ST_RDONLY, _MS_RDONLY),
+        (os.ST_NOSUID, _MS_NOSUID),
+        (os.ST_NODEV, _MS_NODEV),
+        (os.ST_NOEXEC, _MS_NOEXEC),
+        (os.ST_NOATIME, _MS_NOATIME),
+        (os.ST_NODIRATIME, _MS_NODIRATIME),
+        (os.ST_RELATIME, _MS_RELATIME),
+    )
+    return sum(ms for st, ms in pairs if f_flag & st)
+
+
+def _landlock_abi(libc: ctypes.CDLL) -> int:
+    abi = libc.syscall(
+        _SYS_LANDLOCK_CREATE_RULESET,
+        None,
+        ctypes.c_size_t(0),
+        ctypes.c_uint32(_LANDLOCK_CREATE_RULESET_VERSION),
+    )
+    return max(int(abi), 0)
+
+
+def _apply_landlock(
+    libc: ctypes.CDLL, spec: dict[str, Any], layers: _Layers, private_root: bool
+) -> None:
+    """Landlock: read/execute of the read paths, read-write of the work folder (and the
+    private /dev/shm), the device files; with ABI >= 4 no TCP bind/connect, with ABI >= 6 no
+    signals or abstract UNIX sockets leaving the sandbox. Needs no privilege."""
+    abi = _landlock_abi(libc)
+    if abi < 1:
+        layers.lack(f"landlock: not supported by this kernel ({os.strerror(ctypes.get_errno())})")
+        return
+    layers.landlock_abi = abi
+    handled = _LL_ABI1_ALL
+    handled |= _LL_REFER if abi >= 2 else 0
+    handled |= _LL_TRUNCATE if abi >= 3 else 0
+    handled |= _LL_IOCTL_DEV if abi >= 5 else 0
+    net = _LL_BIND_TCP | _LL_CONNECT_TCP if abi >= 4 else 0  # no rule: none allowed
+    scoped = _LL_SCOPE_ABSTRACT_UNIX_SOCKET | _LL_SCOPE_SIGNAL if abi >= 6 else 0
+    attr = _RulesetAttr(handled, net, scoped)
+    size = 8 if abi < 4 else 16 if abi < 6 else 24
+    ruleset = _check(
+        libc.syscall(
+            _SYS_LANDLOCK_CREATE_RULESET,
+            ctypes.byref(attr),
+            ctypes.c_size_t(size),
+            ctypes.c_uint32(0),
+        ),
+        "landlock_create_ruleset",
+    )
+    try:
+        read = _LL_EXECUTE | _LL_READ_FILE | _LL_READ_DIR
+        rules = [(p, read) for p in spec["read_paths"]]
+        rules += [(p, _LL_READ_FILE | _LL_WRITE_FILE | _LL_IOCTL_DEV) for p in _DEVICES]
+        rules.append((spec["workdir"], handled))
+        if private_root:  # the host's /dev/shm holds the trainer's shared memory: never that
+            rules.append(("/dev/shm", handled))
+        for path, access in rules:
+            _landlock_allow(libc, ruleset, path, access & handled)
+        _check(libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
+        _check(
+            libc.syscall(_SYS_LANDLOCK_RESTRICT_SELF, ruleset, ctypes.c_uint32(0)),
+            "landlock_restrict_self",
+        )
+    finally:
+        os.close(ruleset)
+    layers.add("landlock-fs")
+    if abi >= 4:
+        layers.add("landlock-net")
+    else:
+        layers.lack(f"landlock-net: Landlock ABI {abi} < 4 cannot block TCP")
+    if abi >= 6:
+        layers.add("landlock-scope")
+    else:
+        layers.lack(f"landlock-scope: Landlock ABI {abi} < 6 cannot scope signals/sockets")
+
+
+def _landlock_allow(libc: ctypes.CDLL, ruleset: int, path: str, access: int) -> None:
+    if not os.path.exists(path):
+        return
+    fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+    try:
+        if not os.path.isdir(path):
+            access &= _LL_FILE_RIGHTS
+        rule = _PathBeneathAttr(access, fd)
+        _check(
+            libc.syscall(
+                _SYS_LANDLOCK_ADD_RULE,
+                ruleset,
+                _LANDLOCK_RULE_PATH_BENEATH,
+                ctypes.byref(rule),
+                ctypes.c_uint32(0),
+            ),
+            f"landlock_add_rule {path}",
+        )
+    finally:
+        os.close(fd)
+
+
+def _drop_uid(spec: dict[str, Any], layers: _Layers, private_root: bool) -> None:
+    """Root: become the run's fresh uid/gid with no supplementary groups (no capability is
+    left). Without a private root the interpreter must then be reachable by others, else the
+    run is refused: model code never runs as root."""
+    uid = spec["uid"]
+    if uid is None:
+        layers.lack("private-uid: not root; the program runs as the trainer's user")
+        return
+    if not private_root and not _reachable_by_others(spec["python"]):
+        raise PermissionError(
+            f"{spec['python']} is not readable by an unprivileged uid and no mount namespace "
+            "is available to fix that; use an interpreter others can read (python: ...)"
+        )
+    os.setgroups([])
+    os.setresgid(uid, uid, uid)
+    os.setresuid(uid, uid, uid)
+    layers.uid = uid
+    layers.add("private-uid")
+
+
+def _reachable_by_others(path: str) -> bool:
+    """Every folder up to ``path`` searchable, and the file readable+executable, by others."""
+    path = os.path.realpath(path)
+    parts = path.split("/")
+    for i in range(2, len(parts)):
+        if not os.stat("/".join(parts[:i])).st_mode & stat.S_IXOTH:
+            return False
+    return os.stat(path).st_mode & (stat.S_IROTH | stat.S_IXOTH) == (stat.S_IROTH | stat.S_IXOTH)
+
+
+def _rlimits(spec: dict[str, Any], layers: _Layers) -> list[tuple[int, int]]:
+    """The limits the program gets (set by the program's process right before exec).
+    ``RLIMIT_NPROC`` counts processes of a uid (per user namespace): only meaningful with a
+    private uid or in our own user namespace, where init (and the launcher) count too."""
+    lim = spec["limits"]
+    mib = 1 << 20
+    limits = [
+        (resource.RLIMIT_CPU, lim["cpu_s"]),
+        (resource.RLIMIT_AS, lim["memory_mb"] * mib),
+        (resource.RLIMIT_FSIZE, lim["max_file_mb"] * mib),
+        (resource.RLIMIT_NOFILE, lim["max_open_files"]),
+        (resource.RLIMIT_CORE, 0),
+    ]
+    layers.add("rlimits")
+    if layers.uid is not None:
+        limits.append((resource.RLIMIT_NPROC, lim["max_processes"] + 1))
+        layers.add("rlimit-nproc")
+    elif "user-namespace" in layers.applied:
+        limits.append((resource.RLIMIT_NPROC, lim["max_processes"] + 2))
+        layers.add("rlimit-nproc")
+    else:
+        layers.lack("rlimit-nproc: it would count all of the trainer user's processes")
+    return limits
+
+
+def _exec_program(spec: dict[str, Any], limits: list[tuple[int, int]], control: int) -> None:
+    """The program's process: default signal handling, the limits, then the interpreter
+    (``-I``: no environment variables, no user site, no script folder on ``sys.path``; ``-B``:
+    no bytecode files; ``-u``: output survives a kill). Never returns."""
+    try:
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGPIPE, signal.SIGXFSZ):
+            signal.signal(sig, signal.SIG_DFL)
+        for which, value in limits:
+            hard = value + 1 if which == resource.RLIMIT_CPU else value
+            resource.setrlimit(which, (value, hard))
+        python = spec["python"]
+        os.execve(python, [python, "-I", "-B", "-u", "-"], spec["env"])
+    except BaseException as e:  # noqa: BLE001 - report why the program could not start
+        with contextlib.suppress(OSError):
+            _send(control, {"error": f"cannot start {spec['python']}: {e!r}"})
+    os._exit(127)
+
+
+def _wait_program(pid: int) -> dict[str, Any]:
+    """Reap children (orphans come to init) until the program ends; its exit status."""
+    while True:
+        try:
+            child, status = os.wait()
+        except ChildProcessError:
+            return {"code": None, "signal": "SIGKILL"}
+        if child == pid:
+            if os.WIFSIGNALED(status):
+                return {"code": None, "signal": signal.Signals(os.WTERMSIG(status)).name}
+            return {"code": os.waitstatus_to_exitcode(status), "signal": None}
+
+
+if __name__ == "__main__":
+    sys.exit(_launcher_main(sys.argv[1:]))

@@ -1,0 +1,431 @@
+"""The sandbox for model-written code, against hostile programs: each ends as a result within
+its limits and leaves nothing behind (no process, no folder), and it cannot see the trainer's
+environment, read the run's files, write outside its folder or reach the network.
+
+A check whose protection this machine does not give is skipped with the sandbox's own statement
+of what is missing (``SandboxReport.missing``), never passed vacuously.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from megarl.agent.sandbox import (
+    SandboxLimits,
+    SandboxReport,
+    SandboxResult,
+    SandboxUnavailable,
+    probe,
+    run_python,
+)
+from megarl.agent.tools.base import ToolError
+from megarl.agent.tools.python_exec import (
+    PYTHON_EXEC_SCHEMA,
+    PythonExecTool,
+    format_observation,
+)
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the sandbox needs Linux")
+
+LIMITS = SandboxLimits(timeout_s=2, cpu_s=1, memory_mb=256, max_processes=8, max_output_bytes=4096)
+
+
+@pytest.fixture(scope="module")
+def report() -> SandboxReport:
+    return asyncio.run(probe())
+
+
+@pytest.fixture
+def work_root() -> Iterator[str]:
+    """Where the run's temporary folder goes: checked empty afterwards (nothing left)."""
+    root = tempfile.mkdtemp(prefix="megarl-sandbox-test-", dir="/tmp")
+    os.chmod(root, 0o711)
+    yield root
+    leftovers = os.listdir(root)
+    shutil.rmtree(root)
+    assert leftovers == [], f"sandbox folders left behind: {leftovers}"
+
+
+def run(code: str, work_root: str, limits: SandboxLimits = LIMITS, **kw: object) -> SandboxResult:
+    result = asyncio.run(run_python(code, limits, work_root=work_root, **kw))  # type: ignore[arg-type]
+    assert_nothing_left(result)
+    return result
+
+
+def processes_of_uid(uid: int) -> list[int]:
+    pids = []
+    for entry in os.listdir("/proc"):
+        try:
+            status = Path(f"/proc/{entry}/status").read_text()
+        except OSError:  # not a process, or it just ended
+            continue
+        uid_line = next(line for line in status.splitlines() if line.startswith("Uid:"))
+        if int(uid_line.split()[1]) == uid:
+            pids.append(int(entry))
+    return pids
+
+
+def assert_nothing_left(result: SandboxResult) -> None:
+    if result.report.uid is not None:
+        assert processes_of_uid(result.report.uid) == []
+
+
+def need(report: SandboxReport, *requirements: str) -> None:
+    if not any(report.satisfies(r) for r in requirements):
+        pytest.skip(f"this machine's sandbox lacks {requirements}: {report.missing}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Normal programs
+
+
+def test_output_exit_code_and_stderr(work_root: str) -> None:
+    code = "import os, sys\nprint('hello', os.listdir('.'))\nprint('oops', file=sys.stderr)\nsys.exit(3)"
+    result = run(code, work_root)
+    assert result.stdout == "hello []\n"  # an empty folder as cwd
+    assert result.stderr == "oops\n"
+    assert (result.exit_code, result.killed_by, result.timed_out, result.ok) == (
+        3,
+        None,
+        False,
+        False,
+    )
+    assert not result.truncated
+    assert {"clean-env", "isolated-python", "new-session", "rlimits"} <= set(result.report.applied)
+
+
+def test_success_and_traceback(work_root: str) -> None:
+    assert run("print(sum(range(10)))", work_root).ok
+    result = run("1 / 0", work_root)
+    assert result.exit_code == 1
+    assert "ZeroDivisionError" in result.stderr
+
+
+def test_output_is_capped(work_root: str) -> None:
+    result = run("print('x' * 100_000)\nprint('never')", work_root)
+    assert result.truncated
+    assert result.stdout == "x" * LIMITS.max_output_bytes
+    assert result.killed_by == "output_limit"
+
+
+def test_concurrent_runs_are_separate(work_root: str) -> None:
+    async def many() -> list[SandboxResult]:
+        codes = [f"print({i} * 2)" for i in range(4)]
+        return await asyncio.gather(*(run_python(c, LIMITS, work_root=work_root) for c in codes))
+
+    results = asyncio.run(many())
+    assert [r.stdout for r in results] == [f"{i * 2}\n" for i in range(4)]
+    uids = [r.report.uid for r in results]
+    if uids[0] is not None:
+        assert len(set(uids)) == 4  # a fresh uid each: one run cannot touch another
+
+
+def test_installed_packages_importable(work_root: str) -> None:
+    pytest.importorskip("numpy")
+    limits = SandboxLimits(timeout_s=10, cpu_s=5, memory_mb=512, max_processes=8)
+    result = run("import numpy as np\nprint(np.arange(5).sum())", work_root, limits)
+    assert result.stdout == "10\n", result.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# Hostile programs: resources
+
+
+def test_infinite_loop_is_stopped(work_root: str) -> None:
+    result = run("while True:\n    pass", work_root)
+    assert result.exit_code is None
+    assert result.killed_by in ("SIGXCPU", "SIGKILL", "timeout")  # CPU limit, or wall clock
+    assert result.duration_s < LIMITS.timeout_s + 2
+
+
+def test_sleeper_times_out_with_partial_output(work_root: str) -> None:
+    limits = SandboxLimits(timeout_s=1, cpu_s=1, memory_mb=256)
+    result = run("import time\nprint('started')\ntime.sleep(60)", work_root, limits)
+    assert result.timed_out and result.killed_by == "timeout" and result.exit_code is None
+    assert result.stdout == "started\n"
+    assert result.duration_s < 4
+
+
+def test_memory_hog_fails_inside(work_root: str) -> None:
+    result = run("x = bytearray(2 * 1024**3)\nprint(len(x))", work_root)
+    assert result.exit_code == 1
+    assert "MemoryError" in result.stderr
+
+
+def test_process_limit(work_root: str, report: SandboxReport) -> None:
+    need(report, "rlimit-nproc")
+    code = (
+        "import os, time\nn = 0\nfor _ in range(50):\n    try:\n        pid = os.fork()\n"
+        "    except OSError:\n        break\n    if pid == 0:\n        time.sleep(5)\n"
+        "        os._exit(0)\n    n += 1\nprint(n)"
+    )
+    result = run(
+        code, work_root, SandboxLimits(timeout_s=3, cpu_s=1, memory_mb=256, max_processes=8)
+    )
+    assert int(result.stdout) == 7  # itself and 7 children: max_processes
+
+
+def test_fork_bomb_leaves_no_process(work_root: str, report: SandboxReport) -> None:
+    need(report, "processes")  # a fork bomb without containment would hurt this machine
+    code = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass"
+    limits = SandboxLimits(timeout_s=1.5, cpu_s=1, memory_mb=128, max_processes=16)
+    result = run(code, work_root, limits)  # run() asserts no process of its uid is left
+    assert result.killed_by in ("timeout", "SIGXCPU", "SIGKILL")
+    if result.report.uid is None:
+        pytest.skip("no private uid: nothing to scan /proc for")
+
+
+def test_setsid_daemon_dies_with_the_run(work_root: str, report: SandboxReport) -> None:
+    need(report, "processes")
+    code = (
+        "import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
+        "        time.sleep(60)\n    os._exit(0)\nprint('parent done')"
+    )
+    result = run(code, work_root)
+    assert result.ok and result.stdout == "parent done\n"
+    if result.report.uid is None:
+        pytest.skip("no private uid: nothing to scan /proc for")
+
+
+# ---------------------------------------------------------------------------------------------
+# Hostile programs: what they may see and touch
+
+
+def test_trainer_environment_is_invisible(work_root: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MEGARL_SANDBOX_TEST_SECRET", "hunter2-do-not-leak")
+    code = (
+        "import os\nprint(dict(os.environ))\nfor p in ('/proc/self/environ', '/proc/1/environ',"
+        f" '/proc/{os.getpid()}/environ'):\n    try:\n        print(open(p, 'rb').read())\n"
+        "    except OSError as e:\n        print(p, type(e).__name__)"
+    )
+    result = run(code, work_root)
+    assert result.ok, result.stderr
+    assert "hunter2" not in result.stdout + result.stderr
+    assert "MEGARL_SANDBOX_TEST_SECRET" not in result.stdout
+
+
+@pytest.fixture
+def run_dir() -> Iterator[Path]:
+    """A stand-in for the run's folder that file permissions alone would not protect:
+    world-readable and world-writable, in /tmp."""
+    path = Path(tempfile.mkdtemp(prefix="megarl-run-", dir="/tmp"))
+    path.chmod(0o777)
+    (path / "secret.txt").write_text("topsecret-run-file")
+    (path / "secret.txt").chmod(0o666)
+    yield path
+    for child in path.iterdir():
+        child.unlink()
+    path.rmdir()
+
+
+def test_run_files_are_unreadable(work_root: str, report: SandboxReport, run_dir: Path) -> None:
+    need(report, "filesystem")
+    targets = [run_dir / "secret.txt", Path(__file__).resolve(), Path(sys.prefix) / "pyvenv.cfg"]
+    code = (
+        f"for p in {[str(t) for t in targets[:2]]}:\n    try:\n"
+        "        print('READ', open(p).read()[:40])\n    except OSError as e:\n"
+        "        print('DENIED', type(e).__name__)\n"
+        f"import os\ntry:\n    print('LISTED', os.listdir({str(run_dir)!r}))\n"
+        "except OSError as e:\n    print('DENIED', type(e).__name__)"
+    )
+    result = run(code, work_root)
+    assert result.ok, result.stderr
+    assert "READ" not in result.stdout and "LISTED" not in result.stdout
+    assert "topsecret" not in result.stdout
+    assert result.stdout.count("DENIED") == 3
+
+
+def test_cannot_write_outside_its_folder(
+    work_root: str, report: SandboxReport, run_dir: Path
+) -> None:
+    need(report, "filesystem")
+    outside = [run_dir / "planted.txt", run_dir / "secret.txt", Path("/tmp/megarl-escape.txt")]
+    code = (
+        f"for p in {[str(t) for t in outside]}:\n    try:\n"
+        "        open(p, 'w').write('pwned')\n        print('WROTE', p)\n"
+        "    except OSError as e:\n        print('DENIED', type(e).__name__)\n"
+        "open('inside.txt', 'w').write('fine')\nprint(open('inside.txt').read())"
+    )
+    result = run(code, work_root)
+    assert result.ok, result.stderr
+    assert "WROTE" not in result.stdout and result.stdout.endswith("fine\n")
+    assert not (run_dir / "planted.txt").exists() and not outside[2].exists()
+    assert (run_dir / "secret.txt").read_text() == "topsecret-run-file"
+
+
+def test_no_tcp_connection(work_root: str, report: SandboxReport) -> None:
+    need(report, "network", "landlock-net")
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+        code = (
+            "import socket\ntry:\n"
+            f"    socket.create_connection(('127.0.0.1', {port}), timeout=1)\n"
+            "    print('CONNECTED')\nexcept OSError as e:\n    print('BLOCKED', type(e).__name__)"
+        )
+        result = run(code, work_root)
+        server.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            server.accept()  # nobody knocked
+    assert result.stdout.startswith("BLOCKED"), result.stdout + result.stderr
+
+
+def test_no_network_at_all(work_root: str, report: SandboxReport) -> None:
+    need(report, "network")  # Landlock alone blocks TCP only: this needs a network namespace
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as receiver:
+        receiver.bind(("127.0.0.1", 0))
+        port = receiver.getsockname()[1]
+        code = (
+            "import socket\ns = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\ntry:\n"
+            f"    s.sendto(b'leak', ('127.0.0.1', {port}))\n    print('SENT')\n"
+            "except OSError as e:\n    print('BLOCKED', e.errno)"
+        )
+        result = run(code, work_root)
+        receiver.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            receiver.recv(16)
+    assert result.stdout.startswith("BLOCKED"), result.stdout + result.stderr
+
+
+def test_host_unix_sockets_unreachable(work_root: str, report: SandboxReport) -> None:
+    need(report, "private-root")  # Landlock alone does not control connect() to a socket path
+    folder = Path(tempfile.mkdtemp(prefix="megarl-sock-", dir="/tmp"))
+    folder.chmod(0o777)
+    path = folder / "service.sock"
+    try:
+        with socket.socket(socket.AF_UNIX) as server:
+            server.bind(str(path))
+            path.chmod(0o777)  # like a service socket anyone may use (Ray's, say)
+            server.listen()
+            code = (
+                "import socket\ns = socket.socket(socket.AF_UNIX)\ntry:\n"
+                f"    s.connect({str(path)!r})\n    print('CONNECTED')\n"
+                "except OSError as e:\n    print('BLOCKED', type(e).__name__)"
+            )
+            result = run(code, work_root)
+    finally:
+        path.unlink(missing_ok=True)
+        folder.rmdir()
+    assert result.stdout.startswith("BLOCKED"), result.stdout + result.stderr
+
+
+def test_cannot_signal_the_trainer(work_root: str, report: SandboxReport) -> None:
+    need(report, "processes", "landlock-scope")
+    received: list[int] = []
+    previous = signal.signal(signal.SIGUSR1, lambda signum, frame: received.append(signum))
+    try:
+        code = (
+            f"import os, signal\ntry:\n    os.kill({os.getpid()}, signal.SIGUSR1)\n"
+            "    print('SENT')\nexcept OSError as e:\n    print('BLOCKED', type(e).__name__)"
+        )
+        result = run(code, work_root)
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    assert result.stdout.startswith("BLOCKED") and received == []
+
+
+def test_require(work_root: str, report: SandboxReport) -> None:
+    wanted = ("network", "filesystem", "processes")
+    if all(report.satisfies(r) for r in wanted):
+        assert run("print(1)", work_root, require=wanted).stdout == "1\n"
+    else:
+        with pytest.raises(SandboxUnavailable):
+            run("print(1)", work_root, require=wanted)
+    with pytest.raises(ValueError, match="unknown sandbox requirements"):
+        run("print(1)", work_root, require=("magic",))
+
+
+def test_limits_are_validated() -> None:
+    with pytest.raises(ValueError, match="positive"):
+        SandboxLimits(timeout_s=0)
+    with pytest.raises(ValueError, match="integer"):
+        SandboxLimits(memory_mb=1.5)  # type: ignore[arg-type]
+    assert SandboxLimits.from_config({"cpu_s": 2, "other": 1}).cpu_s == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# The python tool, end to end
+
+
+def test_python_tool_end_to_end() -> None:
+    tool = PythonExecTool({"timeout_s": 1.5, "cpu_s": 1, "memory_mb": 256})
+    assert tool.name == "python" and tool.tool_schema == PYTHON_EXEC_SCHEMA
+    assert tool.limits.timeout_s == 1.5
+
+    async def calls() -> list[str]:
+        state = await tool.create({})
+        try:
+            return list(
+                await asyncio.gather(
+                    tool.execute({"code": "print(6 * 7)"}, state),
+                    tool.execute({"code": "import sys\nprint('a')\nsys.exit('bad')"}, state),
+                    tool.execute({"code": "x = 1"}, state),
+                    tool.execute({"code": "import time\ntime.sleep(30)"}, state),
+                )
+            )
+        finally:
+            await tool.release(state)
+
+    ok, failed, silent, slow = asyncio.run(calls())
+    assert ok == "42"
+    assert failed == "a\n\n[stderr]\nbad\n\n[exit status 1]"
+    assert silent == "[no output]"
+    assert slow == "[timed out after 1.5 s; the program was killed]"
+
+
+def _result(**kw: object) -> SandboxResult:
+    fields: dict = {
+        "stdout": "",
+        "stderr": "",
+        "exit_code": 0,
+        "timed_out": False,
+        "killed_by": None,
+        "truncated": False,
+        "report": SandboxReport(applied=()),
+    }
+    return SandboxResult(**{**fields, **kw})
+
+
+@pytest.mark.parametrize(
+    ("result", "expected"),
+    [
+        (_result(stdout="7\n", stderr="a warning\n"), "7"),
+        (_result(stderr="a warning\n"), "[stderr]\na warning"),
+        (
+            _result(exit_code=None, killed_by="SIGXCPU", stdout="1\n"),
+            "1\n\n[killed by SIGXCPU (CPU time limit)]",
+        ),
+        (
+            _result(exit_code=None, killed_by="output_limit", stdout="x" * 5, truncated=True),
+            "xxxxx\n[output truncated after 16384 bytes; the program was stopped]",
+        ),
+        (_result(exit_code=2), "[exit status 2]"),
+    ],
+)
+def test_python_tool_observation(result: SandboxResult, expected: str) -> None:
+    assert format_observation(result, SandboxLimits()) == expected
+
+
+@pytest.mark.parametrize("arguments", [{}, {"code": 5}, {"code": "  "}, {"script": "print(1)"}])
+def test_python_tool_bad_arguments(arguments: dict) -> None:
+    with pytest.raises(ToolError, match="code"):
+        asyncio.run(PythonExecTool().execute(arguments, None))
+
+
+def test_python_tool_config() -> None:
+    with pytest.raises(ToolError, match="at most 10"):
+        asyncio.run(PythonExecTool({"max_code_bytes": 10}).execute({"code": "x" * 11}, None))
+    with pytest.raises(ValueError, match="unknown config keys"):
+        PythonExecTool({"timeout": 3})
+    with pytest.raises(ValueError, match="require"):
+        PythonExecTool({"require": ["everything"]})
+    assert PythonExecTool({"type": "native"}).limits == SandboxLimits()
