@@ -7,7 +7,18 @@ model's calls and :mod:`megarl.agent.render` renders the results exactly as the 
 does. Importing this package imports no torch.
 """
 
+from megarl.agent.driver import AgentContext
+from megarl.agent.loop import AgentLoop, AgentSettings, Sample
 from megarl.agent.tools.base import Tool, ToolError
 from megarl.agent.trajectory import GenerateOutput, Trajectory
 
-__all__ = ["GenerateOutput", "Tool", "ToolError", "Trajectory"]
+__all__ = [
+    "AgentContext",
+    "AgentLoop",
+    "AgentSettings",
+    "GenerateOutput",
+    "Sample",
+    "Tool",
+    "ToolError",
+    "Trajectory",
+]

@@ -25,6 +25,8 @@ PURE_MODULES = sorted(
         *(PACKAGE / "config").glob("*.py"),
         *(PACKAGE / "data").glob("*.py"),
         *(PACKAGE / "planner").glob("*.py"),
+        PACKAGE / "agent" / "driver.py",
+        PACKAGE / "agent" / "loop.py",
         PACKAGE / "agent" / "render.py",
         PACKAGE / "agent" / "tool_calls.py",
         PACKAGE / "agent" / "tool_config.py",

@@ -33,8 +33,9 @@ class Tool(ABC):
         return self.tool_schema["function"]["name"]
 
     async def create(self, tools_kwargs: dict[str, Any]) -> Any:
-        """Per-trajectory state, from the sample's ``extra_info.tools_kwargs[<name>]`` (verl's
-        ``create_kwargs``); default: those kwargs themselves."""
+        """Per-trajectory state from the sample's ``extra_info.tools_kwargs[<name>]``, given
+        whole (verl's rows nest ``create_kwargs`` and ``execute_kwargs`` in it: a tool ported
+        from verl reads them from there); default: that dict itself."""
         return tools_kwargs
 
     @abstractmethod

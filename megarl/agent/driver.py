@@ -1,0 +1,478 @@
+"""Running a step's agent loops against one rollout engine: batching, seeds, metrics.
+
+Every trajectory of a step runs as its own task on one asyncio event loop
+(:func:`run_agent_loops`, callable from the synchronous rollout producer). A loop's
+``await ctx.generate(...)`` does not call the engine itself: it queues a
+:class:`~megarl.engines.base.Request` and waits. Queued requests of all trajectories go to the
+engine together in one ``generate_requests`` call, run in a worker thread
+(:func:`asyncio.to_thread`) so that tool calls keep running meanwhile; one engine call at a time.
+
+**Flush policy.** The queue is sent when no engine call is in flight and every trajectory that
+is still running is either waiting on a generate call or busy outside the engine (inside
+``with ctx.busy():``, which the tool loop puts around its tool calls). A trajectory that is
+doing anything else -- between two awaits, or awaiting something it did not mark busy -- is
+waited for, since its next turn may be about to join the batch. So the first turns of a step go
+in one call, in sample order, exactly as the plain ``engine.generate`` sends them; later turns
+of trajectories that come back from their tools together share a call; and a slow tool holds
+back only its own trajectory. One refinement: when the queue is ready while trajectories are
+busy, it waits up to ``linger_s`` (default 50 ms) for them to come back and queue their turns
+too, so that tools that take milliseconds do not split a turn's batch into a call per
+trajectory (each of which would cost a whole engine call); a tool that takes longer than that is
+not waited for. Timing changes only which requests share a call, never what they sample (see
+Seeds). Requests whose sampling overrides differ (temperature, top-p) go in separate calls,
+one after the other; requests that differ only in ``max_new_tokens`` share a call at the
+largest, and each response is cut to its own limit afterwards. That is exact -- a request's
+first ``k`` tokens come from its own seed (:func:`megarl.engines.base.token_seed`) and do not
+depend on its limit -- at the price of the shorter rows decoding on until the call ends (the
+engine interface has no per-request limit).
+
+**Seeds.** Deterministic whatever the timing or the batching: call ``t`` (``t = 0, 1, ...``, in
+the order the trajectory makes them) of sample ``i`` is seeded :func:`turn_seed` ``(seed_i, t)``
+with ``seed_i = request_seed(step seed, i)`` (:func:`make_samples`), and turn 0 is seeded
+``seed_i`` itself, as the plain ``engine.generate`` seeds prompt ``i``; so ``single_turn`` is
+bitwise the plain rollout. Since the HF engine's responses do not depend on which requests
+share a call, a trajectory is reproducible from (weights, sample, seed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from typing import Any
+
+from megarl.agent.loop import AgentLoop, LoopFor, Sample
+from megarl.agent.trajectory import GenerateOutput, Trajectory
+from megarl.engines.base import Generation, Request, RolloutEngine, SamplingParams, request_seed
+
+_MAX_SEED = 2**63 - 1
+
+LINGER_S = 0.05
+"""How long a ready batch waits for busy trajectories (see the flush policy)."""
+
+OVERRIDES: tuple[str, ...] = ("temperature", "top_p", "max_new_tokens")
+"""The sampling settings a loop may override per ``ctx.generate`` call (not the seed: seeds
+follow :func:`turn_seed`, so that trajectories stay reproducible)."""
+
+
+def turn_seed(sample_seed: int, turn: int) -> int:
+    """The request seed of generate call ``turn`` of a sample seeded ``sample_seed``: the sample
+    seed itself for turn 0 (the plain rollout's), a hash of both for later turns."""
+    if turn == 0:
+        return sample_seed
+    digest = hashlib.blake2b(f"{sample_seed}:turn:{turn}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & _MAX_SEED
+
+
+def make_samples(
+    prompt_ids: Sequence[Sequence[int]],
+    rows: Sequence[Mapping[str, Any]] | None = None,
+    seed: int = 0,
+    messages: Sequence[Sequence[Mapping[str, Any]]] | None = None,
+) -> list[Sample]:
+    """One :class:`Sample` per prompt, sample ``i`` seeded ``request_seed(seed, i)`` (``seed``:
+    the step's sampling seed, as ``SamplingParams.seed`` for ``engine.generate``)."""
+    count = len(prompt_ids)
+    for what, values in (("rows", rows), ("messages", messages)):
+        if values is not None and len(values) != count:
+            raise ValueError(f"{count} prompts but {len(values)} {what}")
+    return [
+        Sample(
+            index=i,
+            prompt_ids=tuple(ids),
+            row=rows[i] if rows is not None else {},
+            seed=request_seed(seed, i),
+            messages=tuple(messages[i]) if messages is not None else (),
+        )
+        for i, ids in enumerate(prompt_ids)
+    ]
+
+
+def finish_reason(generation: Generation) -> str:
+    """``stop`` (ended on an EOS token), ``abort`` (interrupted) or ``length``."""
+    if generation.finished:
+        return "stop"
+    return "abort" if generation.interrupted else "length"
+
+
+def generate_output(generation: Generation, limit: int) -> GenerateOutput:
+    """``generation`` as a loop sees it, cut to the request's own ``max_new_tokens`` (the call
+    may have sampled more for it: see the flush policy)."""
+    if len(generation.response_ids) > limit:
+        return GenerateOutput(
+            generation.response_ids[:limit], generation.response_logprobs[:limit], "length"
+        )
+    return GenerateOutput(
+        generation.response_ids, generation.response_logprobs, finish_reason(generation)
+    )
+
+
+# --- the batcher ----------------------------------------------------------------------------
+
+
+@dataclass
+class _Slot:
+    """One trajectory's standing with the batcher."""
+
+    waiting: int = 0
+    """Its generate calls not answered yet (queued or in the engine)."""
+    busy: int = 0
+    """Depth of ``ctx.busy()`` blocks it is in."""
+    done: bool = False
+
+    @property
+    def running(self) -> bool:
+        """Neither waiting, nor busy, nor done: the flush waits for it."""
+        return not self.done and not self.waiting and not self.busy
+
+
+@dataclass(eq=False)
+class _Pending:
+    """One queued ``ctx.generate`` call (compared by identity)."""
+
+    slot: int
+    turn: int
+    request: Request
+    params: SamplingParams
+    """The call's own sampling (its ``max_new_tokens`` is its limit)."""
+    future: asyncio.Future[GenerateOutput]
+    answered: bool = False
+
+
+class _Batcher:
+    """Queues the trajectories' generate calls and sends them per the flush policy."""
+
+    def __init__(
+        self, engine: RolloutEngine, params: SamplingParams, count: int, linger_s: float
+    ) -> None:
+        self.engine, self.params, self.linger_s = engine, params, linger_s
+        self.slots = [_Slot() for _ in range(count)]
+        self.running = count
+        self.busy = 0
+        """Trajectories inside ``ctx.busy()`` (not done)."""
+        self.changed = asyncio.Event()
+        """Set on every change of a trajectory's standing (for the linger)."""
+        self.pending: list[_Pending] = []
+        self.in_flight = False
+        self.closed = False
+        self.flush_task: asyncio.Task[None] | None = None
+        self.engine_calls = 0
+        self.engine_requests = 0
+        self.engine_seconds = 0.0
+
+    # --- trajectory state --------------------------------------------------------------------
+
+    def change(self, index: int, waiting: int = 0, busy: int = 0, done: bool = False) -> None:
+        """Update trajectory ``index``'s standing, then flush if the policy says so."""
+        self._update(index, waiting, busy, done)
+        self._maybe_flush()
+
+    def _update(self, index: int, waiting: int = 0, busy: int = 0, done: bool = False) -> None:
+        slot = self.slots[index]
+        was_running, was_busy = slot.running, slot.busy > 0 and not slot.done
+        slot.waiting += waiting
+        slot.busy += busy
+        slot.done = slot.done or done
+        self.running += int(slot.running) - int(was_running)
+        self.busy += int(slot.busy > 0 and not slot.done) - int(was_busy)
+        self.changed.set()
+
+    async def submit(
+        self, index: int, turn: int, request: Request, params: SamplingParams
+    ) -> GenerateOutput:
+        future: asyncio.Future[GenerateOutput] = asyncio.get_running_loop().create_future()
+        pending = _Pending(index, turn, request, params, future)
+        self.pending.append(pending)
+        try:
+            self.change(index, waiting=1)
+            return await future
+        except asyncio.CancelledError:
+            if pending in self.pending:  # cancelled before it was sent
+                self.pending.remove(pending)
+                self.change(index, waiting=-1)
+            raise
+
+    # --- flushing ----------------------------------------------------------------------------
+
+    def _maybe_flush(self) -> None:
+        if self.closed or self.in_flight or not self.pending or self.running:
+            return
+        self.in_flight = True
+        self.flush_task = asyncio.get_running_loop().create_task(self._flush())
+
+    async def _linger(self) -> None:
+        """Wait up to ``linger_s`` while trajectories are busy (or just back from being busy,
+        about to queue their turn), so that fast tools' trajectories join the call."""
+        deadline = time.monotonic() + self.linger_s
+        while (self.busy or self.running) and not self.closed:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            self.changed.clear()
+            try:
+                await asyncio.wait_for(self.changed.wait(), left)
+            except asyncio.TimeoutError:
+                return
+
+    async def _flush(self) -> None:
+        """Linger, then send the queue; whatever fails is handed to the callers waiting on it
+        (never left waiting), and the next flush is considered."""
+        batch: list[_Pending] = []
+        try:
+            await self._linger()
+            batch, self.pending = self.pending, []
+            await self._send(batch)
+        except Exception as exc:  # noqa: BLE001 - handed to every caller of the batch
+            for pending in batch:
+                self._answer(pending, exc)
+        finally:
+            self.in_flight = False
+            self._maybe_flush()
+
+    async def _send(self, batch: Sequence[_Pending]) -> None:
+        """One engine call per sampling group; each group's callers are answered as soon as
+        its call returns, so they go on while the next group samples."""
+        for params, group in _groups(batch, self.params):
+            started = time.perf_counter()
+            generations = await asyncio.to_thread(
+                self.engine.generate_requests, [p.request for p in group], params
+            )
+            if len(generations) != len(group):
+                raise RuntimeError(
+                    f"the engine returned {len(generations)} generations for {len(group)} requests"
+                )
+            self.engine_seconds += time.perf_counter() - started
+            self.engine_calls += 1
+            self.engine_requests += len(group)
+            for pending, generation in zip(group, generations, strict=True):
+                self._answer(pending, generation)
+
+    def _answer(self, pending: _Pending, result: Generation | BaseException) -> None:
+        """Resolve one caller (once); it counts as running from here, before its task resumes,
+        so the next flush waits for its next turn."""
+        if pending.answered:
+            return
+        pending.answered = True
+        self._update(pending.slot, waiting=-1)
+        if pending.future.done():  # its trajectory was cancelled meanwhile
+            return
+        if isinstance(result, BaseException):
+            pending.future.set_exception(result)
+            return
+        try:
+            output = generate_output(result, pending.params.max_new_tokens)
+        except ValueError as exc:  # an engine output a trajectory refuses (e.g. NaN logprobs)
+            pending.future.set_exception(exc)
+            return
+        pending.future.set_result(output)
+
+    async def close(self) -> None:
+        """No more calls; wait for (or cancel, after a failure) the one in flight."""
+        self.closed = True
+        task = self.flush_task
+        if task is not None and not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+
+def _groups(
+    batch: Sequence[_Pending], base: SamplingParams
+) -> list[tuple[SamplingParams, list[_Pending]]]:
+    """The batch split by (temperature, top_p), each group in (sample, turn) order and sent
+    with the largest ``max_new_tokens`` of its requests; groups in order of their first
+    request. A group of plain ``ctx.generate`` calls is sent with ``base`` itself."""
+    ordered = sorted(batch, key=lambda p: (p.slot, p.turn))
+    grouped: dict[tuple[float, float], list[_Pending]] = {}
+    for pending in ordered:
+        grouped.setdefault((pending.params.temperature, pending.params.top_p), []).append(pending)
+    out = []
+    for (temperature, top_p), group in grouped.items():
+        limit = max(p.params.max_new_tokens for p in group)
+        params = replace(base, temperature=temperature, top_p=top_p, max_new_tokens=limit)
+        out.append((params, group))
+    return out
+
+
+# --- what a loop is given -------------------------------------------------------------------
+
+
+class AgentContext:
+    """One trajectory's handle on the step: sample turns, mark tool time, count events.
+
+    ``tokenizer`` is the model's; ``max_response_tokens`` the response budget
+    (``rollout.max_new_tokens``, what a :class:`Trajectory` built with it enforces);
+    ``params`` the step's sampling."""
+
+    def __init__(
+        self,
+        batcher: _Batcher,
+        index: int,
+        sample: Sample,
+        tokenizer: Any,
+        params: SamplingParams,
+    ) -> None:
+        self._batcher, self._index = batcher, index
+        self.sample = sample
+        self.tokenizer = tokenizer
+        self.params = params
+        self.max_response_tokens = params.max_new_tokens
+        self.counters: dict[str, float] = {}
+        """What the loop counted (:meth:`count`), summed over the step as ``agent/<name>``."""
+        self.generate_calls = 0
+
+    async def generate(self, token_ids: Sequence[int], **overrides: Any) -> GenerateOutput:
+        """Sample one turn continuing ``token_ids`` (prompt and response so far).
+
+        ``overrides``: ``temperature``, ``top_p``, ``max_new_tokens`` (None: the step's). The
+        call is seeded :func:`turn_seed` ``(sample.seed, n)`` for the trajectory's ``n``-th
+        call and batched with the other trajectories' (see the module docstring)."""
+        params = _with_overrides(self.params, overrides)
+        turn = self.generate_calls
+        self.generate_calls += 1
+        request = Request(tuple(int(t) for t in token_ids), turn_seed(self.sample.seed, turn))
+        return await self._batcher.submit(self._index, turn, request, params)
+
+    @contextmanager
+    def busy(self) -> Iterator[None]:
+        """Marks this trajectory busy outside the engine (tool calls, an environment step):
+        the other trajectories' queued turns are sent without waiting for it."""
+        self._batcher.change(self._index, busy=1)
+        try:
+            yield
+        finally:
+            self._batcher.change(self._index, busy=-1)
+
+    def count(self, name: str, value: float = 1.0) -> None:
+        """Add ``value`` to this trajectory's counter ``name`` (reported as ``agent/<name>``)."""
+        self.counters[name] = self.counters.get(name, 0.0) + value
+
+
+def _with_overrides(params: SamplingParams, overrides: Mapping[str, Any]) -> SamplingParams:
+    unknown = sorted(set(overrides) - set(OVERRIDES))
+    if unknown:
+        raise TypeError(
+            f"ctx.generate: unknown sampling override {unknown[0]!r} "
+            f"(overridable: {', '.join(OVERRIDES)})"
+        )
+    given = {key: value for key, value in overrides.items() if value is not None}
+    return replace(params, **given) if given else params
+
+
+# --- running a step -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AgentResult:
+    """A step's trajectories in sample order, and its ``agent/*`` and ``timing_s/*`` metrics."""
+
+    trajectories: list[Trajectory]
+    metrics: dict[str, float]
+
+
+def run_agent_loops(
+    engine: RolloutEngine,
+    loop: AgentLoop | LoopFor,
+    samples: Sequence[Sample],
+    params: SamplingParams,
+    tokenizer: Any,
+    linger_s: float = LINGER_S,
+) -> AgentResult:
+    """Every sample's trajectory, built concurrently (see the module docstring); for
+    synchronous callers (it runs its own event loop; async code awaits
+    :func:`drive_agent_loops`). ``loop``: one loop for all samples, or the loop of each
+    (:class:`megarl.agent.loop.LoopChooser`). ``params``: the step's sampling (its
+    ``max_new_tokens`` is each trajectory's response budget, ``ctx.max_response_tokens``). A
+    loop that raises stops the step: the other trajectories are cancelled (their tools
+    released) and the exception is raised here."""
+    return asyncio.run(drive_agent_loops(engine, loop, samples, params, tokenizer, linger_s))
+
+
+async def drive_agent_loops(
+    engine: RolloutEngine,
+    loop: AgentLoop | LoopFor,
+    samples: Sequence[Sample],
+    params: SamplingParams,
+    tokenizer: Any,
+    linger_s: float = LINGER_S,
+) -> AgentResult:
+    """:func:`run_agent_loops` on the running event loop."""
+    started = time.perf_counter()
+    choose = (lambda _sample: loop) if isinstance(loop, AgentLoop) else loop
+    loops = [choose(sample) for sample in samples]
+    batcher = _Batcher(engine, params, len(samples), linger_s)
+    contexts = [
+        AgentContext(batcher, i, sample, tokenizer, params) for i, sample in enumerate(samples)
+    ]
+    tasks = [
+        asyncio.create_task(_run_one(batcher, i, loops[i], sample, contexts[i]))
+        for i, sample in enumerate(samples)
+    ]
+    try:
+        await _all_or_first_error(tasks)
+    finally:
+        await batcher.close()
+    trajectories = [task.result() for task in tasks]
+    metrics = agent_metrics(trajectories, contexts, batcher)
+    metrics["timing_s/agent_loops"] = time.perf_counter() - started
+    return AgentResult(trajectories, metrics)
+
+
+async def _run_one(
+    batcher: _Batcher, index: int, loop: AgentLoop, sample: Sample, ctx: AgentContext
+) -> Trajectory:
+    try:
+        traj = await loop.run(sample, ctx)
+    finally:
+        batcher.change(index, done=True)
+    if not isinstance(traj, Trajectory):
+        raise TypeError(
+            f"{type(loop).__name__}.run returned a {type(traj).__name__} for sample "
+            f"{sample.index}, not a Trajectory"
+        )
+    return traj
+
+
+async def _all_or_first_error(tasks: Sequence[asyncio.Task[Trajectory]]) -> None:
+    """Wait for every task; on the first failure cancel the others (their ``finally`` blocks
+    run) and raise the failure of the lowest sample index."""
+    if not tasks:
+        return
+    _, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    failures = [t.exception() for t in tasks if t.done() and not t.cancelled()]
+    first = next((exc for exc in failures if exc is not None), None)
+    if first is None:
+        return
+    for task in pending:
+        task.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
+    raise first
+
+
+def agent_metrics(
+    trajectories: Sequence[Trajectory], contexts: Sequence[AgentContext], batcher: _Batcher
+) -> dict[str, float]:
+    """Per step: turns, tool use, observation length, engine calls and time, loop counters."""
+    count = max(1, len(trajectories))
+    turns = [t.num_turns for t in trajectories]
+    calls = max(1, batcher.engine_calls)
+    metrics = {
+        "agent/num_turns/mean": sum(turns) / count,
+        "agent/num_turns/max": float(max(turns, default=0)),
+        "agent/tool_calls/mean": sum(t.tool_calls for t in trajectories) / count,
+        "agent/tool_errors": float(sum(t.tool_errors for t in trajectories)),
+        "agent/observation_tokens/mean": sum(t.observation_tokens for t in trajectories) / count,
+        "agent/truncated_frac": sum(t.truncated for t in trajectories) / count,
+        "agent/engine_calls": float(batcher.engine_calls),
+        "agent/requests_per_engine_call/mean": batcher.engine_requests / calls,
+        "timing_s/agent_gen": batcher.engine_seconds,
+        "timing_s/agent_gen_per_turn": batcher.engine_seconds / calls,
+    }
+    counters: dict[str, float] = {}
+    for ctx in contexts:
+        for name, value in ctx.counters.items():
+            counters[name] = counters.get(name, 0.0) + value
+    metrics.update({f"agent/{name}": value for name, value in sorted(counters.items())})
+    return metrics

@@ -1,0 +1,465 @@
+"""Agent loops: how one sample's trajectory is built from ``ctx.generate`` calls and tools.
+
+A loop is user code with one method, ``async def run(self, sample, ctx) -> Trajectory``. It is
+given the sample (its rendered prompt ids, its dataset row, its seed) and a context
+(:class:`megarl.agent.driver.AgentContext`) whose ``await ctx.generate(token_ids, ...)`` samples
+one turn. Everything is token-in/token-out: the loop appends the ids the engine sampled
+(:meth:`Trajectory.add_generated`) and the ids of what the environment answered
+(:meth:`Trajectory.add_observation`), never a re-encoding of generated text.
+
+Why ``async``: a step runs all its trajectories at once on one event loop
+(:mod:`megarl.agent.driver`), so that every trajectory's pending turn goes to the engine in one
+batched call while other trajectories wait on their tools. A loop therefore must not block the
+event loop: a tool that does blocking work runs it in a thread or a subprocess.
+
+Built in (``rollout.agent.loop``, or a dataset row's verl ``agent_name``):
+
+* ``single_turn`` (:class:`SingleTurnLoop`): one generate call; a step produces exactly the
+  tokens and logprobs of the trainer's plain ``engine.generate``.
+* ``tool`` (:class:`ToolAgentLoop`): generate, run the turn's tool calls, show the results,
+  generate again, until the model answers without calling a tool.
+* ``package.module:ClassName``: a user's :class:`AgentLoop` subclass (:func:`resolve_loop`).
+
+This module imports no torch: :mod:`megarl.engines.base` is imported for its types only.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import importlib
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from megarl.agent.render import ChatRenderer, PrefixBrokenError
+from megarl.agent.tool_calls import ParsedTurn, ToolCall, get_tool_format
+from megarl.agent.tool_config import load_tools
+from megarl.agent.tools.base import Tool, ToolError
+from megarl.agent.trajectory import Trajectory
+from megarl.errors import BadInputError
+
+if TYPE_CHECKING:
+    from megarl.agent.driver import AgentContext
+
+LOOP_KEY = "rollout.agent.loop"
+
+
+class AgentLoopError(BadInputError, ValueError):
+    """A loop name or class path that names no usable :class:`AgentLoop`: one line, exit 2."""
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One response to build: what a loop's ``run`` is given."""
+
+    index: int
+    """Its position in the step, group-major (prompt ``g``'s ``k``-th response is ``g * n + k``):
+    the order trajectories come back in."""
+    prompt_ids: tuple[int, ...]
+    """The rendered prompt's token ids (chat template applied): the trajectory starts here."""
+    row: Mapping[str, Any] = field(default_factory=dict)
+    """The dataset row (verl's schema): ground truth, ``data_source``, and
+    ``extra_info.tools_kwargs`` (per-sample tool state, by tool name)."""
+    seed: int = 0
+    """This sample's own seed: its first generate call's request seed, ``request_seed(step
+    seed, index)`` as the trainer's plain ``engine.generate`` seeds prompt ``index`` (see
+    :func:`megarl.agent.driver.turn_seed` for later calls)."""
+    messages: tuple[Mapping[str, Any], ...] = ()
+    """The chat messages ``prompt_ids`` render, for loops that render continuations with the
+    chat template (:class:`ToolAgentLoop`); empty: read from the row's ``prompt`` column."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "prompt_ids", tuple(int(t) for t in self.prompt_ids))
+        object.__setattr__(self, "messages", tuple(self.messages))
+
+
+@dataclass(frozen=True)
+class AgentSettings:
+    """The ``rollout.agent.*`` keys. Defaults follow verl's ``multi_turn`` settings where it has
+    one (its ``max_tool_response_length`` counts characters; this counts tokens)."""
+
+    loop: str = "single_turn"
+    """``single_turn`` | ``tool`` | ``package.module:ClassName`` (rows may override with
+    verl's ``agent_name``)."""
+    max_turns: int | None = None
+    """Generated (assistant) turns per trajectory, verl's ``max_assistant_turns``; None: only
+    the response budget (``rollout.max_new_tokens``) ends a trajectory that keeps calling."""
+    tool_config_path: str | None = None
+    """verl-style tool YAML (:mod:`megarl.agent.tool_config`); None: no tools."""
+    max_tool_response_tokens: int = 256
+    """A tool's output is cut to this many tokens (a note says so) before it is rendered."""
+    tool_timeout_s: float = 30.0
+    """Wall-clock limit of one tool call; past it the model reads a timeout error."""
+    tool_format: str = "hermes"
+    """How calls are written and parsed (:data:`megarl.agent.tool_calls.TOOL_FORMATS`)."""
+
+    def __post_init__(self) -> None:
+        if self.max_turns is not None and self.max_turns < 1:
+            raise BadInputError(f"rollout.agent.max_turns={self.max_turns}: must be >= 1 or null")
+        if self.max_tool_response_tokens < 1:
+            raise BadInputError(
+                f"rollout.agent.max_tool_response_tokens={self.max_tool_response_tokens}: "
+                "must be >= 1"
+            )
+        if not self.tool_timeout_s > 0:
+            raise BadInputError(
+                f"rollout.agent.tool_timeout_s={self.tool_timeout_s}: must be > 0 seconds"
+            )
+        get_tool_format(self.tool_format)
+
+
+class AgentLoop(abc.ABC):
+    """Builds one trajectory per sample; subclass and implement :meth:`run`.
+
+    Constructed once per run (by :func:`build_loop`, with keywords), then ``run`` is called for
+    every sample of every step, concurrently: keep per-trajectory state in ``run``'s locals,
+    not on ``self``. A subclass that overrides ``__init__`` accepts these keywords and passes
+    them on.
+    """
+
+    def __init__(
+        self,
+        settings: AgentSettings | None = None,
+        tokenizer: Any = None,
+        tools: Mapping[str, Tool] | None = None,
+    ) -> None:
+        self.settings = settings if settings is not None else AgentSettings()
+        self.tokenizer = tokenizer
+        self.tools: dict[str, Tool] = dict(tools or {})
+
+    @abc.abstractmethod
+    async def run(self, sample: Sample, ctx: AgentContext) -> Trajectory:
+        """One trajectory for ``sample``, from ``await ctx.generate(...)`` calls."""
+
+    def prompt_ids(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        """The prompt ids this loop expects for ``messages`` (what :attr:`Sample.prompt_ids`
+        must be): the tokenizer's chat template with the generation prompt, as
+        :func:`megarl.trainer.rollout.encode_prompt` encodes a prompt."""
+        tokenizer = self.tokenizer
+        if tokenizer is None:
+            raise ValueError(f"{type(self).__name__}.prompt_ids needs a tokenizer")
+        text = tokenizer.apply_chat_template(
+            [dict(m) for m in messages], tokenize=False, add_generation_prompt=True
+        )
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+class SingleTurnLoop(AgentLoop):
+    """One generate call of ``rollout.max_new_tokens``: the plain rollout as a loop.
+
+    The driver seeds it and batches it exactly as ``engine.generate(prompts, params)`` does
+    (one call, prompts in order, prompt ``i`` seeded ``request_seed(seed, i)``), so a step gives
+    bitwise the same tokens and logprobs."""
+
+    async def run(self, sample: Sample, ctx: AgentContext) -> Trajectory:
+        traj = Trajectory(sample.prompt_ids, ctx.max_response_tokens)
+        traj.add_generated(await ctx.generate(traj.token_ids))
+        return traj
+
+
+# --- the tool loop --------------------------------------------------------------------------
+
+
+def prompt_messages(sample: Sample) -> list[dict[str, Any]]:
+    """The prompt's chat messages: :attr:`Sample.messages`, else the row's ``prompt`` column
+    (verl's: a list of ``{role, content}``, or a string for one user message)."""
+    if sample.messages:
+        return [dict(m) for m in sample.messages]
+    prompt = sample.row.get("prompt")
+    if isinstance(prompt, str) and prompt:
+        return [{"role": "user", "content": prompt}]
+    if isinstance(prompt, Sequence) and prompt and all(isinstance(m, Mapping) for m in prompt):
+        return [dict(m) for m in prompt]
+    raise ValueError(
+        f"sample {sample.index}: the tool loop renders tool results with the chat template and "
+        "needs the prompt's chat messages: Sample.messages, or a 'prompt' column of messages"
+    )
+
+
+def tools_kwargs(row: Mapping[str, Any], name: str) -> dict[str, Any]:
+    """The row's ``extra_info.tools_kwargs[name]`` (verl's per-sample tool state), or {}."""
+    extra = row.get("extra_info")
+    per_tool = extra.get("tools_kwargs") if isinstance(extra, Mapping) else None
+    kwargs = per_tool.get(name) if isinstance(per_tool, Mapping) else None
+    return dict(kwargs) if isinstance(kwargs, Mapping) else {}
+
+
+class _ToolStates:
+    """One trajectory's tool states: each tool's ``create`` runs once, on its first call (two
+    concurrent first calls share it), and every created state is released at the end."""
+
+    def __init__(self, tools: Mapping[str, Tool], row: Mapping[str, Any]) -> None:
+        self._tools, self._row = tools, row
+        self._created: dict[str, asyncio.Task[Any]] = {}
+
+    async def get(self, name: str) -> Any:
+        task = self._created.get(name)
+        if task is None:
+            task = asyncio.ensure_future(self._tools[name].create(tools_kwargs(self._row, name)))
+            self._created[name] = task
+        return await asyncio.shield(task)
+
+    async def release(self) -> None:
+        """Release every state that was created; a failing release is warned about (the
+        trajectory is already built), never raised over the loop's own outcome."""
+        for name, task in self._created.items():
+            if not task.done():  # a create still running when its call timed out
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                continue
+            if task.cancelled() or task.exception() is not None:
+                continue
+            try:
+                await self._tools[name].release(task.result())
+            except Exception as exc:  # noqa: BLE001 - a user's release hook; reported, not raised
+                warnings.warn(
+                    f"tool {name}: release failed: {type(exc).__name__}: {exc}", stacklevel=1
+                )
+
+
+@dataclass(frozen=True)
+class _Answer:
+    """One tool call's observation text, and whether the call failed."""
+
+    text: str
+    failed: bool
+
+
+class ToolAgentLoop(AgentLoop):
+    """Generate; run the turn's tool calls; render their results; repeat.
+
+    A turn ends the trajectory when the model called no tool, when it did not close its turn
+    (its budget ran out, or it stopped on an end-of-sequence token other than the chat
+    template's end of turn), after ``max_turns`` generated turns, or when the response budget
+    is spent. Otherwise every call of the turn runs concurrently, each under
+    ``tool_timeout_s``; whatever goes wrong with a call (unparseable, unknown tool, bad
+    arguments, the tool raised or timed out) becomes that call's observation, an error message
+    for the model, and counts in ``Trajectory.tool_errors``: a model's mistake never stops the
+    run. The results, in call order, are rendered as the chat template renders tool messages
+    (:meth:`ChatRenderer.continuation_ids`, glue and next generation prompt included).
+
+    Generated text is decoded only to find the calls; the ids stay as sampled. A template that
+    cannot continue the ids exactly (:class:`PrefixBrokenError`) ends the trajectory and counts
+    in ``agent/prefix_breaks``.
+    """
+
+    def __init__(
+        self,
+        settings: AgentSettings | None = None,
+        tokenizer: Any = None,
+        tools: Mapping[str, Tool] | None = None,
+    ) -> None:
+        settings = settings if settings is not None else AgentSettings()
+        if tools is None and settings.tool_config_path:
+            tools = load_tools(settings.tool_config_path)
+        super().__init__(settings, tokenizer, tools)
+        if tokenizer is None:
+            raise ValueError("ToolAgentLoop needs the tokenizer (its chat template renders tools)")
+        schemas = [tool.tool_schema for tool in self.tools.values()]
+        self.renderer = ChatRenderer(tokenizer, schemas, tool_format=settings.tool_format)
+        self._schemas = {name: tool.tool_schema for name, tool in self.tools.items()}
+        self._warned_prefix = False
+
+    def prompt_ids(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        """The prompt with the tools described (by the template, or in the system message)."""
+        return self.renderer.prompt_ids(messages)
+
+    async def run(self, sample: Sample, ctx: AgentContext) -> Trajectory:
+        messages = prompt_messages(sample)
+        if tuple(self.prompt_ids(messages)) != sample.prompt_ids:
+            raise ValueError(
+                f"sample {sample.index}: prompt_ids are not the tool loop's rendering of the "
+                "prompt's messages (tools described): encode tool prompts with "
+                "ToolAgentLoop.prompt_ids"
+            )
+        traj = Trajectory(sample.prompt_ids, ctx.max_response_tokens)
+        history: list[dict[str, Any]] = list(messages)
+        states = _ToolStates(self.tools, sample.row)
+        try:
+            while True:
+                room = traj.remaining
+                output = await ctx.generate(traj.token_ids, max_new_tokens=room)
+                traj.add_generated(output)
+                parsed = self._calls_to_answer(traj, output.token_ids)
+                if parsed is None:
+                    break
+                with ctx.busy():
+                    answers = await self._answer(parsed, states)
+                traj.tool_calls += len(answers)
+                traj.tool_errors += sum(answer.failed for answer in answers)
+                history.append(self.renderer.assistant_message(output.token_ids))
+                results = [{"role": "tool", "content": answer.text} for answer in answers]
+                try:
+                    ids = self.renderer.continuation_ids(history, results, traj.token_ids)
+                except PrefixBrokenError as exc:
+                    self._prefix_broken(exc, ctx)
+                    break
+                history.extend(results)
+                traj.add_observation(ids)
+                if traj.truncated:
+                    break
+        finally:
+            await states.release()
+        return traj
+
+    def _prefix_broken(self, exc: PrefixBrokenError, ctx: AgentContext) -> None:
+        """Count a trajectory the template cannot continue; say why once per run."""
+        ctx.count("prefix_breaks")
+        if not self._warned_prefix:
+            self._warned_prefix = True
+            warnings.warn(
+                f"{exc}; such trajectories end before the tool results (counted in "
+                "agent/prefix_breaks)",
+                stacklevel=1,
+            )
+
+    def _calls_to_answer(self, traj: Trajectory, turn_ids: Sequence[int]) -> ParsedTurn | None:
+        """The turn's tool calls when the loop goes on to answer them; None to end here."""
+        if traj.finish_reason != "stop" or traj.truncated:
+            return None  # cut by the budget, or interrupted
+        if self.settings.max_turns is not None and traj.num_turns >= self.settings.max_turns:
+            return None
+        if not self.renderer.closes_turn(turn_ids):
+            return None  # another end-of-sequence token: the model ended the conversation
+        text = self.renderer.decode(turn_ids[:-1])  # parsed only; the ids stay as sampled
+        parsed = self.renderer.tool_format.parse(text, self._schemas)
+        return parsed if parsed.has_tool_calls else None
+
+    async def _answer(self, parsed: ParsedTurn, states: _ToolStates) -> list[_Answer]:
+        """Every item of the turn answered, in order; the calls run concurrently."""
+        answers = await asyncio.gather(
+            *(
+                self._call(item, states)
+                if isinstance(item, ToolCall)
+                else _immediate(_Answer(f"Error: {item.message}", failed=True))
+                for item in parsed.items
+            )
+        )
+        return [_Answer(self._truncate(a.text), a.failed) for a in answers]
+
+    async def _call(self, call: ToolCall, states: _ToolStates) -> _Answer:
+        """One well-formed call run under the timeout (its tool state's creation, on the first
+        call, included); any failure is the model's to read."""
+        timeout = self.settings.tool_timeout_s
+        try:
+            result = await asyncio.wait_for(self._execute(call, states), timeout)
+        except asyncio.TimeoutError:
+            return _Answer(f"Error: {call.name} timed out after {timeout:g} s", failed=True)
+        except ToolError as exc:
+            return _Answer(f"Error: {exc}", failed=True)
+        except Exception as exc:  # noqa: BLE001 - a tool's bug: the model's error, not a crash
+            return _Answer(f"Error: {call.name} failed: {type(exc).__name__}: {exc}", failed=True)
+        if not isinstance(result, str):
+            kind = type(result).__name__
+            return _Answer(f"Error: {call.name} returned a {kind}, not text", failed=True)
+        return _Answer(result, failed=False)
+
+    async def _execute(self, call: ToolCall, states: _ToolStates) -> Any:
+        state = await states.get(call.name)
+        return await self.tools[call.name].execute(dict(call.arguments), state)
+
+    def _truncate(self, text: str) -> str:
+        """``text`` cut to ``max_tool_response_tokens`` tokens, saying so (the head is kept:
+        a traceback's or a print's start is where the model looks first)."""
+        limit = self.settings.max_tool_response_tokens
+        ids = self.renderer.encode(text)
+        if len(ids) <= limit:
+            return text
+        kept = self.renderer.decode(ids[:limit])
+        return f"{kept}\n... (truncated: the first {limit} of {len(ids)} tokens shown)"
+
+
+async def _immediate(answer: _Answer) -> _Answer:
+    return answer
+
+
+# --- choosing a loop ------------------------------------------------------------------------
+
+
+BUILT_IN_LOOPS: dict[str, type[AgentLoop]] = {
+    "single_turn": SingleTurnLoop,
+    "tool": ToolAgentLoop,
+    "single_turn_agent": SingleTurnLoop,  # verl's agent_name spellings
+    "tool_agent": ToolAgentLoop,
+}
+
+
+def resolve_loop(name: str, key: str = LOOP_KEY) -> type[AgentLoop]:
+    """The loop class ``name`` denotes: a built-in name, or a class path
+    ``package.module:ClassName`` (``package.module.ClassName`` also works). Anything else is a
+    one-line :class:`AgentLoopError` naming ``key``."""
+    if not isinstance(name, str) or not name.strip():
+        raise AgentLoopError(f"{key}={name!r}: expected a loop name or 'package.module:ClassName'")
+    if name in BUILT_IN_LOOPS:
+        return BUILT_IN_LOOPS[name]
+    module_name, sep, attribute = name.partition(":")
+    if not sep:
+        module_name, _, attribute = name.rpartition(".")
+    if not module_name or not attribute:
+        builtins = ", ".join(n for n in BUILT_IN_LOOPS if not n.endswith("_agent"))
+        raise AgentLoopError(
+            f"{key}={name!r}: not a built-in loop ({builtins}) nor a class path "
+            "'package.module:ClassName'"
+        )
+    cls = _import_attribute(module_name, attribute, f"{key}={name!r}")
+    if not isinstance(cls, type) or not issubclass(cls, AgentLoop):
+        raise AgentLoopError(f"{key}={name!r} is not a subclass of megarl.agent.AgentLoop")
+    if getattr(cls, "__abstractmethods__", None):
+        missing = ", ".join(sorted(cls.__abstractmethods__))
+        raise AgentLoopError(f"{key}={name!r} does not implement {missing}")
+    return cls
+
+
+def _import_attribute(module_name: str, attribute: str, where: str) -> object:
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        raise AgentLoopError(f"{where}: module {exc.name or module_name!r} not found") from exc
+    except Exception as exc:  # whatever the user's module raised on import
+        raise AgentLoopError(
+            f"{where}: importing {module_name!r} failed: {type(exc).__name__}: {exc}"
+        ) from exc
+    if not hasattr(module, attribute):
+        raise AgentLoopError(f"{where}: module {module_name!r} has no {attribute!r}")
+    return getattr(module, attribute)
+
+
+def build_loop(
+    name: str,
+    settings: AgentSettings,
+    tokenizer: Any,
+    tools: Mapping[str, Tool] | None = None,
+    key: str = LOOP_KEY,
+) -> AgentLoop:
+    """The loop ``name`` denotes, constructed with keywords (once per run)."""
+    cls = resolve_loop(name, key)
+    return cls(settings=settings, tokenizer=tokenizer, tools=tools)
+
+
+class LoopChooser:
+    """Each sample's loop: its row's ``agent_name`` (verl) when it has one, else
+    ``rollout.agent.loop``. The tools are loaded once, and each loop is built on first use and
+    kept for the run; a bad name fails on the first sample that uses it."""
+
+    def __init__(self, settings: AgentSettings, tokenizer: Any) -> None:
+        self.settings, self.tokenizer = settings, tokenizer
+        path = settings.tool_config_path
+        self.tools: dict[str, Tool] = load_tools(path) if path else {}
+        self._loops: dict[str, AgentLoop] = {}
+
+    def __call__(self, sample: Sample) -> AgentLoop:
+        name, key = self.settings.loop, LOOP_KEY
+        row_name = sample.row.get("agent_name")
+        if row_name:
+            name, key = str(row_name), f"sample {sample.index}: agent_name"
+        loop = self._loops.get(name)
+        if loop is None:
+            loop = build_loop(name, self.settings, self.tokenizer, self.tools, key)
+            self._loops[name] = loop
+        return loop
+
+
+LoopFor = Callable[[Sample], AgentLoop]
+"""What the driver accepts besides one loop: the loop of each sample (:class:`LoopChooser`)."""
