@@ -16,6 +16,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, ClassVar, cast
 
+from megarl.agent.loop import AgentSettings
 from megarl.algo.advantages import ADVANTAGE_ESTIMATOR_NAMES, resolve_estimator_name
 from megarl.algo.dapo import FILTER_GROUP_METRICS
 from megarl.algo.kl_reward import KL_CTRL_TYPES
@@ -485,6 +486,8 @@ class RolloutConfig:
     max_num_batched_tokens: int = 8192
     """vLLM: tokens per engine step (prefill chunking)."""
     val: RolloutValConfig = field(default_factory=RolloutValConfig)
+    agent: AgentSettings = field(default_factory=AgentSettings)
+    """Multi-turn agent loops (:mod:`megarl.agent`); only ``single_turn`` trains so far."""
     # --- placement ---
     n_gpus: int = 0
     """0 = colocated (the engine shares rank 0's device) | N = split placement: the engine runs
@@ -524,6 +527,12 @@ class RolloutConfig:
             f"rollout.max_new_tokens={self.max_new_tokens} new tokens",
         )
         _require(0 < self.top_p <= 1, f"rollout.top_p={self.top_p}: must be in (0, 1]")
+        _require(
+            self.agent.loop in ("single_turn", "single_turn_agent"),
+            f"rollout.agent.loop={self.agent.loop}: multi-turn agent loops do not train yet "
+            "(the loops, tools and sandbox of megarl.agent run on their own; the trainer takes "
+            "single_turn only)",
+        )
 
 
 @dataclass(frozen=True)
