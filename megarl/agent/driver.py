@@ -150,9 +150,6 @@ class _Batcher:
     ) -> None:
         self.engine, self.params, self.linger_s = engine, params, linger_s
         self.slots = [_Slot() for _ in range(count)]
-        self.running = count
-        self.busy = 0
-        """Trajectories inside ``ctx.busy()`` (not done)."""
         self.changed = asyncio.Event()
         """Set on every change of a trajectory's standing (for the linger)."""
         self.pending: list[_Pending] = []
@@ -172,13 +169,20 @@ class _Batcher:
 
     def _update(self, index: int, waiting: int = 0, busy: int = 0, done: bool = False) -> None:
         slot = self.slots[index]
-        was_running, was_busy = slot.running, slot.busy > 0 and not slot.done
         slot.waiting += waiting
         slot.busy += busy
         slot.done = slot.done or done
-        self.running += int(slot.running) - int(was_running)
-        self.busy += int(slot.busy > 0 and not slot.done) - int(was_busy)
         self.changed.set()
+
+    @property
+    def running(self) -> int:
+        """Trajectories the flush waits for (see :attr:`_Slot.running`)."""
+        return sum(slot.running for slot in self.slots)
+
+    @property
+    def busy(self) -> int:
+        """Trajectories inside ``ctx.busy()`` (not done)."""
+        return sum(slot.busy > 0 and not slot.done for slot in self.slots)
 
     async def submit(
         self, index: int, turn: int, request: Request, params: SamplingParams
