@@ -58,6 +58,10 @@ class RolloutBatch:
     """Per sequence: the policy version of the weights that sampled each response token (int64,
     one per token; :mod:`megarl.planner.staleness`). None = unknown, taken as the trainer's
     current weights (batches built by hand in tests)."""
+    response_masks: tuple[torch.Tensor, ...] | None = None
+    """Multi-turn trajectories (:mod:`megarl.agent`): per sequence, 1.0 on each response token
+    the model generated (trained) and 0.0 on observation tokens (a tool's output, read but never
+    trained). None = every response token was generated (single-turn rollouts)."""
 
     def __post_init__(self) -> None:
         n = len(self.tokens)
@@ -91,6 +95,10 @@ class RolloutBatch:
             tagged = [len(v) for v in self.behaviour_versions]
             if tagged != self.response_lens:
                 raise ValueError(f"behaviour versions of {tagged} tokens, {self.response_lens}")
+        if self.response_masks is not None:
+            masked = [len(m) for m in self.response_masks]
+            if masked != self.response_lens:
+                raise ValueError(f"response masks of {masked} tokens, {self.response_lens}")
 
     @property
     def num_seqs(self) -> int:
@@ -111,6 +119,14 @@ class RolloutBatch:
     def response_lens(self) -> list[int]:
         return [len(t) - p for t, p in zip(self.tokens, self.prompt_lens, strict=True)]
 
+    @property
+    def trained_lens(self) -> list[int]:
+        """Per sequence, the response tokens the loss reads (the generated ones): what the
+        planner's ``token-mean`` normaliser counts."""
+        if self.response_masks is None:
+            return self.response_lens
+        return [int(m.sum()) for m in self.response_masks]
+
     def shard(self, seq_indices: Iterable[int]) -> RolloutShard:
         """Every sequence's metadata, and the tokens, engine logprobs and engine routing of
         ``seq_indices``."""
@@ -126,6 +142,10 @@ class RolloutBatch:
             engine_routing={} if routing is None else {i: routing[i] for i in wanted},
             engine_input_routing=({} if inputs is None else {i: inputs[i] for i in wanted}),
             oldest_versions=self.oldest_versions,
+            trained_counts=None if self.response_masks is None else tuple(self.trained_lens),
+            response_masks=(
+                {} if self.response_masks is None else {i: self.response_masks[i] for i in wanted}
+            ),
         )
 
 
@@ -147,6 +167,11 @@ class RolloutShard:
     """R3: the engine's experts of every input position of the sequences this shard holds."""
     oldest_versions: tuple[int, ...] | None = None
     """Every sequence's oldest behaviour version (:attr:`RolloutBatch.oldest_versions`)."""
+    trained_counts: tuple[int, ...] | None = None
+    """Every sequence's trained response tokens (:attr:`RolloutBatch.trained_lens`); None:
+    all of its response tokens."""
+    response_masks: Mapping[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+    """The response masks of the sequences this shard holds (empty: every token trained)."""
 
     @property
     def num_seqs(self) -> int:
@@ -157,6 +182,11 @@ class RolloutShard:
     def response_lens(self) -> list[int]:
         return [s - p for s, p in zip(self.seq_lens, self.prompt_lens, strict=True)]
 
+    @property
+    def trained_lens(self) -> list[int]:
+        """Every sequence's trained response tokens (the planner's normaliser counts these)."""
+        return self.response_lens if self.trained_counts is None else list(self.trained_counts)
+
     def with_sequences(self, sequences: RolloutShard) -> RolloutShard:
         """This shard's metadata with the tokens, engine logprobs and engine routing that
         ``sequences`` holds."""
@@ -166,11 +196,23 @@ class RolloutShard:
             engine_logprobs=sequences.engine_logprobs,
             engine_routing=sequences.engine_routing,
             engine_input_routing=sequences.engine_input_routing,
+            response_masks=sequences.response_masks,
         )
 
 
 Rollouts = RolloutBatch | RolloutShard
 """Either holds what :func:`collate`, :func:`pack` and the per-token helpers read."""
+
+
+def response_mask(batch: Rollouts, index: int) -> torch.Tensor | None:
+    """Sequence ``index``'s response mask (1.0 trained, 0.0 observation), None when every
+    response token is trained."""
+    masks = batch.response_masks
+    if isinstance(masks, tuple):
+        return masks[index]
+    if masks is None:
+        return None
+    return masks.get(index)
 
 
 @dataclass(frozen=True)
@@ -185,9 +227,11 @@ class MicroBatchTensors:
     labels_BL: torch.Tensor
     """Next-token targets in the model-input layout (what the logprob kernel reads)."""
     loss_mask_BL: torch.Tensor
-    """[B, L_max] 1.0 where the label is a response token, times the sequence's loss weight."""
+    """[B, L_max] 1.0 where the label is a trained response token, times the sequence's loss
+    weight."""
     response_mask_BL: torch.Tensor
-    """[B, L_max] 1.0 where the label is a response token (weights not applied)."""
+    """[B, L_max] 1.0 where the label is a trained response token (weights not applied): a
+    generated token, not an observation of a multi-turn trajectory."""
     advantages_B: torch.Tensor
     cu_seqlens: tuple[int, ...] | None = None
     """Packed only: sequence boundaries in the ``[1, T]`` row (``len = B + 1``, from 0 to T)."""
@@ -325,13 +369,15 @@ def _loss_side(
     loss_weights: Sequence[float] | None,
 ) -> _LossSide:
     weights = loss_weights if loss_weights is not None else [1.0] * len(seq_indices)
-    response_mask = torch.zeros((len(seq_indices), length), dtype=torch.float32)
+    response_mask_BL = torch.zeros((len(seq_indices), length), dtype=torch.float32)
     for row, i in enumerate(seq_indices):
-        response_mask[row, batch.prompt_lens[i] - 1 : len(batch.tokens[i]) - 1] = 1.0
+        mask = response_mask(batch, i)
+        span = slice(batch.prompt_lens[i] - 1, len(batch.tokens[i]) - 1)
+        response_mask_BL[row, span] = 1.0 if mask is None else mask.float()
     weight_B = torch.tensor(list(weights), dtype=torch.float32)
     return _LossSide(
-        loss_mask_BL=response_mask * weight_B.unsqueeze(1),
-        response_mask_BL=response_mask,
+        loss_mask_BL=response_mask_BL * weight_B.unsqueeze(1),
+        response_mask_BL=response_mask_BL,
         advantages_B=batch.advantages[list(seq_indices)].float(),
     )
 

@@ -251,8 +251,10 @@ def check_context_fit(cfg, model_dir: str, source, max_position_embeddings: int)
     fits the context (:mod:`megarl.config.context`); raises ``ConfigError`` (a ValueError)."""
     from megarl.config.context import check_prompts_fit, context_limit
     from megarl.data.arithmetic import ArithmeticTask
+    from megarl.errors import BadInputError
     from megarl.models.hf_io import load_hf_tokenizer
-    from megarl.trainer.rollout import encode_prompt
+    from megarl.trainer.agent_rollout import AgentRollout
+    from megarl.trainer.rollout import rollout_prompt_ids
 
     if isinstance(source, ArithmeticTask):
         drawn = cfg.data.prompts_per_step * cfg.trainer.total_steps
@@ -261,7 +263,22 @@ def check_context_fit(cfg, model_dir: str, source, max_position_embeddings: int)
         problems = list(source)
     tokenizer = load_hf_tokenizer(model_dir)
     system_prompt = cfg.data.system_prompt
-    lens = [len(encode_prompt(tokenizer, p, system_prompt)) for p in problems]
+    try:  # the agent loops and their tools are built here first: a bad one stops the start
+        agents = AgentRollout(cfg.rollout.agent, tokenizer, system_prompt)
+    except BadInputError as exc:
+        raise StartupError(str(exc).splitlines()[0]) from None
+    lens = []
+    for problem in problems:
+        if cfg.async_training.is_async and agents.applies([problem]):
+            raise StartupError(
+                f"{problem.source}: agent_name={problem.agent_name!r} with async_training.mode="
+                f"{cfg.async_training.mode}: trajectories are built by the synchronous rollout "
+                "only so far; set async_training.mode=sync"
+            )
+        try:
+            lens.append(len(rollout_prompt_ids(tokenizer, problem, system_prompt, agents)))
+        except BadInputError as exc:  # a row's agent_name that names no loop
+            raise StartupError(f"{problem.source}: {str(exc).splitlines()[0]}") from None
     limit = context_limit(max_position_embeddings, cfg.rollout.engine, cfg.rollout.max_model_len)
     check_prompts_fit(lens, cfg.rollout.max_new_tokens, limit, cfg.data.max_prompt_length)
 

@@ -370,7 +370,7 @@ def _with_overrides(params: SamplingParams, overrides: Mapping[str, Any]) -> Sam
 
 @dataclass(frozen=True)
 class AgentResult:
-    """A step's trajectories in sample order, and its ``agent/*`` and ``timing_s/*`` metrics."""
+    """A step's trajectories in sample order, and its ``agent/*`` metrics (times included)."""
 
     trajectories: list[Trajectory]
     metrics: dict[str, float]
@@ -420,7 +420,7 @@ async def drive_agent_loops(
         await batcher.close()
     trajectories = [task.result() for task in tasks]
     metrics = agent_metrics(trajectories, contexts, batcher)
-    metrics["timing_s/agent_loops"] = time.perf_counter() - started
+    metrics["agent/timing_s/loops"] = time.perf_counter() - started
     return AgentResult(trajectories, metrics)
 
 
@@ -471,8 +471,8 @@ def agent_metrics(
         "agent/truncated_frac": sum(t.truncated for t in trajectories) / count,
         "agent/engine_calls": float(batcher.engine_calls),
         "agent/requests_per_engine_call/mean": batcher.engine_requests / calls,
-        "timing_s/agent_gen": batcher.engine_seconds,
-        "timing_s/agent_gen_per_turn": batcher.engine_seconds / calls,
+        "agent/timing_s/gen": batcher.engine_seconds,
+        "agent/timing_s/gen_per_call": batcher.engine_seconds / calls,
     }
     counters: dict[str, float] = {}
     for ctx in contexts:

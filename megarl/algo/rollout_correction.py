@@ -334,9 +334,11 @@ def mismatch_stats_of_sequences(
     old_logprobs: Mapping[int, Tensor],
     rollout_logprobs: Mapping[int, Tensor],
     settings: CorrectionSettings,
+    masks: Mapping[int, Tensor] | None = None,
 ) -> MismatchStats:
     """:func:`mismatch_stats` of the sequences in ``old_logprobs`` (1-D response log-probs,
-    keyed by sequence index), each against its rollout log-probs."""
+    keyed by sequence index), each against its rollout log-probs; ``masks`` (by sequence, 1
+    where a token was generated) leaves a multi-turn trajectory's observation tokens out."""
     if not old_logprobs:
         return MismatchStats()
     keys = sorted(old_logprobs)
@@ -346,7 +348,14 @@ def mismatch_stats_of_sequences(
         if a.shape != b.shape:
             raise ValueError(f"sequence {i}: {a.numel()} trainer vs {b.numel()} engine logprobs")
     pad = torch.nn.utils.rnn.pad_sequence
-    mask_BT = pad([torch.ones_like(a) for a in old], batch_first=True)
+    masks = masks or {}
+    mask_BT = pad(
+        [
+            masks[i].detach().double().cpu().reshape(-1) if i in masks else torch.ones_like(a)
+            for i, a in zip(keys, old, strict=True)
+        ],
+        batch_first=True,
+    )
     return mismatch_stats(
         pad(old, batch_first=True), pad(rollout, batch_first=True), mask_BT, settings
     )

@@ -150,7 +150,7 @@ def every_sequence_inputs(cfg: RunConfig, header: RolloutShard) -> PlannerInputs
     advantage counts as non-zero, so nothing is pruned and the split balances all of them."""
     n = header.num_seqs
     return planner_inputs(
-        cfg, header.seq_lens, header.response_lens, [1.0] * n, header.group_ids.tolist()
+        cfg, header.seq_lens, header.trained_lens, [1.0] * n, header.group_ids.tolist()
     )
 
 

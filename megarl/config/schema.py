@@ -487,7 +487,7 @@ class RolloutConfig:
     """vLLM: tokens per engine step (prefill chunking)."""
     val: RolloutValConfig = field(default_factory=RolloutValConfig)
     agent: AgentSettings = field(default_factory=AgentSettings)
-    """Multi-turn agent loops (:mod:`megarl.agent`); only ``single_turn`` trains so far."""
+    """Multi-turn agent loops (:mod:`megarl.agent`): ``single_turn`` is the plain rollout."""
     # --- placement ---
     n_gpus: int = 0
     """0 = colocated (the engine shares rank 0's device) | N = split placement: the engine runs
@@ -527,12 +527,11 @@ class RolloutConfig:
             f"rollout.max_new_tokens={self.max_new_tokens} new tokens",
         )
         _require(0 < self.top_p <= 1, f"rollout.top_p={self.top_p}: must be in (0, 1]")
-        _require(
-            self.agent.loop in ("single_turn", "single_turn_agent"),
-            f"rollout.agent.loop={self.agent.loop}: multi-turn agent loops do not train yet "
-            "(the loops, tools and sandbox of megarl.agent run on their own; the trainer takes "
-            "single_turn only)",
-        )
+
+    @property
+    def multi_turn(self) -> bool:
+        """``rollout.agent.loop`` is not the single-turn one (trajectories with observations)."""
+        return self.agent.loop not in ("single_turn", "single_turn_agent")
 
 
 @dataclass(frozen=True)
@@ -1072,6 +1071,7 @@ class RunConfig:
         )
         _require(replay is None, str(replay))
         self._check_async_training()
+        self._check_agent_loops()
         num_seqs = self.data.prompts_per_step * self.rollout.n
         _require(
             num_seqs % self.actor.ppo_mini_batches == 0,
@@ -1143,6 +1143,28 @@ class RunConfig:
             "but algo.rollout_correction has neither rollout_is nor rollout_rs: the loss would "
             "ignore which policy sampled them; set rollout_is=token (verl's default, what auto "
             "gives) or bypass_mode=true (the behaviour logprobs as old, an approximation)",
+        )
+
+    def _check_agent_loops(self) -> None:
+        """What multi-turn trajectories do not combine with yet, refused by name."""
+        if not self.rollout.multi_turn:
+            return
+        key = f"rollout.agent.loop={self.rollout.agent.loop}"
+        _require(
+            not self.algo.uses_critic,
+            f"{key} with algo.adv_estimator={self.algo.adv_estimator}: a critic's per-token "
+            "values and GAE over trajectories with observation tokens are not supported yet; "
+            "use an outcome estimator (grpo, rloo, reinforce_plus_plus, ...)",
+        )
+        _require(
+            not self.async_training.is_async,
+            f"{key} with async_training.mode={self.async_training.mode}: trajectories are built "
+            "by the synchronous rollout only so far; set async_training.mode=sync",
+        )
+        _require(
+            self.actor.router_replay.mode != "R3",
+            f"{key} with actor.router_replay.mode=R3: trajectories carry no engine routing of "
+            "their input positions; use R2 or no replay",
         )
 
     @property

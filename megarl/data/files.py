@@ -21,6 +21,7 @@ import json
 import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from megarl.data.errors import DatasetError
 from megarl.data.jsonl import FINAL_ANSWER_MARKER, parse_final_answer
@@ -176,13 +177,42 @@ def _to_problem(
         reward = choice.for_source(data_source)
     except ValueError as exc:
         raise DatasetError(f"{location}: {exc}") from None
+    agent_name, tools_kwargs = _agent_fields(row, location)
     return Problem(
         prompt=messages[-1][1],
         answer=_answer(row, location, answer_key, reward),
         source=location,
         messages=messages,
         data_source=data_source,
+        agent_name=agent_name,
+        tools_kwargs=tools_kwargs,
     )
+
+
+def _agent_fields(row: Mapping[str, object], location: str) -> tuple[str, dict[str, Any]]:
+    """verl's multi-turn columns: ``agent_name`` and ``extra_info.tools_kwargs`` (a mapping of
+    tool name to that tool's mapping), checked here so a bad row is named before training."""
+    agent_name = row.get("agent_name")
+    if agent_name is None:
+        agent_name = ""
+    if not isinstance(agent_name, str):
+        raise DatasetError(
+            f"{location}: 'agent_name' must be a string (a loop name or class path), "
+            f"got {type(agent_name).__name__}"
+        )
+    extra = row.get("extra_info")
+    kwargs = extra.get("tools_kwargs") if isinstance(extra, Mapping) else None
+    if kwargs is None:
+        return agent_name, {}
+    bad = not isinstance(kwargs, Mapping) or any(
+        v is not None and not isinstance(v, Mapping) for v in kwargs.values()
+    )
+    if bad:
+        raise DatasetError(
+            f"{location}: 'extra_info.tools_kwargs' must map each tool name to a mapping "
+            "(verl's {tool: {create_kwargs: ...}})"
+        )
+    return agent_name, {str(k): dict(v) for k, v in kwargs.items() if v is not None}
 
 
 def _messages(

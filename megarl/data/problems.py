@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -26,6 +28,12 @@ class Problem:
     the user's, whose content is ``prompt``); empty = one user message, ``prompt``."""
     data_source: str = ""
     """verl's ``data_source`` column (e.g. ``openai/gsm8k``) where the dataset has one."""
+    agent_name: str = ""
+    """verl's ``agent_name`` column: the agent loop this row runs under (``tool_agent``, a class
+    path); empty: ``rollout.agent.loop``."""
+    tools_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    """verl's ``extra_info.tools_kwargs``: per tool name, what its ``create`` receives for this
+    row (e.g. ``{"calc": {"create_kwargs": {...}}}``)."""
 
     @property
     def chat(self) -> tuple[tuple[str, str], ...]:

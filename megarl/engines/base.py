@@ -147,6 +147,10 @@ class Generation:
     interrupted: bool = False
     """The call was interrupted (``generate_requests``' ``interrupt``) before this response
     ended: resume it with a :class:`Request` whose ``generated_ids`` hold its tokens so far."""
+    response_mask: tuple[int, ...] | None = None
+    """A multi-turn trajectory (:mod:`megarl.agent`) as one generation: 1 on each response token
+    the model generated, 0 on observation tokens (logprob 0.0, never trained). None from an
+    engine: every response token was generated."""
 
     def __post_init__(self) -> None:
         if len(self.response_ids) != len(self.response_logprobs):
@@ -158,6 +162,10 @@ class Generation:
             raise ValueError(
                 f"{len(self.response_ids)} response tokens but routing of "
                 f"{len(self.routed_experts)}"
+            )
+        if self.response_mask is not None and len(self.response_mask) != len(self.response_ids):
+            raise ValueError(
+                f"{len(self.response_ids)} response tokens but a mask of {len(self.response_mask)}"
             )
         prompt_routed = self.prompt_routed_experts
         if prompt_routed is not None and len(prompt_routed) != len(self.prompt_ids) - 1:

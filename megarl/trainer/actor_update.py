@@ -21,6 +21,7 @@ from megarl.actor.train_stats import OptimizerStepStats, UpdateStats, summarise_
 from megarl.algo.rollout_correction import MismatchStats, mismatch_stats_of_sequences
 from megarl.algo.router_replay import replay_plan
 from megarl.algo.routing_mismatch import RoutingMismatch
+from megarl.batch import response_mask
 from megarl.config.schema import RunConfig
 from megarl.distributed import heartbeat
 from megarl.planner.batch_planner import StepPlan
@@ -103,7 +104,10 @@ def update_actor(
                 trainer_logprobs = {**result.train_logprobs, **logprobs.recomputed}
                 lp_diff = logprob_diff(batch, _without(trainer_logprobs, stale))
                 mismatch = mismatch_stats_of_sequences(
-                    trainer_logprobs, batch.engine_logprobs, loss.rollout_correction
+                    trainer_logprobs,
+                    batch.engine_logprobs,
+                    loss.rollout_correction,
+                    masks=batch.response_masks,
                 )
             if index == 0:  # every pipeline stage compares the experts of its own layers
                 routing = _without({**train_routing, **logprobs.routing}, stale)
@@ -152,9 +156,14 @@ def _without(per_sequence: dict, sequences: frozenset[int]) -> dict:
 
 def logprob_diff(batch: RolloutShard, trainer_logprobs: dict) -> list[float]:
     """Engine vs trainer logprobs of the same tokens under the same (generating) weights:
-    the summed absolute difference and the number of tokens compared."""
+    the summed absolute difference and the number of tokens compared (the generated ones: an
+    observation token of a multi-turn trajectory has no engine logprob)."""
     diff_sum, count = 0.0, 0
     for i, logp in trainer_logprobs.items():
-        diff_sum += float((logp.float() - batch.engine_logprobs[i]).abs().sum())
-        count += logp.numel()
+        diff = (logp.float() - batch.engine_logprobs[i]).abs()
+        mask = response_mask(batch, i)
+        if mask is not None:
+            diff = diff[mask > 0]
+        diff_sum += float(diff.sum())
+        count += diff.numel()
     return [diff_sum, float(count)]

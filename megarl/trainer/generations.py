@@ -46,14 +46,17 @@ def rollout_records(
     advantages: Sequence[float],
     group_ids: Sequence[int],
     trained: Iterable[int],
+    turns: Sequence[Sequence[tuple[str, bool]]] | None = None,
 ) -> list[dict[str, Any]]:
     """One record per sequence of a training step.
 
     ``texts[i]`` is sequence ``i``'s (prompt, response, ground-truth answer); ``trained`` the
-    sequences the step's plan trains (the rest were pruned: zero advantage).
+    sequences the step's plan trains (the rest were pruned: zero advantage). ``turns`` (agent
+    loops): each response as (text, trained) pieces, shown as ``turns``: the model's turns
+    (``"trained": true``) and the observations between them (``false``), special tokens kept.
     """
     kept = set(trained)
-    return [
+    records = [
         {
             "step": step,
             "group": int(group_ids[i]),
@@ -66,6 +69,10 @@ def rollout_records(
         }
         for i, (prompt, response, answer) in enumerate(texts)
     ]
+    if turns is not None:
+        for record, pieces in zip(records, turns, strict=True):
+            record["turns"] = [{"text": text, "trained": flag} for text, flag in pieces]
+    return records
 
 
 def validation_records(

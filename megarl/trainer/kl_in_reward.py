@@ -96,7 +96,11 @@ def penalise_rewards(
     order = range(rollout.num_seqs)
     old_BT = pad_sequence([merged[i][0] for i in order], batch_first=True)
     ref_BT = pad_sequence([merged[i][1] for i in order], batch_first=True)
-    mask_BT = pad_sequence([torch.ones(len(merged[i][0])) for i in order], batch_first=True)
+    masks = rollout.response_masks
+    mask_BT = pad_sequence(
+        [torch.ones(len(merged[i][0])) if masks is None else masks[i].float() for i in order],
+        batch_first=True,
+    )
     result = apply_kl_penalty(
         rollout.rewards, old_BT, ref_BT, mask_BT, cfg.algo.kl_penalty, kl_ctrl
     )

@@ -408,7 +408,7 @@ def _plans(rt: Runtime, header: RolloutShard) -> tuple[StepPlan, StepPlan | None
     there is a critic: pure functions of the broadcast header, the same on every rank."""
     facts = (
         header.seq_lens,
-        header.response_lens,
+        header.trained_lens,
         header.advantages.tolist(),
         header.group_ids.tolist(),
     )

@@ -14,10 +14,11 @@ as groups finish, :meth:`~RolloutProducer.assemble` the step when the trainer ta
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -31,6 +32,7 @@ from megarl.data.rewards import RewardChoice, score_samples
 from megarl.engines.base import Generation, Request, RolloutEngine, SamplingParams, request_seed
 from megarl.errors import MegarlError
 from megarl.planner.batch_planner import CRITIC_ESTIMATORS
+from megarl.trainer.agent_rollout import AgentRollout, AgentStep, join_agent_metrics
 from megarl.trainer.progress import PhaseHook, no_progress
 
 
@@ -55,6 +57,27 @@ def encode_prompt(tokenizer, problem: Problem, system_prompt: str | None) -> lis
     else:
         text = "\n\n".join(m["content"] for m in messages if m["role"] != "system")
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def step_requests(prompt_ids: Sequence[Sequence[int]], n: int, seed: int) -> list[Request]:
+    """``n`` requests per prompt, group-major, response ``r`` seeded ``request_seed(seed, r)``
+    (as ``engine.generate(prompts, SamplingParams(seed=seed))`` seeds prompt ``r``)."""
+    return [
+        Request(tuple(ids), request_seed(seed, g * n + k))
+        for g, ids in enumerate(prompt_ids)
+        for k in range(n)
+    ]
+
+
+def rollout_prompt_ids(
+    tokenizer, problem: Problem, system_prompt: str | None, agents: AgentRollout | None
+) -> list[int]:
+    """The ids a training rollout starts from: the agent loop's rendering when one rolls the
+    problem out (the tool loop describes its tools), else :func:`encode_prompt`. Start-up's
+    context check and ``data.filter_overlong_prompts`` measure these."""
+    if agents is not None and agents.applies([problem]):
+        return agents.prompt_ids(problem)
+    return encode_prompt(tokenizer, problem, system_prompt)
 
 
 def engine_input_routing(gens: Sequence[Generation]) -> tuple[torch.Tensor, ...] | None:
@@ -118,11 +141,7 @@ class StepPrompts:
 
     def requests(self, group_size: int) -> list[Request]:
         """Every response to sample, group-major: the order and seeds of a synchronous step."""
-        return [
-            Request(tuple(ids), request_seed(self.seed, g * group_size + k))
-            for g, ids in enumerate(self.prompt_ids)
-            for k in range(group_size)
-        ]
+        return step_requests(self.prompt_ids, group_size, self.seed)
 
 
 @dataclass(frozen=True)
@@ -133,6 +152,9 @@ class StepTexts:
     """(prompt, response, reward) of each group's first sample."""
     texts: list[tuple[str, str, str]]
     """(prompt, response, answer) of every sequence."""
+    turns: list[list[tuple[str, bool]]] | None = None
+    """Multi-turn trajectories: each sequence's response as (text, trained) pieces, generated
+    turns and observations in order, special tokens shown; None for single-turn steps."""
 
 
 @dataclass(frozen=True)
@@ -149,6 +171,8 @@ class ScoredGroups:
     """Per sequence, the policy version that sampled each response token."""
     failures: int = 0
     """Samples whose reward function failed (``data.reward_error=zero`` scored them 0)."""
+    agent_metrics: dict[str, float] = field(default_factory=dict)
+    """The agent loops' ``agent/*`` metrics when the batch was rolled out through them."""
 
     def groups(self, keep: torch.Tensor, n: int) -> ScoredGroups:
         """Only the groups where ``keep`` (one bool per group) is true."""
@@ -162,6 +186,7 @@ class ScoredGroups:
             overlong=self.overlong[seqs],
             versions=[self.versions[i] for i in seqs],
             failures=self.failures,
+            agent_metrics=self.agent_metrics,
         )
 
     @staticmethod
@@ -176,6 +201,7 @@ class ScoredGroups:
             overlong=torch.cat([part.overlong for part in parts])[: num_groups * n],
             versions=[v for part in parts for v in part.versions][: num_groups * n],
             failures=sum(part.failures for part in parts),
+            agent_metrics=join_agent_metrics([p.agent_metrics for p in parts if p.agent_metrics]),
         )
 
 
@@ -191,8 +217,11 @@ class RolloutProducer:
         settings: RolloutSettings,
         run_seed: int,
         progress: PhaseHook = no_progress,
+        agents: AgentRollout | None = None,
     ):
         self.engine, self.tokenizer, self.stream = engine, tokenizer, stream
+        self.agents = agents
+        """The run's agent loops; None: every rollout is one engine generation."""
         self.reward, self.settings, self.run_seed = reward, settings, run_seed
         self.progress = progress
         """Told the sequences kept of those the step needs, before and after each batch."""
@@ -202,7 +231,7 @@ class RolloutProducer:
         self._warned_reward_failure = False
 
     def encode_prompt(self, problem: Problem) -> list[int]:
-        return encode_prompt(self.tokenizer, problem, self.settings.system_prompt)
+        return rollout_prompt_ids(self.tokenizer, problem, self.settings.system_prompt, self.agents)
 
     def produce(
         self, step: int, version: int = 0
@@ -255,6 +284,22 @@ class RolloutProducer:
             seed=sampling_seed(self.run_seed, step, gen_batch),
         )
 
+    def generate(
+        self,
+        problems: Sequence[Problem],
+        prompt_ids: Sequence[Sequence[int]],
+        n: int,
+        seed: int,
+        params: SamplingParams,
+    ) -> AgentStep:
+        """``n`` responses per problem, group-major, response ``r`` seeded ``request_seed(seed,
+        r)``: through the agent loops when they roll these problems out, else one engine call
+        (then no own rewards and no ``agent/*`` metrics)."""
+        if self.agents is not None and self.agents.applies(problems):
+            return self.agents.generate(self.engine, problems, prompt_ids, n, seed, params)
+        gens = self.engine.generate_requests(step_requests(prompt_ids, n, seed), params)
+        return AgentStep(gens=list(gens), rewards=[None] * len(gens), metrics={})
+
     def sampling_params(self) -> SamplingParams:
         """The training rollouts' sampling (each request brings its own seed)."""
         s = self.settings
@@ -269,12 +314,18 @@ class RolloutProducer:
         (overlong shaping included); adds its time to ``seconds``."""
         t_start = time.perf_counter()
         prompts = self.draw(step, gen_batch)
-        gens = self.engine.generate_requests(
-            prompts.requests(self.settings.group_size), self.sampling_params()
+        generated = self.generate(
+            prompts.problems,
+            prompts.prompt_ids,
+            self.settings.group_size,
+            prompts.seed,
+            self.sampling_params(),
         )
+        gens = generated.gens
         t_generated = time.perf_counter()
         versions = [[version] * len(g.response_ids) for g in gens]
-        scored = self.score_groups(prompts.problems, gens, versions, step)
+        scored = self.score_groups(prompts.problems, gens, versions, step, generated.rewards)
+        scored = dataclasses.replace(scored, agent_metrics=generated.metrics)
         seconds["gen"] += t_generated - t_start
         seconds["adv"] += time.perf_counter() - t_generated
         return scored
@@ -285,14 +336,22 @@ class RolloutProducer:
         gens: Sequence[Generation],
         versions: Sequence[Sequence[int]],
         step: int,
+        own_rewards: Sequence[float | None] | None = None,
     ) -> ScoredGroups:
         """Whole groups (``rollout.n`` generations per problem, in order) decoded and scored,
-        the overlong penalty included; ``versions``: each generation's tokens' versions."""
+        the overlong penalty included; ``versions``: each generation's tokens' versions;
+        ``own_rewards``: a reward per generation that replaces the dataset's where not None
+        (an agent loop's ``trajectory.reward``)."""
         n = self.settings.group_size
         texts = [self.tokenizer.decode(g.response_ids, skip_special_tokens=True) for g in gens]
         answers = [p.answer for p in problems for _ in range(n)]
         sources = [p.data_source for p in problems for _ in range(n)]
         scores, failures = self._score(texts, answers, sources, step)
+        if own_rewards is not None:
+            scores = tuple(
+                float(own) if own is not None else score
+                for own, score in zip(own_rewards, scores, strict=True)
+            )
         rewards = torch.tensor(scores, dtype=torch.float32)
         overlong = torch.zeros_like(rewards)
         if self.settings.overlong_buffer_len is not None:
@@ -317,6 +376,7 @@ class RolloutProducer:
         the rollout metrics, and the step's texts kept for its record."""
         settings, n = self.settings, self.settings.group_size
         group_ids = torch.arange(len(scored.problems)).repeat_interleave(n)
+        masked = any(g.response_mask is not None for g in scored.gens)
         batch = RolloutBatch(
             tokens=tuple(
                 torch.tensor(list(g.prompt_ids) + list(g.response_ids), dtype=torch.long)
@@ -334,6 +394,7 @@ class RolloutProducer:
                 engine_input_routing(scored.gens) if settings.input_routing else None
             ),
             behaviour_versions=tuple(torch.tensor(v, dtype=torch.long) for v in scored.versions),
+            response_masks=tuple(_mask_of(g) for g in scored.gens) if masked else None,
         )
         self.texts[step] = StepTexts(
             samples=[
@@ -344,13 +405,22 @@ class RolloutProducer:
                 (scored.problems[i // n].prompt, scored.texts[i], scored.problems[i // n].answer)
                 for i in range(len(scored.gens))
             ],
+            turns=[self._turns(g) for g in scored.gens] if masked else None,
         )
         metrics = rollout_metrics(batch, [g.finished for g in scored.gens], settings.max_new_tokens)
         metrics["critic/rewards/failed"] = float(scored.failures)
+        metrics.update(scored.agent_metrics)
         if settings.overlong_buffer_len is not None:
             metrics["critic/rewards/overlong_penalty"] = float(scored.overlong.mean())
             metrics["critic/rewards/overlong_frac"] = float((scored.overlong < 0).float().mean())
         return batch, metrics
+
+    def _turns(self, gen: Generation) -> list[tuple[str, bool]]:
+        """The response as (text, trained) pieces: what the generations dump shows."""
+        return [
+            (self.tokenizer.decode(ids, skip_special_tokens=False), trained)
+            for ids, trained in mask_runs(gen.response_ids, gen.response_mask)
+        ]
 
     def pop_texts(self, step: int) -> StepTexts:
         """Step ``step``'s texts, forgotten afterwards (the step is being recorded)."""
@@ -382,6 +452,24 @@ class RolloutProducer:
         return scored.rewards, scored.failures
 
 
+def _mask_of(gen: Generation) -> torch.Tensor:
+    mask = gen.response_mask if gen.response_mask is not None else [1] * len(gen.response_ids)
+    return torch.tensor(mask, dtype=torch.float32)
+
+
+def mask_runs(ids: Sequence[int], mask: Sequence[int] | None) -> list[tuple[list[int], bool]]:
+    """``ids`` cut where ``mask`` changes: each run of generated (True) or observation (False)
+    tokens, in order."""
+    runs: list[tuple[list[int], bool]] = []
+    for i, token in enumerate(ids):
+        trained = mask is None or bool(mask[i])
+        if runs and runs[-1][1] == trained:
+            runs[-1][0].append(int(token))
+        else:
+            runs.append(([int(token)], trained))
+    return runs
+
+
 def _advantage_fn(name: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """The outcome estimator ``name``; for a critic's (``gae``) a placeholder of zeros: its
     per-token advantages need the critic's values, which the rank loop computes after the
@@ -405,8 +493,13 @@ def advantage_metrics(adv: torch.Tensor) -> dict[str, float]:
 def rollout_metrics(
     batch: RolloutBatch, finished: Sequence[bool], max_new_tokens: int
 ) -> dict[str, float]:
+    """The ``critic/rewards/*``, ``critic/advantages/*`` and length metrics of a step.
+
+    ``response_length/*`` count the tokens the model generated (a multi-turn trajectory's
+    observations are not counted, as verl counts them; ``agent/observation_tokens/mean`` has
+    those); the clip ratio reads the whole response, whose budget is ``max_new_tokens``."""
     rewards = batch.rewards
-    lengths = torch.tensor(batch.response_lens, dtype=torch.float32)
+    lengths = torch.tensor(batch.trained_lens, dtype=torch.float32)
     return {
         "critic/rewards/mean": float(rewards.mean()),
         "critic/rewards/max": float(rewards.max()),

@@ -29,6 +29,7 @@ from megarl.engines.base import EngineMemoryState, SamplingParams
 from megarl.engines.factory import build_engine
 from megarl.models.spec import TransformerSpec, spec_from_hf_config
 from megarl.trainer import perf
+from megarl.trainer.agent_rollout import AgentRollout
 from megarl.trainer.generations import rollout_records, validation_records, write_step_file
 from megarl.trainer.metrics import (
     MetricsWriter,
@@ -44,7 +45,7 @@ from megarl.trainer.rollout import (
     RolloutProducer,
     RolloutSettings,
     StepTexts,
-    encode_prompt,
+    rollout_prompt_ids,
     sampling_seed,
 )
 from megarl.trainer.summary import summarize
@@ -103,6 +104,7 @@ class RolloutHost:
             settings,
             cfg.trainer.seed,
             progress=self.progress_hook(),
+            agents=AgentRollout(cfg.rollout.agent, tokenizer, cfg.data.system_prompt),
         )
         self.writer = metrics_writer(cfg)
         self.history: list[dict] = []
@@ -164,19 +166,27 @@ class RolloutHost:
         for start in range(0, len(problems), chunk):
             progress("validate", start, len(problems), "prompts")
             part = problems[start : start + chunk]
-            prompts = [self.producer.encode_prompt(p) for p in part for _ in range(val.n)]
-            gens = self.engine.generate(prompts, params)
+            prompts = [self.producer.encode_prompt(p) for p in part]
+            generated = self.producer.generate(part, prompts, val.n, params.seed, params)
+            gens = generated.gens
             texts = [self.tokenizer.decode(g.response_ids, skip_special_tokens=True) for g in gens]
             answers = [p.answer for p in part for _ in range(val.n)]
             sources = [p.data_source for p in part for _ in range(val.n)]
             scores = self.producer.score(texts, answers, sources, step)
+            scores = tuple(
+                score if own is None else float(own)
+                for score, own in zip(scores, generated.rewards, strict=True)
+            )
             rewards += [list(scores[i : i + val.n]) for i in range(0, len(scores), val.n)]
             said = [
                 self.producer.reward.final_answer(text, source)
                 for text, source in zip(texts, sources, strict=True)
             ]
             final_answers += [said[i : i + val.n] for i in range(0, len(said), val.n)]
-            response_lens += [len(g.response_ids) for g in gens]
+            response_lens += [
+                len(g.response_ids) if g.response_mask is None else sum(g.response_mask)
+                for g in gens
+            ]
             samples += [(part[i // val.n].prompt, texts[i], answers[i]) for i in range(len(gens))]
         sources = [p.data_source for p in problems]
         metrics = validation_metrics(sources, rewards, response_lens, final_answers)
@@ -272,6 +282,7 @@ class RolloutHost:
             batch.advantages.tolist(),
             batch.group_ids.tolist(),
             trained,
+            texts.turns,
         )
         write_step_file(Path(str(self.cfg.trainer.rollout_data_dir)), step, records)
 
@@ -422,7 +433,8 @@ def fitting_problems(
 
     limit = context_limit(max_position_embeddings, cfg.rollout.engine, cfg.rollout.max_model_len)
     budget = prompt_budget(limit, cfg.rollout.max_new_tokens, cfg.data.max_prompt_length)
-    lens = [len(encode_prompt(tokenizer, p, cfg.data.system_prompt)) for p in problems]
+    agents = AgentRollout(cfg.rollout.agent, tokenizer, cfg.data.system_prompt)
+    lens = [len(rollout_prompt_ids(tokenizer, p, cfg.data.system_prompt, agents)) for p in problems]
     dropped = set(overlong(lens, budget))
     return [p for i, p in enumerate(problems) if i not in dropped], len(dropped)
 

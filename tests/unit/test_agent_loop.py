@@ -185,7 +185,7 @@ def test_two_turns_example_batches_turns_across_trajectories(tokenizer):
     assert result.metrics["agent/num_turns/mean"] == 2 == result.metrics["agent/num_turns/max"]
     assert result.metrics["agent/observation_tokens/mean"] == len(observation)
     assert result.metrics["agent/requests_per_engine_call/mean"] == 2
-    assert result.metrics["timing_s/agent_gen_per_turn"] >= 0
+    assert result.metrics["agent/timing_s/gen_per_call"] >= 0
 
 
 def _requests_of(engine: FakeEngine, sample: Sample) -> list[Request]:

@@ -105,6 +105,18 @@ def test_several_files_are_read_in_order(tmp_path):
             {"prompt": "2+2?", "reward_model": {"ground_truth": True}},
             "must be a string or a number",
         ),
+        (
+            {"prompt": "2+2?", "reward_model": {"ground_truth": "4"}, "agent_name": 3},
+            "'agent_name' must be a string",
+        ),
+        (
+            {
+                "prompt": "2+2?",
+                "reward_model": {"ground_truth": "4"},
+                "extra_info": {"tools_kwargs": {"calculator": "yes"}},
+            },
+            "'extra_info.tools_kwargs' must map each tool name to a mapping",
+        ),
     ],
 )
 def test_the_first_bad_row_is_named_by_file_and_row(tmp_path, row, needle):
@@ -249,3 +261,17 @@ def test_the_shipped_samples_load_and_each_row_gets_its_datasets_reward():
         assert {auto.for_source(p.data_source).name for p in train + test} == {reward}
     fractions = [p.answer for p in load_problem_files(str(examples / "math" / "test.parquet"))]
     assert any("\\frac" in answer for answer in fractions)  # LaTeX answers kept as they are
+
+
+def test_the_shipped_multi_turn_sample_names_its_loop_and_tool_state():
+    """verl's multi-turn columns: ``agent_name`` and ``extra_info.tools_kwargs`` reach the
+    problem (parquet structs read back as mappings)."""
+    examples = Path(__file__).resolve().parents[2] / "examples" / "data" / "gsm8k_calculator"
+    train = load_problem_files(str(examples / "train.parquet"))
+    plain = load_problem_files(str(examples.parent / "gsm8k" / "train.parquet"))
+    assert len(train) == 64 and {p.agent_name for p in train} == {"tool_agent"}
+    first = train[0]
+    assert first.tools_kwargs == {"calculator": {"create_kwargs": {"ground_truth": first.answer}}}
+    assert [p.answer for p in train] == [p.answer for p in plain]
+    assert "calculator tool" in first.prompt
+    assert plain[0].agent_name == "" and plain[0].tools_kwargs == {}

@@ -1,0 +1,154 @@
+"""Training rollouts through agent loops: a step's samples built as trajectories
+(:mod:`megarl.agent`) and handed on as the engine's generations are, with a response mask.
+
+Which steps come here: those where ``rollout.agent.loop`` is not ``single_turn`` or a row names
+a loop of its own (verl's ``agent_name``). A run with neither never does, so its rollouts stay
+the plain engine call, bitwise as they were.
+
+What a trajectory becomes: one :class:`~megarl.engines.base.Generation` of prompt + response,
+the response holding the generated turns and the observations between them, as sampled and
+rendered (never decoded and re-encoded), with ``response_mask`` 1 on generated tokens and 0 on
+observation tokens; only the former are trained (:attr:`megarl.batch.RolloutBatch.response_masks`).
+The dataset's reward scores the decoded response (observations included, as verl's reward
+managers see it) unless the loop set ``trajectory.reward``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from megarl.agent.driver import make_samples, run_agent_loops
+from megarl.agent.loop import AgentSettings, LoopChooser, Sample
+from megarl.agent.trajectory import Trajectory
+from megarl.data.problems import Problem
+from megarl.engines.base import Generation, RolloutEngine, SamplingParams
+
+SINGLE_TURN_NAMES = ("single_turn", "single_turn_agent")
+
+
+def needs_agent_loops(loop: str, problems: Sequence[Problem]) -> bool:
+    """Whether these problems are rolled out by agent loops: the configured loop is not the
+    single-turn one, or a row names a loop other than it."""
+    if loop not in SINGLE_TURN_NAMES:
+        return True
+    return any(p.agent_name and p.agent_name not in SINGLE_TURN_NAMES for p in problems)
+
+
+def problem_messages(problem: Problem, system_prompt: str | None) -> list[dict[str, str]]:
+    """The prompt's chat messages, ``data.system_prompt`` first unless the row brings one (as
+    :func:`megarl.trainer.rollout.encode_prompt` puts it)."""
+    messages = [{"role": role, "content": content} for role, content in problem.chat]
+    if system_prompt is not None and messages[0]["role"] != "system":
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    return messages
+
+
+def problem_row(problem: Problem, messages: Sequence[Mapping[str, str]]) -> dict[str, Any]:
+    """The dataset row as a loop reads it (:attr:`megarl.agent.Sample.row`), in verl's schema."""
+    row: dict[str, Any] = {
+        "prompt": [dict(m) for m in messages],
+        "data_source": problem.data_source,
+        "reward_model": {"ground_truth": problem.answer, "style": "rule"},
+        "extra_info": {"tools_kwargs": dict(problem.tools_kwargs), "source": problem.source},
+    }
+    if problem.agent_name:
+        row["agent_name"] = problem.agent_name
+    return row
+
+
+def trajectory_generation(traj: Trajectory, limit: int | None = None) -> Generation:
+    """A trajectory as the producer takes an engine's generation: the whole response, its
+    logprobs (0.0 on observation tokens) and its mask, cut to ``limit`` tokens (the response
+    budget, which a loop that builds its trajectory without it may overrun; the start-up
+    context check counted on it). A cut response is not finished."""
+    cut = limit is not None and len(traj.response_ids) > limit
+    end = limit if cut else None
+    return Generation(
+        prompt_ids=traj.prompt_ids,
+        response_ids=traj.response_ids[:end],
+        response_logprobs=traj.response_logprobs[:end],
+        finished=traj.finished and not cut,
+        response_mask=traj.response_mask[:end],
+    )
+
+
+@dataclass(frozen=True)
+class AgentStep:
+    """One generation batch's trajectories, as generations, in sample (group-major) order."""
+
+    gens: list[Generation]
+    rewards: list[float | None]
+    """Each trajectory's own reward (``trajectory.reward``); None: the dataset's reward."""
+    metrics: dict[str, float]
+    """``agent/*`` metrics of the batch (:func:`megarl.agent.driver.agent_metrics`)."""
+
+
+class AgentRollout:
+    """The run's loops (built once, tools loaded once) and the prompts they expect."""
+
+    def __init__(self, settings: AgentSettings, tokenizer: Any, system_prompt: str | None):
+        self.settings, self.tokenizer, self.system_prompt = settings, tokenizer, system_prompt
+        self.chooser = LoopChooser(settings, tokenizer)
+        self._warned_overrun = False
+        if needs_agent_loops(settings.loop, []):  # a bad loop or tool YAML fails at start-up
+            self.chooser(Sample(0, (0,)))
+
+    def applies(self, problems: Sequence[Problem]) -> bool:
+        return needs_agent_loops(self.settings.loop, problems)
+
+    def prompt_ids(self, problem: Problem) -> list[int]:
+        """The prompt ids the problem's loop expects (the tool loop describes its tools)."""
+        messages = problem_messages(problem, self.system_prompt)
+        sample = Sample(0, (0,), problem_row(problem, messages), messages=tuple(messages))
+        return self.chooser(sample).prompt_ids(messages)
+
+    def generate(
+        self,
+        engine: RolloutEngine,
+        problems: Sequence[Problem],
+        prompt_ids: Sequence[Sequence[int]],
+        group_size: int,
+        seed: int,
+        params: SamplingParams,
+    ) -> AgentStep:
+        """``group_size`` trajectories per problem, sample ``g * group_size + k`` seeded
+        ``request_seed(seed, g * group_size + k)`` as the plain rollout seeds that response."""
+        order = [g for g in range(len(problems)) for _ in range(group_size)]
+        messages = [problem_messages(problems[g], self.system_prompt) for g in order]
+        rows = [problem_row(problems[g], m) for g, m in zip(order, messages, strict=True)]
+        samples = make_samples([prompt_ids[g] for g in order], rows, seed, messages)
+        result = run_agent_loops(engine, self.chooser, samples, params, self.tokenizer)
+        limit = params.max_new_tokens
+        over = [t for t in result.trajectories if len(t.response_ids) > limit]
+        if over and not self._warned_overrun:
+            self._warned_overrun = True
+            warnings.warn(
+                f"an agent loop built a response of {len(over[0].response_ids)} tokens, over "
+                f"rollout.max_new_tokens={limit}; such responses are cut to it (build "
+                "Trajectory(sample.prompt_ids, ctx.max_response_tokens) to stay within it)",
+                stacklevel=1,
+            )
+        return AgentStep(
+            gens=[trajectory_generation(t, limit) for t in result.trajectories],
+            rewards=[t.reward for t in result.trajectories],
+            metrics=result.metrics,
+        )
+
+
+def join_agent_metrics(parts: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    """Several generation batches' ``agent/*`` metrics as one step's: means, fractions and
+    per-turn times averaged, maxima maximised, counts and seconds summed."""
+    keys = sorted({key for part in parts for key in part})
+    joined = {}
+    for key in keys:
+        values = [part[key] for part in parts if key in part]
+        if key.endswith(("/mean", "_frac", "_per_call")):
+            joined[key] = sum(values) / len(values)
+        elif key.endswith("/max"):
+            joined[key] = max(values)
+        else:
+            joined[key] = sum(values)
+    return joined

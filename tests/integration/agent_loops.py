@@ -1,0 +1,25 @@
+"""User agent loops that training runs name by class path (``rollout.agent.loop=agent_loops:...``)."""
+
+from __future__ import annotations
+
+from megarl.agent import AgentLoop, Trajectory
+
+
+class TwoTurns(AgentLoop):
+    """The user-loop example of the README: two generated turns around one observation."""
+
+    async def run(self, sample, ctx):
+        traj = Trajectory(sample.prompt_ids)
+        traj.add_generated(await ctx.generate(traj.token_ids, max_new_tokens=16))
+        traj.add_observation(ctx.tokenizer.encode("\nObservation: 42\n", add_special_tokens=False))
+        traj.add_generated(await ctx.generate(traj.token_ids, max_new_tokens=16))
+        return traj
+
+
+class OwnReward(TwoTurns):
+    """TwoTurns scoring its trajectories itself: 0.75 each (no dataset reward gives that)."""
+
+    async def run(self, sample, ctx):
+        traj = await super().run(sample, ctx)
+        traj.reward = 0.75
+        return traj

@@ -1,0 +1,129 @@
+"""Agent loops in training on the tiny model: a user's loop by class path and the built-in tool
+loop train end to end; observation tokens are shown in the dump and never trained; the engine's
+logprobs of the generated tokens match the trainer's; bad loops stop the start in one line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import tiny_overrides
+
+from megarl.train import StartupError, run
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+OBSERVATION = "\nObservation: 42\n"
+
+
+def _records(folder: Path, step: int) -> list[dict]:
+    return [json.loads(line) for line in (folder / f"{step}.jsonl").read_text().splitlines()]
+
+
+def test_a_user_loop_trains_on_its_own_tokens_only(tmp_path):
+    """The README's two-turn loop (``agent_loops:TwoTurns``): two generated turns of up to 16
+    tokens around an 8-token observation, at DP=2 with pruning on."""
+    gens = tmp_path / "gens"
+    overrides = {
+        "rollout.agent.loop": "agent_loops:TwoTurns",
+        "rollout.max_new_tokens": 40,
+        "trainer.rollout_data_dir": str(gens),
+        "trainer.n_gpus_per_node": 2,
+    }
+    history = run(tiny_overrides(tmp_path / "run", 2, **overrides)).history
+    for row in history:
+        assert row["rollout/logprob_abs_diff"] <= 1e-4, row  # generated tokens only, fp32
+        assert row["agent/num_turns/mean"] == 2.0 and row["agent/num_turns/max"] == 2.0
+        assert row["agent/observation_tokens/mean"] == 8.0
+        assert row["agent/tool_calls/mean"] == 0.0 and row["agent/engine_calls"] == 2.0
+        assert row["response_length/max"] <= 32.0  # generated tokens: observations excluded
+        records = _records(gens, row["step"])
+        assert len(records) == 8
+        for record in records:
+            kinds = [turn["trained"] for turn in record["turns"]]
+            assert kinds == [True, False, True], record
+            assert record["turns"][1]["text"] == OBSERVATION
+            assert "".join(t["text"] for t in record["turns"]).count("Observation: 42") == 1
+        mean = sum(r["reward"] for r in records) / len(records)
+        assert mean == pytest.approx(row["critic/rewards/mean"], abs=1e-6)
+    assert any(row["actor/grad_norm"] > 0 for row in history)
+
+
+def test_a_loop_that_sets_the_reward_replaces_the_datasets(tmp_path):
+    gens = tmp_path / "gens"
+    overrides = {
+        "rollout.agent.loop": "agent_loops:OwnReward",
+        "rollout.max_new_tokens": 40,
+        "trainer.rollout_data_dir": str(gens),
+    }
+    [row] = run(tiny_overrides(tmp_path / "run", 1, **overrides)).history
+    # OwnReward scores every trajectory 0.75; the dataset's reward (char parity) gives 0 or 1
+    assert {r["reward"] for r in _records(gens, 1)} == {0.75}
+    assert row["critic/rewards/mean"] == 0.75 and row["agent/num_turns/mean"] == 2.0
+
+
+def test_the_tool_agent_recipe_trains_with_the_calculator_described(tmp_path, monkeypatch):
+    """``recipe=gsm8k_tool_agent`` as a user starts it from the repository root: rows in verl's
+    multi-turn schema, the tool loop, the calculator described in the system message (the
+    tokenizer's template has no tool support)."""
+    monkeypatch.chdir(REPO)
+    gens = tmp_path / "gens"
+    overrides = {
+        "recipe": "gsm8k_tool_agent",
+        "rollout.max_new_tokens": 24,
+        "trainer.rollout_data_dir": str(gens),
+        "data.val_files": "null",
+        "data.reward": "auto",
+    }
+    [row] = run(tiny_overrides(tmp_path / "run", 1, **overrides)).history
+    assert row["rollout/logprob_abs_diff"] <= 1e-4
+    assert row["agent/num_turns/mean"] >= 1.0 and "agent/tool_errors" in row
+    # the calculator's schema and the calling convention in the system message: ~310 tokens a
+    # prompt, against ~70 for the question alone
+    assert row["prompt_length/mean"] > 250, row["prompt_length/mean"]
+    records = _records(gens, 1)
+    assert len(records) == 8 and all(r["turns"][0]["trained"] for r in records)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            {"rollout.agent.loop": "agent_loops:Missing"},
+            "rollout.agent.loop='agent_loops:Missing': module 'agent_loops' has no 'Missing'",
+        ),
+        (
+            {"rollout.agent.loop": "tool", "rollout.agent.tool_config_path": "/nonexistent.yaml"},
+            "/nonexistent.yaml",
+        ),
+    ],
+)
+def test_a_bad_loop_or_tool_config_stops_the_start_in_one_line(tmp_path, overrides, message):
+    run_dir = tmp_path / "run"
+    with pytest.raises(StartupError) as refused:
+        run(tiny_overrides(run_dir, 1, **overrides))
+    assert message in str(refused.value) and "\n" not in str(refused.value)
+    assert not run_dir.exists() or not any(run_dir.iterdir())
+
+
+def test_a_user_loop_on_vllm_matches_the_trainer_on_every_generated_token(tmp_path):
+    """vLLM takes each turn as token ids (prefix caching on, its default: the second turn
+    reuses the first's KV) and reports the logprobs the trainer recomputes."""
+    pytest.importorskip("vllm")
+    gens = tmp_path / "gens"
+    overrides = {
+        "rollout.engine": "vllm",
+        "rollout.agent.loop": "agent_loops:TwoTurns",
+        "rollout.max_new_tokens": 40,
+        "trainer.rollout_data_dir": str(gens),
+        "export.checksum_interval": 1,
+    }
+    history = run(tiny_overrides(tmp_path / "run", 2, **overrides)).history
+    for row in history:
+        assert row["rollout/logprob_abs_diff"] <= 1e-4, row
+        assert row["export/checksum_ok"] == 1.0
+        assert row["agent/num_turns/mean"] == 2.0 and row["agent/observation_tokens/mean"] == 8.0
+        records = _records(gens, row["step"])
+        assert all([t["trained"] for t in r["turns"]] == [True, False, True] for r in records)
