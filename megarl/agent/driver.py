@@ -455,20 +455,28 @@ async def _all_or_first_error(tasks: Sequence[asyncio.Task[Trajectory]]) -> None
     raise first
 
 
-def agent_metrics(
-    trajectories: Sequence[Trajectory], contexts: Sequence[AgentContext], batcher: _Batcher
-) -> dict[str, float]:
-    """Per step: turns, tool use, observation length, engine calls and time, loop counters."""
+def trajectory_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
+    """What the trajectories themselves say: turns, tool use, observation length, truncation
+    (means over trajectories, so equal-sized parts average to the whole's)."""
     count = max(1, len(trajectories))
     turns = [t.num_turns for t in trajectories]
-    calls = max(1, batcher.engine_calls)
-    metrics = {
+    return {
         "agent/num_turns/mean": sum(turns) / count,
         "agent/num_turns/max": float(max(turns, default=0)),
         "agent/tool_calls/mean": sum(t.tool_calls for t in trajectories) / count,
         "agent/tool_errors": float(sum(t.tool_errors for t in trajectories)),
         "agent/observation_tokens/mean": sum(t.observation_tokens for t in trajectories) / count,
         "agent/truncated_frac": sum(t.truncated for t in trajectories) / count,
+    }
+
+
+def agent_metrics(
+    trajectories: Sequence[Trajectory], contexts: Sequence[AgentContext], batcher: _Batcher
+) -> dict[str, float]:
+    """Per step: turns, tool use, observation length, engine calls and time, loop counters."""
+    calls = max(1, batcher.engine_calls)
+    metrics = {
+        **trajectory_metrics(trajectories),
         "agent/engine_calls": float(batcher.engine_calls),
         "agent/requests_per_engine_call/mean": batcher.engine_requests / calls,
         "agent/timing_s/gen": batcher.engine_seconds,

@@ -1157,9 +1157,9 @@ class RunConfig:
             "use an outcome estimator (grpo, rloo, reinforce_plus_plus, ...)",
         )
         _require(
-            not self.async_training.is_async,
-            f"{key} with async_training.mode={self.async_training.mode}: trajectories are built "
-            "by the synchronous rollout only so far; set async_training.mode=sync",
+            not self.async_training.partial_rollout,
+            f"{key} with async_training.partial_rollout=true: a weight sync cannot interrupt a "
+            "trajectory yet (each is generated under one version); set partial_rollout=false",
         )
         _require(
             self.actor.router_replay.mode != "R3",

@@ -17,14 +17,14 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from megarl.agent.driver import make_samples, run_agent_loops
+from megarl.agent.driver import run_agent_loops
 from megarl.agent.loop import AgentSettings, LoopChooser, Sample
 from megarl.agent.trajectory import Trajectory
 from megarl.data.problems import Problem
-from megarl.engines.base import Generation, RolloutEngine, SamplingParams
+from megarl.engines.base import Generation, RolloutEngine, SamplingParams, request_seed
 
 SINGLE_TURN_NAMES = ("single_turn", "single_turn_agent")
 
@@ -84,6 +84,8 @@ class AgentStep:
     """Each trajectory's own reward (``trajectory.reward``); None: the dataset's reward."""
     metrics: dict[str, float]
     """``agent/*`` metrics of the batch (:func:`megarl.agent.driver.agent_metrics`)."""
+    trajectories: list[Trajectory] = field(default_factory=list)
+    """The trajectories themselves (empty for a plain engine call)."""
 
 
 class AgentRollout:
@@ -117,9 +119,29 @@ class AgentRollout:
         """``group_size`` trajectories per problem, sample ``g * group_size + k`` seeded
         ``request_seed(seed, g * group_size + k)`` as the plain rollout seeds that response."""
         order = [g for g in range(len(problems)) for _ in range(group_size)]
-        messages = [problem_messages(problems[g], self.system_prompt) for g in order]
-        rows = [problem_row(problems[g], m) for g, m in zip(order, messages, strict=True)]
-        samples = make_samples([prompt_ids[g] for g in order], rows, seed, messages)
+        return self.generate_samples(
+            engine,
+            [problems[g] for g in order],
+            [prompt_ids[g] for g in order],
+            [request_seed(seed, i) for i in range(len(order))],
+            params,
+        )
+
+    def generate_samples(
+        self,
+        engine: RolloutEngine,
+        problems: Sequence[Problem],
+        prompt_ids: Sequence[Sequence[int]],
+        seeds: Sequence[int],
+        params: SamplingParams,
+    ) -> AgentStep:
+        """One trajectory per sample (its problem, prompt ids and seed: the asynchronous
+        rollout's requests carry their own), in sample order."""
+        samples = []
+        for index, (problem, ids, seed) in enumerate(zip(problems, prompt_ids, seeds, strict=True)):
+            messages = problem_messages(problem, self.system_prompt)
+            row = problem_row(problem, messages)
+            samples.append(Sample(index, tuple(ids), row, seed, tuple(messages)))
         result = run_agent_loops(engine, self.chooser, samples, params, self.tokenizer)
         limit = params.max_new_tokens
         over = [t for t in result.trajectories if len(t.response_ids) > limit]
@@ -135,6 +157,7 @@ class AgentRollout:
             gens=[trajectory_generation(t, limit) for t in result.trajectories],
             rewards=[t.reward for t in result.trajectories],
             metrics=result.metrics,
+            trajectories=result.trajectories,
         )
 
 

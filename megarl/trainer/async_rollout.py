@@ -36,6 +36,7 @@ fails the run with one line saying what the loop was doing and since when.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Sequence
@@ -45,6 +46,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from megarl.agent.driver import trajectory_metrics
+from megarl.agent.trajectory import Trajectory
 from megarl.distributed.fault_injection import ROLLOUT, maybe_die, maybe_freeze
 from megarl.engines.base import Generation, Request
 from megarl.errors import MegarlError
@@ -54,6 +57,7 @@ from megarl.trainer.rollout import ScoredGroups
 
 if TYPE_CHECKING:
     from megarl.config.schema import RunConfig
+    from megarl.data.problems import Problem
     from megarl.trainer.rollout import StepPrompts
     from megarl.trainer.rollout_host import RolloutHost
 
@@ -70,6 +74,8 @@ class _Response:
     pieces: list[Generation] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     """The version of the weights that sampled each token so far."""
+    trajectory: Trajectory | None = None
+    """Built by an agent loop (in one piece, under one version): the sample's trajectory."""
 
     @property
     def generated_ids(self) -> tuple[int, ...]:
@@ -91,6 +97,7 @@ class _Response:
         """The whole response, its pieces joined."""
         first, last = self.pieces[0], self.pieces[-1]
         routed = [p.routed_experts for p in self.pieces]
+        masked = any(p.response_mask is not None for p in self.pieces)
         return Generation(
             prompt_ids=tuple(first.prompt_ids),
             response_ids=self.generated_ids,
@@ -100,6 +107,11 @@ class _Response:
                 None if any(r is None for r in routed) else torch.cat(routed)  # type: ignore[arg-type]
             ),
             prompt_routed_experts=first.prompt_routed_experts,
+            response_mask=(
+                tuple(m for p in self.pieces for m in p.response_mask or [1] * len(p.response_ids))
+                if masked
+                else None
+            ),
         )
 
 
@@ -372,8 +384,20 @@ class AsyncRollout:
         started = time.perf_counter()
         requests = [response.next_request() for _, response in wave]
         params = self.host.producer.sampling_params()
-        interrupt = self._interrupt if self.partial else None
-        pieces = self.host.engine.generate_requests(requests, params, interrupt)
+        problems = [self._problem(group) for group, _ in wave]
+        agents = self.host.producer.agents
+        if agents is not None and agents.applies(problems):
+            # whole trajectories under one version: the buffer holds them like responses
+            # (partial rollouts, which would interrupt inside them, are refused with loops)
+            seeds = [request.seed for request in requests]
+            prompt_ids = [request.prompt_ids for request in requests]
+            built = agents.generate_samples(self.host.engine, problems, prompt_ids, seeds, params)
+            pieces = built.gens
+            for (_, response), trajectory in zip(wave, built.trajectories, strict=True):
+                response.trajectory = trajectory
+        else:
+            interrupt = self._interrupt if self.partial else None
+            pieces = self.host.engine.generate_requests(requests, params, interrupt)
         generated = time.perf_counter()
         for (_, response), piece in zip(wave, pieces, strict=True):
             response.add(piece, version)
@@ -394,12 +418,23 @@ class AsyncRollout:
         scored: dict[int, ScoredGroups] = {}
         for group in groups:
             step = self.rule.step_of(group)
-            problem = self._prompts[step].problems[group - self.rule.groups_of(step).start]
             responses = self._responses[group]
-            scored[group] = self.host.producer.score_groups(
-                [problem], [r.joined() for r in responses], [r.versions for r in responses], step
+            trajectories = [r.trajectory for r in responses if r.trajectory is not None]
+            part = self.host.producer.score_groups(
+                [self._problem(group)],
+                [r.joined() for r in responses],
+                [r.versions for r in responses],
+                step,
+                [t.reward for t in trajectories] if trajectories else None,
             )
+            if trajectories:
+                part = dataclasses.replace(part, agent_metrics=trajectory_metrics(trajectories))
+            scored[group] = part
         return scored
+
+    def _problem(self, group: int) -> Problem:
+        step = self.rule.step_of(group)
+        return self._prompts[step].problems[group - self.rule.groups_of(step).start]
 
     def _apply(self, staged: _Staged) -> None:
         """Load a staged version into the engine (the loop's thread: nothing generates now)."""

@@ -192,3 +192,23 @@ def test_a_stuck_rollout_side_fails_the_run_naming_it(tmp_path, monkeypatch):
     assert "rollout actor on node" in message, message
     assert "no batch for step 2 within trainer.collective_timeout_s=8 s" in message, message
     assert "generating 8 sequences of step 2 under weights version 0" in message, message
+
+
+def test_agent_loops_in_fully_async_at_zero_staleness_train_bitwise_like_sync(tmp_path):
+    """The buffer holds whole trajectories (the README's two-turn loop): at staleness 0 the
+    asynchronous rollout side builds the same trajectories, with the same seeds and masks, as
+    the synchronous loop, so the training is bitwise the same."""
+    loop = {
+        **SPLIT,
+        "rollout.agent.loop": "agent_loops:TwoTurns",
+        "rollout.max_new_tokens": 40,
+    }
+    sync_dir, async_dir = tmp_path / "sync", tmp_path / "async"
+    sync = run(tiny_overrides(sync_dir, 2, **loop), return_final_state=True)
+    settings = {**loop, "async_training.mode": "fully_async", "async_training.max_staleness": 0}
+    fully_async = run(tiny_overrides(async_dir, 2, **settings), return_final_state=True)
+    sync_rows, async_rows = _rows(sync_dir), _rows(async_dir)
+    _assert_same_training(sync_rows, async_rows, sync.final_state, fully_async.final_state)
+    for row in async_rows:
+        assert row["agent/num_turns/mean"] == 2.0 and row["agent/observation_tokens/mean"] == 8.0
+        assert row["rollout/logprob_abs_diff"] <= 1e-4

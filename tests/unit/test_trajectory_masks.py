@@ -226,9 +226,9 @@ def test_agent_metrics_of_several_generation_batches_join():
             {
                 "rollout": {"n_gpus": 1},
                 "trainer": {"launcher": "ray"},
-                "async_training": {"mode": "one_step_off"},
+                "async_training": {"mode": "fully_async", "partial_rollout": True},
             },
-            "rollout.agent.loop=tool with async_training.mode=one_step_off",
+            "rollout.agent.loop=tool with async_training.partial_rollout=true",
         ),
         (
             {"actor": {"router_replay": {"mode": "R3"}}},
