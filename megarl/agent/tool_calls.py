@@ -9,8 +9,9 @@ verl's and most open agent recipes) use::
     {"name": "calculator", "arguments": {"expression": "12 + 7"}}
     </tool_call>
 
-one block per call, several per turn allowed. Others can be registered in
-:data:`TOOL_FORMATS` (config: ``rollout.agent.tool_format``).
+one block per call, several per turn allowed. ``llama3_json`` is Llama 3.1/3.2's: the whole
+turn is ``{"name": ..., "parameters": {...}}`` (several joined by ``;``). Others can be
+registered in :data:`TOOL_FORMATS` (config: ``rollout.agent.tool_format``).
 
 Parsing never raises on what the model wrote: every block becomes either a :class:`ToolCall`
 (well-formed, a known tool, arguments that fit its JSON schema) or a :class:`ToolCallError`
@@ -175,6 +176,33 @@ def argument_problems(arguments: Mapping[str, Any], parameters: Mapping[str, Any
     return problems
 
 
+def checked_call(
+    call: object, number: int, tools: Mapping[str, Mapping[str, Any]], arguments_key: str
+) -> ToolCall | ToolCallError:
+    """A decoded call object (``{"name": ..., <arguments_key>: {...}}``) as a checked call of a
+    known tool, or the error the model reads as call ``number``'s result."""
+    where = f"tool call {number}"
+    expected = f'{{"name": <function-name>, "{arguments_key}": <args-json-object>}}'
+    if not isinstance(call, dict):
+        return ToolCallError(f"{where}: expected a JSON object {expected}, got {_kind(call)}")
+    name = call.get("name")
+    if not isinstance(name, str) or not name:
+        return ToolCallError(f'{where}: no "name" (a string): expected {expected}')
+    if name not in tools:
+        known = ", ".join(sorted(tools)) or "none"
+        return ToolCallError(f"{where}: unknown tool {name!r} (the tools are: {known})", name)
+    arguments = call.get(arguments_key, {})
+    if not isinstance(arguments, dict):
+        return ToolCallError(
+            f'{where} ({name}): "{arguments_key}" must be a JSON object, got {_kind(arguments)}',
+            name,
+        )
+    problems = argument_problems(arguments, parameters_of(tools[name]))
+    if problems:
+        return ToolCallError(f"{where} ({name}): {'; '.join(problems)}", name)
+    return ToolCall(name, arguments)
+
+
 # --- hermes ---------------------------------------------------------------------------------
 
 
@@ -243,32 +271,14 @@ class HermesFormat(ToolFormat):
         self, body: str, number: int, tools: Mapping[str, Mapping[str, Any]]
     ) -> ToolCall | ToolCallError:
         """One block's JSON as a checked call, or the error the model reads."""
-        where = f"tool call {number}"
         try:
             call = json.loads(body)
         except json.JSONDecodeError as exc:
             return ToolCallError(
-                f"{where}: malformed JSON ({exc.msg} at line {exc.lineno}, column {exc.colno})"
+                f"tool call {number}: malformed JSON ({exc.msg} at line {exc.lineno}, "
+                f"column {exc.colno})"
             )
-        expected = '{"name": <function-name>, "arguments": <args-json-object>}'
-        if not isinstance(call, dict):
-            return ToolCallError(f"{where}: expected a JSON object {expected}, got {_kind(call)}")
-        name = call.get("name")
-        if not isinstance(name, str) or not name:
-            return ToolCallError(f'{where}: no "name" (a string): expected {expected}')
-        if name not in tools:
-            known = ", ".join(sorted(tools)) or "none"
-            return ToolCallError(f"{where}: unknown tool {name!r} (the tools are: {known})", name)
-        arguments = call.get("arguments", {})
-        if not isinstance(arguments, dict):
-            return ToolCallError(
-                f'{where} ({name}): "arguments" must be a JSON object, got {_kind(arguments)}',
-                name,
-            )
-        problems = argument_problems(arguments, parameters_of(tools[name]))
-        if problems:
-            return ToolCallError(f"{where} ({name}): {'; '.join(problems)}", name)
-        return ToolCall(name, arguments)
+        return checked_call(call, number, tools, "arguments")
 
     def system_prompt(self, schemas: Sequence[Mapping[str, Any]]) -> str:
         listed = "".join("\n" + json.dumps(schema, ensure_ascii=False) for schema in schemas)
@@ -278,7 +288,68 @@ class HermesFormat(ToolFormat):
         return "\n".join(f"<tool_response>\n{result}\n</tool_response>" for result in results)
 
 
-TOOL_FORMATS: dict[str, ToolFormat] = {"hermes": HermesFormat()}
+# --- llama3_json ----------------------------------------------------------------------------
+
+
+_LLAMA3_TOOLS_INTRO = (
+    "You have access to the following functions. To call one, respond with only a JSON object "
+    'of the form {"name": function name, "parameters": dictionary of argument name and its '
+    'value}; several calls are separated by "; ". Do not use variables.\n\n'
+)
+_LLAMA3_RESULTS_NOTE = (
+    'The results come back in the next user message, one {"output": ...} JSON object per line, '
+    "in the order of the calls."
+)
+PYTHON_TAG = "<|python_tag|>"
+
+
+class Llama3JsonFormat(ToolFormat):
+    """Llama 3.1/3.2's JSON tool calls: a turn that is ``{"name": ..., "parameters": {...}}``
+    (several joined by ``;``, optionally after ``<|python_tag|>``), what their chat templates
+    ask for and render back; a turn that does not start with ``{`` is a plain answer.
+    ``"arguments"`` is accepted in place of ``"parameters"``."""
+
+    name = "llama3_json"
+
+    def parse(self, text: str, tools: Mapping[str, Mapping[str, Any]]) -> ParsedTurn:
+        body = text.strip()
+        if body.startswith(PYTHON_TAG):
+            body = body[len(PYTHON_TAG) :].lstrip()
+        if not body.startswith("{"):
+            return ParsedTurn(text.strip())
+        decoder = json.JSONDecoder()
+        items: list[ToolCall | ToolCallError] = []
+        position = 0
+        while position < len(body):
+            number = len(items) + 1
+            try:
+                call, position = decoder.raw_decode(body, position)
+            except json.JSONDecodeError as exc:
+                items.append(
+                    ToolCallError(f"tool call {number}: malformed JSON ({exc.msg}, at {exc.pos})")
+                )
+                return ParsedTurn("", tuple(items))
+            key = (
+                "parameters"
+                if not (isinstance(call, dict) and "arguments" in call)
+                else "arguments"
+            )
+            items.append(checked_call(call, number, tools, key))
+            rest = body[position:].lstrip()
+            if not rest.startswith(";"):
+                return ParsedTurn(rest, tuple(items))
+            position = len(body) - len(rest[1:].lstrip())
+        return ParsedTurn("", tuple(items))
+
+    def system_prompt(self, schemas: Sequence[Mapping[str, Any]]) -> str:
+        listed = "".join(json.dumps(schema, ensure_ascii=False) + "\n\n" for schema in schemas)
+        return _LLAMA3_TOOLS_INTRO + listed + _LLAMA3_RESULTS_NOTE
+
+    def results_text(self, results: Sequence[str]) -> str:
+        return "\n".join(json.dumps({"output": result}, ensure_ascii=False) for result in results)
+
+
+TOOL_FORMATS: dict[str, ToolFormat] = {"hermes": HermesFormat(), "llama3_json": Llama3JsonFormat()}
 """The calling conventions by their ``rollout.agent.tool_format`` name."""
 
 

@@ -76,8 +76,10 @@ def trajectory_generation(traj: Trajectory, limit: int | None = None) -> Generat
 
 
 @dataclass(frozen=True)
-class AgentStep:
-    """One generation batch's trajectories, as generations, in sample (group-major) order."""
+class GeneratedBatch:
+    """One generation batch's responses, in sample (group-major) order: an engine call's
+    generations, or the agent loops' trajectories as generations (with their own rewards and
+    ``agent/*`` metrics)."""
 
     gens: list[Generation]
     rewards: list[float | None]
@@ -115,7 +117,7 @@ class AgentRollout:
         group_size: int,
         seed: int,
         params: SamplingParams,
-    ) -> AgentStep:
+    ) -> GeneratedBatch:
         """``group_size`` trajectories per problem, sample ``g * group_size + k`` seeded
         ``request_seed(seed, g * group_size + k)`` as the plain rollout seeds that response."""
         order = [g for g in range(len(problems)) for _ in range(group_size)]
@@ -134,7 +136,7 @@ class AgentRollout:
         prompt_ids: Sequence[Sequence[int]],
         seeds: Sequence[int],
         params: SamplingParams,
-    ) -> AgentStep:
+    ) -> GeneratedBatch:
         """One trajectory per sample (its problem, prompt ids and seed: the asynchronous
         rollout's requests carry their own), in sample order."""
         samples = []
@@ -153,7 +155,7 @@ class AgentRollout:
                 "Trajectory(sample.prompt_ids, ctx.max_response_tokens) to stay within it)",
                 stacklevel=1,
             )
-        return AgentStep(
+        return GeneratedBatch(
             gens=[trajectory_generation(t, limit) for t in result.trajectories],
             rewards=[t.reward for t in result.trajectories],
             metrics=result.metrics,

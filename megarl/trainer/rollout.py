@@ -7,6 +7,10 @@ seed and equal weights generate the same rollouts, whatever the planner or train
 between, and whether the step's responses were generated in one call or (asynchronous
 training, :mod:`megarl.trainer.async_rollout`) group by group in calls shared with other steps.
 
+Where agent loops roll the prompts out (``rollout.agent.loop``, a row's ``agent_name``:
+:mod:`megarl.trainer.agent_rollout`) a response is a trajectory, its observation tokens masked
+out of training (:attr:`megarl.batch.RolloutBatch.response_masks`).
+
 The synchronous loop calls :meth:`RolloutProducer.produce`; the asynchronous rollout side uses
 its parts: :meth:`~RolloutProducer.draw` a step's prompts, :meth:`~RolloutProducer.score_groups`
 as groups finish, :meth:`~RolloutProducer.assemble` the step when the trainer takes it.
@@ -32,7 +36,7 @@ from megarl.data.rewards import RewardChoice, score_samples
 from megarl.engines.base import Generation, Request, RolloutEngine, SamplingParams, request_seed
 from megarl.errors import MegarlError
 from megarl.planner.batch_planner import CRITIC_ESTIMATORS
-from megarl.trainer.agent_rollout import AgentRollout, AgentStep, join_agent_metrics
+from megarl.trainer.agent_rollout import AgentRollout, GeneratedBatch, join_agent_metrics
 from megarl.trainer.progress import PhaseHook, no_progress
 
 
@@ -291,14 +295,14 @@ class RolloutProducer:
         n: int,
         seed: int,
         params: SamplingParams,
-    ) -> AgentStep:
+    ) -> GeneratedBatch:
         """``n`` responses per problem, group-major, response ``r`` seeded ``request_seed(seed,
         r)``: through the agent loops when they roll these problems out, else one engine call
         (then no own rewards and no ``agent/*`` metrics)."""
         if self.agents is not None and self.agents.applies(problems):
             return self.agents.generate(self.engine, problems, prompt_ids, n, seed, params)
         gens = self.engine.generate_requests(step_requests(prompt_ids, n, seed), params)
-        return AgentStep(gens=list(gens), rewards=[None] * len(gens), metrics={})
+        return GeneratedBatch(gens=list(gens), rewards=[None] * len(gens), metrics={})
 
     def sampling_params(self) -> SamplingParams:
         """The training rollouts' sampling (each request brings its own seed)."""

@@ -56,15 +56,22 @@ class FakeEngine(RolloutEngine):
     """Token ``j`` of a request is ``token_seed(seed, j)`` folded into ``[10, 1000)`` (never
     EOS), or the script for its seed; logprobs likewise. Records every call."""
 
-    def __init__(self, scripts: Mapping[int, Sequence[int]] | None = None, fail_at: int = -1):
+    def __init__(
+        self,
+        scripts: Mapping[int, Sequence[int]] | None = None,
+        fail_at: int = -1,
+        eos: Sequence[int] = (EOS,),
+    ):
         self.scripts = dict(scripts or {})
+        self.eos = tuple(eos)
+        """The model's end-of-sequence tokens (a chat template's end of turn among them)."""
         self.fail_at = fail_at
         """The number of the call (0-based) that raises; -1: none."""
         self.calls: list[tuple[list[Request], SamplingParams]] = []
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
-        return (EOS,)
+        return self.eos
 
     def generate_requests(self, requests, params, interrupt=None) -> list[Generation]:
         self.calls.append((list(requests), params))
@@ -514,7 +521,7 @@ def tool_run(
         for sample, texts in zip(samples, turns, strict=True)
         for t, text in enumerate(texts)
     }
-    engine = FakeEngine(scripts)
+    engine = FakeEngine(scripts, eos=(EOS, eot))
     result = run_agent_loops(engine, loop, samples, params, tokenizer)
     return result, loop, engine
 
@@ -737,3 +744,31 @@ def test_context_counters_are_summed_into_metrics():
 
     result, _ = run(FakeEngine(), Counts(), count=3)
     assert result.metrics["agent/retries"] == 3.0
+
+
+def test_llama3_json_calls_on_a_llama3_template_render_results_under_ipython(tokenizer):
+    """``tool_format=llama3_json`` with a Llama-3.1-style template, which renders the tools
+    itself (in the first user message) and a tool result as an ``ipython`` turn."""
+    import copy
+    from pathlib import Path
+
+    llama3 = copy.deepcopy(tokenizer)
+    llama3.add_special_tokens(
+        {"additional_special_tokens": ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]}
+    )
+    fixtures = Path(__file__).resolve().parents[1] / "fixtures" / "chat_templates"
+    llama3.chat_template = (fixtures / "llama3_style.jinja").read_text()
+    settings = AgentSettings(loop="tool", tool_timeout_s=2.0, tool_format="llama3_json")
+    first = json.dumps({"name": "add", "parameters": {"a": 12, "b": 7}})
+    result, loop, _ = tool_run(llama3, [[first, "It is 19."]], [Add([])], settings=settings)
+    (traj,) = result.trajectories
+    assert loop.renderer.native_tools and loop.renderer.end_of_turn == "<|eot_id|>"
+    assert traj.num_turns == 2 and traj.tool_calls == 1 and traj.tool_errors == 0
+    (observation,) = observations(loop, traj)
+    assert observation == (  # Llama 3.1's template quotes a string result (tojson)
+        '<|start_header_id|>ipython<|end_header_id|>\n\n"19"<|eot_id|>'
+        "<|start_header_id|>assistant<|end_header_id|>\n\n"
+    )
+    assert trained_text(loop, traj) == f"{first}<|eot_id|>It is 19.<|eot_id|>"
+    prompt = loop.renderer.decode(traj.prompt_ids)
+    assert '"name": "add"' in prompt and "Respond in the format" in prompt

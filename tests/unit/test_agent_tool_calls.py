@@ -1,4 +1,5 @@
-"""The hermes tool-call parser: calls, and an error the model can read for every bad block."""
+"""The tool-call parsers (hermes, Llama-3 JSON): calls, and an error the model can read for
+every bad one."""
 
 from __future__ import annotations
 
@@ -214,8 +215,56 @@ def test_the_system_prompt_lists_the_schemas_and_the_calling_convention():
 
 
 def test_an_unknown_tool_format_is_bad_input_naming_the_key():
-    assert set(TOOL_FORMATS) == {"hermes"}
+    assert set(TOOL_FORMATS) == {"hermes", "llama3_json"}
     with pytest.raises(BadInputError) as caught:
         get_tool_format("pythonic")
-    assert str(caught.value) == "rollout.agent.tool_format='pythonic': must be one of hermes"
+    assert str(caught.value) == (
+        "rollout.agent.tool_format='pythonic': must be one of hermes, llama3_json"
+    )
     assert caught.value.exit_code == 2
+
+
+def _llama3(text: str) -> ParsedTurn:
+    return parse_tool_calls(text, TOOLS, "llama3_json")
+
+
+def test_llama3_json_calls_are_the_whole_turn():
+    one = _llama3('{"name": "calculator", "parameters": {"expression": "12 + 7"}}')
+    assert one == ParsedTurn("", (ToolCall("calculator", {"expression": "12 + 7"}),))
+    tagged = _llama3('<|python_tag|>{"name": "calculator", "arguments": {"expression": "1"}}')
+    assert tagged.calls == (ToolCall("calculator", {"expression": "1"}),)
+    two = _llama3(
+        '{"name": "calculator", "parameters": {"expression": "1"}}; '
+        '{"name": "search", "parameters": {"query": "q"}}'
+    )
+    assert [c.name for c in two.calls] == ["calculator", "search"]
+    assert _llama3("The answer is 19.") == ParsedTurn("The answer is 19.")
+    after = _llama3('{"name": "calculator", "parameters": {"expression": "1"}} and some words')
+    assert after.content == "and some words" and len(after.calls) == 1
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('{"name": "calculator", "parameters": {"expression": ', "tool call 1: malformed JSON"),
+        ('{"name": "weather", "parameters": {}}', "unknown tool 'weather'"),
+        ('{"name": "calculator", "parameters": {"expression": 3}}', "must be of type string"),
+        ('{"name": "calculator", "parameters": "12"}', '"parameters" must be a JSON object'),
+        ('{"parameters": {}}', 'no "name"'),
+    ],
+)
+def test_llama3_json_mistakes_are_errors_for_the_model(text, message):
+    parsed = _llama3(text)
+    assert not parsed.calls and len(parsed.errors) == 1 and message in parsed.errors[0]
+
+
+def test_llama3_json_describes_tools_and_results_for_templates_without_tools():
+    fmt = get_tool_format("llama3_json")
+    prompt = fmt.system_prompt([TOOLS["calculator"]])
+    assert '{"name": function name, "parameters": dictionary' in prompt
+    assert json.dumps(TOOLS["calculator"]) in prompt
+    lines = fmt.results_text(["19", 'a "quoted" result']).splitlines()
+    assert [json.loads(line) for line in lines] == [
+        {"output": "19"},
+        {"output": 'a "quoted" result'},
+    ]
