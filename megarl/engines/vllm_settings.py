@@ -196,6 +196,10 @@ def decide_vllm_settings(
         "logprobs_mode": logprobs_mode(request.temperature, request.top_p),
         "weight_bucket_bytes": request.bucket_mb << 20,
         "gpu_memory_utilization": request.gpu_memory_utilization,
+        # a group's shared prompt and an agent trajectory's next turn reuse the KV of their
+        # prefix (vLLM's default for these models, stated: the cache is reset at every weight
+        # update, so no turn reads KV of older weights)
+        "enable_prefix_caching": True,
     }
     if on_cpu:
         kwargs["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(request, model, available_bytes)

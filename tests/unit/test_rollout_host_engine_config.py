@@ -42,6 +42,7 @@ def test_rollout_keys_reach_the_engine_arguments():
         "logprobs_mode": "raw_logprobs",
         "weight_bucket_bytes": 64 << 20,
         "gpu_memory_utilization": 0.35,
+        "enable_prefix_caching": True,
         "kv_cache_memory_bytes": 2 << 30,
     }
 
