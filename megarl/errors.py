@@ -8,6 +8,8 @@ process it was raised in. Everything else is a bug, reported with its traceback.
 
 from __future__ import annotations
 
+import signal
+
 EXIT_RUNTIME = 1
 EXIT_BAD_INPUT = 2
 
@@ -25,3 +27,18 @@ class BadInputError(MegarlError):
     """Bad input (config, model, data, checkpoint, argument): exit 2, nothing run or written."""
 
     exit_code = EXIT_BAD_INPUT
+
+
+class RunStopped(MegarlError):
+    """The launcher was sent SIGTERM or SIGINT: the run was stopped on purpose. The exit code is
+    the shell's convention for a process ended by that signal, 128 + its number (SIGINT 130,
+    SIGTERM 143).
+
+    Raised by the signal handler wherever the main thread is, user code included (a reward
+    function, a tool): every place that catches the user's exceptions lets this one through,
+    so a stop is never counted as the user's failure."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        self.exit_code = 128 + signum
+        super().__init__(f"stopped by {signal.Signals(signum).name}")

@@ -325,16 +325,22 @@ def check_run_dir(run_dir: str) -> None:
     Checked before anything else touches the disk; nothing is created here (the folder is made
     only once every start-up check has passed).
     """
-    path = Path(run_dir).expanduser()
+    check_creatable_folder("trainer.run_dir", run_dir)
+
+
+def check_creatable_folder(key: str, folder: str | Path) -> None:
+    """``folder`` (the value of ``key``) is a folder or can be made one: not a file, under no
+    file, its nearest existing ancestor writable. Creates nothing."""
+    path = Path(folder).expanduser()
     if path.exists() and not path.is_dir():
-        raise StartupError(f"trainer.run_dir={run_dir}: exists and is not a folder")
+        raise StartupError(f"{key}={folder}: exists and is not a folder")
     existing = next((p for p in (path, *path.parents) if p.exists()), None)
     if existing is None:
         return
     if not existing.is_dir():
-        raise StartupError(f"trainer.run_dir={run_dir}: {existing} is a file, not a folder")
+        raise StartupError(f"{key}={folder}: {existing} is a file, not a folder")
     if not os.access(existing, os.W_OK | os.X_OK):
-        raise StartupError(f"trainer.run_dir={run_dir}: {existing} is not writable")
+        raise StartupError(f"{key}={folder}: {existing} is not writable")
 
 
 def check_engine_installed(engine: str) -> None:
@@ -375,8 +381,7 @@ def check_dump_dirs(cfg) -> None:
     if not folders:
         return
     for key, folder in folders:
-        if folder.exists() and not folder.is_dir():
-            raise StartupError(f"trainer.{key}={folder}: exists and is not a folder")
+        check_creatable_folder(f"trainer.{key}", folder)
     try:
         info = find_resume_checkpoint(t.resume, t.run_dir)
     except CheckpointError as exc:

@@ -250,6 +250,11 @@ ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
 
 ADVANTAGE_ESTIMATOR_NAMES: tuple[str, ...] = tuple(ADVANTAGE_ESTIMATORS)
 
+GROUP_ESTIMATORS: tuple[str, ...] = ("grpo", "grpo_no_std", "rloo", "reinforce_plus_plus_baseline")
+"""The estimators whose baseline is the other samples of the prompt's group: with one sample
+per prompt (``rollout.n=1``) every advantage would be 0. REINFORCE++ (a batch baseline) and a
+critic's GAE take one sample per prompt."""
+
 
 def resolve_estimator_name(name: str, norm_adv_by_std_in_grpo: bool = True) -> str:
     """The registry name a config means: verl's ``norm_adv_by_std_in_grpo=false`` turns

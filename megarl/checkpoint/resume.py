@@ -113,18 +113,34 @@ def compare_configs(
     """Differences between a checkpoint's run config (and model spec) and this run's."""
     old, new = flatten(saved), flatten(current)
     errors, changes = [], []
-    for key in sorted(set(old) | set(new)):
-        if _matches(key, NOT_REPORTED) or old.get(key) == new.get(key):
-            continue
-        line = f"{key}: {old.get(key)!r} -> {new.get(key)!r}"
-        (errors if _matches(key, MUST_MATCH) else changes).append(line)
-    if saved_spec is not None and current_spec is not None:
+    if saved_spec is not None and current_spec is not None:  # the most telling, so first
         errors.extend(
             f"model {key}: {saved_spec.get(key)!r} -> {current_spec.get(key)!r}"
             for key in sorted(set(saved_spec) | set(current_spec))
             if saved_spec.get(key) != current_spec.get(key)
         )
+    for key in sorted(set(old) | set(new)):
+        if _matches(key, NOT_REPORTED) or old.get(key) == new.get(key):
+            continue
+        line = f"{key}: {describe_change(old.get(key), new.get(key))}"
+        (errors if _matches(key, MUST_MATCH) else changes).append(line)
     return ConfigDiff(errors=tuple(errors), changes=tuple(changes))
+
+
+def describe_change(old: Any, new: Any, most: int = 3) -> str:
+    """``old -> new`` in a few words: for two mappings (a model's whole ``hf_config``) only the
+    entries that differ, at most ``most`` of them; a whole mapping against anything else by its
+    size."""
+
+    def short(value: Any) -> str:
+        return f"{{{len(value)} entries}}" if isinstance(value, Mapping) else repr(value)
+
+    if not (isinstance(old, Mapping) and isinstance(new, Mapping)):
+        return f"{short(old)} -> {short(new)}"
+    keys = [k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+    shown = ", ".join(f"{k} {old.get(k)!r} -> {new.get(k)!r}" for k in keys[:most])
+    more = f" and {len(keys) - most} more" if len(keys) > most else ""
+    return f"{shown}{more}"
 
 
 def find_resume_checkpoint(resume: str, run_dir: str) -> CheckpointInfo | None:

@@ -17,7 +17,11 @@ from pathlib import Path
 from typing import Any, ClassVar, cast
 
 from megarl.agent.loop import AgentSettings
-from megarl.algo.advantages import ADVANTAGE_ESTIMATOR_NAMES, resolve_estimator_name
+from megarl.algo.advantages import (
+    ADVANTAGE_ESTIMATOR_NAMES,
+    GROUP_ESTIMATORS,
+    resolve_estimator_name,
+)
 from megarl.algo.dapo import FILTER_GROUP_METRICS
 from megarl.algo.kl_reward import KL_CTRL_TYPES
 from megarl.algo.losses import AGG_MODES, KL_PENALTY_KINDS
@@ -514,7 +518,7 @@ class RolloutConfig:
         )
         _positive("rollout.max_num_seqs", self.max_num_seqs)
         _positive("rollout.max_num_batched_tokens", self.max_num_batched_tokens)
-        _require(self.n >= 2, f"rollout.n={self.n}: GRPO needs at least 2 samples per prompt")
+        _positive("rollout.n", self.n)
         _positive("rollout.max_new_tokens", self.max_new_tokens)
         _require(
             self.temperature > 0,
@@ -1070,6 +1074,12 @@ class RunConfig:
             kl_in_reward=self.algo.use_kl_in_reward,
         )
         _require(replay is None, str(replay))
+        _require(
+            self.rollout.n >= 2 or self.algo.estimator not in GROUP_ESTIMATORS,
+            f"rollout.n={self.rollout.n}: algo.adv_estimator={self.algo.adv_estimator} compares "
+            "the samples of a prompt's group and needs at least 2 per prompt (one sample per "
+            "prompt suits gae or reinforce_plus_plus)",
+        )
         self._check_async_training()
         self._check_agent_loops()
         num_seqs = self.data.prompts_per_step * self.rollout.n

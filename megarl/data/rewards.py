@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from megarl.data.numbers import normalize_number, numbers_equal
-from megarl.errors import BadInputError
+from megarl.errors import BadInputError, RunStopped
 
 RewardFn = Callable[[str, str], float]
 
@@ -407,7 +407,9 @@ def score_samples(
 
     Messages name ``data.reward`` as the user set it. Under ``policy="raise"`` the first
     failure raises :class:`RewardFunctionError`; under ``"zero"`` it scores 0.0 and is
-    counted. Only ``Exception`` is caught: Ctrl-C still stops the run.
+    counted. A stop request (:class:`~megarl.errors.RunStopped`, which SIGTERM/SIGINT raise
+    wherever the main thread is, inside the function too) is never taken for the function's
+    failure: it goes on stopping the run.
     """
     if policy not in REWARD_ERROR_POLICIES:
         raise ValueError(f"reward error policy {policy!r}: must be one of raise, zero")
@@ -421,6 +423,8 @@ def score_samples(
         reward = choice.for_source(source)
         try:
             returned = reward.fn(response, answer)
+        except RunStopped:
+            raise
         except Exception as exc:  # noqa: BLE001 - the user's code: any failure is reported
             detail = " ".join(str(exc).split())[:200]
             problem = f"raised {type(exc).__name__}{': ' + detail if detail else ''}"

@@ -43,7 +43,7 @@ import torch
 import torch.multiprocessing as mp
 
 from megarl.distributed.heartbeat import STALE_GRACE_S, Beat, HeartbeatWatch
-from megarl.errors import MegarlError
+from megarl.errors import MegarlError, RunStopped
 
 POLL_S = 0.2
 CAUSE_GRACE_S = 1.0  # how long a peer's error waits for a killed rank to be seen
@@ -66,17 +66,6 @@ WARM_MODULES: tuple[str, ...] = (
 """What the fork server imports before it forks a worker: the rank loop and the heavy libraries
 its ranks import when they build a model (torch, Megatron-Core, transformers). The rollout
 engines' own (vLLM) are not among them: only the runs that use them import them."""
-
-
-class RunStopped(MegarlError):
-    """The launcher was sent SIGTERM or SIGINT: the run was stopped on purpose. The exit code is
-    the shell's convention for a process ended by that signal, 128 + its number (SIGINT 130,
-    SIGTERM 143)."""
-
-    def __init__(self, signum: int):
-        self.signum = signum
-        self.exit_code = 128 + signum
-        super().__init__(f"stopped by {signal.Signals(signum).name}")
 
 
 @contextlib.contextmanager

@@ -42,8 +42,10 @@ def _rows(run_dir) -> list[dict]:
 
 
 def test_two_ppo_steps_report_finite_critic_metrics(tmp_path) -> None:
+    """One sample per prompt, PPO's usual setting (the critic is the baseline, no group)."""
     run_dir = tmp_path / "run"
-    history = run(tiny_overrides(run_dir, 2, **PPO)).history
+    one_each = {"rollout.n": 1, "data.prompts_per_step": 8}
+    history = run(tiny_overrides(run_dir, 2, **PPO, **one_each)).history
     rows = _rows(run_dir)
     assert [r["step"] for r in history] == [1, 2]
     assert [r["step"] for r in rows] == [1, 2]

@@ -772,3 +772,21 @@ def test_llama3_json_calls_on_a_llama3_template_render_results_under_ipython(tok
     assert trained_text(loop, traj) == f"{first}<|eot_id|>It is 19.<|eot_id|>"
     prompt = loop.renderer.decode(traj.prompt_ids)
     assert '"name": "add"' in prompt and "Respond in the format" in prompt
+
+
+def test_a_stop_request_inside_a_tool_stops_the_step_instead_of_becoming_an_observation(
+    tokenizer,
+):
+    """SIGTERM's handler raises :class:`RunStopped` wherever the main thread is: inside a tool
+    it is not the model's error to read but the run's stop."""
+    from megarl.errors import RunStopped
+
+    class Stopped(Tool):
+        def __init__(self) -> None:
+            super().__init__({}, schema("stop", why="string"))
+
+        async def execute(self, arguments, state):
+            raise RunStopped(15)
+
+    with pytest.raises(RunStopped):
+        tool_run(tokenizer, [[call("stop", why="now"), "done"]], [Stopped()])

@@ -178,16 +178,38 @@ def test_config_policy_separates_errors_from_allowed_changes():
         "actor": {"lr": 2.0, "tp": 1},
     }
     diff = compare_configs(saved, now, {"vocab_size": 8}, {"vocab_size": 9})
-    assert diff.errors == (
-        "model.hf_config: {'hidden_size': 8} -> {'hidden_size': 16}",
-        "trainer.seed: 1 -> 2",
+    assert diff.errors == (  # the model's own fields first: they say the most
         "model vocab_size: 8 -> 9",
+        "model.hf_config: hidden_size 8 -> 16",
+        "trainer.seed: 1 -> 2",
     )
     assert diff.changes == (
         "actor.lr: 1.0 -> 2.0",
         "actor.tp: 2 -> 1",
         "trainer.total_steps: 3 -> 6",
     )
+
+
+def test_a_different_model_is_named_by_its_differing_fields_in_a_short_line():
+    """Another model's whole ``hf_config`` (dozens of entries) is not printed: the entries
+    that differ, at most three, and how many more."""
+    llama = {f"key{i}": i for i in range(40)} | {"model_type": "llama", "num_hidden_layers": 4}
+    qwen3 = {**llama, "model_type": "qwen3", "num_hidden_layers": 2, "head_dim": 32, "key7": 0}
+    diff = compare_configs(
+        {"model": {"hf_config": llama}},
+        {"model": {"hf_config": qwen3}},
+        {"family": "llama"},
+        {"family": "qwen3"},
+    )
+    assert diff.errors == (
+        "model family: 'llama' -> 'qwen3'",
+        (
+            "model.hf_config: head_dim None -> 32, key7 7 -> 0, model_type 'llama' -> 'qwen3' "
+            "and 1 more"
+        ),
+    )
+    none = compare_configs({"model": {"hf_config": None}}, {"model": {"hf_config": llama}})
+    assert none.errors == ("model.hf_config: None -> {42 entries}",)
 
 
 def test_resume_modes(tmp_path):

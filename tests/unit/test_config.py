@@ -312,3 +312,17 @@ def test_moe_aux_loss_coef_defaults_off_and_turns_pruning_off():
     assert mode == "off" and "actor.moe_aux_loss_coef=0.01" in reason
     inputs = planner_inputs(cfg, [10, 10], [5, 5], [0.0, 0.0], [0, 0])
     assert inputs.moe_aux_loss_coef == 0.01 and inputs.mode == "off"
+
+
+def test_one_sample_per_prompt_is_judged_by_the_estimator():
+    """A group baseline needs a group; a critic (PPO's usual setting) or a batch baseline
+    does not."""
+    for estimator in ("gae", "reinforce_plus_plus"):
+        cfg = build_run_config({"algo": {"adv_estimator": estimator}, "rollout": {"n": 1}})
+        assert cfg.rollout.n == 1
+    for estimator in ("grpo", "rloo", "reinforce_plus_plus_baseline"):
+        with pytest.raises(ConfigError) as refused:
+            build_run_config({"algo": {"adv_estimator": estimator}, "rollout": {"n": 1}})
+        assert str(refused.value).startswith(
+            f"rollout.n=1: algo.adv_estimator={estimator} compares the samples"
+        )

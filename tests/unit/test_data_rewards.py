@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import signal
+
 import pytest
 
 from megarl.data.numbers import normalize_number, numbers_equal
@@ -21,6 +24,8 @@ from megarl.data.rewards import (
     reward_value,
     score_samples,
 )
+from megarl.distributed.launcher import stop_on_signals
+from megarl.errors import RunStopped
 
 
 @pytest.mark.parametrize(
@@ -233,6 +238,26 @@ def test_ctrl_c_in_a_reward_function_is_not_swallowed() -> None:
 
     with pytest.raises(KeyboardInterrupt):
         score_samples(_fixed(interrupted), ["a"], ["1"], None, "zero")
+
+
+@pytest.mark.parametrize("policy", ["raise", "zero"])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_request_during_a_reward_function_stops_the_run(policy, sig) -> None:
+    """SIGTERM/SIGINT arrive while the user's function runs (a real signal, the launcher's own
+    handler): the run stops (exit 143/130), neither reported as the function's error nor, under
+    ``data.reward_error=zero``, scored 0 and trained on."""
+    calls: list[str] = []
+
+    def slow(response: str, answer: str) -> float:
+        calls.append(response)
+        os.kill(os.getpid(), sig)  # the handler raises at the next bytecode, in here
+        signal.sigtimedwait([], 0)
+        return 1.0
+
+    with pytest.raises(RunStopped) as stopped, stop_on_signals():
+        score_samples(_fixed(slow), ["a", "b"], ["1", "1"], None, policy)
+    assert calls == ["a"]  # the second sample was never scored
+    assert stopped.value.exit_code == 128 + sig
 
 
 def test_a_reward_function_that_cannot_take_response_and_answer_is_refused_on_import(

@@ -8,7 +8,7 @@ import socket
 
 import pytest
 
-from megarl.train import StartupError, check_engine_installed, check_run_dir
+from megarl.train import StartupError, check_dump_dirs, check_engine_installed, check_run_dir
 
 
 def test_vllm_missing_is_one_line_before_any_model_is_loaded(monkeypatch):
@@ -46,6 +46,24 @@ def test_a_read_only_parent_is_refused(tmp_path):
             check_run_dir(str(parent / "run"))
     finally:
         parent.chmod(0o700)
+
+
+def test_a_dump_folder_below_a_file_is_refused_at_start_up(tmp_path):
+    """``trainer.rollout_data_dir`` under a regular file: refused before the run, not at step
+    1's dump."""
+    from megarl.config.schema import build_run_config
+
+    file = tmp_path / "notes.txt"
+    file.write_text("keep me")
+    cfg = build_run_config(
+        {"trainer": {"run_dir": str(tmp_path / "run"), "rollout_data_dir": str(file / "gens")}}
+    )
+    with pytest.raises(StartupError) as refused:
+        check_dump_dirs(cfg)
+    assert str(refused.value) == (
+        f"trainer.rollout_data_dir={file / 'gens'}: {file} is a file, not a folder"
+    )
+    assert file.read_text() == "keep me"
 
 
 def test_a_new_or_existing_run_dir_passes_and_nothing_is_created(tmp_path):
