@@ -581,6 +581,12 @@ class DataConfig:
     or returns anything but one finite number (None, NaN, a string, a list): raise (stop the
     run with one line naming the function and the sample, exit 2) | zero (score that sample
     0.0, warn once, count them in ``critic/rewards/failed``)."""
+    reward_timeout_s: float | None = None
+    """Wall-clock limit of one call of your own reward function (``package.module:function``;
+    the built-in ones are bounded themselves): past it the call is that function's failure,
+    handled by ``reward_error``, never a hang (a stuck network call). The function then runs in
+    a thread of its own, which libraries that time themselves with ``signal.alarm`` refuse
+    (math-verify: pass ``parsing_timeout=None``), hence off by default. null = no limit."""
     instruction: str = ""
     """Appended to every jsonl question."""
     system_prompt: str | None = None
@@ -612,6 +618,7 @@ class DataConfig:
         if ":" not in self.reward:
             _choice("data.reward", self.reward, ("auto", *BUILTIN_REWARDS))
         _choice("data.reward_error", self.reward_error, REWARD_ERROR_POLICIES)
+        _optional_positive("data.reward_timeout_s", self.reward_timeout_s)
 
     @property
     def reward_choice(self) -> RewardChoice:

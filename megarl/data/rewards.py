@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 import numbers
 import re
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -394,6 +395,37 @@ def _describe(value: object) -> str:
     return f"a {type(value).__name__}"
 
 
+class RewardTimeout(Exception):
+    """One call of a reward function did not return within ``data.reward_timeout_s``."""
+
+
+def call_bounded(fn: RewardFn, response: str, answer: str, timeout_s: float | None) -> object:
+    """``fn(response, answer)``, in a thread of its own when ``timeout_s`` is set, so that a call
+    that never returns (a stuck network request) is a :class:`RewardTimeout` after that long
+    instead of a hang. Python cannot stop a thread: a timed-out call is left running in a
+    daemon thread, which ends with the process. The caller's thread waits interruptibly, so a
+    stop request (SIGTERM/SIGINT) still stops the run at once."""
+    if timeout_s is None:
+        return fn(response, answer)
+    outcome: dict[str, Any] = {}
+    done = threading.Event()
+
+    def call() -> None:
+        try:
+            outcome["value"] = fn(response, answer)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller as it is
+            outcome["error"] = exc
+        finally:
+            done.set()
+
+    threading.Thread(target=call, name="megarl-reward", daemon=True).start()
+    if not done.wait(timeout_s):
+        raise RewardTimeout(f"did not return within data.reward_timeout_s={timeout_s:g} s")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
 def score_samples(
     choice: RewardChoice,
     responses: Sequence[str],
@@ -401,9 +433,11 @@ def score_samples(
     data_sources: Sequence[str] | None = None,
     policy: str = "raise",
     step: int | None = None,
+    timeout_s: float | None = None,
 ) -> ScoredSamples:
     """Score each sample with its reward (``choice``, by the sample's ``data_source``) and
-    check each value (see :func:`reward_value`).
+    check each value (see :func:`reward_value`). A user's function (not a built-in) that
+    takes longer than ``timeout_s`` for one sample has failed on it (:func:`call_bounded`).
 
     Messages name ``data.reward`` as the user set it. Under ``policy="raise"`` the first
     failure raises :class:`RewardFunctionError`; under ``"zero"`` it scores 0.0 and is
@@ -421,10 +455,13 @@ def score_samples(
         zip(responses, answers, sources, strict=True)
     ):
         reward = choice.for_source(source)
+        limit = None if reward.name in BUILTIN_REWARDS else timeout_s
         try:
-            returned = reward.fn(response, answer)
+            returned = call_bounded(reward.fn, response, answer, limit)
         except RunStopped:
             raise
+        except RewardTimeout as exc:
+            problem = str(exc)
         except Exception as exc:  # noqa: BLE001 - the user's code: any failure is reported
             detail = " ".join(str(exc).split())[:200]
             problem = f"raised {type(exc).__name__}{': ' + detail if detail else ''}"

@@ -115,6 +115,8 @@ class RolloutSettings:
     system_prompt: str | None = None
     reward_error: str = "raise"
     """``data.reward_error``: ``raise`` | ``zero`` (see :func:`megarl.data.rewards.score_samples`)."""
+    reward_timeout_s: float | None = None
+    """``data.reward_timeout_s``: the limit of one call of a user's reward function."""
     overlong_buffer_len: int | None = None
     """DAPO's overlong shaping: the buffer in tokens, None = off."""
     overlong_penalty_factor: float = 1.0
@@ -443,7 +445,13 @@ class RolloutProducer:
     ) -> tuple[tuple[float, ...], int]:
         """:meth:`score`, and how many samples failed."""
         scored = score_samples(
-            self.reward, texts, answers, data_sources, self.settings.reward_error, step
+            self.reward,
+            texts,
+            answers,
+            data_sources,
+            self.settings.reward_error,
+            step,
+            self.settings.reward_timeout_s,
         )
         if scored.first_failure and not self._warned_reward_failure:
             self._warned_reward_failure = True

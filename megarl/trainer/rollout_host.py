@@ -85,6 +85,7 @@ class RolloutHost:
             adv_estimator=cfg.algo.estimator,
             system_prompt=cfg.data.system_prompt,
             reward_error=cfg.data.reward_error,
+            reward_timeout_s=cfg.data.reward_timeout_s,
             overlong_buffer_len=cfg.overlong_buffer_len,
             overlong_penalty_factor=cfg.reward.overlong_buffer.penalty_factor,
             filter_groups=cfg.algo.filter_groups.enable,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
+import time
 
 import pytest
 
@@ -258,6 +260,46 @@ def test_a_stop_request_during_a_reward_function_stops_the_run(policy, sig) -> N
         score_samples(_fixed(slow), ["a", "b"], ["1", "1"], None, policy)
     assert calls == ["a"]  # the second sample was never scored
     assert stopped.value.exit_code == 128 + sig
+
+
+@pytest.mark.parametrize("policy", ["raise", "zero"])
+def test_a_reward_call_that_never_returns_is_a_failure_after_the_timeout(policy) -> None:
+    """A stuck call (a network request that never answers) is the function's failure after
+    ``data.reward_timeout_s``: one line under ``raise``, scored 0 and counted under ``zero``."""
+    release = threading.Event()
+
+    def stuck(response: str, answer: str) -> float:
+        if response == "stuck":
+            release.wait(30)
+        return 1.0
+
+    started = time.perf_counter()
+    try:
+        if policy == "raise":
+            with pytest.raises(RewardFunctionError) as info:
+                score_samples(_fixed(stuck), ["ok", "stuck"], ["1", "1"], None, policy, 2, 0.2)
+            assert "sample 1 (step 2) did not return within data.reward_timeout_s=0.2 s" in str(
+                info.value
+            )
+        else:
+            scored = score_samples(
+                _fixed(stuck), ["ok", "stuck", "ok"], ["1"] * 3, None, policy, 2, 0.2
+            )
+            assert scored.rewards == (1.0, 0.0, 1.0) and scored.failures == 1
+    finally:
+        release.set()
+    assert time.perf_counter() - started < 5
+
+
+def test_the_timeout_leaves_built_in_rewards_and_fast_functions_as_they_were() -> None:
+    gsm8k = score_samples(
+        choose_reward("gsm8k", "files"), ["#### 7"], ["7"], None, "raise", 1, 1e-9
+    )
+    assert gsm8k.rewards == (1.0,)  # a built-in is never put in a thread nor timed
+    fast = score_samples(_fixed(lambda r, a: 0.5), ["a"], ["1"], None, "raise", 1, 5.0)
+    assert fast.rewards == (0.5,)
+    with pytest.raises(RewardFunctionError, match="raised ZeroDivisionError"):
+        score_samples(_fixed(_raises), ["ok", "bad"], ["1", "1"], None, "raise", 1, 5.0)
 
 
 def test_a_reward_function_that_cannot_take_response_and_answer_is_refused_on_import(
