@@ -9,6 +9,7 @@ schedules and DDP.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -47,6 +48,8 @@ class TrainStepResult:
     train_logprobs: dict[int, torch.Tensor]
     """With ``capture_logprobs``: the detached training-forward logprobs of the trained
     sequences (the run checks them against the engine's); empty otherwise."""
+    weights_finite: bool = True
+    """Every rank's weights are finite after the step (checked over the world)."""
 
 
 @dataclass(frozen=True)
@@ -330,7 +333,19 @@ class MegatronActor:
             stats = self._run_schedule(mbs, loss_fn, forward_only=False, router_coeffs=coeffs)
         self._finalize_grads()
         grad_norm = self.optimizer.step()
-        return _step_result(stats, float(grad_norm))
+        result = _step_result(stats, float(grad_norm))
+        return dataclasses.replace(result, weights_finite=self._weights_finite())
+
+    def _weights_finite(self) -> bool:
+        """Whether every trainable weight of every rank is finite (one MIN all-reduce): an
+        update must never reach the engine or a checkpoint with inf or NaN in it."""
+        local = all(
+            bool(torch.isfinite(p).all()) for p in self.model.parameters() if p.requires_grad
+        )
+        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        flag = torch.tensor([1.0 if local else 0.0], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item() > 0)
 
     def router_loss_coeffs(
         self, mbs: Sequence[MicroBatchTensors], planned: Sequence[MicroBatch]

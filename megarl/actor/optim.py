@@ -36,10 +36,14 @@ class CpuAdamW:
             p.grad = None
 
     def step(self) -> float:
-        """Apply one update (also for a ghost step with all-zero gradients); returns the grad norm."""
+        """Apply one update (also for a ghost step with all-zero gradients); returns the grad
+        norm. A non-finite norm (the same on every rank) applies nothing: the caller decides
+        (:mod:`megarl.algo.divergence`)."""
         for p in self.params:
             p.grad = p.main_grad.to(p.dtype)
         norm = global_grad_norm(self.params)
+        if not math.isfinite(norm):
+            return norm
         clip = self.cfg.optim.grad_clip
         if clip > 0 and norm > clip:
             scale = clip / (norm + 1e-6)

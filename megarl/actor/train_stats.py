@@ -13,6 +13,7 @@ mini-batches and epochs, while the gradient norm was averaged: the two disagreed
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import astuple, dataclass, field, fields
 
@@ -73,6 +74,9 @@ class UpdateStats:
     routing_mismatch: Mapping[str, float] = field(default_factory=dict)
     """Mixture-of-experts models: ``rollout/moe_routing_mismatch*``, the engine's and the
     trainer's experts for the same tokens (empty when nothing was compared)."""
+    skipped_nonfinite_updates: int = 0
+    """Optimizer steps whose gradient norm was not finite, skipped
+    (``trainer.skip_nonfinite_updates``); the statistics above are of the applied ones."""
 
     def metrics(self) -> dict[str, float]:
         """verl's metric names."""
@@ -86,6 +90,7 @@ class UpdateStats:
             "actor/grad_norm": self.grad_norm,
             "actor/num_optimizer_steps": self.num_optimizer_steps,
             "rollout/logprob_abs_diff": self.logprob_abs_diff,
+            "actor/skipped_nonfinite_updates": float(self.skipped_nonfinite_updates),
             **self.rollout_corr,
             **self.routing_mismatch,
         }
@@ -109,6 +114,9 @@ def summarise_update(
     if len(global_steps) != len(grad_norms):
         raise ValueError(f"{len(global_steps)} optimizer steps but {len(grad_norms)} grad norms")
     n = len(global_steps)
+    applied = [i for i, norm in enumerate(grad_norms) if math.isfinite(norm)]
+    global_steps = [global_steps[i] for i in applied]  # a skipped update reports nothing
+    grad_norms = [grad_norms[i] for i in applied]
     with_tokens = [s for s in global_steps if s.num_tokens > 0]
     return UpdateStats(
         pg_loss=_mean([s.pg_loss for s in global_steps]),
@@ -124,6 +132,7 @@ def summarise_update(
         pg_clipfrac_lower=_mean([s.clipfrac_lower_sum / s.num_tokens for s in with_tokens]),
         rollout_corr=dict(rollout_corr or {}),
         routing_mismatch=dict(routing_mismatch or {}),
+        skipped_nonfinite_updates=n - len(applied),
     )
 
 

@@ -108,6 +108,10 @@ def _optional_positive(key: str, value: object) -> None:
 class TrainerConfig:
     total_steps: int = 20
     """Number of GRPO steps (one rollout batch each)."""
+    skip_nonfinite_updates: bool = False
+    """A non-finite gradient norm (:mod:`megarl.algo.divergence`): false stops the run with one
+    line naming the step and the likely setting | true skips that update, counts it in
+    ``actor/skipped_nonfinite_updates`` and trains on from the unchanged weights."""
     seed: int = 1234
     """Seeds data order, sampling (its own stream per step) and initialisation."""
     run_dir: str = "runs/default"

@@ -174,6 +174,10 @@ class Generation:
             )
 
 
+class NonFiniteLogitsError(RuntimeError):
+    """The model gave inf or NaN logits: no token can be drawn (its weights diverged)."""
+
+
 @dataclass(frozen=True)
 class EngineMemoryState:
     """What survived the last sleep, so the trainer knows what it must resend."""

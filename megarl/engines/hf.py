@@ -56,6 +56,7 @@ from megarl.algo.routing_mismatch import expert_id_dtype
 from megarl.engines.base import (
     EngineMemoryState,
     Generation,
+    NonFiniteLogitsError,
     Request,
     RolloutEngine,
     SamplingParams,
@@ -174,6 +175,9 @@ def sample_next_tokens(
     ``uniform_B`` holds each row's own U[0, 1) draw (float64; None exactly when greedy), so a
     row's token depends on its logits and its uniform, never on the other rows."""
     logits_BV = logits_BV.float()
+    if not bool(torch.isfinite(logits_BV).all()):
+        bad = int((~torch.isfinite(logits_BV)).any(dim=-1).sum())
+        raise NonFiniteLogitsError(f"the model's next-token logits are not finite in {bad} rows")
     if params.greedy:
         logprobs_BV = torch.log_softmax(logits_BV, dim=-1)
         token_B = logits_BV.argmax(dim=-1)

@@ -18,6 +18,13 @@ import torch
 
 from megarl.actor.megatron_actor import LossSettings, reduce_max_to_all, reduce_sums_to_all
 from megarl.actor.train_stats import OptimizerStepStats, UpdateStats, summarise_update
+from megarl.algo.divergence import (
+    DivergenceError,
+    DivergenceHints,
+    is_nonfinite,
+    nonfinite_grad_message,
+    nonfinite_weights_message,
+)
 from megarl.algo.rollout_correction import MismatchStats, mismatch_stats_of_sequences
 from megarl.algo.router_replay import replay_plan
 from megarl.algo.routing_mismatch import RoutingMismatch
@@ -60,6 +67,7 @@ def update_actor(
     timer: PhaseTimer,
     token_advantages: dict[int, torch.Tensor] | None = None,
     stale: frozenset[int] = frozenset(),
+    step: int = 0,
 ) -> UpdateStats:
     """Every optimizer step of the plan on this rank's micro-batches; the step's statistics,
     each the mean over optimizer steps. ``token_advantages``: a critic's, per token;
@@ -98,6 +106,7 @@ def update_actor(
                     capture_logprobs=index == 0,
                     token_advantages=token_advantages,
                 )
+            check_update(rt.cfg, step, index, result)
             per_step.append(result.stats if rt.actor.is_last_stage else OptimizerStepStats())
             grad_norms.append(result.grad_norm)
             if index == 0 and rt.actor.is_last_stage:
@@ -114,6 +123,18 @@ def update_actor(
                 stage_routing = moe_routing.compare_with_engine(rt.actor, batch, routing)
         rt.progress("update_actor", num_steps, num_steps, "optimizer steps")
     return _reduce_update_stats(rt, per_step, grad_norms, lp_diff, mismatch, stage_routing)
+
+
+def check_update(cfg: RunConfig, step: int, index: int, result) -> None:
+    """Divergence is named where it happens (:mod:`megarl.algo.divergence`): weights that an
+    update left non-finite stop the run; so does a non-finite gradient norm (its update was not
+    applied) unless ``trainer.skip_nonfinite_updates`` lets training go on. Every rank sees the
+    same norm and the same world-wide weight check, so all stop together."""
+    hints = DivergenceHints(cfg.actor.lr, cfg.actor.optim.grad_clip)
+    if not result.weights_finite:
+        raise DivergenceError(nonfinite_weights_message(step, index, hints))
+    if is_nonfinite(result.grad_norm) and not cfg.trainer.skip_nonfinite_updates:
+        raise DivergenceError(nonfinite_grad_message(step, index, result.grad_norm, hints))
 
 
 def _reduce_update_stats(

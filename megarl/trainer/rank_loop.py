@@ -378,7 +378,7 @@ def _train_step(rt: Runtime, step: int) -> None:
         token_advantages = targets.advantages
     with rt.routers.watch() if rt.routers is not None else contextlib.nullcontext():
         stale = frozenset(facts.stale_sequences)
-        stats = update_actor(rt, batch, plan, logprobs, timer, token_advantages, stale)
+        stats = update_actor(rt, batch, plan, logprobs, timer, token_advantages, stale, step)
     if rt.routers is not None:
         replicas = rt.cfg.actor.tp // rt.actor.sequence_split
         metrics.update(moe_routing.router_statistics(rt.routers, rt.spec.num_layers, replicas))

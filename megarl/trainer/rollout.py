@@ -28,16 +28,27 @@ import torch
 
 from megarl.algo.advantages import get_advantage_estimator
 from megarl.algo.dapo import FilterDecision, groups_with_signal, overlong_penalty
+from megarl.algo.divergence import DivergenceError, nonfinite_sampling_message
 from megarl.algo.router_replay import input_routing
 from megarl.batch import RolloutBatch
 from megarl.data.loader import PromptStream
 from megarl.data.problems import Problem
 from megarl.data.rewards import RewardChoice, score_samples
-from megarl.engines.base import Generation, Request, RolloutEngine, SamplingParams, request_seed
+from megarl.engines.base import (
+    Generation,
+    NonFiniteLogitsError,
+    Request,
+    RolloutEngine,
+    SamplingParams,
+    request_seed,
+)
 from megarl.errors import MegarlError
 from megarl.planner.batch_planner import CRITIC_ESTIMATORS
 from megarl.trainer.agent_rollout import AgentRollout, GeneratedBatch, join_agent_metrics
 from megarl.trainer.progress import PhaseHook, no_progress
+
+NONFINITE_SAMPLING = "probability tensor contains"
+"""What torch's sampler says when the distribution it is given is not finite."""
 
 
 def sampling_seed(run_seed: int, step: int, gen_batch: int = 0) -> int:
@@ -320,13 +331,19 @@ class RolloutProducer:
         (overlong shaping included); adds its time to ``seconds``."""
         t_start = time.perf_counter()
         prompts = self.draw(step, gen_batch)
-        generated = self.generate(
-            prompts.problems,
-            prompts.prompt_ids,
-            self.settings.group_size,
-            prompts.seed,
-            self.sampling_params(),
-        )
+        try:
+            generated = self.generate(
+                prompts.problems,
+                prompts.prompt_ids,
+                self.settings.group_size,
+                prompts.seed,
+                self.sampling_params(),
+            )
+        except RuntimeError as exc:  # inf/NaN logits (the HF engine's check, torch's sampler)
+            if not isinstance(exc, NonFiniteLogitsError) and NONFINITE_SAMPLING not in str(exc):
+                raise
+            detail = " ".join(str(exc).split())[:120]
+            raise DivergenceError(nonfinite_sampling_message(step, version, detail)) from exc
         gens = generated.gens
         t_generated = time.perf_counter()
         versions = [[version] * len(g.response_ids) for g in gens]
