@@ -339,11 +339,10 @@ class MegatronActor:
     def _weights_finite(self) -> bool:
         """Whether every trainable weight of every rank is finite (one MIN all-reduce): an
         update must never reach the engine or a checkpoint with inf or NaN in it."""
-        local = all(
-            bool(torch.isfinite(p).all()) for p in self.model.parameters() if p.requires_grad
-        )
         device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-        flag = torch.tensor([1.0 if local else 0.0], device=device)
+        checks = [torch.isfinite(p).all() for p in self.model.parameters() if p.requires_grad]
+        local = torch.stack(checks).all() if checks else torch.tensor(True)
+        flag = local.to(device=device, dtype=torch.float32).reshape(1)  # one sync, not per weight
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         return bool(flag.item() > 0)
 

@@ -75,3 +75,31 @@ def test_a_learning_rate_that_diverges_is_named(tmp_path, lr, message):
     with pytest.raises(DivergenceError) as stopped:
         run(tiny_overrides(tmp_path / "run", 3, **{"actor.lr": lr}))
     assert str(stopped.value).startswith(message) and "actor.lr" in str(stopped.value)
+
+
+def test_weights_an_update_left_nonfinite_never_reach_the_engine(tmp_path, monkeypatch):
+    """An update that writes inf into a weight with a finite gradient norm (what Megatron's GPU
+    optimizer would do with a NaN it applies before megarl sees the norm): the check after the
+    step stops the run, even with skipping on, before the weights are sent or saved."""
+    from megarl.actor.optim import CpuAdamW
+
+    original = CpuAdamW.step
+    calls = {"n": 0}
+
+    def poisoning(self) -> float:
+        norm = original(self)
+        calls["n"] += 1
+        if calls["n"] == 2:
+            with torch.no_grad():
+                self.params[0].view(-1)[0] = math.inf
+        return norm
+
+    monkeypatch.setattr(CpuAdamW, "step", poisoning)
+    run_dir = tmp_path / "run"
+    settings = {"trainer.save_interval": 1, "trainer.skip_nonfinite_updates": "true"}
+    with pytest.raises(DivergenceError) as stopped:
+        run(tiny_overrides(run_dir, 3, **settings))
+    assert str(stopped.value).startswith(
+        "training diverged at step 2: the weights after optimizer step 1 of the step are not finite"
+    )
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_000001"]
