@@ -127,3 +127,22 @@ def test_a_user_loop_on_vllm_matches_the_trainer_on_every_generated_token(tmp_pa
         assert row["agent/num_turns/mean"] == 2.0 and row["agent/observation_tokens/mean"] == 8.0
         records = _records(gens, row["step"])
         assert all([t["trained"] for t in r["turns"]] == [True, False, True] for r in records)
+
+
+def test_a_row_naming_a_loop_that_does_not_exist_is_named_by_file_and_row(tmp_path):
+    data = tmp_path / "train.jsonl"
+    rows = [
+        {"prompt": "What is 1 + 1?", "reward_model": {"ground_truth": "2"}},
+        {
+            "prompt": "What is 2 + 2?",
+            "reward_model": {"ground_truth": "4"},
+            "agent_name": "agent_loops:Nope",
+        },
+    ]
+    data.write_text("\n".join(json.dumps(row) for row in rows) + "\n")
+    run_dir = tmp_path / "run"
+    with pytest.raises(StartupError) as refused:
+        run(tiny_overrides(run_dir, 1, **{"data.train_files": str(data)}))
+    assert str(refused.value).startswith(f"{data}:2: ")
+    assert "agent_name='agent_loops:Nope': module 'agent_loops' has no 'Nope'" in str(refused.value)
+    assert not run_dir.exists() or not any(run_dir.iterdir())
