@@ -44,6 +44,8 @@ if TYPE_CHECKING:
     from megarl.agent.driver import AgentContext
 
 LOOP_KEY = "rollout.agent.loop"
+SINGLE_TURN_NAMES = ("single_turn", "single_turn_agent")
+"""The plain rollout's names (megarl's and verl's ``agent_name``): no trajectory is built."""
 
 
 class AgentLoopError(BadInputError, ValueError):

@@ -16,7 +16,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, ClassVar, cast
 
-from megarl.agent.loop import AgentSettings
+from megarl.agent.loop import SINGLE_TURN_NAMES, AgentSettings
 from megarl.algo.advantages import (
     ADVANTAGE_ESTIMATOR_NAMES,
     GROUP_ESTIMATORS,
@@ -539,7 +539,7 @@ class RolloutConfig:
     @property
     def multi_turn(self) -> bool:
         """``rollout.agent.loop`` is not the single-turn one (trajectories with observations)."""
-        return self.agent.loop not in ("single_turn", "single_turn_agent")
+        return self.agent.loop not in SINGLE_TURN_NAMES
 
 
 @dataclass(frozen=True)

@@ -39,3 +39,11 @@ class Problem:
     def chat(self) -> tuple[tuple[str, str], ...]:
         """The messages the chat template is applied to."""
         return self.messages or (("user", self.prompt),)
+
+    def chat_messages(self, system_prompt: str | None = None) -> list[dict[str, str]]:
+        """:attr:`chat` as ``{role, content}`` messages, ``system_prompt`` (``data.system_prompt``)
+        first unless the dataset's messages bring their own system message."""
+        messages = [{"role": role, "content": content} for role, content in self.chat]
+        if system_prompt is not None and messages[0]["role"] != "system":
+            messages.insert(0, {"role": "system", "content": system_prompt})
+        return messages

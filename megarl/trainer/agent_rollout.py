@@ -21,12 +21,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megarl.agent.driver import run_agent_loops
-from megarl.agent.loop import AgentSettings, LoopChooser, Sample
+from megarl.agent.loop import SINGLE_TURN_NAMES, AgentSettings, LoopChooser, Sample
 from megarl.agent.trajectory import Trajectory
 from megarl.data.problems import Problem
 from megarl.engines.base import Generation, RolloutEngine, SamplingParams, request_seed
-
-SINGLE_TURN_NAMES = ("single_turn", "single_turn_agent")
 
 
 def needs_agent_loops(loop: str, problems: Sequence[Problem]) -> bool:
@@ -35,15 +33,6 @@ def needs_agent_loops(loop: str, problems: Sequence[Problem]) -> bool:
     if loop not in SINGLE_TURN_NAMES:
         return True
     return any(p.agent_name and p.agent_name not in SINGLE_TURN_NAMES for p in problems)
-
-
-def problem_messages(problem: Problem, system_prompt: str | None) -> list[dict[str, str]]:
-    """The prompt's chat messages, ``data.system_prompt`` first unless the row brings one (as
-    :func:`megarl.trainer.rollout.encode_prompt` puts it)."""
-    messages = [{"role": role, "content": content} for role, content in problem.chat]
-    if system_prompt is not None and messages[0]["role"] != "system":
-        messages.insert(0, {"role": "system", "content": system_prompt})
-    return messages
 
 
 def problem_row(problem: Problem, messages: Sequence[Mapping[str, str]]) -> dict[str, Any]:
@@ -105,7 +94,7 @@ class AgentRollout:
 
     def prompt_ids(self, problem: Problem) -> list[int]:
         """The prompt ids the problem's loop expects (the tool loop describes its tools)."""
-        messages = problem_messages(problem, self.system_prompt)
+        messages = problem.chat_messages(self.system_prompt)
         sample = Sample(0, (0,), problem_row(problem, messages), messages=tuple(messages))
         return self.chooser(sample).prompt_ids(messages)
 
@@ -141,7 +130,7 @@ class AgentRollout:
         rollout's requests carry their own), in sample order."""
         samples = []
         for index, (problem, ids, seed) in enumerate(zip(problems, prompt_ids, seeds, strict=True)):
-            messages = problem_messages(problem, self.system_prompt)
+            messages = problem.chat_messages(self.system_prompt)
             row = problem_row(problem, messages)
             samples.append(Sample(index, tuple(ids), row, seed, tuple(messages)))
         result = run_agent_loops(engine, self.chooser, samples, params, self.tokenizer)

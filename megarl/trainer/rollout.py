@@ -64,9 +64,7 @@ def encode_prompt(tokenizer, problem: Problem, system_prompt: str | None) -> lis
     tokenizer's chat template when it has one (start-up uses the same function to check that
     prompts fit the context). ``data.system_prompt`` is put first unless the dataset's
     messages bring their own system message."""
-    messages = [{"role": role, "content": content} for role, content in problem.chat]
-    if system_prompt is not None and messages[0]["role"] != "system":
-        messages.insert(0, {"role": "system", "content": system_prompt})
+    messages = problem.chat_messages(system_prompt)
     if getattr(tokenizer, "chat_template", None):
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     else:
