@@ -47,6 +47,10 @@ Choices, and why:
 * **Sleep** (CUDA only; vLLM's CPU build refuses it). Level 1 offloads weights and drops the
   KV cache; level 2 drops weights too. After level 2 the base weights count as resident again
   only once every HF tensor of the checkpoint was resent.
+* **A dying engine core** (the out-of-memory killer, a native crash) fails the call waiting on
+  it at once with one line naming the process, its pid and signal, and what the engine was
+  doing (:mod:`megarl.engines.vllm_liveness`); vLLM's own client would leave that call waiting
+  forever.
 * **Checksums.** Asked for on a sync, the workers checksum every parameter as its layer is
   loaded (before the CPU repack, after which the plain weights no longer exist), split fused
   parameters back into HF names, and :meth:`weight_checksums` returns them.
@@ -77,6 +81,7 @@ from megarl.engines.base import (
     token_seed,
 )
 from megarl.engines.tensor_transport import SharedTensorFile, tensor_nbytes
+from megarl.engines.vllm_liveness import EngineCoreWatch
 from megarl.errors import MegarlError
 
 if TYPE_CHECKING:
@@ -357,10 +362,12 @@ class VLLMEngine(RolloutEngine):
             raise EngineStartupError(
                 f"vLLM could not start on {model}: {reason} (vLLM's log above has the details)"
             ) from error
+        self._liveness = EngineCoreWatch(self._llm)
         self._eos_token_ids = (
             merge_token_ids(eos_token_ids) if eos_token_ids else self._default_eos_ids()
         )
-        facts = self._llm.collective_rpc("megarl_model_facts")[0]
+        with self._liveness.named("start-up"):
+            facts = self._llm.collective_rpc("megarl_model_facts")[0]
         self._tied_embeddings = bool(facts["tied_embeddings"])
         self._batcher = FusedGroupBatcher(facts["packed_modules_mapping"], weight_bucket_bytes)
         self.weight_bucket_bytes = weight_bucket_bytes
@@ -418,14 +425,15 @@ class VLLMEngine(RolloutEngine):
         self._check_logprob_mode(params)
         if not requests:
             return []
-        if interrupt is not None:
-            return self._generate_interruptibly(requests, params, interrupt)
-        outputs = self._llm.generate(
-            [{"prompt_token_ids": list(request.context_ids)} for request in requests],
-            [self._vllm_sampling_params(params, request) for request in requests],
-            use_tqdm=False,
-            lora_request=self._lora_request,
-        )
+        with self._liveness.named(f"generation of {len(requests)} requests"):
+            if interrupt is not None:
+                return self._generate_interruptibly(requests, params, interrupt)
+            outputs = self._llm.generate(
+                [{"prompt_token_ids": list(request.context_ids)} for request in requests],
+                [self._vllm_sampling_params(params, request) for request in requests],
+                use_tqdm=False,
+                lora_request=self._lora_request,
+            )
         return [
             self._to_generation(request.prompt_ids, out)
             for request, out in zip(requests, outputs, strict=True)
@@ -543,14 +551,16 @@ class VLLMEngine(RolloutEngine):
         for bucket in self._batcher.buckets(self._checked(named_tensors)):
             records = [r.to_wire() for r in self._shared.write(bucket)]
             dtype = str(bucket[0][1].dtype).removeprefix("torch.") if record_checksums else None
-            results = self._llm.collective_rpc(
-                "megarl_reload", args=(self._shared.path, records, dtype, self._load_method)
-            )
+            with self._liveness.named("a weight update"):
+                results = self._llm.collective_rpc(
+                    "megarl_reload", args=(self._shared.path, records, dtype, self._load_method)
+                )
             if record_checksums:
                 self._checksums.update({n: tuple(c) for n, c in results[0].items()})
             self._sleep.mark_reloaded(name for name, _ in bucket)
             num_applied += len(bucket)
-        self._llm.reset_prefix_cache()
+        with self._liveness.named("a weight update"):
+            self._llm.reset_prefix_cache()
         return num_applied
 
     def _checked(
@@ -595,8 +605,9 @@ class VLLMEngine(RolloutEngine):
         request = LoRARequest(
             lora_name=f"megarl-{lora_id}", lora_int_id=lora_id, lora_path=str(folder)
         )
-        self._forget_lora()
-        self._llm.llm_engine.add_lora(request)
+        with self._liveness.named("an adapter load"):
+            self._forget_lora()
+            self._llm.llm_engine.add_lora(request)
         self._lora_request = request
 
     def _forget_lora(self) -> None:
@@ -635,6 +646,7 @@ class VLLMEngine(RolloutEngine):
 
     def close(self) -> None:
         """Stop vLLM's processes and delete the shared weight file and adapter folders."""
+        self._liveness.stop()
         self._shared.close()
         shutil.rmtree(self._lora_root, ignore_errors=True)
         engine_core = getattr(getattr(self._llm, "llm_engine", None), "engine_core", None)

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import signal
 import threading
+import time
 from collections.abc import Sequence
 
 import pytest
@@ -405,3 +408,60 @@ def test_a_model_vllm_cannot_serve_is_one_line(tmp_path):
         )
     message = str(error.value)
     assert "\n" not in message and str(folder) in message
+
+
+# --- a dying engine core (last: it kills the module's engine) -------------------------------
+
+
+class KillEngineCoreAtPoll(InterruptAtPoll):
+    """Never interrupts; at its ``at``-th poll it SIGKILLs vLLM's engine-core process, as the
+    out-of-memory killer would, so the next ``step()`` waits for output that never comes."""
+
+    def __init__(self, at: int, pid: int) -> None:
+        super().__init__(at)
+        self.pid = pid
+
+    def is_set(self) -> bool:
+        self.polls += 1
+        if self.polls == self.at:
+            os.kill(self.pid, signal.SIGKILL)
+        return False
+
+
+def call_within(seconds: float, fn, *args) -> BaseException | None:
+    """What ``fn(*args)`` raised, run in a thread; fails the test if it is still blocked after
+    ``seconds`` (the hang this guards against would otherwise hang the suite)."""
+    raised: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            fn(*args)
+        except BaseException as error:  # noqa: BLE001 - handed to the test
+            raised.append(error)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"the engine call was still blocked after {seconds} s"
+    return raised[0] if raised else None
+
+
+def test_an_engine_core_killed_mid_generation_fails_the_call_at_once_naming_it(engine, reference):
+    from megarl.engines.vllm_liveness import EngineCoreDied
+
+    core = engine.llm.llm_engine.engine_core.resources.engine_manager.processes[0]
+    killer = KillEngineCoreAtPoll(at=3, pid=core.pid)
+    started = time.monotonic()
+    error = call_within(30, engine.generate_requests, requests(PROMPTS, PARTIAL), PARTIAL, killer)
+    assert isinstance(error, EngineCoreDied), repr(error)
+    message = str(error)
+    assert "\n" not in message
+    assert f"(pid {core.pid}) killed by SIGKILL" in message
+    assert "during generation of 4 requests" in message
+    assert time.monotonic() - started < 10  # no timeout is involved: the death wakes the call
+    # Every later call raises the same line at once: vLLM's own blocking LLM.generate, and a
+    # weight update.
+    later = call_within(10, engine.generate_requests, requests(PROMPTS, GREEDY), GREEDY)
+    assert isinstance(later, EngineCoreDied) and str(later) == message
+    weights = hf_state(reference[1]).items()
+    assert isinstance(call_within(10, engine.update_weights, weights), EngineCoreDied)
