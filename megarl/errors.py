@@ -29,14 +29,16 @@ class BadInputError(MegarlError):
     exit_code = EXIT_BAD_INPUT
 
 
-class RunStopped(MegarlError):
+class RunAborted(MegarlError):
+    """The run is being ended from outside the code that is running: raised wherever the main
+    thread is, user code included (a reward function, a tool). Every place that catches the
+    user's exceptions lets it through, so it is never counted as the user's failure."""
+
+
+class RunStopped(RunAborted):
     """The launcher was sent SIGTERM or SIGINT: the run was stopped on purpose. The exit code is
     the shell's convention for a process ended by that signal, 128 + its number (SIGINT 130,
-    SIGTERM 143).
-
-    Raised by the signal handler wherever the main thread is, user code included (a reward
-    function, a tool): every place that catches the user's exceptions lets this one through,
-    so a stop is never counted as the user's failure."""
+    SIGTERM 143). Raised by the signal handler (:class:`RunAborted`)."""
 
     def __init__(self, signum: int):
         self.signum = signum

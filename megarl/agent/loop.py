@@ -38,7 +38,7 @@ from megarl.agent.tool_calls import ParsedTurn, ToolCall, get_tool_format
 from megarl.agent.tool_config import load_tools
 from megarl.agent.tools.base import Tool, ToolError
 from megarl.agent.trajectory import Trajectory
-from megarl.errors import BadInputError, RunStopped
+from megarl.errors import BadInputError, RunAborted
 
 if TYPE_CHECKING:
     from megarl.agent.driver import AgentContext
@@ -215,6 +215,8 @@ class _ToolStates:
                 continue
             try:
                 await self._tools[name].release(task.result())
+            except RunAborted:
+                raise
             except Exception as exc:  # noqa: BLE001 - a user's release hook; reported, not raised
                 warnings.warn(
                     f"tool {name}: release failed: {type(exc).__name__}: {exc}", stacklevel=1
@@ -351,7 +353,7 @@ class ToolAgentLoop(AgentLoop):
             return _Answer(f"Error: {call.name} timed out after {timeout:g} s", failed=True)
         except ToolError as exc:
             return _Answer(f"Error: {exc}", failed=True)
-        except RunStopped:  # SIGTERM/SIGINT while the tool ran: the run stops, not the tool
+        except RunAborted:  # a stop (SIGTERM/SIGINT) while the tool ran: the run ends, not the tool
             raise
         except Exception as exc:  # noqa: BLE001 - a tool's bug: the model's error, not a crash
             return _Answer(f"Error: {call.name} failed: {type(exc).__name__}: {exc}", failed=True)

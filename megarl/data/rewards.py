@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from megarl.data.numbers import normalize_number, numbers_equal
-from megarl.errors import BadInputError, RunStopped
+from megarl.errors import BadInputError, RunAborted
 
 RewardFn = Callable[[str, str], float]
 
@@ -441,9 +441,9 @@ def score_samples(
 
     Messages name ``data.reward`` as the user set it. Under ``policy="raise"`` the first
     failure raises :class:`RewardFunctionError`; under ``"zero"`` it scores 0.0 and is
-    counted. A stop request (:class:`~megarl.errors.RunStopped`, which SIGTERM/SIGINT raise
+    counted. A stop request or the launcher's watch (:class:`~megarl.errors.RunAborted`, raised
     wherever the main thread is, inside the function too) is never taken for the function's
-    failure: it goes on stopping the run.
+    failure: it goes on ending the run.
     """
     if policy not in REWARD_ERROR_POLICIES:
         raise ValueError(f"reward error policy {policy!r}: must be one of raise, zero")
@@ -458,7 +458,7 @@ def score_samples(
         limit = None if reward.name in BUILTIN_REWARDS else timeout_s
         try:
             returned = call_bounded(reward.fn, response, answer, limit)
-        except RunStopped:
+        except RunAborted:
             raise
         except RewardTimeout as exc:
             problem = str(exc)

@@ -42,8 +42,9 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
+from megarl.distributed import heartbeat
 from megarl.distributed.heartbeat import STALE_GRACE_S, Beat, HeartbeatWatch
-from megarl.errors import MegarlError, RunStopped
+from megarl.errors import MegarlError, RunAborted, RunStopped
 
 POLL_S = 0.2
 CAUSE_GRACE_S = 1.0  # how long a peer's error waits for a killed rank to be seen
@@ -313,7 +314,7 @@ def launch(
     heartbeat and a rank that stops is named.
     """
     if world_size == 1:
-        return [fn(WorkerContext(0, 1, "127.0.0.1", find_free_port()), *args)]
+        return [_run_in_process(fn, args, watch)]
     forked = start_method() == "forkserver"
     if forked:
         ctx = mp.get_context("forkserver")
@@ -342,6 +343,101 @@ def launch(
         _stop(procs)
         if watch is not None:
             watch.reset()
+
+
+# --- a world of one: the rank runs in the launcher's own process ---------------------------
+
+
+class Unresponsive(RunAborted):
+    """Raised in the main thread of a one-process run by its watch: the rank stopped making
+    progress. A :class:`RunAborted`, so no catch of the user's errors (a reward function's,
+    a tool's) takes it for theirs; :func:`launch` turns it into the rank's report."""
+
+    def __init__(self, report: WorkerFailed):
+        super().__init__(str(report))
+        self.report = report
+
+
+class InProcessWatch:
+    """The launcher's watch over a rank that runs in its own process (a world of one).
+
+    Spawned ranks are watched from the launcher's process; a rank in that very process has no
+    outside, so a daemon thread reads the rank's heartbeat with the same rule as for spawned
+    ranks (no progress inside the step loop for the timeout + :data:`STALE_GRACE_S`). When it
+    fires, it interrupts the main thread with SIGINT, whose handler (installed here, in front of
+    the launcher's) raises :class:`Unresponsive` there: a blocking call (a sleep, a socket read,
+    a lock) is interrupted and the run unwinds, closing the engine and releasing the run
+    directory. A main thread that does not unwind within :data:`HARD_EXIT_AFTER_S` (stuck in
+    native code) is ended: the line is printed, the process's children are killed and the
+    process exits with 1 (checkpoints are published by rename, so none is torn).
+    """
+
+    HARD_EXIT_AFTER_S = 15.0
+
+    def __init__(self, watch: HeartbeatWatch, older_than_s: float):
+        self.watch, self.older_than_s = watch, older_than_s
+        self.report: WorkerFailed | None = None
+        self._done = threading.Event()
+        self._previous: Any = None
+
+    def __enter__(self) -> InProcessWatch:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._on_sigint)
+        threading.Thread(target=self._loop, name="megarl-watch", daemon=True).start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._done.set()
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+
+    def _on_sigint(self, signum: int, frame: Any) -> None:
+        if self.report is not None:
+            raise Unresponsive(self.report)
+        if callable(self._previous):
+            self._previous(signum, frame)
+        elif self._previous != signal.SIG_IGN:
+            raise KeyboardInterrupt
+
+    def _loop(self) -> None:
+        pid = os.getpid()
+        while not self._done.wait(WATCH_POLL_S):
+            beat = self.watch.stalest({0: pid}, self.older_than_s, in_steps_only=True)
+            if beat is not None:
+                self._fire(stuck_rank_report(beat, time.time(), 0))
+                return
+
+    def _fire(self, report: WorkerFailed) -> None:
+        self.report = report
+        if self._previous is not None:
+            signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)
+            if self._done.wait(self.HARD_EXIT_AFTER_S):
+                return
+        print(
+            f"megarl-train: error: {report} (its main thread did not respond; the process was "
+            "ended)",
+            file=sys.stderr,
+            flush=True,
+        )
+        for child in mp.active_children():  # the engine's processes
+            child.kill()
+        os._exit(1)
+
+
+def _run_in_process(fn: Callable[..., Any], args: tuple, watch: HeartbeatWatch | None) -> Any:
+    """``fn`` as rank 0 of a world of one, here; with ``watch``, an :class:`InProcessWatch`."""
+    ctx = WorkerContext(0, 1, "127.0.0.1", find_free_port(), watch.folder if watch else None)
+    if watch is None:
+        return fn(ctx, *args)
+    watch.reset()
+    try:
+        with InProcessWatch(watch, watch.timeout_s + STALE_GRACE_S):
+            return fn(ctx, *args)
+    except Unresponsive as stuck:
+        raise stuck.report from None
+    finally:
+        heartbeat.stop()  # the next run in this process (a test session) starts its own
+        watch.reset()
 
 
 def _wait(procs, queue, timeout_s: float | None, watch: HeartbeatWatch | None) -> list[Any]:

@@ -4,6 +4,9 @@ Importable by spawned workers (``data.reward=synthetic_rewards:char_parity``) be
 this folder on ``sys.path`` and spawned processes inherit it.
 """
 
+import os
+import time
+
 
 def char_parity(response: str, answer: str) -> float:
     """1.0 for an even number of characters: mixed, deterministic rewards within a group."""
@@ -24,3 +27,22 @@ def mixed_groups(response: str, answer: str) -> float:
 def always_raises(response: str, answer: str) -> float:
     """A reward function with a bug: every call raises."""
     raise ValueError("this reward function always raises")
+
+
+_calls = 0
+
+
+def hangs_at_step_2(response: str, answer: str) -> float:
+    """:func:`char_parity` for the first 8 samples (step 1 of 2 prompts x 4 samples), then a
+    call that never returns, as a stuck network call would. Writes the time it started hanging
+    to ``MEGARL_FAULT_INJECT_MARK`` (once)."""
+    global _calls
+    _calls += 1
+    if _calls > 8:
+        mark = os.environ.get("MEGARL_FAULT_INJECT_MARK")
+        if mark and not os.path.exists(mark):
+            with open(mark, "w") as handle:
+                handle.write(f"{time.time():.3f}\n")
+        while True:
+            time.sleep(3600)
+    return char_parity(response, answer)

@@ -166,6 +166,38 @@ def test_frozen_rank_is_named_with_its_phase(tmp_path):
     assert detect_s < timeout_s + 15
 
 
+def test_a_one_process_run_whose_reward_never_returns_is_named(tmp_path):
+    """The default layout: one rank, in the launcher's own process, with nothing outside it to
+    notice a hang. A reward function that never returns at step 2 (no data.reward_timeout_s)
+    is named by the launcher's in-process watch with its phase, within the timeout plus a
+    margin; the run unwinds (the run directory's lock is released) and exits 1."""
+    timeout_s, mark = 5, tmp_path / "hung_at"
+    launcher = _start(
+        tmp_path,
+        steps=3,
+        env={"MEGARL_FAULT_INJECT_MARK": str(mark)},
+        **{
+            "trainer.n_gpus_per_node": 1,
+            "actor.tp": 1,
+            "data.reward": "synthetic_rewards:hangs_at_step_2",
+            "trainer.collective_timeout_s": timeout_s,
+        },
+    )
+    try:
+        _, stderr = launcher.communicate(timeout=300)
+        detect_s = time.time() - float(mark.read_text())
+    finally:
+        launcher.kill()
+    assert launcher.returncode == 1, stderr[-3000:]
+    [line] = _errors(stderr)
+    host = socket.gethostname()
+    assert f"actor+rollout rank 0 on node {host} failed: stopped responding" in line, line
+    assert "during rollout of step 2" in line, line
+    assert not (tmp_path / "run" / ".megarl.lock").exists()  # unwound, not ended from outside
+    print(f"reward hung at step 2 -> exit in {detect_s:.1f} s: {line}")
+    assert detect_s < timeout_s + 15
+
+
 # --- the Ray launcher: the same guarantees ------------------------------------------------------
 
 RAY = {"trainer.launcher": "ray"}
