@@ -2,14 +2,18 @@
 
 Pure code: no megatron, torch.distributed, ray or hydra imports. Every check raises
 :class:`ConfigError` with one line that names the key (``actor.tp``) and what is wrong, so the
-CLI can print it and exit 2 before any process or model is started. A key that names a choice
-(an engine, an estimator, a loss aggregation, a gate mode) is validated against the list kept
-by the code that implements the choices, never a copy of it.
+CLI can print it and exit 2 before any process or model is started. Every number-typed key of
+every section must be finite (:func:`_refuse_non_finite`, one rule for all of them). A key that
+names a choice (an engine, an estimator, a loss aggregation, a gate mode) is validated against
+the list kept by the code that implements the choices, never a copy of it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
+import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
@@ -1252,6 +1256,7 @@ def _coerce(cls: type[Any], key: str, value: Any) -> Any:
                     if sub_cls
                     else _convert_leaf(fld, child, value[name])
                 )
+        _refuse_non_finite(cls, key, kwargs)
         try:
             return cls(**kwargs)
         except TypeError as exc:
@@ -1264,6 +1269,46 @@ def _field_class(fld: dataclasses.Field) -> type[Any] | None:
     if default_factory is not dataclasses.MISSING and dataclasses.is_dataclass(default_factory):
         return default_factory
     return None
+
+
+@functools.cache
+def _number_fields(cls: type[Any]) -> tuple[str, ...]:
+    """The fields of section ``cls`` whose type holds numbers: ``float`` or ``int``, alone,
+    optional (``float | None``) or in a tuple (``tuple[float, float]``), read from the type
+    hints, so a key added to any section is covered without a check of its own."""
+    hints = typing.get_type_hints(cls)
+    return tuple(f.name for f in dataclasses.fields(cls) if _holds_numbers(hints[f.name]))
+
+
+def _holds_numbers(hint: object) -> bool:
+    if hint is float or hint is int:
+        return True
+    return any(_holds_numbers(arg) for arg in typing.get_args(hint))
+
+
+def _refuse_non_finite(cls: type[Any], key: str, kwargs: Mapping[str, Any]) -> None:
+    """The schema's one rule for numbers: every setting typed ``float`` (or ``int``, or a tuple
+    or an optional of them), in every section, nested ones included, is a finite number. nan,
+    inf and -inf are refused with one line naming the key (``actor.lr=inf: must be a finite
+    number``), before the section's own range checks run, so nan is never reported as merely
+    out of range and inf never passes a one-sided bound (``> 0``) to reach training.
+
+    No setting takes inf: where a key has a "no limit" meaning it is spelt 0
+    (``actor.optim.grad_clip``, ``algo.filter_groups.max_num_gen_batches``) or null
+    (``data.reward_timeout_s``), never inf. Every user value reaches the sections through :func:`build_run_config`, which
+    applies this to each section as it builds it (the sections built directly in code are not
+    user input)."""
+    prefix = f"{key}." if key else ""
+    for name in _number_fields(cls):
+        value = kwargs.get(name)
+        items = value if isinstance(value, tuple | list) else (value,)
+        if any(isinstance(item, float) and not math.isfinite(item) for item in items):
+            shown, what = (
+                (list(items), "finite numbers")
+                if isinstance(value, tuple | list)
+                else (value, "a finite number")
+            )
+            raise ConfigError(f"{prefix}{name}={shown}: must be {what}")
 
 
 ONE_OR_A_LIST = ("trainer.logger",)

@@ -96,6 +96,7 @@ _VLLM_CASES = (
         (["trainer.resume=/nonexistent/ckpt"], "checkpoint /nonexistent/ckpt: no such directory"),
         (["actor.optim.grad_clip=-1"], "actor.optim.grad_clip=-1.0: must be >= 0 (0 = no clip"),
         (["rollout.temperature=0"], "rollout.temperature=0.0: must be > 0"),
+        (["actor.lr=inf"], "actor.lr=inf: must be a finite number"),
         (["data.reward_error=ignore"], "data.reward_error='ignore': must be one of raise, zero"),
         (
             ["model=tiny_llama", "model.hf_config.max_position_embeddings=48"],

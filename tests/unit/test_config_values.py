@@ -3,9 +3,12 @@ of each range that does make sense is accepted."""
 
 from __future__ import annotations
 
+import dataclasses
+import typing
+
 import pytest
 
-from megarl.config.schema import ConfigError, build_run_config
+from megarl.config.schema import ConfigError, RunConfig, build_run_config
 
 
 @pytest.mark.parametrize(
@@ -125,3 +128,84 @@ def test_loss_scale_factor_defaults_to_max_new_tokens():
     assert build_run_config({"rollout": {"max_new_tokens": 48}}).loss_scale_factor == 48.0
     cfg = build_run_config({"actor": {"loss_scale_factor": 4096}})
     assert cfg.loss_scale_factor == 4096.0
+
+
+def _number_settings(cls: type = RunConfig, prefix: str = "") -> dict[str, object]:
+    """Every setting of the schema whose type holds a number (``float`` or ``int``, alone,
+    optional or in a tuple), by dotted key, with its type: read from the dataclasses, nested
+    sections included, so a key added later is covered by itself."""
+    found: dict[str, object] = {}
+    hints = typing.get_type_hints(cls)
+    for fld in dataclasses.fields(cls):
+        hint, key = hints[fld.name], f"{prefix}{fld.name}"
+        if dataclasses.is_dataclass(hint):
+            found.update(_number_settings(hint, f"{key}."))
+        elif _number_types(hint):
+            found[key] = hint
+    return found
+
+
+def _number_types(hint: object) -> set[object]:
+    """``float`` and / or ``int`` where ``hint`` holds them, at any depth."""
+    if hint in (int, float):
+        return {hint}
+    return set().union(*(_number_types(arg) for arg in typing.get_args(hint)))
+
+
+NUMBER_SETTINGS = _number_settings()
+FLOAT_SETTINGS = sorted(k for k, hint in NUMBER_SETTINGS.items() if float in _number_types(hint))
+INT_SETTINGS = sorted(set(NUMBER_SETTINGS) - set(FLOAT_SETTINGS))
+
+
+def _tree(key: str, value: float) -> dict:
+    """``{"a": {"b": value}}`` for ``a.b``; a tuple setting gets ``value`` in every place."""
+    hint = NUMBER_SETTINGS[key]
+    tuples = [h for h in (hint, *typing.get_args(hint)) if typing.get_origin(h) is tuple]
+    leaf: object = value
+    if tuples:
+        leaf = [value for arg in typing.get_args(tuples[0]) if arg is not Ellipsis]
+    *sections, name = key.split(".")
+    tree: dict = {name: leaf}
+    for section in reversed(sections):
+        tree = {section: tree}
+    return tree
+
+
+def test_the_number_settings_are_found_in_every_section():
+    """The walk reaches nested sections and sections defined outside the schema module."""
+    for key in (
+        "actor.lr",
+        "actor.optim.betas",
+        "critic.optim.eps",
+        "actor.lora.dropout",
+        "rollout.val.top_p",
+        "rollout.agent.tool_timeout_s",
+        "algo.rollout_correction.rollout_rs_threshold",
+        "data.reward_timeout_s",
+        "trainer.collective_timeout_s",
+    ):
+        assert key in FLOAT_SETTINGS, key
+    assert "rollout.max_model_len" in INT_SETTINGS
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")], ids=repr)
+@pytest.mark.parametrize("key", FLOAT_SETTINGS)
+def test_every_float_setting_must_be_finite(key, bad):
+    with pytest.raises(ConfigError) as info:
+        build_run_config(_tree(key, bad))
+    message = str(info.value)
+    assert message.startswith(f"{key}="), message
+    assert message.endswith(("must be a finite number", "must be finite numbers")), message
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")], ids=repr)
+@pytest.mark.parametrize("key", INT_SETTINGS)
+def test_every_integer_setting_refuses_nan_and_inf(key, bad):
+    """Refused by the finiteness rule, or, where the key takes no float, as not an integer."""
+    with pytest.raises(ConfigError) as info:
+        build_run_config(_tree(key, bad))
+    message = str(info.value)
+    assert message.startswith(f"{key}="), message
+    assert message.endswith(("must be a finite number", "expected an integer")), message
+    assert "\n" not in message
