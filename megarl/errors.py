@@ -8,6 +8,8 @@ process it was raised in. Everything else is a bug, reported with its traceback.
 
 from __future__ import annotations
 
+import errno
+import os
 import signal
 
 EXIT_RUNTIME = 1
@@ -44,3 +46,38 @@ class RunStopped(RunAborted):
         self.signum = signum
         self.exit_code = 128 + signum
         super().__init__(f"stopped by {signal.Signals(signum).name}")
+
+
+class StorageError(MegarlError):
+    """A write the run needs failed because of the storage, not the code: no space, a quota, a
+    read-only or failing file system, or the run directory removed under the run (exit 1)."""
+
+
+STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EFBIG})
+"""Errors that are the storage's wherever they come from."""
+STORAGE_ERRNOS_IN_RUN_DIR = frozenset({errno.ENOENT, errno.EACCES, errno.ESTALE})
+"""Errors that are the storage's when they come from a path in the run directory (a folder
+removed, or made unwritable, under a running run); elsewhere they may be anything (a missing
+model file is bad input, not a full disk)."""
+
+
+def storage_error(exc: OSError, run_dir: str, during: str | None) -> StorageError | None:
+    """The one-line :class:`StorageError` for ``exc``, or None when it is not the storage's.
+
+    Writes through an open file (a metrics line, a checkpoint shard) raise without a file name;
+    the line then names the run directory, which is where every such write goes."""
+    path = exc.filename if isinstance(exc.filename, str) else None
+    in_run_dir = path is None or os.path.abspath(path).startswith(os.path.abspath(run_dir))
+    if exc.errno not in STORAGE_ERRNOS and not (
+        exc.errno in STORAGE_ERRNOS_IN_RUN_DIR and in_run_dir
+    ):
+        return None
+    assert exc.errno is not None
+    name = errno.errorcode.get(exc.errno, str(exc.errno))
+    where = path or f"a file in {run_dir}"
+    when = f" during {during}" if during else ""
+    return StorageError(
+        f"cannot write {where}: {exc.strerror or os.strerror(exc.errno)} (errno {name}){when}; "
+        "the checkpoints saved before it are intact: fix the storage (free space), then run "
+        "again with trainer.resume=auto to go on from the newest one"
+    )

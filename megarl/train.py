@@ -524,9 +524,16 @@ def _tracebacks_to_log(cfg) -> Iterator[None]:
 
 
 def _log_traceback(cfg, failed, trace: str) -> None:
+    """Write the traceback to the run's log; where that write fails too (the disk that made
+    the run fail is full), print it on stderr instead and say why, never a second error."""
     path = Path(cfg.trainer.run_dir) / "logs" / f"error-rank{failed.rank}.txt"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(trace, encoding="utf-8")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(trace, encoding="utf-8")
+    except OSError as exc:
+        print(trace, file=sys.stderr, end="" if trace.endswith("\n") else "\n")
+        failed.args = (f"{failed} (traceback above: {path} could not be written: {exc.strerror})",)
+        return
     if cfg.trainer.debug or os.environ.get("HYDRA_FULL_ERROR") == "1":
         print(trace, file=sys.stderr, end="" if trace.endswith("\n") else "\n")
     failed.args = (f"{failed} (traceback: {path})",)

@@ -132,6 +132,14 @@ def mark(phase: str, step: int | None = None) -> None:
         _writer.mark(phase, step)
 
 
+def during() -> str | None:
+    """What this rank's main loop is doing (``save of step 3``), or None without a heartbeat."""
+    writer = _writer
+    if writer is None:
+        return None
+    return Beat(0, "", 0, writer.step, writer.phase, writer.progress_at).during
+
+
 @contextlib.contextmanager
 def published_on_error() -> Iterator[None]:
     """If the block raises, publish the rank's phase at once, before the error leaves the rank.

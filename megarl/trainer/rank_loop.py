@@ -46,6 +46,7 @@ from megarl.config import planning
 from megarl.config.schema import RunConfig
 from megarl.distributed import heartbeat
 from megarl.distributed.launcher import WorkerContext
+from megarl.errors import storage_error
 from megarl.planner.batch_planner import StepPlan, plan_step
 from megarl.planner.gates import ReferenceSource, decide_gates, decide_reference
 from megarl.planner.staleness import staleness_stats, trainer_version
@@ -99,7 +100,13 @@ def run_rank(ctx: WorkerContext, inputs: RunInputs) -> RunResult | None:
     if ctx.heartbeat_dir is not None:  # the launcher names this rank if its loop stops
         heartbeat.start(ctx.heartbeat_dir, ctx.rank)
     with heartbeat.published_on_error():  # an error's line names the phase it came from
-        return _run_rank(ctx, inputs)
+        try:
+            return _run_rank(ctx, inputs)
+        except OSError as exc:  # a full or failing disk is one line, not a bug's traceback
+            failure = storage_error(exc, inputs.cfg.trainer.run_dir, heartbeat.during())
+            if failure is None:
+                raise
+            raise failure from None
 
 
 def _run_rank(ctx: WorkerContext, inputs: RunInputs) -> RunResult | None:
