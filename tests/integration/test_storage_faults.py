@@ -88,7 +88,9 @@ def test_a_disk_that_fills_mid_run_is_one_line_and_the_resume_trains_on(tmp_path
     [line] = [x for x in stderr.splitlines() if x.startswith("megarl-train: error:")]
     assert "No space left on device (errno ENOSPC)" in line, line
     assert str(run_dir) in line, line
-    assert json.loads((run_dir / "checkpoints" / "step_000001" / "megarl_checkpoint.json").read_text())
+    assert json.loads(
+        (run_dir / "checkpoints" / "step_000001" / "megarl_checkpoint.json").read_text()
+    )
     print(f"disk full after step 1 -> {line}")
 
     filler.unlink()  # space is back: the run resumes from its last complete checkpoint
