@@ -10,8 +10,14 @@ forever at the start of that step (after marking the step's first phase), as a d
 stuck device would: the process and its heartbeat thread live on, only the loop stops.
 ``MEGARL_FAULT_RAISE=<rank>:<step>`` makes that rank's main loop raise :class:`InjectedError` at
 the same point, as a bug in the training code would. ``rollout:<step>`` in either of the first two
-names the asynchronous rollout loop (split placement) when it draws that step's prompts. Unset (always, outside tests) each costs one
-dictionary lookup per step.
+names the asynchronous rollout loop (split placement) when it draws that step's prompts.
+
+``MEGARL_FAULT_AT=<rank>:<step>:<phase>:<action>`` acts the first time that rank's main loop
+enters ``phase`` (a heartbeat phase: ``rollout``, ``scatter``, ``update_actor``,
+``update_weights``, ``record_metrics``, ``save``, ...) of that step, so a test can hit any
+phase: ``die`` (exit 137 as above), ``freeze`` (sleep forever as above) or ``kill-engine``
+(SIGKILL the rank's vLLM engine-core processes, as the out-of-memory killer would, and go on).
+Unset (always, outside tests) each costs one dictionary lookup per step or phase.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import time
 ENV = "MEGARL_FAULT_INJECT"
 FREEZE_ENV = "MEGARL_FAULT_FREEZE"
 RAISE_ENV = "MEGARL_FAULT_RAISE"
+AT_ENV = "MEGARL_FAULT_AT"
 MARK_ENV = "MEGARL_FAULT_INJECT_MARK"
 EXIT_CODE = 137
 ROLLOUT = "rollout"
@@ -71,6 +78,51 @@ def maybe_raise(rank: int, step: int) -> None:
     spec = os.environ.get(RAISE_ENV)
     if spec and parse(spec) == (rank, step):
         raise InjectedError(f"fault injection: rank {rank} raises at step {step}")
+
+
+_fired_at = False
+
+
+def at_phase(rank: int, step: int, phase: str) -> None:
+    """Act as ``MEGARL_FAULT_AT`` says if it names this rank, step and phase (once per process)."""
+    global _fired_at
+    spec = os.environ.get(AT_ENV)
+    if not spec or _fired_at:
+        return
+    who, at_step, at, action = spec.split(":")
+    if (int(who), int(at_step), at) != (rank, step, phase):
+        return
+    _fired_at = True
+    _write_mark()
+    print(
+        f"fault injection: rank {rank} {action} in {phase} of step {step}",
+        file=sys.stderr,
+        flush=True,
+    )
+    if action == "die":
+        os._exit(EXIT_CODE)
+    if action == "freeze":
+        while True:
+            time.sleep(3600)
+    if action == "kill-engine":
+        _kill_engine_cores()
+        return
+    raise ValueError(f"{AT_ENV}={spec}: the action must be die, freeze or kill-engine")
+
+
+def _kill_engine_cores() -> None:
+    """SIGKILL this process's vLLM engine-core children (vLLM titles them ``VLLM::EngineCore``)."""
+    import psutil  # vLLM's dependency: any process with a vLLM engine has it
+
+    cores = [
+        child
+        for child in psutil.Process().children(recursive=True)
+        if "EngineCore" in " ".join(child.cmdline()) or "EngineCore" in child.name()
+    ]
+    if not cores:
+        raise RuntimeError("fault injection: kill-engine found no vLLM engine-core process")
+    for core in cores:
+        core.kill()
 
 
 def _write_mark() -> None:

@@ -39,6 +39,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from megarl.distributed import fault_injection
+
 WRITE_INTERVAL_S = 2.0
 STALE_GRACE_S = 10.0
 """Beyond the collective timeout: time for the peers' own timeout errors to arrive first."""
@@ -95,6 +97,7 @@ class _Writer:
         self.phase, self.progress_at = phase, time.time()
         if step is not None:
             self.step = step
+        fault_injection.at_phase(self.rank, self.step, phase)  # tests only; else one lookup
 
     def write(self) -> None:
         beat = Beat(self.rank, self.host, self.pid, self.step, self.phase, self.progress_at)

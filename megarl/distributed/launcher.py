@@ -419,8 +419,7 @@ class InProcessWatch:
             file=sys.stderr,
             flush=True,
         )
-        for child in mp.active_children():  # the engine's processes
-            child.kill()
+        kill_all(descendants(os.getpid()))  # the engine's processes
         os._exit(1)
 
 
@@ -461,7 +460,10 @@ def _wait(procs, queue, timeout_s: float | None, watch: HeartbeatWatch | None) -
 
 
 def _stop(procs) -> None:
-    """Terminate (SIGTERM) the workers still running, join them, SIGKILL any that linger."""
+    """Terminate (SIGTERM) the workers still running, join them, SIGKILL any that linger, then
+    SIGKILL what they had started (a vLLM engine core still starting up would otherwise wait
+    minutes for its dead parent's handshake)."""
+    below = [pid for proc in procs if proc.is_alive() for pid in descendants(proc.pid)]
     for proc in procs:
         if proc.pid is not None and proc.is_alive():
             proc.terminate()
@@ -472,6 +474,35 @@ def _stop(procs) -> None:
         if proc.is_alive():
             proc.kill()
             proc.join(timeout=5)
+    kill_all(below)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below ``pid``, read from ``/proc`` (Linux; none elsewhere)."""
+    children: dict[int, list[int]] = {}
+    with contextlib.suppress(OSError):
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    ppid = int(stat.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue  # ended meanwhile
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        below = children.get(todo.pop(), [])
+        found += below
+        todo += below
+    return found
+
+
+def kill_all(pids: list[int]) -> None:
+    """SIGKILL each of ``pids`` still running."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def _raise_if_stuck(
