@@ -15,6 +15,8 @@ once instead of once per rank per run. With CUDA they are spawned fresh, because
 has touched the CUDA driver must not be forked and an import may touch it. A forked worker takes
 the launcher's environment and standard streams as they are when it starts, like a spawned one
 (the fork server's own are those of its start). ``MEGARL_WORKER_START=spawn`` forces spawning.
+Every one of these processes hides the same known, harmless third-party warnings
+(:mod:`megarl.distributed.quiet`).
 
 Workers die with the launcher: each asks the kernel for SIGKILL when its parent exits
 (``PR_SET_PDEATHSIG``, Linux; the parent is the launcher, or the fork server, which exits when
@@ -42,7 +44,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from megarl.distributed import heartbeat
+from megarl.distributed import heartbeat, quiet
 from megarl.distributed.heartbeat import STALE_GRACE_S, Beat, HeartbeatWatch
 from megarl.errors import MegarlError, RunAborted, RunStopped
 
@@ -53,6 +55,7 @@ WATCH_POLL_S = 1.0  # how often the launcher reads the heartbeats
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 START_METHOD_ENV = "MEGARL_WORKER_START"
 WARM_MODULES: tuple[str, ...] = (
+    quiet.__name__,  # first: the server is a fresh interpreter, without the launcher's filters
     "megarl.trainer.rank_loop",
     "megarl.actor.megatron_actor",
     "megarl.critic.megatron_critic",
@@ -64,9 +67,10 @@ WARM_MODULES: tuple[str, ...] = (
     "megatron.core.transformer.moe.moe_layer",
     "transformers",
 )
-"""What the fork server imports before it forks a worker: the rank loop and the heavy libraries
-its ranks import when they build a model (torch, Megatron-Core, transformers). The rollout
-engines' own (vLLM) are not among them: only the runs that use them import them."""
+"""What the fork server imports before it forks a worker: the known-warning filters
+(:mod:`megarl.distributed.quiet`, before the libraries that warn), the rank loop and the heavy
+libraries its ranks import when they build a model (torch, Megatron-Core, transformers). The
+rollout engines' own (vLLM) are not among them: only the runs that use them import them."""
 
 
 @contextlib.contextmanager
@@ -313,6 +317,7 @@ def launch(
     memory (see :func:`start_method`). With ``watch``, each rank is told where to publish its
     heartbeat and a rank that stops is named.
     """
+    quiet.install()  # here, where a world of one runs; the fork server installs its own
     if world_size == 1:
         return [_run_in_process(fn, args, watch)]
     forked = start_method() == "forkserver"

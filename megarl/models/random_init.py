@@ -34,11 +34,13 @@ def save_random_hf_model(
     out_dir = Path(out_dir)
     if is_saved(hf_config, seed, out_dir):
         return out_dir
+    from megarl.distributed.quiet import hf_progress_bars_off
     from megarl.models.hf_io import load_hf_tokenizer
 
     model = build_random_hf_model(hf_config, seed)
     out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out_dir, safe_serialization=True)
+    with hf_progress_bars_off():  # a tiny model, written in a moment: no "Writing model shards"
+        model.save_pretrained(out_dir, safe_serialization=True)
     load_hf_tokenizer(tokenizer_from).save_pretrained(out_dir)
     (out_dir / INIT_MARKER).write_text(json.dumps(_stamp(hf_config, seed)))
     return out_dir

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import warnings
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, cast
@@ -44,7 +43,7 @@ from megarl.algo.validation import is_validation_step, validates_before_training
 from megarl.batch import RolloutShard
 from megarl.config import planning
 from megarl.config.schema import RunConfig
-from megarl.distributed import heartbeat
+from megarl.distributed import heartbeat, quiet
 from megarl.distributed.launcher import WorkerContext
 from megarl.errors import storage_error
 from megarl.planner.batch_planner import StepPlan, plan_step
@@ -96,7 +95,7 @@ class RunResult:
 
 def run_rank(ctx: WorkerContext, inputs: RunInputs) -> RunResult | None:
     """Entry point of every rank; returns the run's result on rank 0 (None elsewhere)."""
-    _quiet_third_party_warnings()
+    quiet.install(inputs.device)  # before this rank imports Megatron-Core, however started
     if ctx.heartbeat_dir is not None:  # the launcher names this rank if its loop stops
         heartbeat.start(ctx.heartbeat_dir, ctx.rank)
     with heartbeat.published_on_error():  # an error's line names the phase it came from
@@ -144,14 +143,6 @@ def _run_rank(ctx: WorkerContext, inputs: RunInputs) -> RunResult | None:
         parallel.destroy()
         if inputs.device == "cpu":
             exit_cpu_shims()
-
-
-def _quiet_third_party_warnings() -> None:
-    warnings.filterwarnings("ignore", module=r"megatron\..*")
-    warnings.filterwarnings("ignore", message=r".*Apex is not installed.*")
-    warnings.filterwarnings("ignore", category=DeprecationWarning)
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 def _setup(ctx: WorkerContext, inputs: RunInputs) -> Runtime:

@@ -492,9 +492,11 @@ def _build_engine(cfg: RunConfig, tokenizer, device: str, model_dir: str):
     if cfg.rollout.engine == "vllm":
         settings = vllm_settings(cfg, model_dir, device)
         return build_engine("vllm", **settings.engine_kwargs), settings.sleep_level
+    from megarl.distributed.quiet import hf_progress_bars_off
     from megarl.models.hf_io import load_hf_model
 
-    model, _ = load_hf_model(model_dir, device=device)
+    with hf_progress_bars_off():  # the console has its own display; the actor loads without one
+        model, _ = load_hf_model(model_dir, device=device)
     engine = build_engine(cfg.rollout.engine, model=model, tokenizer=tokenizer, device=device)
     return engine, cfg.rollout.sleep_level
 

@@ -24,6 +24,7 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from megarl.distributed import quiet
 from megarl.distributed.fault_injection import ROLLOUT, maybe_die
 from megarl.distributed.ray_launcher import (
     ActorPlacement,
@@ -55,6 +56,7 @@ class RolloutActor:
     ):
         """``cores``: on one CPU machine, the cores this actor has to itself (the ranks have
         the others); None: it shares them, with the thread budget rank 0 would give it."""
+        quiet.install(device)  # a Ray worker is a fresh interpreter, without the driver's filters
         os.environ.update(env)
         sys.path.extend(p for p in sys_path if p not in sys.path)
         if cores is not None:

@@ -127,7 +127,8 @@ def test_an_error_raised_in_a_ray_rank_is_one_line_with_its_phase_and_a_logged_t
 def test_killed_rank_then_resume_auto_completes_the_run(tmp_path):
     """The failure-injection test: rank 1 dies at the start of step 3 (after the step-2
     checkpoint was published), the run stops within the bound naming rank 1; the same command
-    again, without the fault, resumes from step 2 and finishes with every step recorded once."""
+    again, without the fault, resumes from step 2 and finishes with every step recorded once.
+    Neither run prints a third-party warning (see :mod:`megarl.distributed.quiet`)."""
     total, die_at, run_dir = 3, 3, tmp_path / "run"
     mark = tmp_path / "killed_at"
     base_env = {
@@ -179,10 +180,19 @@ def test_killed_rank_then_resume_auto_completes_the_run(tmp_path):
         command, cwd=tmp_path, env=base_env, capture_output=True, text=True, timeout=300
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    # no third-party warning on the console, from the launcher, the fork server or a rank
+    assert _warning_lines(killed.stderr) == _warning_lines(resumed.stderr) == [], resumed.stderr
     said = [line for line in resumed.stdout.splitlines() if "megarl-train: resuming from" in line]
     assert len(said) == 1 and "step_000002 (step 2)" in said[0], resumed.stdout[-3000:]
     assert [r["step"] for r in _metric_rows(run_dir)] == list(range(1, total + 1))
     print(f"rank 1 killed at step {die_at} -> exit in {detect_s:.1f} s: {errors[0]}; {said[0]}")
+
+
+def _warning_lines(stderr: str) -> list[str]:
+    """The lines of a Python warning (``file:line: UserWarning: text`` and its source line)."""
+    return [
+        line for line in stderr.splitlines() if "UserWarning" in line or "warnings.warn(" in line
+    ]
 
 
 def _metric_rows(run_dir: Path) -> list[dict]:
