@@ -6,7 +6,7 @@ from megarl.agent import AgentLoop, Trajectory
 
 
 class TwoTurns(AgentLoop):
-    """The user-loop example of the README: two generated turns around one observation."""
+    """The user-loop example of docs/agents.md: two generated turns around one observation."""
 
     async def run(self, sample, ctx):
         traj = Trajectory(sample.prompt_ids)

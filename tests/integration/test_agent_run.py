@@ -23,7 +23,7 @@ def _records(folder: Path, step: int) -> list[dict]:
 
 
 def test_a_user_loop_trains_on_its_own_tokens_only(tmp_path):
-    """The README's two-turn loop (``agent_loops:TwoTurns``): two generated turns of up to 16
+    """The documented two-turn loop (docs/agents.md) (``agent_loops:TwoTurns``): two generated turns of up to 16
     tokens around an 8-token observation, at DP=2 with pruning on."""
     gens = tmp_path / "gens"
     overrides = {

@@ -195,7 +195,7 @@ def test_a_stuck_rollout_side_fails_the_run_naming_it(tmp_path, monkeypatch):
 
 
 def test_agent_loops_in_fully_async_at_zero_staleness_train_bitwise_like_sync(tmp_path):
-    """The buffer holds whole trajectories (the README's two-turn loop): at staleness 0 the
+    """The buffer holds whole trajectories (the documented two-turn loop, docs/agents.md): at staleness 0 the
     asynchronous rollout side builds the same trajectories, with the same seeds and masks, as
     the synchronous loop, so the training is bitwise the same."""
     loop = {

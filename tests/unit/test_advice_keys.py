@@ -27,6 +27,7 @@ KEY_LIKE = re.compile(rf"(?<![\w./-])(?:{'|'.join(SECTIONS)})(?:\.[A-Za-z_]\w*)+
 NOT_CONFIG_KEYS = frozenset(
     {
         "model.safetensors",
+        "model.gguf",
         "model.safetensors.index.json",
         "model.layers",
         "model.embed_tokens.weight",
@@ -105,3 +106,19 @@ def test_keys_in_reachable_schema_messages_exist(tree):
     known = schema_keys()
     bad = [k for k in unknown_keys(message, known) if k != "actor.tpp"]  # the user's typo
     assert not bad, message
+
+
+DOCS = [PACKAGE.parent / "README.md", *sorted((PACKAGE.parent / "docs").glob("*.md"))]
+
+
+def test_every_key_named_in_the_docs_exists():
+    """The README and every page of docs/ name only keys a user can set (a renamed key must be
+    renamed there too)."""
+    known = schema_keys()
+    found = [
+        f"{path.relative_to(PACKAGE.parent)}:{number}: {key}"
+        for path in DOCS
+        for number, line in enumerate(path.read_text().splitlines(), start=1)
+        for key in unknown_keys(line, known)
+    ]
+    assert not found, "keys that are not in the schema:\n" + "\n".join(found)

@@ -1,5 +1,5 @@
 """Algorithm presets in configs/recipe/: each composes into a valid run whose settings are the
-file's, the command line still wins, and the README names every one."""
+file's, the command line still wins, and docs/algorithms.md names every one."""
 
 from __future__ import annotations
 
@@ -68,8 +68,8 @@ def test_an_unknown_recipe_names_the_ones_there_are():
 
 
 @pytest.mark.parametrize("name", RECIPES)
-def test_readme_names_every_recipe(name):
-    assert f"`recipe={name}`" in (REPO / "README.md").read_text()
+def test_the_docs_name_every_recipe(name):
+    assert f"`recipe={name}`" in (REPO / "docs" / "algorithms.md").read_text()
 
 
 def test_ppo_trains_a_critic_on_gae_advantages_and_never_prunes():
