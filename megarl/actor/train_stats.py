@@ -1,9 +1,9 @@
 """Statistics of the actor update: per optimizer step, then the step's ``actor/*`` metrics.
 
-Pure Python (no torch, no distributed), so the reduction rule is unit-tested on plain numbers.
-The Megatron rank runs :class:`OptimizerStepStats` per optimizer step, sums them over the world
-(one all-reduce of :meth:`OptimizerStepStats.as_row` rows), and :func:`summarise_update` turns
-the global rows into the metrics the step reports.
+Pure Python (no torch code, no distributed), so the reduction rule is unit-tested on plain
+numbers. The Megatron rank runs :class:`OptimizerStepStats` per optimizer step, sums them over
+the world (one all-reduce of their :meth:`~megarl.algo.summable.SummableStats.to_row` rows), and
+:func:`summarise_update` turns the global rows into the metrics the step reports.
 
 Every ``actor/*`` metric is the **mean over optimizer steps** of that step's value, as verl
 reports it: with ``actor.ppo_mini_batches=2, actor.ppo_epochs=2`` the four optimizer steps each
@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import astuple, dataclass, field, fields
+from dataclasses import dataclass, field
+
+from megarl.algo.summable import SummableStats
 
 
 @dataclass(frozen=True)
-class OptimizerStepStats:
+class OptimizerStepStats(SummableStats):
     """One optimizer step on one rank: sums over its micro-batches.
 
     The losses are already divided by the step's global normaliser, so their sum over the
@@ -38,20 +40,6 @@ class OptimizerStepStats:
     """Tokens with a non-zero loss weight (what clip fraction and PPO-KL are averaged over)."""
     clipfrac_lower_sum: float = 0.0
     """Tokens on which vanilla's dual clip (negative advantages) is active."""
-
-    def __add__(self, other: OptimizerStepStats) -> OptimizerStepStats:
-        return OptimizerStepStats(
-            *(a + b for a, b in zip(astuple(self), astuple(other), strict=True))
-        )
-
-    def as_row(self) -> list[float]:
-        return [float(v) for v in astuple(self)]
-
-    @classmethod
-    def from_row(cls, row: Sequence[float]) -> OptimizerStepStats:
-        if len(row) != len(fields(cls)):
-            raise ValueError(f"expected {len(fields(cls))} statistics, got {len(row)}")
-        return cls(*(float(v) for v in row))
 
 
 @dataclass(frozen=True)

@@ -46,12 +46,13 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
-from dataclasses import astuple, dataclass, fields
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from megarl.algo.policy_losses import MAX_LOG_RATIO
+from megarl.algo.summable import SummableStats, maximum
 
 ROLLOUT_IS_LEVELS: tuple[str, ...] = ("token", "sequence")
 """The values of ``algo.rollout_correction.rollout_is`` (null: no IS weights)."""
@@ -181,11 +182,12 @@ def compute_correction(
 
 
 @dataclass(frozen=True)
-class MismatchStats:
+class MismatchStats(SummableStats):
     """Sums (and extremes) over compared tokens and sequences, mergeable across ranks.
 
-    The trainer sums the ``sum_row`` of every rank and takes the maximum of the ``max_row``
-    (minima are stored negated), then :meth:`metrics` forms the ``rollout_corr/*`` values.
+    The trainer sums the :meth:`~megarl.algo.summable.SummableStats.to_row` of every rank and
+    takes the maximum of the ``max_row`` (the :func:`~megarl.algo.summable.maximum` fields;
+    minima are stored negated), then :meth:`metrics` forms the ``rollout_corr/*`` values.
     "IS units" are tokens, or sequences when ``rollout_is=sequence``: what a weight belongs to.
     """
 
@@ -213,26 +215,9 @@ class MismatchStats:
     """Tokens whose raw ratio is below ``rollout_token_veto_threshold`` (0 when it is off)."""
     vetoed_seqs: float = 0.0
     """Sequences with at least one catastrophic token: the veto drops them whole."""
-    is_ratio_max: float = -math.inf
-    is_ratio_neg_min: float = -math.inf
+    is_ratio_max: float = maximum()
+    is_ratio_neg_min: float = maximum()
     """Minus the smallest IS-unit ratio (so both extremes reduce with a maximum)."""
-
-    def sum_row(self) -> list[float]:
-        return [float(v) for v in astuple(self)[:_NUM_SUMS]]
-
-    def max_row(self) -> list[float]:
-        return [float(v) for v in astuple(self)[_NUM_SUMS:]]
-
-    @classmethod
-    def from_rows(cls, sum_row: list[float], max_row: list[float]) -> MismatchStats:
-        if len(sum_row) + len(max_row) != len(fields(cls)) or len(sum_row) != _NUM_SUMS:
-            raise ValueError(f"expected {_NUM_SUMS} sums and {len(fields(cls)) - _NUM_SUMS} maxima")
-        return cls(*sum_row, *max_row)
-
-    def merge(self, other: MismatchStats) -> MismatchStats:
-        sums = [a + b for a, b in zip(self.sum_row(), other.sum_row(), strict=True)]
-        maxima = [max(a, b) for a, b in zip(self.max_row(), other.max_row(), strict=True)]
-        return MismatchStats.from_rows(sums, maxima)
 
     def metrics(self) -> dict[str, float]:
         """verl's ``rollout_corr/*`` names; NaN when no token was compared.
@@ -270,8 +255,6 @@ class MismatchStats:
         return self.ess_weight_sum**2 / (self.is_units * self.ess_weight_sq_sum)
 
 
-_NUM_SUMS = len(fields(MismatchStats)) - 2
-"""Every field but the two extremes, which are last."""
 METRIC_NAMES: tuple[str, ...] = tuple(MismatchStats(num_tokens=1.0).metrics())
 """Every ``rollout_corr/*`` metric, reported every step."""
 

@@ -34,10 +34,12 @@ Pure torch: no distributed, model or engine imports.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import astuple, dataclass
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from megarl.algo.summable import SummableStats
 
 MISMATCH_METRIC = "rollout/moe_routing_mismatch"
 MISMATCH_TOKENS_METRIC = "rollout/moe_routing_mismatch_tokens"
@@ -70,8 +72,9 @@ def expert_ids_from_routing_map(routing_map_TE: Tensor, top_k: int) -> Tensor:
 
 
 @dataclass(frozen=True)
-class RoutingMismatch:
-    """Counts of compared routing, summable across micro-batches and ranks."""
+class RoutingMismatch(SummableStats):
+    """Counts of compared routing, summable across micro-batches and ranks (one
+    :meth:`~megarl.algo.summable.SummableStats.to_row` per rank)."""
 
     pairs: float = 0.0
     """(response token, layer) pairs compared."""
@@ -81,17 +84,6 @@ class RoutingMismatch:
     """Response tokens compared."""
     mismatched_tokens: float = 0.0
     """Tokens with a differing set in at least one layer."""
-
-    def __add__(self, other: RoutingMismatch) -> RoutingMismatch:
-        return RoutingMismatch(*(a + b for a, b in zip(self.as_row(), other.as_row(), strict=True)))
-
-    def as_row(self) -> list[float]:
-        """The counts as one row, for a sum over ranks."""
-        return [float(v) for v in astuple(self)]
-
-    @classmethod
-    def from_row(cls, row: list[float]) -> RoutingMismatch:
-        return cls(*row)
 
     def metrics(self) -> dict[str, float]:
         """The step's ``rollout/moe_routing_mismatch*``; empty when nothing was compared (a

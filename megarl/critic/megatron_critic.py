@@ -19,13 +19,14 @@ of token ``t`` is read too, so :func:`megarl.batch.per_token_to_response` cuts b
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import astuple, dataclass
+from dataclasses import dataclass
 from functools import partial
 
 import torch
 
 from megarl.actor.megatron_actor import MegatronActor
 from megarl.algo.gae import value_loss
+from megarl.algo.summable import SummableStats
 from megarl.batch import MicroBatchTensors, Rollouts, per_token_to_response, response_values_to_BL
 from megarl.config.schema import ActorConfig
 from megarl.distributed.execution import ExecutionPlan
@@ -44,17 +45,15 @@ class ValueLossSettings:
 
 
 @dataclass(frozen=True)
-class CriticStepStats:
-    """Sums over one optimizer step's micro-batches on this rank (0 off the last stage)."""
+class CriticStepStats(SummableStats):
+    """Sums over one optimizer step's micro-batches on this rank (0 off the last stage); one
+    :meth:`~megarl.algo.summable.SummableStats.to_row` per step is summed over the ranks."""
 
     vf_loss: float = 0.0
     """The step's loss; its micro-batches share the step's normaliser, so they add up."""
     vf_clipfrac_sum: float = 0.0
     vpred_sum: float = 0.0
     num_tokens: float = 0.0
-
-    def __add__(self, other: CriticStepStats) -> CriticStepStats:
-        return CriticStepStats(*(a + b for a, b in zip(astuple(self), astuple(other), strict=True)))
 
 
 @dataclass(frozen=True)

@@ -150,17 +150,17 @@ def _reduce_update_stats(
     tp = rt.cfg.actor.tp
     global_steps = [
         OptimizerStepStats.from_row(row)
-        for row in reduce_sums_to_all([s.as_row() for s in per_step], tp)
+        for row in reduce_sums_to_all([s.to_row() for s in per_step], tp)
     ]
     routing = moe_routing.stage_mismatch(
         stage_routing, pipeline_group(rt.cfg.actor.pp), rt.cfg.actor.pp, rt.actor.is_last_stage
     )
-    num_routing = len(routing.as_row())
+    num_routing = len(routing.to_row())
     [[lp_diff_sum, lp_diff_count, *sums]] = reduce_sums_to_all(
-        [lp_diff + mismatch.sum_row() + routing.as_row()], tp
+        [lp_diff + mismatch.to_row() + routing.to_row()], tp
     )
     mismatch_sums, routing_sums = sums[:-num_routing], sums[-num_routing:]
-    mismatch = MismatchStats.from_rows(mismatch_sums, reduce_max_to_all(mismatch.max_row()))
+    mismatch = MismatchStats.from_row(mismatch_sums, reduce_max_to_all(mismatch.max_row()))
     return summarise_update(
         global_steps,
         grad_norms,

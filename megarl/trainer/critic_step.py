@@ -179,7 +179,8 @@ def update_critic(
         agg=cfg.critic.loss_agg,
         loss_scale_factor=cfg.loss_scale_factor,
     )
-    rows, grad_norms = [], []
+    rows: list[list[float]] = []
+    grad_norms: list[float] = []
     num_steps = len(plan.optimizer_steps)
     for index, opt_step in enumerate(plan.optimizer_steps):
         progress("update_critic", index, num_steps, "optimizer steps")
@@ -187,15 +188,15 @@ def update_critic(
             batch, opt_step, dp_rank, targets.values, targets.returns, settings
         )
         stats = result.stats if critic.is_last_stage else CriticStepStats()
-        rows.append([stats.vf_loss, stats.vf_clipfrac_sum, stats.vpred_sum, stats.num_tokens])
+        rows.append(stats.to_row())
         grad_norms.append(result.grad_norm)
     progress("update_critic", num_steps, num_steps, "optimizer steps")
-    summed = reduce_sums_to_all(rows, cfg.actor.tp)
-    with_tokens = [row for row in summed if row[3] > 0]
+    summed = [CriticStepStats.from_row(row) for row in reduce_sums_to_all(rows, cfg.actor.tp)]
+    with_tokens = [s for s in summed if s.num_tokens > 0]
     return {
-        "critic/vf_loss": _mean([row[0] for row in summed]),
-        "critic/vf_clipfrac": _mean([row[1] / row[3] for row in with_tokens]),
-        "critic/vpred_mean": _mean([row[2] / row[3] for row in with_tokens]),
+        "critic/vf_loss": _mean([s.vf_loss for s in summed]),
+        "critic/vf_clipfrac": _mean([s.vf_clipfrac_sum / s.num_tokens for s in with_tokens]),
+        "critic/vpred_mean": _mean([s.vpred_sum / s.num_tokens for s in with_tokens]),
         "critic/grad_norm": _mean(grad_norms),
         "critic/lr": cfg.critic.lr,
     }

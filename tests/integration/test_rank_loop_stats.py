@@ -1,4 +1,4 @@
-"""The rank loop's actor update reports each ``actor/*`` metric as the mean over optimizer steps.
+"""The rank loop's actor (and critic) update reports each metric as the mean over optimizer steps.
 
 A one-process gloo world and a scripted actor stand in for Megatron, so the wiring from the
 planner's optimizer steps through the all-reduce to the reported numbers runs in a second.
@@ -18,8 +18,10 @@ from megarl.actor.megatron_actor import TrainStepResult
 from megarl.actor.train_stats import OptimizerStepStats
 from megarl.batch import RolloutBatch
 from megarl.config.schema import RunConfig
+from megarl.critic.megatron_critic import CriticStepResult, CriticStepStats
 from megarl.planner.batch_planner import PlannerInputs, plan_step
 from megarl.trainer.actor_update import update_actor
+from megarl.trainer.critic_step import CriticTargets, update_critic
 from megarl.trainer.logprob_passes import StepLogprobs
 from megarl.trainer.metrics import PhaseTimer
 from megarl.trainer.progress import no_progress
@@ -132,3 +134,49 @@ def test_rollout_corr_metrics_cover_train_forward_and_recomputed_sequences(one_r
     assert metrics["rollout_corr/rollout_is_max"] == pytest.approx(math.exp(0.35), rel=1e-6)
     assert metrics["rollout_corr/rollout_is_min"] == pytest.approx(math.exp(-0.35), rel=1e-6)
     assert metrics["rollout_corr/rollout_rs_masked_fraction"] == 0.0
+
+
+class _ScriptedCritic:
+    """Returns the given statistics and gradient norms for its optimizer steps, in order."""
+
+    is_last_stage = True
+
+    def __init__(self, script: list[tuple[CriticStepStats, float]]) -> None:
+        self.script = list(script)
+
+    def train_values(self, batch, step, dp_rank, values, returns, settings) -> CriticStepResult:
+        stats, grad_norm = self.script.pop(0)
+        return CriticStepResult(stats=stats, grad_norm=grad_norm)
+
+
+def test_critic_update_reports_means_over_steps_of_each_steps_ratios(one_rank_world) -> None:
+    """Four optimizer steps, one a ghost (no tokens): the losses and gradient norms average over
+    all four, the per-token ratios over the three steps with tokens, each formed within its
+    step after the all-reduce."""
+    batch, plan = _batch_and_plan(ppo_epochs=2)
+    critic = _ScriptedCritic(
+        [
+            (
+                CriticStepStats(vf_loss=0.4, vf_clipfrac_sum=2.0, vpred_sum=5.0, num_tokens=10.0),
+                1.0,
+            ),
+            (
+                CriticStepStats(vf_loss=0.2, vf_clipfrac_sum=1.0, vpred_sum=-5.0, num_tokens=20.0),
+                3.0,
+            ),
+            (CriticStepStats(), 2.0),
+            (CriticStepStats(vf_loss=0.6, vf_clipfrac_sum=0.0, vpred_sum=3.0, num_tokens=4.0), 6.0),
+        ]
+    )
+    cfg = RunConfig()
+    metrics = update_critic(critic, cfg, batch, plan, 0, CriticTargets({}, {}, {}))  # type: ignore[arg-type]
+    assert not critic.script
+    assert metrics == pytest.approx(
+        {
+            "critic/vf_loss": (0.4 + 0.2 + 0.0 + 0.6) / 4,
+            "critic/vf_clipfrac": (0.2 + 0.05 + 0.0) / 3,
+            "critic/vpred_mean": (0.5 - 0.25 + 0.75) / 3,
+            "critic/grad_norm": 3.0,
+            "critic/lr": cfg.critic.lr,
+        }
+    )

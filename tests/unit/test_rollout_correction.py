@@ -394,13 +394,13 @@ def test_stats_merge_like_one_batch_and_survive_the_rows(settings: CorrectionSet
         mismatch_stats(OLD_LOGP_BT[[r]], ROLLOUT_LOGP_BT[[r]], MASK_BT[[r]], settings)
         for r in (0, 1)
     ]
-    merged = parts[0].merge(parts[1])
+    merged = parts[0] + parts[1]
     assert merged.metrics() == pytest.approx(whole.metrics())
     ess = "rollout_corr/rollout_is_eff_sample_size"
     mean_of_parts = (parts[0].metrics()[ess] + parts[1].metrics()[ess]) / 2
     assert merged.metrics()[ess] != pytest.approx(mean_of_parts)
-    assert MismatchStats.from_rows(whole.sum_row(), whole.max_row()) == whole
-    assert MismatchStats().merge(whole) == whole
+    assert MismatchStats.from_row(whole.to_row(), whole.max_row()) == whole
+    assert MismatchStats() + whole == whole
 
 
 def test_stats_of_sequences_equal_the_padded_batch() -> None:

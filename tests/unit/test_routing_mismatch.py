@@ -85,7 +85,7 @@ def test_pipeline_stages_add_pairs_and_count_each_token_once() -> None:
     ]
     assert [s.differs_T.tolist() for s in stages] == [[False, False, True], [True, False, True]]
     merged = torch.maximum(stages[0].differs_T, stages[1].differs_T)
-    rows = [s.counts(merged, count_tokens=s is stages[-1]).as_row() for s in stages]
+    rows = [s.counts(merged, count_tokens=s is stages[-1]).to_row() for s in stages]
     summed = RoutingMismatch.from_row([a + b for a, b in zip(*rows, strict=True)])
     assert summed == _compare(ENGINE_TLK, trainer)
     assert summed == RoutingMismatch(pairs=6, mismatched_pairs=3, tokens=3, mismatched_tokens=2)
@@ -96,11 +96,11 @@ def test_ranks_aggregate_token_weighted() -> None:
     value is 1 / 20 pairs, not the mean of 50% and 0%."""
     rank_a = RoutingMismatch(pairs=2, mismatched_pairs=1, tokens=1, mismatched_tokens=1)
     rank_b = RoutingMismatch(pairs=18, mismatched_pairs=0, tokens=9, mismatched_tokens=0)
-    summed = [a + b for a, b in zip(rank_a.as_row(), rank_b.as_row(), strict=True)]
+    summed = [a + b for a, b in zip(rank_a.to_row(), rank_b.to_row(), strict=True)]
     metrics = RoutingMismatch.from_row(summed).metrics()
     assert metrics[MISMATCH_METRIC] == pytest.approx(1 / 20)
     assert metrics[MISMATCH_TOKENS_METRIC] == pytest.approx(1 / 10)
-    assert (rank_a + rank_b).as_row() == summed
+    assert (rank_a + rank_b).to_row() == summed
 
 
 def test_nothing_compared_reports_nothing() -> None:

@@ -95,7 +95,7 @@ def test_a_ghost_step_counts_in_the_losses_but_has_no_token_ratio() -> None:
 
 def test_rows_round_trip_and_add() -> None:
     a, b = _four_steps()[:2]
-    assert OptimizerStepStats.from_row(a.as_row()) == a
+    assert OptimizerStepStats.from_row(a.to_row()) == a
     assert (a + b).num_tokens == 40.0
     with pytest.raises(ValueError, match="expected 8 statistics"):
         OptimizerStepStats.from_row([1.0])
