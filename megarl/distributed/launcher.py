@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
+import re
 import signal
 import socket
 import sys
@@ -155,15 +156,32 @@ def raise_if_stuck(
     older_than_s: float,
     in_steps_only: bool = False,
     where: Callable[[int], str] | None = None,
+    timed_out: frozenset[int] = frozenset(),
 ) -> None:
     """Raise :func:`stuck_rank_report` for the rank of ``live`` (``{rank: pid}``) whose main
     loop stopped first, if it has been stuck longer than ``older_than_s`` and before the
     ``failed`` ranks last advanced (see :meth:`HeartbeatWatch.stalest`). ``where(rank)``: the
-    launcher's own text for where a rank runs."""
-    beat = watch.stalest(live, older_than_s, failed, in_steps_only)
+    launcher's own text for where a rank runs.
+
+    The ``timed_out`` ranks of ``failed`` failed because a collective waited too long: they
+    were waiting for a peer, so when they entered their wait says nothing of who stopped first
+    (rank 0 writes metrics and a checkpoint after a step's last collective, so its peers reach
+    the next step's first collective before it even starts the step); a stuck live rank is
+    named whatever its time."""
+    ordering = {rank: pid for rank, pid in failed.items() if rank not in timed_out}
+    beat = watch.stalest(live, older_than_s, ordering, in_steps_only)
     if beat is not None:
         place = where(beat.rank) if where is not None else ""
         raise stuck_rank_report(beat, time.time(), len(failed), place)
+
+
+_COLLECTIVE_TIMEOUT = re.compile(r"timed out|timeout", re.IGNORECASE)
+
+
+def is_collective_timeout(error: str) -> bool:
+    """A rank's error that is its collective giving up on a peer (gloo's "Timed out waiting
+    ... ms", NCCL's watchdog timeout), judged by the error's first line."""
+    return bool(_COLLECTIVE_TIMEOUT.search(error.split("\n", 1)[0]))
 
 
 @dataclass(frozen=True)
@@ -521,7 +539,10 @@ def _raise_if_stuck(
         if p.is_alive() and r not in results and r not in errors
     }
     failed = {r: procs[r].pid for r in errors}
-    raise_if_stuck(watch, live, failed, older_than_s, in_steps_only)
+    timed_out = frozenset(
+        r for r, error in errors.items() if isinstance(error, str) and is_collective_timeout(error)
+    )
+    raise_if_stuck(watch, live, failed, older_than_s, in_steps_only, timed_out=timed_out)
 
 
 # --- which rank caused a failure ----------------------------------------------------

@@ -48,6 +48,7 @@ from megarl.distributed.launcher import (
     WATCH_POLL_S,
     WorkerContext,
     WorkerFailed,
+    is_collective_timeout,
     raise_if_stuck,
     raised_error_report,
     role_of,
@@ -559,13 +560,18 @@ def _result_of(
         if isinstance(cause, SystemExit):
             raise SystemExit(cause.code) from None
         beat = None
+        error = f"{type(cause).__name__}: {cause}"
         if watch is not None:
             live, failed = _pids(pending.values(), placements), _pids([rank], placements)
             raise_if_stuck(
-                watch, live, failed, watch.timeout_s / 2, where=lambda r: placements[r].describe()
+                watch,
+                live,
+                failed,
+                watch.timeout_s / 2,
+                where=lambda r: placements[r].describe(),
+                timed_out=frozenset(failed) if is_collective_timeout(error) else frozenset(),
             )
             beat = watch.read(failed).get(rank)
-        error = f"{type(cause).__name__}: {cause}"
         trace = str(exc)  # Ray's text of the remote traceback
         raise raised_error_report(rank, error, trace, beat, where=where) from None
 

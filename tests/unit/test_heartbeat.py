@@ -103,3 +103,25 @@ def test_an_error_publishes_the_phase_it_came_from_at_once(tmp_path):
         heartbeat.stop()
     [beat] = HeartbeatWatch(str(tmp_path), timeout_s=60).read({0: os.getpid()}).values()
     assert beat.during == "rollout of step 1"
+
+
+def test_a_peer_whose_collective_timed_out_waited_for_the_stuck_rank_whenever_it_entered(
+    tmp_path,
+):
+    """Rank 1 reached the next step's first collective before rank 0 began the step (rank 0
+    writes metrics and checkpoints after the last collective), then timed out waiting for rank
+    0, stuck in its rollout: rank 0 is named although it advanced after rank 1 did."""
+    from megarl.distributed.launcher import WorkerFailed, is_collective_timeout, raise_if_stuck
+
+    _beat(tmp_path, 0, pid=100, age_s=9, phase="rollout")
+    _beat(tmp_path, 1, pid=101, age_s=10, phase="broadcast_rollout")
+    watch = HeartbeatWatch(str(tmp_path), timeout_s=8)
+    raise_if_stuck(watch, {0: 100}, {1: 101}, older_than_s=4)  # ordering alone: not named
+    with pytest.raises(
+        WorkerFailed, match=r"rank 0 .*during rollout of step 2 \(pid 100\); then 1 other"
+    ):
+        raise_if_stuck(watch, {0: 100}, {1: 101}, older_than_s=4, timed_out=frozenset({1}))
+    gloo = "RuntimeError: [../gloo/transport/tcp/unbound_buffer.cc:129] Timed out waiting 8000ms for send operation to complete\nTraceback ..."
+    assert is_collective_timeout(gloo)
+    assert is_collective_timeout("DistBackendError: Watchdog caught collective operation timeout")
+    assert not is_collective_timeout("KeyError: 'x'\n... timeout in the traceback")
