@@ -77,6 +77,15 @@ def _errors(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.startswith("megarl-train: error")]
 
 
+def _failed_after(launcher, mark: Path) -> tuple[str, float]:
+    """Wait for the run to end; it must exit 1. Its stderr, and the seconds from the fault (the
+    time the injection wrote to ``mark``) to the exit."""
+    _, stderr = launcher.communicate(timeout=300)
+    detect_s = time.time() - float(mark.read_text())
+    assert launcher.returncode == 1, stderr[-3000:]
+    return stderr, detect_s
+
+
 def test_second_run_on_a_live_run_dir_is_refused(tmp_path):
     """The run_dir's lock names a live process on this host: refused with its host and pid,
     exit 2, and nothing of the run is written (no model placed, no metrics)."""
@@ -153,11 +162,9 @@ def test_frozen_rank_is_named_with_its_phase(tmp_path):
     )
     try:
         workers = _training_workers(launcher, tmp_path / "run")
-        _, stderr = launcher.communicate(timeout=300)
-        detect_s = time.time() - float(mark.read_text())
+        stderr, detect_s = _failed_after(launcher, mark)
     finally:
         launcher.kill()
-    assert launcher.returncode == 1, stderr[-3000:]
     [line] = _errors(stderr)
     assert f"actor rank 1 on node {socket.gethostname()} failed: stopped responding" in line, line
     assert "during rollout of step 2" in line, line
@@ -184,11 +191,9 @@ def test_a_one_process_run_whose_reward_never_returns_is_named(tmp_path):
         },
     )
     try:
-        _, stderr = launcher.communicate(timeout=300)
-        detect_s = time.time() - float(mark.read_text())
+        stderr, detect_s = _failed_after(launcher, mark)
     finally:
         launcher.kill()
-    assert launcher.returncode == 1, stderr[-3000:]
     [line] = _errors(stderr)
     host = socket.gethostname()
     assert f"actor+rollout rank 0 on node {host} failed: stopped responding" in line, line
@@ -256,11 +261,9 @@ def test_ray_frozen_rank_is_named_with_its_phase(tmp_path):
     )
     try:
         processes = _ray_started(launcher, mark.exists)
-        _, stderr = launcher.communicate(timeout=300)
-        detect_s = time.time() - float(mark.read_text())
+        stderr, detect_s = _failed_after(launcher, mark)
     finally:
         launcher.kill()
-    assert launcher.returncode == 1, stderr[-3000:]
     [line] = _errors(stderr)
     assert f"actor rank 1 on node {socket.gethostname()} (" in line, line
     assert "failed: stopped responding: no progress for" in line, line
