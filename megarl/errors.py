@@ -67,7 +67,7 @@ def storage_error(exc: OSError, run_dir: str, during: str | None) -> StorageErro
     Writes through an open file (a metrics line, a checkpoint shard) raise without a file name;
     the line then names the run directory, which is where every such write goes."""
     path = exc.filename if isinstance(exc.filename, str) else None
-    in_run_dir = path is None or os.path.abspath(path).startswith(os.path.abspath(run_dir))
+    in_run_dir = path is None or _is_within(path, run_dir)
     if exc.errno not in STORAGE_ERRNOS and not (
         exc.errno in STORAGE_ERRNOS_IN_RUN_DIR and in_run_dir
     ):
@@ -81,3 +81,8 @@ def storage_error(exc: OSError, run_dir: str, during: str | None) -> StorageErro
         "the checkpoints saved before it are intact: fix the storage (free space), then run "
         "again with trainer.resume=auto to go on from the newest one"
     )
+
+
+def _is_within(path: str, folder: str) -> bool:
+    path, folder = os.path.abspath(path), os.path.abspath(folder)
+    return os.path.commonpath([path, folder]) == folder

@@ -37,6 +37,8 @@ def test_a_missing_file_is_the_storages_only_inside_the_run_dir():
     assert isinstance(storage_error(removed, "/runs/a", "save of step 3"), StorageError)
     elsewhere = OSError(errno.ENOENT, "No such file or directory", "/models/x/config.json")
     assert storage_error(elsewhere, "/runs/a", "save of step 3") is None
+    beside = OSError(errno.ENOENT, "No such file or directory", "/runs/ab/model.safetensors")
+    assert storage_error(beside, "/runs/a", "save of step 3") is None
     assert storage_error(OSError(errno.EPIPE, "Broken pipe"), "/runs/a", None) is None
 
 
