@@ -189,9 +189,9 @@ def test_the_number_settings_are_found_in_every_section():
 
 
 FINITE_REFUSALS = {
-    **{key: ("must be a finite number", "must be finite numbers") for key in FLOAT_SETTINGS},
+    **dict.fromkeys(FLOAT_SETTINGS, ("must be a finite number", "must be finite numbers")),
     # refused by the finiteness rule, or, where the key takes no float, as not an integer
-    **{key: ("must be a finite number", "expected an integer") for key in INT_SETTINGS},
+    **dict.fromkeys(INT_SETTINGS, ("must be a finite number", "expected an integer")),
 }
 
 
