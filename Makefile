@@ -24,8 +24,14 @@ demo: $(STAMP)  ## embedded default: GRPO of SmolLM2-135M-Instruct on arithmetic
 test-unit: $(STAMP)  ## the fast unit tests (tests/unit, a minute or two)
 	$(PY) -m pytest -q tests/unit $(PYTEST_ARGS)
 
-test: test-unit  ## the whole test suite (CPU): the unit tests first, then everything else
-	$(PY) -m pytest -q tests --ignore=tests/unit $(PYTEST_ARGS)
+# The slow tests mostly wait (process start-up, collectives, single-threaded steps), so they run
+# TEST_JOBS at a time, a test module per worker (its module fixtures built once); the `serial`
+# ones, timed against the clock, run alone afterwards. TEST_JOBS=0: all in one process.
+TEST_JOBS ?= 3
+
+test: test-unit  ## the whole test suite (CPU): the unit tests, then the rest in parallel, then the `serial` ones
+	$(PY) -m pytest -q tests --ignore=tests/unit -m "not serial" -n $(TEST_JOBS) --dist loadscope $(PYTEST_ARGS)
+	$(PY) -m pytest -q tests --ignore=tests/unit -m serial $(PYTEST_ARGS) || [ $$? -eq 5 ]  # 5: none selected
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow and not slurm" $(PYTEST_ARGS)

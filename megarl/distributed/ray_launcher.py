@@ -349,8 +349,9 @@ class DeferredSignals:
 
 
 def connect() -> bool:
-    """Join ``RAY_ADDRESS``'s cluster if set (never someone else's by accident), else start a
-    private local one. False if the caller had already connected (we then leave Ray as is)."""
+    """Join ``RAY_ADDRESS``'s cluster if set, else start a private local one: never someone
+    else's by accident (a bare ``ray.init()`` joins the cluster a ``ray start`` on this machine
+    recorded in /tmp/ray). False if the caller had already connected (we then leave Ray as is)."""
     import ray
 
     if ray.is_initialized():
@@ -369,7 +370,7 @@ def connect() -> bool:
     for attempt in range(LOCAL_START_ATTEMPTS):
         try:
             with _keep_signal_handlers():
-                ray.init(**quiet)
+                ray.init(address="local", **quiet)
             return True
         except Exception as exc:  # Ray waits a fixed 30 s for its raylet; an overloaded host
             ray.shutdown()  # can miss it once, so retry before giving up.

@@ -179,6 +179,7 @@ def test_fully_async_killed_after_a_checkpoint_resumes_every_prompt_once(
     assert all(r["async/staleness/max"] <= 2 for r in rows)
 
 
+@pytest.mark.serial  # the stall is found within seconds
 def test_a_stuck_rollout_side_fails_the_run_naming_it(tmp_path, monkeypatch):
     monkeypatch.setenv("MEGARL_FAULT_FREEZE", "rollout:2")
     settings = {

@@ -34,7 +34,7 @@ from conftest import tiny_overrides
 
 from megarl.train import run
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]  # timed: a hang is found within seconds
 REPO = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(Path(__file__).parent)])}
 SEED = int(os.environ.get("MEGARL_CHAOS_SEED", "0"))

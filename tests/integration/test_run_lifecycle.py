@@ -20,6 +20,7 @@ from conftest import tiny_overrides
 REPO = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(Path(__file__).parent)])}
 
+pytestmark = pytest.mark.serial  # a hang or a stop must be seen within seconds
 
 TWO_RANKS = {"trainer.n_gpus_per_node": 2, "actor.tp": 2}
 WORKERS_GONE_S = 5.0

@@ -22,6 +22,7 @@ from conftest import tiny_overrides
 
 REPO = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(Path(__file__).parent)])}
+pytestmark = pytest.mark.serial  # mounts a file system and fills it
 TMPFS_SIZE = "700m"  # the init model (~55 MB) and three tiny-model checkpoints (~155 MB each)
 
 
