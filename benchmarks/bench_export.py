@@ -155,7 +155,7 @@ def _worker(ctx, folder: str | None, tp: int, pp: int, method: str, bucket_mb: i
     import torch.distributed as dist
 
     from megarl.actor.megatron_actor import MegatronActor
-    from megarl.config.schema import ActorConfig
+    from megarl.config.actor import ActorConfig
     from megarl.distributed import parallel
     from megarl.distributed.platform import enter_cpu_shims
     from megarl.models.hf_io import load_hf_config, open_hf_tensors

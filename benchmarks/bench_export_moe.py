@@ -58,7 +58,7 @@ def _worker(ctx, folder: str, ep: int, bucket_mb: int, repeats: int) -> dict:
     import torch.distributed as dist
 
     from megarl.actor.megatron_actor import MegatronActor
-    from megarl.config.schema import ActorConfig
+    from megarl.config.actor import ActorConfig
     from megarl.distributed import parallel
     from megarl.distributed.platform import enter_cpu_shims
     from megarl.export.stream import open_stream

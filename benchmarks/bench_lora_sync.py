@@ -43,7 +43,7 @@ def _worker(ctx, model_dir: str, rank: int, tp: int, repeats: int):
     from full_gather import gather_hf_state_dict
 
     from megarl.actor.megatron_actor import MegatronActor
-    from megarl.config.schema import ActorConfig, LoraConfig
+    from megarl.config.actor import ActorConfig, LoraConfig
     from megarl.distributed import parallel
     from megarl.distributed.platform import enter_cpu_shims
     from megarl.engines.hf import HFEngine

@@ -30,7 +30,7 @@ from megarl.batch import (
     per_token_to_response,
     response_values_to_BL,
 )
-from megarl.config.schema import ActorConfig
+from megarl.config.actor import ActorConfig
 from megarl.distributed.execution import ExecutionPlan
 from megarl.models import megatron_gpt
 from megarl.models.spec import VPP_TRAINING_UNSUPPORTED, TransformerSpec

@@ -14,7 +14,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from megarl.config.schema import ActorConfig
+from megarl.config.actor import ActorConfig
 
 
 class CpuAdamW:

@@ -7,7 +7,7 @@ counts the prompts that cannot fit and refuses the run, naming the keys that can
 ``data.filter_overlong_prompts=true`` (verl's key), drops them at load time and says how many.
 ``data.max_prompt_length`` (verl's key) caps prompts below what the context allows.
 
-Pure: plain ints in, :class:`~megarl.config.schema.ConfigError` out.
+Pure: plain ints in, :class:`~megarl.config.checks.ConfigError` out.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from megarl.config.schema import ConfigError
+from megarl.config.checks import ConfigError
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from megarl.actor.megatron_actor import MegatronActor
 from megarl.algo.gae import value_loss
 from megarl.algo.summable import SummableStats
 from megarl.batch import MicroBatchTensors, Rollouts, per_token_to_response, response_values_to_BL
-from megarl.config.schema import ActorConfig
+from megarl.config.actor import ActorConfig
 from megarl.distributed.execution import ExecutionPlan
 from megarl.models.megatron_gpt import ValueHeadInit
 from megarl.models.spec import TransformerSpec

@@ -25,7 +25,8 @@ from megarl.actor.megatron_actor import reduce_sums_to_all
 from megarl.algo.gae import critic_data_metrics, gae_advantage_return, outcome_token_rewards
 from megarl.batch import RolloutBatch, RolloutShard
 from megarl.config import planning
-from megarl.config.schema import ActorConfig, LoraConfig, RunConfig
+from megarl.config.actor import ActorConfig, LoraConfig
+from megarl.config.schema import RunConfig
 from megarl.critic.megatron_critic import CriticStepStats, MegatronCritic, ValueLossSettings
 from megarl.distributed import heartbeat
 from megarl.planner.batch_planner import StepPlan, plan_forward_micro_batches, plan_step

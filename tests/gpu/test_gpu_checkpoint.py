@@ -20,7 +20,7 @@ pytestmark = pytest.mark.gpu
 
 def _actor(spec, state, distributed: bool):
     from megarl.actor.megatron_actor import MegatronActor
-    from megarl.config.schema import ActorConfig
+    from megarl.config.actor import ActorConfig
     from megarl.distributed.execution import Environment, ExecutionRequest, decide_execution
 
     env = Environment(cuda_available=True, transformer_engine=False, device_name="cuda")

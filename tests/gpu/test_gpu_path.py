@@ -86,7 +86,7 @@ def _batch(vocab: int):
 
 def _actor(spec, state, plan):
     from megarl.actor.megatron_actor import MegatronActor
-    from megarl.config.schema import ActorConfig
+    from megarl.config.actor import ActorConfig
 
     cfg = ActorConfig(lr=1e-4, pack_sequences=plan.pack_sequences, logprob_chunk_tokens=128)
     return MegatronActor(

@@ -49,7 +49,7 @@ def _worker(ctx, tp: int, pp: int, hf_config: dict, ids, ref_values, state, head
     from logits_probe import probe_batch
     from megatron.core import parallel_state as ps
 
-    from megarl.config.schema import ActorConfig
+    from megarl.config.actor import ActorConfig
     from megarl.critic.megatron_critic import MegatronCritic, ValueLossSettings
     from megarl.distributed import parallel
     from megarl.distributed.platform import enter_cpu_shims
@@ -122,7 +122,7 @@ def _folder_worker(ctx, tp: int, hf_config: dict, ids, actor_dir: str, critic_di
     from megatron.core import parallel_state as ps
 
     from megarl.actor.megatron_actor import MegatronActor
-    from megarl.config.schema import ActorConfig
+    from megarl.config.actor import ActorConfig
     from megarl.critic.hf_init import critic_init
     from megarl.critic.megatron_critic import MegatronCritic
     from megarl.distributed import parallel

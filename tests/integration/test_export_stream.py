@@ -36,7 +36,7 @@ def _vocab_logits(actor, ids, tp: int):
 
 def _worker(ctx, tp, pp, vpp, hf_config, state, ids, ref_logits, engine_seed):
     from megarl.actor.megatron_actor import MegatronActor
-    from megarl.config.schema import ActorConfig
+    from megarl.config.actor import ActorConfig
     from megarl.distributed import parallel
     from megarl.distributed.platform import enter_cpu_shims
     from megarl.export.stream import open_stream

@@ -45,7 +45,7 @@ def _full_logits(actor, batch, tp: int):
 
 def _worker(ctx, tp: int, pp: int, ids, state):
     from megarl.actor.megatron_actor import LossSettings, MegatronActor
-    from megarl.config.schema import ActorConfig, LoraConfig
+    from megarl.config.actor import ActorConfig, LoraConfig
     from megarl.distributed import parallel
     from megarl.distributed.platform import enter_cpu_shims
     from megarl.models.chunk import unwrap

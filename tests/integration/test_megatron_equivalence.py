@@ -54,7 +54,7 @@ def _worker(
     of an expert-parallel group hold different numbers of tokens (the HF logits of a prefix are
     the prefix of the logits: causal)."""
     from megarl.actor.megatron_actor import MegatronActor
-    from megarl.config.schema import ActorConfig
+    from megarl.config.actor import ActorConfig
     from megarl.distributed import parallel
     from megarl.distributed.platform import enter_cpu_shims
     from megarl.export.stream import collect_state_dict, open_stream

@@ -367,7 +367,7 @@ def _aux_gradients(spec, state, tp: int, coef: float, dp_rank: int):
     """One optimizer step of :func:`_aux_step` at ``actor.moe_aux_loss_coef=coef``: every
     parameter's gradient (this rank's shard) and the grad norm."""
     from megarl.actor.megatron_actor import LossSettings, MegatronActor
-    from megarl.config.schema import ActorConfig, OptimConfig
+    from megarl.config.actor import ActorConfig, OptimConfig
     from megarl.models.chunk import unwrap
 
     loss = LossSettings(
@@ -390,7 +390,7 @@ def _aux_worker(ctx, hf_config: dict, state):
     import torch.distributed as dist
 
     from megarl.actor.megatron_actor import MegatronActor
-    from megarl.config.schema import ActorConfig
+    from megarl.config.actor import ActorConfig
     from megarl.distributed import parallel
     from megarl.distributed.platform import enter_cpu_shims
     from megarl.models.spec import spec_from_hf_config

@@ -56,7 +56,7 @@ def _batch():
 
 def _actor(spec, tp: int, state, packed: bool):
     from megarl.actor.megatron_actor import MegatronActor
-    from megarl.config.schema import ActorConfig
+    from megarl.config.actor import ActorConfig
     from megarl.distributed.execution import Environment, ExecutionRequest, decide_execution
 
     plan = decide_execution(

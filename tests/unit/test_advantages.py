@@ -340,7 +340,7 @@ def test_whitened_zero_by_coincidence_is_pruned_and_contributes_nothing() -> Non
 
 
 def test_norm_adv_by_std_in_grpo_false_is_grpo_no_std() -> None:
-    from megarl.config.schema import AlgoConfig
+    from megarl.config.algorithm import AlgoConfig
 
     assert AlgoConfig("grpo", norm_adv_by_std_in_grpo=True).estimator == "grpo"
     switched = AlgoConfig("grpo", norm_adv_by_std_in_grpo=False).estimator

@@ -12,13 +12,9 @@ from megarl.algo.kl_reward import KL_CTRL_TYPES
 from megarl.algo.losses import AGG_MODES, KL_PENALTY_KINDS
 from megarl.algo.policy_losses import POLICY_LOSS_NAMES
 from megarl.algo.rollout_correction import ROLLOUT_IS_LEVELS, ROLLOUT_RS_LEVELS, CorrectionSettings
-from megarl.config.schema import (
-    LOGGER_NAMES,
-    ROLLOUT_SLEEP_LEVELS,
-    ConfigError,
-    RunConfig,
-    build_run_config,
-)
+from megarl.config.rollout import ROLLOUT_SLEEP_LEVELS
+from megarl.config.schema import ConfigError, RunConfig, build_run_config
+from megarl.config.trainer import LOGGER_NAMES
 from megarl.engines.factory import ENGINE_NAMES
 from megarl.planner.batch_planner import CRITIC_ESTIMATORS, PRUNE_SETTINGS
 from megarl.planner.gates import OldLogProbMode

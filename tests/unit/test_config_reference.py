@@ -12,7 +12,8 @@ from types import ModuleType
 import pytest
 
 from megarl.algo.advantages import ADVANTAGE_ESTIMATOR_NAMES
-from megarl.config.schema import LOGGER_NAMES, RunConfig
+from megarl.config.schema import RunConfig
+from megarl.config.trainer import LOGGER_NAMES
 from megarl.engines.factory import ENGINE_NAMES
 from megarl.planner.batch_planner import CRITIC_ESTIMATORS
 

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from megarl.config.schema import RunConfig, TrainerConfig
+from megarl.config.schema import RunConfig
+from megarl.config.trainer import TrainerConfig
 from megarl.train import StartupError, check_dump_dirs
 from megarl.trainer.generations import (
     conflicting_step_files,

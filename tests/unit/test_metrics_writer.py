@@ -59,7 +59,8 @@ def test_a_fresh_start_sets_the_old_events_aside_instead_of_mixing_them_in(tmp_p
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from megarl.checkpoint.resume import RunChecks, prepare_resume
-    from megarl.config.schema import RunConfig, TrainerConfig
+    from megarl.config.schema import RunConfig
+    from megarl.config.trainer import TrainerConfig
 
     _write(tmp_path, [1, 2, 3, 4], value_offset=0.0)
     old_events = {p.name: p.read_bytes() for p in (tmp_path / "tensorboard").iterdir()}

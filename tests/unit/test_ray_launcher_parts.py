@@ -213,7 +213,8 @@ def test_a_ray_rank_that_raised_is_one_line_with_its_phase_and_a_logged_tracebac
     and phase (from its heartbeat); Ray's remote traceback goes to logs/error-rank1.txt."""
     import ray
 
-    from megarl.config.schema import RunConfig, TrainerConfig
+    from megarl.config.schema import RunConfig
+    from megarl.config.trainer import TrainerConfig
     from megarl.distributed.heartbeat import HeartbeatWatch
     from megarl.distributed.ray_launcher import _result_of
     from megarl.train import _tracebacks_to_log

@@ -73,7 +73,8 @@ def test_a_new_or_existing_run_dir_passes_and_nothing_is_created(tmp_path):
 
 
 def _cfg_for_logs(run_dir, debug: bool = False):
-    from megarl.config.schema import RunConfig, TrainerConfig
+    from megarl.config.schema import RunConfig
+    from megarl.config.trainer import TrainerConfig
 
     return RunConfig(trainer=TrainerConfig(run_dir=str(run_dir), debug=debug))
 
