@@ -5,15 +5,18 @@ python tools/gen_config_reference.py            # (re)write docs/configuration.m
 python tools/gen_config_reference.py --check    # exit 1 if the committed page is stale
 make docs                                       # the same as the first
 
-The schema (:class:`megarl.config.schema.RunConfig` and the sections it nests, wherever they
-are defined) is the one source: every key's dotted name, type and default come from the
-dataclasses, its description from the attribute docstring that follows the field in the source
-(read with :mod:`ast`: attribute docstrings do not exist at run time), a section's introduction
-from its class docstring (and the docstring of the field that holds it). A string key's choices
-are read from its section's validation, the ``_choice(key, value, CHOICES)`` calls (and
-``value in CHOICES`` tests) of its methods, with ``CHOICES`` evaluated in the section's module,
-so the page lists what the code accepts. Where ``configs/config.yaml`` (what ``megarl-train``
-starts from) sets another value than the schema's default, the page says so.
+The schema (:class:`megarl.config.schema.RunConfig` in megarl/config/schema.py and the
+sections it nests, wherever they are defined: the section modules of megarl/config/, and
+``rollout.agent`` in megarl/agent/loop.py) is the one source: every key's dotted name, type and
+default come from the dataclasses, its description from the attribute docstring that follows
+the field in the source of the class that declares it (read with :mod:`ast`: attribute
+docstrings do not exist at run time), a section's introduction from its class docstring (and
+the docstring of the field that holds it). A string key's choices are read from its section's
+validation, the ``_choice(key, value, CHOICES)`` calls (and ``value in CHOICES`` tests) of its
+methods, with ``CHOICES`` evaluated in the module that defines the method (a section and the
+section it inherits from may live in different modules), so the page lists what the code
+accepts. Where ``configs/config.yaml`` (what ``megarl-train`` starts from) sets another value
+than the schema's default, the page says so.
 
 The output depends only on the source tree: the same checkout always writes the same bytes.
 """
@@ -201,11 +204,11 @@ def choices(cls: type) -> dict[str, tuple[tuple[Any, ...], bool]]:
     """Each field's accepted values, and whether others are accepted too, as its section's
     methods (not its properties) check them: ``_choice(key, self.field, CHOICES)``,
     ``_optional_choice(...)``, ``self.field in CHOICES``, or the same for each item of a list
-    field (``for op in self.ops: _choice(..., op, CHOICES)``)."""
-    module = sys.modules[cls.__module__]
-    namespace = vars(module)
+    field (``for op in self.ops: _choice(..., op, CHOICES)``). Each method's names are looked
+    up in its own class's module (``critic.optim`` inherits ``actor.optim``'s checks)."""
     found: dict[str, tuple[tuple[Any, ...], bool]] = {}
     for base in _own_classes(cls):
+        namespace = vars(sys.modules[base.__module__])
         for func in _class_def(base).body:
             if not isinstance(func, ast.FunctionDef) or _is_property(func):
                 continue
