@@ -44,7 +44,7 @@ lint: $(STAMP)  ## ruff check, ruff format --check, pyright (basic, megarl/)
 	PYRIGHT_PYTHON_IGNORE_WARNINGS=1 $(VENV)/bin/pyright --project . --pythonpath $(PY) || status=1; \
 	exit $$status
 
-docs: $(STAMP)  ## docs/configuration.md, generated from the typed schema (megarl/config/schema.py)
+docs: $(STAMP)  ## docs/configuration.md, generated from the typed schema (megarl/config/)
 	$(PY) tools/gen_config_reference.py
 
 clean:
