@@ -53,7 +53,8 @@ def _bench(ctx, args):
     from megarl.distributed.platform import enter_cpu_shims
     from megarl.models.hf_io import load_hf_config, open_hf_tensors, resolve_model_path
     from megarl.models.spec import spec_from_hf_config
-    from megarl.planner.batch_planner import OptimizerStepPlan, plan_forward_micro_batches
+    from megarl.planner.micro_batches import plan_forward_micro_batches
+    from megarl.planner.step_plan import OptimizerStepPlan
 
     plans = {
         packed: decide_execution(

@@ -26,8 +26,10 @@ from functools import partial
 
 import numpy as np
 
-from megarl.planner.batch_planner import PlannerInputs, StepPlan, plan_step
+from megarl.planner.batch_planner import plan_step
+from megarl.planner.inputs import PlannerInputs
 from megarl.planner.partition import sequence_costs
+from megarl.planner.step_plan import StepPlan
 
 GROUP_SIZE = 16
 ZERO_ADV_GROUP_FRAC = 0.75

@@ -23,7 +23,8 @@ import torch
 
 from megarl.batch import RolloutBatch
 from megarl.engines.base import EngineMemoryState
-from megarl.planner.batch_planner import PlannerInputs, plan_step
+from megarl.planner.batch_planner import plan_step
+from megarl.planner.inputs import PlannerInputs
 
 PROMPT_TOKENS = 256
 MAX_RESPONSE = 1024

@@ -26,8 +26,8 @@ import torch
 from megarl.batch import RolloutBatch, RolloutShard
 from megarl.config import planning
 from megarl.config.schema import RunConfig
-from megarl.planner.batch_planner import StepPlan
 from megarl.planner.gates import StepGates, decide_gates
+from megarl.planner.step_plan import StepPlan
 from megarl.trainer import rank_loop
 from megarl.trainer.actor_update import update_actor
 from megarl.trainer.logprob_passes import logprob_passes

@@ -178,8 +178,9 @@ def validate_against_model(cfg, model_dir: str, device: str = "cpu") -> None:
     from megarl.data.errors import DatasetError
     from megarl.models.hf_io import load_hf_config
     from megarl.models.spec import VPP_TRAINING_UNSUPPORTED, ModelSpecError, spec_from_hf_config
-    from megarl.planner.batch_planner import PlannerError, check_pruning_config
     from megarl.planner.gates import GateConfigError, validate_gate_config
+    from megarl.planner.inputs import PlannerError
+    from megarl.planner.pruning import check_pruning_config
     from megarl.trainer.rollout_host import training_source, validation_problems
 
     try:

@@ -35,7 +35,7 @@ from megarl.distributed.execution import ExecutionPlan
 from megarl.models import megatron_gpt
 from megarl.models.spec import VPP_TRAINING_UNSUPPORTED, TransformerSpec
 from megarl.models.vocab_parallel import VocabShard, token_logprobs_and_entropy
-from megarl.planner.batch_planner import MicroBatch, OptimizerStepPlan
+from megarl.planner.step_plan import MicroBatch, OptimizerStepPlan
 
 
 @dataclass(frozen=True)

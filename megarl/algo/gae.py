@@ -29,7 +29,7 @@ Semantics follow verl's ``compute_gae_advantage_return`` so that ``algo.adv_esti
 
 Zero-advantage pruning does not apply: a token's advantage comes from a learned critic and is
 exactly 0 only by coincidence, and the critic's own loss does not vanish at advantage 0 (see
-``megarl.planner.batch_planner.resolve_prune_mode``).
+``megarl.planner.pruning.resolve_prune_mode``).
 
 Pure tensor code on ``[B, T]`` response tensors with a mask, like :mod:`megarl.algo.losses`.
 """

@@ -29,7 +29,7 @@ from megarl.config.checks import (
     _positive,
     _require,
 )
-from megarl.planner.batch_planner import CRITIC_ESTIMATORS
+from megarl.planner.pruning import CRITIC_ESTIMATORS
 
 AUTO = "auto"
 """A key's value that the run's config resolves from other keys."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megarl.config.checks import _choice, _values
-from megarl.planner.batch_planner import PRUNE_SETTINGS
+from megarl.planner.pruning import PRUNE_SETTINGS
 from megarl.planner.gates import OldLogProbMode, RefLogProbMode
 
 

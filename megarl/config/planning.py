@@ -13,14 +13,12 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from megarl.config.schema import RunConfig
-from megarl.planner.batch_planner import (
-    PlannerInputs,
-    StepPlan,
-    mini_batch_slices,
-    resolve_prune_mode,
-)
 from megarl.planner.gates import OldLogProbMode, RefLogProbMode, RunFacts, StepFacts
+from megarl.planner.inputs import PlannerInputs
+from megarl.planner.optimizer_steps import mini_batch_slices
+from megarl.planner.pruning import resolve_prune_mode
 from megarl.planner.staleness import trainer_version
+from megarl.planner.step_plan import StepPlan
 
 if TYPE_CHECKING:  # the batch types carry tensors; planning reads only their sizes
     from megarl.batch import RolloutShard

@@ -32,7 +32,7 @@ from megarl.config.actor import ActorConfig
 from megarl.distributed.execution import ExecutionPlan
 from megarl.models.megatron_gpt import ValueHeadInit
 from megarl.models.spec import TransformerSpec
-from megarl.planner.batch_planner import OptimizerStepPlan
+from megarl.planner.step_plan import OptimizerStepPlan
 
 
 @dataclass(frozen=True)

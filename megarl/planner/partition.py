@@ -20,7 +20,9 @@ Pure numpy + stdlib; no knowledge of RL. Three pieces:
   costs ``O(n * k log k)``, too slow for 65k sequences over 512 ranks.
 
 * :func:`first_fit_decreasing` -- pack item sizes into bins of a token budget; an item larger
-  than the budget gets a bin of its own.
+  than the budget gets a bin of its own. :func:`split_to_count` then splits the most crowded
+  bins (:func:`split_in_two`) until there are as many as wanted, so parts can run equally many
+  bins without padding.
 
 Determinism: every sort is stable and keyed on (value, index), so equal inputs give equal
 outputs and ties always go to the lower index / lower part number.
@@ -176,3 +178,19 @@ def _lighter_half(halves: tuple[list[int], list[int]], totals: list[int]) -> int
     if not halves[0] or not halves[1]:
         return 0 if not halves[0] else 1
     return 0 if totals[0] <= totals[1] else 1
+
+
+def split_to_count(bins: list[list[int]], num_wanted: int, sizes: Sequence[int]) -> list[list[int]]:
+    """Split the most crowded bins until there are ``num_wanted`` (or none splits).
+
+    Each split halves one bin of at least two items (the one with the most items, ties: the
+    first) by :func:`split_in_two`; the bins' contents are unchanged, only regrouped.
+    """
+    bins = list(bins)
+    while len(bins) < num_wanted:
+        splittable = [b for b, items in enumerate(bins) if len(items) >= 2]
+        if not splittable:
+            break
+        crowded = max(splittable, key=lambda b: (len(bins[b]), -b))
+        bins[crowded : crowded + 1] = split_in_two(bins[crowded], sizes)
+    return bins

@@ -31,7 +31,7 @@ from megarl.algo.routing_mismatch import RoutingMismatch
 from megarl.batch import response_mask
 from megarl.config.schema import RunConfig
 from megarl.distributed import heartbeat
-from megarl.planner.batch_planner import StepPlan
+from megarl.planner.step_plan import StepPlan
 from megarl.trainer import moe_routing
 from megarl.trainer.runtime import pipeline_group
 

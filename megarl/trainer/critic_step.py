@@ -29,7 +29,9 @@ from megarl.config.actor import ActorConfig, LoraConfig
 from megarl.config.schema import RunConfig
 from megarl.critic.megatron_critic import CriticStepStats, MegatronCritic, ValueLossSettings
 from megarl.distributed import heartbeat
-from megarl.planner.batch_planner import StepPlan, plan_forward_micro_batches, plan_step
+from megarl.planner.batch_planner import plan_step
+from megarl.planner.micro_batches import plan_forward_micro_batches
+from megarl.planner.step_plan import StepPlan
 from megarl.trainer.progress import PhaseHook, no_progress, reported
 from megarl.trainer.rollout import advantage_metrics
 from megarl.trainer.scatter import scatter_by_dp_rank, scatter_sequences

@@ -21,8 +21,9 @@ from megarl.algo.kl_reward import KLController, apply_kl_penalty
 from megarl.batch import RolloutBatch
 from megarl.config import planning
 from megarl.config.schema import RunConfig
-from megarl.planner.batch_planner import StepPlan, plan_step
+from megarl.planner.batch_planner import plan_step
 from megarl.planner.gates import decide_gates
+from megarl.planner.step_plan import StepPlan
 from megarl.trainer.logprob_passes import Precomputed, logprob_passes
 from megarl.trainer.scatter import scatter_sequences
 

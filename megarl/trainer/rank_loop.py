@@ -46,9 +46,10 @@ from megarl.config.schema import RunConfig
 from megarl.distributed import heartbeat, quiet
 from megarl.distributed.launcher import WorkerContext
 from megarl.errors import storage_error
-from megarl.planner.batch_planner import StepPlan, plan_step
+from megarl.planner.batch_planner import plan_step
 from megarl.planner.gates import ReferenceSource, decide_gates, decide_reference
 from megarl.planner.staleness import staleness_stats, trainer_version
+from megarl.planner.step_plan import StepPlan
 from megarl.trainer import moe_routing
 from megarl.trainer.actor_update import update_actor
 from megarl.trainer.kl_in_reward import RewardKL, kl_in_reward, scatter_logprobs

@@ -43,7 +43,7 @@ from megarl.engines.base import (
     request_seed,
 )
 from megarl.errors import MegarlError
-from megarl.planner.batch_planner import CRITIC_ESTIMATORS
+from megarl.planner.pruning import CRITIC_ESTIMATORS
 from megarl.trainer.agent_rollout import AgentRollout, GeneratedBatch, join_agent_metrics
 from megarl.trainer.progress import PhaseHook, no_progress
 

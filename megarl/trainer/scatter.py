@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch.distributed as dist
 
 from megarl.batch import RolloutBatch, RolloutShard
-from megarl.planner.batch_planner import StepPlan
+from megarl.planner.step_plan import StepPlan
 
 if TYPE_CHECKING:
     from megarl.trainer.runtime import Runtime

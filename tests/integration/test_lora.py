@@ -51,7 +51,7 @@ def _worker(ctx, tp: int, pp: int, ids, state):
     from megarl.models.chunk import unwrap
     from megarl.models.lora import adapter_parameters
     from megarl.models.spec import spec_from_hf_config
-    from megarl.planner.batch_planner import OptimizerStepPlan
+    from megarl.planner.step_plan import OptimizerStepPlan
 
     enter_cpu_shims()
     parallel.init_process_group("cpu", ctx.rank, ctx.world_size, ctx.master_addr, ctx.master_port)

@@ -319,7 +319,7 @@ def _aux_batch():
 
 
 def _aux_step():
-    from megarl.planner.batch_planner import MicroBatch, OptimizerStepPlan, RankPlan
+    from megarl.planner.step_plan import MicroBatch, OptimizerStepPlan, RankPlan
 
     def micro_batch(seqs, weight=1.0):
         return MicroBatch(seqs, (weight,) * len(seqs), sum(AUX_SEQ_LENS[i] for i in seqs))

@@ -108,7 +108,7 @@ def _worker(ctx, tp: int, hf_config: dict, state):
     from megarl.distributed import parallel
     from megarl.distributed.platform import enter_cpu_shims
     from megarl.models.spec import spec_from_hf_config
-    from megarl.planner.batch_planner import OptimizerStepPlan
+    from megarl.planner.step_plan import OptimizerStepPlan
 
     enter_cpu_shims()
     parallel.init_process_group("cpu", ctx.rank, ctx.world_size, ctx.master_addr, ctx.master_port)

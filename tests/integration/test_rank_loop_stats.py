@@ -19,7 +19,8 @@ from megarl.actor.train_stats import OptimizerStepStats
 from megarl.batch import RolloutBatch
 from megarl.config.schema import RunConfig
 from megarl.critic.megatron_critic import CriticStepResult, CriticStepStats
-from megarl.planner.batch_planner import PlannerInputs, plan_step
+from megarl.planner.batch_planner import plan_step
+from megarl.planner.inputs import PlannerInputs
 from megarl.trainer.actor_update import update_actor
 from megarl.trainer.critic_step import CriticTargets, update_critic
 from megarl.trainer.logprob_passes import StepLogprobs

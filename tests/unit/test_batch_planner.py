@@ -9,25 +9,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megarl.planner.batch_planner import (
-    LOSS_AGG_MODES,
-    MicroBatch,
-    OptimizerStepPlan,
-    PlannerError,
-    PlannerInputs,
-    RankPlan,
-    StepPlan,
-    check_pruning_config,
-    merge_into_runs,
-    normaliser_of,
-    plan_step,
-)
+from megarl.planner.batch_planner import plan_step
+from megarl.planner.inputs import LOSS_AGG_MODES, PlannerError, PlannerInputs
+from megarl.planner.optimizer_steps import merge_into_runs, normaliser_of
 from megarl.planner.partition import (
     balanced_partition,
     first_fit_decreasing,
     sequence_costs,
     split_in_two,
 )
+from megarl.planner.pruning import check_pruning_config
+from megarl.planner.step_plan import MicroBatch, OptimizerStepPlan, RankPlan, StepPlan
 
 METRIC_KEYS = {
     "planner/kept_seq_frac",
@@ -637,7 +629,7 @@ def test_partition_covers_every_item_once_and_never_worsens_lpt_bound(
     ],
 )
 def test_auto_prunes_only_when_exact(setting, kl, entropy, mode):
-    from megarl.planner.batch_planner import resolve_prune_mode
+    from megarl.planner.pruning import resolve_prune_mode
 
     resolved, reason = resolve_prune_mode(setting, kl, entropy)
     assert resolved == mode
@@ -647,7 +639,7 @@ def test_auto_prunes_only_when_exact(setting, kl, entropy, mode):
 
 
 def test_unknown_prune_setting_is_one_clear_error():
-    from megarl.planner.batch_planner import resolve_prune_mode
+    from megarl.planner.pruning import resolve_prune_mode
 
     with pytest.raises(PlannerError, match="planner.prune_zero_adv must be one of"):
         resolve_prune_mode("sometimes", 0.0, 0.0)
@@ -657,7 +649,7 @@ def test_unknown_prune_setting_is_one_clear_error():
 
 
 def test_auto_never_prunes_for_a_critic_and_says_why():
-    from megarl.planner.batch_planner import resolve_prune_mode
+    from megarl.planner.pruning import resolve_prune_mode
 
     resolved, reason = resolve_prune_mode("auto", 0.0, 0.0, adv_estimator="gae")
     assert resolved == "off"
@@ -698,7 +690,7 @@ def test_a_critics_plan_trains_every_sequence_and_its_summary_says_why():
 
 
 def test_auto_never_prunes_with_a_router_load_balancing_loss_and_says_why():
-    from megarl.planner.batch_planner import resolve_prune_mode
+    from megarl.planner.pruning import resolve_prune_mode
 
     resolved, reason = resolve_prune_mode("auto", 0.0, 0.0, moe_aux_loss_coef=1e-3)
     assert resolved == "off"
@@ -739,7 +731,7 @@ def test_a_router_loss_plan_trains_every_sequence_and_its_summary_says_why():
 
 
 def test_a_critic_refusal_is_named_first():
-    from megarl.planner.batch_planner import pruning_refusal
+    from megarl.planner.pruning import pruning_refusal
 
     both = pruning_refusal("gae", 0.01)
     assert both is not None and "algo.adv_estimator=gae" in both

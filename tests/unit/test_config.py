@@ -16,8 +16,8 @@ from megarl.config.rollout import ROLLOUT_SLEEP_LEVELS
 from megarl.config.schema import ConfigError, RunConfig, build_run_config
 from megarl.config.trainer import LOGGER_NAMES
 from megarl.engines.factory import ENGINE_NAMES
-from megarl.planner.batch_planner import CRITIC_ESTIMATORS, PRUNE_SETTINGS
 from megarl.planner.gates import OldLogProbMode
+from megarl.planner.pruning import CRITIC_ESTIMATORS, PRUNE_SETTINGS
 
 
 def test_defaults_build():

@@ -15,7 +15,7 @@ from megarl.algo.advantages import ADVANTAGE_ESTIMATOR_NAMES
 from megarl.config.schema import RunConfig
 from megarl.config.trainer import LOGGER_NAMES
 from megarl.engines.factory import ENGINE_NAMES
-from megarl.planner.batch_planner import CRITIC_ESTIMATORS
+from megarl.planner.pruning import CRITIC_ESTIMATORS
 
 REPO = Path(__file__).resolve().parents[2]
 TOOL = REPO / "tools" / "gen_config_reference.py"

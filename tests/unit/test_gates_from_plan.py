@@ -13,8 +13,9 @@ import pytest
 
 from megarl.config import planning
 from megarl.config.schema import build_run_config
-from megarl.planner.batch_planner import plan_forward_micro_batches, plan_step
+from megarl.planner.batch_planner import plan_step
 from megarl.planner.gates import OldLogProbSource, decide_gates
+from megarl.planner.micro_batches import plan_forward_micro_batches
 
 SEQ_TOKENS = [10] * 16
 RESPONSE_TOKENS = [4] * 16

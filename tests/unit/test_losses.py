@@ -16,7 +16,9 @@ from megarl.algo.losses import (
     token_logprobs_from_logits,
 )
 from megarl.algo.policy_losses import POLICY_LOSS_NAMES, POLICY_LOSSES, get_policy_loss
-from megarl.planner.batch_planner import LOSS_AGG_MODES, PlannerInputs, normaliser_of, plan_step
+from megarl.planner.batch_planner import plan_step
+from megarl.planner.inputs import LOSS_AGG_MODES, PlannerInputs
+from megarl.planner.optimizer_steps import normaliser_of
 
 # ----------------------------------------------------------------------------- aggregate
 

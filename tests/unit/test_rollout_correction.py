@@ -26,7 +26,7 @@ from megarl.algo.rollout_correction import (
     mismatch_stats,
     mismatch_stats_of_sequences,
 )
-from megarl.planner.batch_planner import normaliser_of
+from megarl.planner.optimizer_steps import normaliser_of
 
 # Row 0: token ratios 2, 1, 1/4 (three tokens); row 1: ratios 3, 1/2 and one padding slot.
 RATIOS_BT = torch.tensor([[2.0, 1.0, 0.25], [3.0, 0.5, 1.0]], dtype=torch.float64)

@@ -3,7 +3,8 @@
 import pytest
 
 from megarl.actor.train_stats import OptimizerStepStats, summarise_update
-from megarl.planner.batch_planner import PlannerInputs, plan_step
+from megarl.planner.batch_planner import plan_step
+from megarl.planner.inputs import PlannerInputs
 
 
 def _four_steps() -> list[OptimizerStepStats]:

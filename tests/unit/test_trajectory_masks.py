@@ -14,7 +14,8 @@ from megarl.batch import RolloutBatch, build_micro_batch, response_mask
 from megarl.config import planning
 from megarl.config.schema import ConfigError, build_run_config
 from megarl.data.problems import Problem
-from megarl.planner.batch_planner import normaliser_of, plan_step
+from megarl.planner.batch_planner import plan_step
+from megarl.planner.optimizer_steps import normaliser_of
 from megarl.trainer.actor_update import logprob_diff
 from megarl.trainer.agent_rollout import (
     join_agent_metrics,
