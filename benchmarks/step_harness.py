@@ -26,7 +26,8 @@ import torch
 from megarl.batch import RolloutBatch, RolloutShard
 from megarl.config import planning
 from megarl.config.schema import RunConfig
-from megarl.planner.gates import StepGates, decide_gates
+from megarl.planner.gate_results import StepGates
+from megarl.planner.gates import decide_gates
 from megarl.planner.step_plan import StepPlan
 from megarl.trainer import rank_loop
 from megarl.trainer.actor_update import update_actor

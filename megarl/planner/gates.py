@@ -61,6 +61,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
+from megarl.planner.gate_results import PassGate, ReferencePlan, ReferenceSource, StepGates
+
 ROUTER_REPLAY_R2 = "actor.router_replay.mode=R2 records the routing to replay"
 """The old-logprob gate's reason under R2."""
 
@@ -94,26 +96,6 @@ OLD_LOG_PROB_MODES: tuple[str, ...] = tuple(m.value for m in OldLogProbMode)
 
 REF_LOG_PROB_MODES: tuple[str, ...] = tuple(m.value for m in RefLogProbMode)
 """The choices of ``planner.ref_log_prob``, for the config schema."""
-
-
-class OldLogProbSource(str, Enum):
-    """Where a sequence's old logprobs come from."""
-
-    RECOMPUTE = "recompute"
-    TRAIN_FORWARD = "train_forward"
-    ROLLOUT = "rollout"
-
-
-class ReferenceSource(str, Enum):
-    """Where the reference logprobs of a run come from (decided once, at start-up)."""
-
-    NONE = "none"
-    """No step needs them: no reference model is built or kept in memory."""
-    MODEL = "model"
-    """A frozen copy of the initial weights, built beside the actor."""
-    ACTOR_WITHOUT_ADAPTERS = "actor_without_adapters"
-    """LoRA: the actor's frozen base *is* the initial model; its forward with the adapters
-    disabled gives the reference logprobs, and no second model is built."""
 
 
 @dataclass(frozen=True)
@@ -190,95 +172,6 @@ class StepFacts:
         return tuple(sorted(i for s in self.slices for i in s))
 
 
-@dataclass(frozen=True)
-class PassGate:
-    """Whether one expensive pass runs, on which sequences, and why."""
-
-    run: bool
-    reason: str
-    """Short human-readable cause of the decision (logged and shown in the console)."""
-    seq_indices: tuple[int, ...] = ()
-    """Sorted sequences the pass runs on (empty when it does not run or has no per-sequence
-    scope, like a weight sync)."""
-    source: OldLogProbSource | None = None
-    """Old-logprob gate only: RECOMPUTE when it runs (``seq_indices`` are recomputed; every
-    other sequence uses TRAIN_FORWARD), TRAIN_FORWARD when nothing is recomputed, ROLLOUT when
-    the engine's sampled logprobs stand in for all sequences. None for the other passes."""
-
-    def __post_init__(self) -> None:
-        if not self.reason:
-            raise ValueError("a gate needs a reason")
-        if not self.run and self.seq_indices:
-            raise ValueError("a gate that does not run cannot name sequences")
-        if list(self.seq_indices) != sorted(set(self.seq_indices)):
-            raise ValueError(f"seq_indices must be sorted and unique, got {self.seq_indices}")
-
-
-@dataclass(frozen=True)
-class StepGates:
-    """The decisions for one RL step; workers execute these and nothing else."""
-
-    step: int
-    num_sequences: int
-    """Sequences in the rollout, the denominator of ``gates/old_log_prob_frac``."""
-    old_log_prob: PassGate
-    """Old-logprob forward; must run before the rollout's first optimizer step."""
-    ref_log_prob: PassGate
-    base_weight_sync: PassGate
-    """Sync of base (or, without LoRA, full) weights to the rollout engine."""
-    adapter_sync: PassGate
-
-    def metrics(self) -> dict[str, float | str]:
-        """Per-step metrics, exactly the four ``gates/*`` keys."""
-        reasons = [
-            f"old_lp: {self.old_log_prob.reason}",
-            f"ref: {self.ref_log_prob.reason}",
-            f"sync: {self.base_weight_sync.reason}",
-        ]
-        return {
-            "gates/old_log_prob_frac": len(self.old_log_prob.seq_indices) / self.num_sequences,
-            "gates/ref_log_prob": float(self.ref_log_prob.run),
-            "gates/base_weight_sync": float(self.base_weight_sync.run),
-            "gates/reasons": "; ".join(reasons),
-        }
-
-    def _old_action(self) -> str:
-        """Which logprobs are "old": the engine's, or the trainer's (recomputed, and the
-        training forward's for the rest)."""
-        if self.old_log_prob.source is OldLogProbSource.ROLLOUT:
-            return "rollout logprobs"
-        recomputed = len(self.old_log_prob.seq_indices)
-        if recomputed == 0:
-            return "train forward"
-        action = f"{recomputed}/{self.num_sequences} recompute"
-        return action if recomputed == self.num_sequences else f"{action}, rest train forward"
-
-    def summary(self) -> str:
-        """One console line, e.g. ``old_lp: 8/16 recompute, rest train forward (mb1 after
-        step) | ref: skip (actor.kl_coef=0) | sync: adapter only (engine kept base)``."""
-        old_action = self._old_action()
-        if not self.adapter_sync.run:
-            sync_action = "full weights"
-        else:
-            sync_action = "base + adapter" if self.base_weight_sync.run else "adapter only"
-        ref_action = "run" if self.ref_log_prob.run else "skip"
-        return " | ".join(
-            [
-                f"old_lp: {old_action} ({self.old_log_prob.reason})",
-                f"ref: {ref_action} ({self.ref_log_prob.reason})",
-                f"sync: {sync_action} ({self.base_weight_sync.reason})",
-            ]
-        )
-
-
-@dataclass(frozen=True)
-class ReferencePlan:
-    """Where the run's reference logprobs come from, and why."""
-
-    source: ReferenceSource
-    reason: str
-
-
 def validate_gate_config(run: RunFacts) -> None:
     """Raise :class:`GateConfigError` at start-up for a forced choice that would be wrong."""
     if run.total_steps > 0:  # the coefficient is constant: wrong at step 0 or never
@@ -338,33 +231,31 @@ def decide_old_log_prob(facts: StepFacts) -> PassGate:
     """
     mode = facts.run.old_log_prob
     if mode is OldLogProbMode.ROLLOUT:
-        return PassGate(
-            run=False,
-            source=OldLogProbSource.ROLLOUT,
-            reason="planner.old_log_prob=rollout: engine logprobs, an approximation whose "
-            "price rollout/logprob_abs_diff shows",
+        return PassGate.rollout(
+            "planner.old_log_prob=rollout: engine logprobs, an approximation whose "
+            "price rollout/logprob_abs_diff shows"
         )
     if mode is OldLogProbMode.NEVER:
-        return _train_forward_gate("planner.old_log_prob=never, on-policy schedule")
+        return PassGate.train_forward("planner.old_log_prob=never, on-policy schedule")
     if mode is OldLogProbMode.ALWAYS:
-        return _recompute_gate(facts.all_sequences, "planner.old_log_prob=always")
+        return PassGate.recompute(facts.all_sequences, "planner.old_log_prob=always")
     if facts.run.kl_in_reward:
-        return _recompute_gate(facts.all_sequences, f"{KL_IN_REWARD}: all, before advantages")
+        return PassGate.recompute(facts.all_sequences, f"{KL_IN_REWARD}: all, before advantages")
     if facts.run.router_replay_r2:
-        return _recompute_gate(facts.all_sequences, ROUTER_REPLAY_R2)
+        return PassGate.recompute(facts.all_sequences, ROUTER_REPLAY_R2)
     # Only the first slice of a single epoch trains on the weights the step starts from.
     first_moved = 1 if facts.run.ppo_epochs == 1 else 0
     last = len(facts.slices) - 1
     stale = f"; {_stale_reason(facts)}" if facts.stale_sequences else ""
     if first_moved > last:
         if stale:
-            return _train_forward_gate(f"proximal{stale}")
+            return PassGate.train_forward(f"proximal{stale}")
         if facts.run.rollout_correction:
-            return _train_forward_gate(f"on-policy: {_CORRECTION_OLD}")
-        return _train_forward_gate("on-policy")
+            return PassGate.train_forward(f"on-policy: {_CORRECTION_OLD}")
+        return PassGate.train_forward("on-policy")
     seqs = tuple(sorted(i for s in facts.slices[first_moved:] for i in s))
     label = f"mb{first_moved}" if first_moved == last else f"mb{first_moved}-{last}"
-    return _recompute_gate(seqs, f"{label} after step{stale}")
+    return PassGate.recompute(seqs, f"{label} after step{stale}")
 
 
 def decide_ref_log_prob(facts: StepFacts) -> PassGate:
@@ -452,13 +343,3 @@ def _stale_reason(facts: StepFacts) -> str:
 
 def _kl_term(kl_coef: float) -> str:
     return f"actor.kl_coef={kl_coef:g}"
-
-
-def _recompute_gate(seq_indices: tuple[int, ...], reason: str) -> PassGate:
-    return PassGate(
-        run=True, seq_indices=seq_indices, source=OldLogProbSource.RECOMPUTE, reason=reason
-    )
-
-
-def _train_forward_gate(reason: str) -> PassGate:
-    return PassGate(run=False, source=OldLogProbSource.TRAIN_FORWARD, reason=reason)

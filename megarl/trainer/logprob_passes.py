@@ -14,7 +14,7 @@ import torch
 
 from megarl.algo.router_replay import replay_plan
 from megarl.distributed import heartbeat
-from megarl.planner.gates import ReferenceSource, StepGates
+from megarl.planner.gate_results import ReferenceSource, StepGates
 from megarl.planner.micro_batches import plan_forward_micro_batches
 from megarl.planner.step_plan import StepPlan
 from megarl.trainer import moe_routing

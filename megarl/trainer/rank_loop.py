@@ -47,7 +47,8 @@ from megarl.distributed import heartbeat, quiet
 from megarl.distributed.launcher import WorkerContext
 from megarl.errors import storage_error
 from megarl.planner.batch_planner import plan_step
-from megarl.planner.gates import ReferenceSource, decide_gates, decide_reference
+from megarl.planner.gate_results import ReferenceSource
+from megarl.planner.gates import decide_gates, decide_reference
 from megarl.planner.staleness import staleness_stats, trainer_version
 from megarl.planner.step_plan import StepPlan
 from megarl.trainer import moe_routing

@@ -29,7 +29,7 @@ from megarl.trainer.metrics import PhaseTimer
 
 if TYPE_CHECKING:
     from megarl.batch import RolloutBatch, RolloutShard
-    from megarl.planner.gates import StepGates
+    from megarl.planner.gate_results import StepGates
     from megarl.trainer.rollout_host import RolloutHost
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from megarl.planner.gates import ReferenceSource
+from megarl.planner.gate_results import ReferenceSource
 from megarl.trainer.progress import PhaseHook, no_progress
 
 if TYPE_CHECKING:

@@ -17,7 +17,7 @@ from megarl.distributed import heartbeat
 from megarl.trainer.progress import PhaseHook, no_progress
 
 if TYPE_CHECKING:
-    from megarl.planner.gates import StepGates
+    from megarl.planner.gate_results import StepGates
     from megarl.trainer.metrics import PhaseTimer
     from megarl.trainer.runtime import Runtime
 

@@ -6,12 +6,10 @@ import itertools
 
 import pytest
 
+from megarl.planner.gate_results import OldLogProbSource, PassGate, ReferenceSource
 from megarl.planner.gates import (
     GateConfigError,
     OldLogProbMode,
-    OldLogProbSource,
-    PassGate,
-    ReferenceSource,
     RefLogProbMode,
     RunFacts,
     StepFacts,

@@ -14,7 +14,8 @@ import pytest
 from megarl.config import planning
 from megarl.config.schema import build_run_config
 from megarl.planner.batch_planner import plan_step
-from megarl.planner.gates import OldLogProbSource, decide_gates
+from megarl.planner.gate_results import OldLogProbSource
+from megarl.planner.gates import decide_gates
 from megarl.planner.micro_batches import plan_forward_micro_batches
 
 SEQ_TOKENS = [10] * 16

@@ -30,10 +30,9 @@ from megarl.algo.kl_reward import (
 )
 from megarl.config.planning import run_facts
 from megarl.config.schema import ConfigError, build_run_config
+from megarl.planner.gate_results import OldLogProbSource, ReferenceSource
 from megarl.planner.gates import (
     GateConfigError,
-    OldLogProbSource,
-    ReferenceSource,
     StepFacts,
     decide_gates,
     decide_reference,
