@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megarl.config.checks import _choice, _values
-from megarl.planner.pruning import PRUNE_SETTINGS
 from megarl.planner.gates import OldLogProbMode, RefLogProbMode
+from megarl.planner.pruning import PRUNE_SETTINGS
 
 
 @dataclass(frozen=True)
@@ -20,7 +20,7 @@ class PlannerConfig:
     reference forwards) and whether an approximation is allowed for it."""
 
     prune_zero_adv: str = "auto"
-    """One of :data:`megarl.planner.batch_planner.PRUNE_SETTINGS`: auto (match_loss_curve when
+    """One of :data:`megarl.planner.pruning.PRUNE_SETTINGS`: auto (match_loss_curve when
     exact, else off) | off | match_loss_curve (exact) | fast (merged steps; exact with one
     mini-batch)."""
     allow_approx: bool = False

@@ -26,7 +26,7 @@ if TYPE_CHECKING:  # the batch types carry tensors; planning reads only their si
 
 def prune_mode(cfg: RunConfig) -> tuple[str, str]:
     """The planner mode ``planner.prune_zero_adv`` resolves to, and why (``auto``: see
-    :func:`~megarl.planner.batch_planner.resolve_prune_mode`)."""
+    :func:`~megarl.planner.pruning.resolve_prune_mode`)."""
     return resolve_prune_mode(
         cfg.planner.prune_zero_adv,
         cfg.actor.kl_coef,

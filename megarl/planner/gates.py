@@ -91,13 +91,6 @@ class RefLogProbMode(str, Enum):
     NEVER = "never"
 
 
-OLD_LOG_PROB_MODES: tuple[str, ...] = tuple(m.value for m in OldLogProbMode)
-"""The choices of ``planner.old_log_prob``, for the config schema."""
-
-REF_LOG_PROB_MODES: tuple[str, ...] = tuple(m.value for m in RefLogProbMode)
-"""The choices of ``planner.ref_log_prob``, for the config schema."""
-
-
 @dataclass(frozen=True)
 class RunFacts:
     """What the config fixes for the whole run."""
