@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import tiny_overrides
+from helpers.runs import tiny_overrides
 
 from megarl.train import StartupError, run
 

@@ -17,7 +17,7 @@ import time
 
 import pytest
 import torch
-from conftest import tiny_overrides
+from helpers.runs import tiny_overrides
 from safetensors.torch import load_file
 
 from megarl.batch import RolloutBatch

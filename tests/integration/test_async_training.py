@@ -20,7 +20,7 @@ import json
 
 import pytest
 import torch
-from conftest import tiny_overrides
+from helpers.runs import tiny_overrides
 
 from megarl.distributed.launcher import WorkerFailed
 from megarl.train import run

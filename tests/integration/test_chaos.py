@@ -30,13 +30,12 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import tiny_overrides
+from helpers.runs import run_env, tiny_overrides
 
 from megarl.train import run
 
 pytestmark = [pytest.mark.slow, pytest.mark.serial]  # timed: a hang is found within seconds
-REPO = Path(__file__).resolve().parents[2]
-ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(Path(__file__).parent)])}
+ENV = run_env()
 SEED = int(os.environ.get("MEGARL_CHAOS_SEED", "0"))
 TIMEOUT_S = {"hf": 8, "vllm": 120}
 """``trainer.collective_timeout_s``: rank 1 waits in a collective while rank 0 starts vLLM."""

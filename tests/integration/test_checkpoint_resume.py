@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_llama_hf_config, tiny_overrides, value_model_folder
+from helpers.models import tiny_llama_hf_config, value_model_folder
+from helpers.runs import run_env, tiny_overrides
 
 from megarl.checkpoint.convert import write_hf_folder
 from megarl.checkpoint.layout import complete_checkpoints, read_checkpoint
@@ -166,7 +167,7 @@ def _tmp_saves(run_dir) -> list:
 
 
 def _start_training(run_dir, steps: int, log) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(Path(__file__).parent)])}
+    env = run_env()
     args = tiny_overrides(
         run_dir,
         steps,

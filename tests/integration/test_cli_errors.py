@@ -203,7 +203,7 @@ def test_bad_model_folder_is_one_line_and_writes_nothing(train_cli, tmp_path, ca
 def _critic_folder(folder: Path, **changes) -> Path:
     """A value model of ``model=tiny_llama``'s architecture, with ``changes`` to its HF config
     (``num_labels`` and ``bias`` go to its score head)."""
-    from conftest import tiny_llama_hf_config, value_model_folder
+    from helpers.models import tiny_llama_hf_config, value_model_folder
 
     head = {k: changes.pop(k) for k in ("num_labels", "bias") if k in changes}
     value_model_folder(folder, {**tiny_llama_hf_config(), **changes}, seed=1, **head)

@@ -167,7 +167,7 @@ def test_tools_script_runs_the_same_main(tmp_path):
 
 
 def test_training_starts_from_a_converted_checkpoint(tiny_hf, tmp_path):
-    from conftest import tiny_overrides
+    from helpers.runs import tiny_overrides
 
     from megarl.train import run
 

@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from conftest import tiny_overrides
+from helpers.runs import tiny_overrides
 
 from megarl.actor.megatron_actor import MegatronActor
 from megarl.algo.divergence import DivergenceError

@@ -6,7 +6,7 @@ import importlib.util
 from pathlib import Path
 
 import pytest
-from conftest import tiny_overrides
+from helpers.runs import tiny_overrides
 
 from megarl.train import StartupError, run
 

@@ -12,11 +12,10 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import tiny_overrides
+from helpers.runs import run_env, tiny_overrides
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[2]
 DETECT_BOUND_S = 60  # death -> process exit; the collective timeout below is the backstop
 
 
@@ -24,12 +23,7 @@ def _run_killed(tmp_path, fault: str, steps: int, **overrides) -> tuple[list[str
     """Run ``megarl-train`` with ``MEGARL_FAULT_INJECT=fault``; assert it exits 1 with exactly
     one error line. Returns that line (in a list) and seconds from the death to the exit."""
     mark = tmp_path / "killed_at"
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(REPO), str(Path(__file__).parent)]),
-        "MEGARL_FAULT_INJECT": fault,
-        "MEGARL_FAULT_INJECT_MARK": str(mark),
-    }
+    env = run_env(MEGARL_FAULT_INJECT=fault, MEGARL_FAULT_INJECT_MARK=str(mark))
     overrides = {"trainer.collective_timeout_s": 120, **overrides}
     args = tiny_overrides(tmp_path / "run", steps=steps, **overrides)
     done = subprocess.run(
@@ -102,11 +96,7 @@ def test_an_error_raised_in_a_ray_rank_is_one_line_with_its_phase_and_a_logged_t
     """Rank 1's loop raises as step 1's rollout begins: exit 1, one line naming its placement,
     the error and the phase; the remote traceback (down to the raising frame) is in
     logs/error-rank1.txt, not on the console."""
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(REPO), str(Path(__file__).parent)]),
-        "MEGARL_FAULT_RAISE": "1:1",
-    }
+    env = run_env(MEGARL_FAULT_RAISE="1:1")
     run_dir = tmp_path / "run"
     layout = {"trainer.launcher": "ray", "trainer.n_gpus_per_node": 2, "actor.tp": 2}
     done = subprocess.run(
@@ -136,10 +126,7 @@ def test_killed_rank_then_resume_auto_completes_the_run(tmp_path):
     Neither run prints a third-party warning (see :mod:`megarl.distributed.quiet`)."""
     total, die_at, run_dir = 3, 3, tmp_path / "run"
     mark = tmp_path / "killed_at"
-    base_env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(REPO), str(Path(__file__).parent)]),
-    }
+    base_env = run_env()
     command = [
         sys.executable,
         "-m",

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import TINY_HF_CONFIG
+from helpers.models import TINY_HF_CONFIG
 
 from megarl.distributed.launcher import launch
 from megarl.models.random_init import build_random_hf_model

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_overrides
+from helpers.runs import tiny_overrides
 
 from megarl.checkpoint.convert import main as convert_main
 from megarl.checkpoint.layout import complete_checkpoints

@@ -15,7 +15,7 @@ import math
 
 import pytest
 import torch
-from conftest import tiny_overrides
+from helpers.runs import tiny_overrides
 from safetensors import safe_open
 
 from megarl.checkpoint.convert import write_hf_folder

@@ -12,7 +12,8 @@ from __future__ import annotations
 import json
 import math
 
-from conftest import tiny_llama_hf_config, tiny_overrides, value_model_folder
+from helpers.models import tiny_llama_hf_config, value_model_folder
+from helpers.runs import tiny_overrides
 
 from megarl.train import run
 

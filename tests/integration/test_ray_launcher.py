@@ -4,7 +4,7 @@ the same per-step metrics (timings aside) under both launchers with the same see
 from __future__ import annotations
 
 import pytest
-from conftest import tiny_overrides
+from helpers.runs import tiny_overrides
 
 from megarl.train import run
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from conftest import tiny_overrides
+from helpers.runs import tiny_overrides
 
 from megarl.train import run
 

@@ -5,7 +5,6 @@ local launcher, and (the signal and the frozen rank) under the Ray launcher."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -15,10 +14,9 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import tiny_overrides
+from helpers.runs import run_env, tiny_overrides
 
-REPO = Path(__file__).resolve().parents[2]
-ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(Path(__file__).parent)])}
+ENV = run_env()
 
 pytestmark = pytest.mark.serial  # a hang or a stop must be seen within seconds
 

@@ -11,17 +11,15 @@ where it cannot mount.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from conftest import tiny_overrides
+from helpers.runs import run_env, tiny_overrides
 
-REPO = Path(__file__).resolve().parents[2]
-ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(Path(__file__).parent)])}
+ENV = run_env()
 pytestmark = pytest.mark.serial  # mounts a file system and fills it
 TMPFS_SIZE = "700m"  # the init model (~55 MB) and three tiny-model checkpoints (~155 MB each)
 

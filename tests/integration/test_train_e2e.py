@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REQUIRED_METRICS, tiny_overrides
+from helpers.runs import REQUIRED_METRICS, tiny_overrides
 
 from megarl.train import run
 from megarl.trainer.metrics import step_line

@@ -8,7 +8,7 @@ Every step the engine must serve exactly the trainer's weights: ``rollout/logpro
 from __future__ import annotations
 
 import pytest
-from conftest import tiny_overrides
+from helpers.runs import tiny_overrides
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.slow

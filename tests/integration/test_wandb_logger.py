@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import tiny_overrides
+from helpers.runs import tiny_overrides
 from wandb_records import offline_runs
 
 from megarl.trainer.metrics import MetricsWriter, WandbRun, new_wandb_run_id

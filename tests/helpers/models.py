@@ -1,0 +1,108 @@
+"""Tiny model configurations and random models, as HF config dicts, ``transformers`` models and
+saved folders."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+TINY_HF_CONFIG = {
+    "model_type": "llama",
+    "vocab_size": 384,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 128,
+    "tie_word_embeddings": False,
+}
+"""The tiny Llama the export, LoRA and equivalence tests build with random weights."""
+
+TWO_LAYER_DIMS = {
+    "vocab_size": 64,
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 64,
+}
+"""The sizes of the smallest model the plain-data tests compute layouts for (no family)."""
+
+TWO_LAYER_HF_CONFIG = {"model_type": "llama", **TWO_LAYER_DIMS, "tie_word_embeddings": False}
+""":data:`TWO_LAYER_DIMS` as an untied Llama."""
+
+
+def tiny_llama_hf_config() -> dict:
+    """``model=tiny_llama``'s HF config (configs/model/tiny_llama.yaml), what runs train."""
+    import yaml
+
+    path = Path(__file__).resolve().parents[2] / "configs" / "model" / "tiny_llama.yaml"
+    return dict(yaml.safe_load(path.read_text())["hf_config"])
+
+
+def random_llama(seed: int | None = 0, **config: Any):
+    """A ``LlamaForCausalLM`` (eval mode) with random weights drawn after
+    ``torch.manual_seed(seed)`` (none for ``None``). ``config`` goes to ``LlamaConfig`` over
+    two layers, hidden 32, FFN 48, 4 heads, 2 KV heads, untied embeddings."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    values = {
+        "hidden_size": 32,
+        "intermediate_size": 48,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "tie_word_embeddings": False,
+        **config,
+    }
+    if seed is not None:
+        torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(**values)).eval()
+
+
+def save_llama_folder(folder: Path, **config: Any) -> Path:
+    """:func:`random_llama` (seed 0, vocab 384 unless ``config`` says) saved by
+    ``save_pretrained`` with SmolLM2's tokenizer files: a valid ``model.path``."""
+    from megarl.models.hf_io import resolve_model_path
+
+    model = random_llama(0, **{"vocab_size": 384, **config})
+    model.save_pretrained(folder, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(resolve_model_path(None) / name, folder / name)
+    return folder
+
+
+def edit_config(folder: Path, **changes: Any) -> None:
+    """Set keys of ``folder``'s config.json (a ``None`` value deletes the key)."""
+    config = json.loads((folder / "config.json").read_text())
+    for key, value in changes.items():
+        if value is None:
+            del config[key]
+        else:
+            config[key] = value
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def value_model_folder(folder, hf_config: dict, seed: int, num_labels: int = 1, bias: float = 0.0):
+    """A random-init ``...ForTokenClassification`` (what verl's critic loads) of ``hf_config``,
+    its ``score.bias`` set to ``bias``, saved by transformers: a ``critic.model.path``.
+    Returns the model (eval mode)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForTokenClassification
+
+    config = AutoConfig.for_model(**hf_config, num_labels=num_labels)
+    torch.manual_seed(seed)
+    model = AutoModelForTokenClassification.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        model.score.bias.fill_(bias)
+    model.save_pretrained(folder, safe_serialization=True)
+    return model

@@ -1,0 +1,33 @@
+"""What a rank worker of the integration tests does first, and the loss it trains with."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def start_cpu_rank(ctx, tp: int, pp: int = 1, vpp: int | None = None, ep: int = 1) -> None:
+    """Join the launcher's gloo group as ``ctx.rank`` (CPU shims on) and build Megatron's
+    TP/PP(/VPP)/EP groups."""
+    from megarl.distributed import parallel
+    from megarl.distributed.platform import enter_cpu_shims
+
+    enter_cpu_shims()
+    parallel.init_process_group("cpu", ctx.rank, ctx.world_size, ctx.master_addr, ctx.master_port)
+    parallel.init_model_parallel(tp, pp, vpp, ep=ep)
+
+
+def loss_settings(**changes: Any):
+    """PPO-clip at 0.2, token-mean, no KL, no entropy bonus, temperature 1; ``changes`` over it."""
+    from megarl.actor.megatron_actor import LossSettings
+
+    values: dict[str, Any] = {
+        "temperature": 1.0,
+        "clip_low": 0.2,
+        "clip_high": 0.2,
+        "agg": "token-mean",
+        "kl_coef": 0.0,
+        "kl_estimator": "low_var_kl",
+        "entropy_coef": 0.0,
+        **changes,
+    }
+    return LossSettings(**values)
