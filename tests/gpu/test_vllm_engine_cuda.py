@@ -10,7 +10,6 @@ tolerance. The CPU build runs the rest in ``tests/integration/test_vllm_engine.p
 
 from __future__ import annotations
 
-import copy
 import math
 
 import pytest
@@ -22,7 +21,9 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="vLLM needs CUDA"),
 ]
 
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from helpers.engines import mean_abs_logprob_diff, random_lora  # noqa: E402
+from helpers.models import tiny_llama_model  # noqa: E402
+from transformers import LlamaForCausalLM  # noqa: E402
 
 from megarl.engines.base import SamplingParams  # noqa: E402
 from megarl.engines.factory import build_engine  # noqa: E402
@@ -36,20 +37,15 @@ LORA_TARGETS = ["q_proj", "v_proj"]
 
 
 def random_llama(seed: int) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(
+    model = tiny_llama_model(
+        seed,
         vocab_size=VOCAB,
         hidden_size=256,
         intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         max_position_embeddings=512,
-        tie_word_embeddings=False,
         eos_token_id=EOS,
         bos_token_id=1,
     )
-    model = LlamaForCausalLM(config).eval()
     with torch.no_grad():  # sharper distributions than the default init, so argmax is stable
         model.lm_head.weight.mul_(20.0)
     return model.to(torch.bfloat16).float()  # exactly representable in the served bf16
@@ -83,20 +79,6 @@ def engine(reference) -> VLLMEngine:
     )
     yield built
     built.close()
-
-
-@torch.no_grad()
-def mean_abs_logprob_diff(model: torch.nn.Module, generations, temperature: float) -> float:
-    diffs = []
-    for generation in generations:
-        ids_T = torch.tensor(generation.prompt_ids + generation.response_ids, device="cuda")
-        logits_TV = model(ids_T.unsqueeze(0)).logits[0].float() / (temperature or 1.0)
-        logprobs_TV = torch.log_softmax(logits_TV, dim=-1)
-        num_prompt = len(generation.prompt_ids)
-        expected = logprobs_TV[num_prompt - 1 : -1].gather(-1, ids_T[num_prompt:, None])
-        got = torch.tensor(generation.response_logprobs, device="cuda")
-        diffs.append((expected.squeeze(-1) - got).abs())
-    return torch.cat(diffs).mean().item()
 
 
 def greedy(max_new_tokens: int = 8) -> SamplingParams:
@@ -161,14 +143,8 @@ def test_both_weight_load_paths_serve_the_sent_weights(engine, reference, method
 
 
 def test_lora_adapter_matches_merged_reference(engine, reference):
-    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
-
     _, model = reference
-    torch.manual_seed(5)
-    config = LoraConfig(r=8, lora_alpha=16, target_modules=LORA_TARGETS, init_lora_weights=False)
-    peft_model = get_peft_model(copy.deepcopy(model), config)
-    adapter = get_peft_model_state_dict(peft_model)
-    merged = peft_model.merge_and_unload().eval()
+    adapter, merged = random_lora(model, seed=5, targets=LORA_TARGETS, rank=8, alpha=16)
 
     engine.load_lora_adapter(adapter.items(), rank=8, alpha=16, target_modules=LORA_TARGETS)
     assert engine.memory_state().adapter_resident

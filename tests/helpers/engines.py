@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Sequence
+
 import torch
 
 from megarl.engines.base import Generation
@@ -31,3 +34,29 @@ def mean_abs_logprob_diff(
         for g in generations
     ]
     return torch.cat(diffs).mean().item()
+
+
+def random_lora(
+    base: torch.nn.Module,
+    seed: int,
+    targets: Sequence[str],
+    rank: int,
+    alpha: float,
+    scale: float = 1.0,
+) -> tuple[dict[str, torch.Tensor], torch.nn.Module]:
+    """A random PEFT LoRA (drawn after ``torch.manual_seed(seed)``) on a copy of ``base``, its
+    factors times ``scale``: (PEFT state dict, merged HF model in eval mode)."""
+    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+
+    torch.manual_seed(seed)
+    config = LoraConfig(
+        r=rank, lora_alpha=alpha, target_modules=list(targets), init_lora_weights=False
+    )
+    peft_model = get_peft_model(copy.deepcopy(base), config)
+    if scale != 1.0:
+        with torch.no_grad():
+            for name, param in peft_model.named_parameters():
+                if "lora_" in name:
+                    param.mul_(scale)
+    state = {n: t.clone() for n, t in get_peft_model_state_dict(peft_model).items()}
+    return state, peft_model.merge_and_unload().eval()

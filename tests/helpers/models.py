@@ -48,7 +48,7 @@ def tiny_llama_hf_config() -> dict:
     return dict(yaml.safe_load(path.read_text())["hf_config"])
 
 
-def random_llama(seed: int | None = 0, **config: Any):
+def tiny_llama_model(seed: int | None = 0, **config: Any):
     """A ``LlamaForCausalLM`` (eval mode) with random weights drawn after
     ``torch.manual_seed(seed)`` (none for ``None``). ``config`` goes to ``LlamaConfig`` over
     two layers, hidden 32, FFN 48, 4 heads, 2 KV heads, untied embeddings."""
@@ -70,11 +70,11 @@ def random_llama(seed: int | None = 0, **config: Any):
 
 
 def save_llama_folder(folder: Path, **config: Any) -> Path:
-    """:func:`random_llama` (seed 0, vocab 384 unless ``config`` says) saved by
+    """:func:`tiny_llama_model` (seed 0, vocab 384 unless ``config`` says) saved by
     ``save_pretrained`` with SmolLM2's tokenizer files: a valid ``model.path``."""
     from megarl.models.hf_io import resolve_model_path
 
-    model = random_llama(0, **{"vocab_size": 384, **config})
+    model = tiny_llama_model(0, **{"vocab_size": 384, **config})
     model.save_pretrained(folder, safe_serialization=True)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(resolve_model_path(None) / name, folder / name)

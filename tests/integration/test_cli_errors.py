@@ -5,11 +5,11 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import shutil
 from pathlib import Path
 
 import pytest
 from forked_cli import Finished
+from helpers.models import edit_config, save_llama_folder
 
 _VLLM_CASES = (
     []
@@ -136,33 +136,6 @@ def _assert_one_line_exit_2(train_cli, tmp_path, args, needle):
     assert not (run_dir / "metrics.jsonl").exists()
 
 
-def _tiny_hf_folder(folder: Path) -> Path:
-    """A tiny random Llama saved by transformers, with SmolLM2's tokenizer: a valid model.path."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from megarl.models.hf_io import resolve_model_path
-
-    config = LlamaConfig(
-        vocab_size=384,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=False,
-    )
-    LlamaForCausalLM(config).save_pretrained(folder, safe_serialization=True)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(resolve_model_path(None) / name, folder / name)
-    return folder
-
-
-def _set_config(folder: Path, key: str, value) -> None:
-    config = json.loads((folder / "config.json").read_text())
-    config[key] = value
-    (folder / "config.json").write_text(json.dumps(config))
-
-
 _BAD_MODELS = {
     "truncated weights": (
         lambda f: (f / "model.safetensors").write_bytes(
@@ -175,7 +148,7 @@ _BAD_MODELS = {
         "config.json is not valid JSON",
     ),
     "vocab disagreeing with the weights": (
-        lambda f: _set_config(f, "vocab_size", 400),
+        lambda f: edit_config(f, vocab_size=400),
         "config.json vocab_size=400 but model.embed_tokens.weight has 384 rows",
     ),
     "no tokenizer": (lambda f: (f / "tokenizer.json").unlink(), "folder has no tokenizer"),
@@ -193,7 +166,7 @@ def _assert_one_line_exit_2_nothing_written(proc, needle: str, run_dir: Path) ->
 @pytest.mark.parametrize("case", sorted(_BAD_MODELS))
 def test_bad_model_folder_is_one_line_and_writes_nothing(train_cli, tmp_path, case):
     corrupt, needle = _BAD_MODELS[case]
-    model = _tiny_hf_folder(tmp_path / "model")
+    model = save_llama_folder(tmp_path / "model")
     corrupt(model)
     run_dir = tmp_path / "run"
     proc = train_cli.run(f"trainer.run_dir={run_dir}", f"model.path={model}", cwd=tmp_path)

@@ -22,7 +22,9 @@ import torch
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.slow
 
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from helpers.engines import mean_abs_logprob_diff, random_lora  # noqa: E402
+from helpers.models import tiny_llama_model  # noqa: E402
+from transformers import LlamaForCausalLM  # noqa: E402
 
 from megarl.engines.base import Generation, Request, SamplingParams, request_seed  # noqa: E402
 from megarl.engines.hf import HFEngine  # noqa: E402
@@ -36,20 +38,16 @@ LORA_TARGETS = ["q_proj", "v_proj", "gate_proj", "down_proj"]
 
 
 def random_llama(seed: int) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(
+    model = tiny_llama_model(
+        seed,
         vocab_size=VOCAB,
         hidden_size=128,
         intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         max_position_embeddings=256,
         tie_word_embeddings=True,
         eos_token_id=EOS,
         bos_token_id=1,
     )
-    model = LlamaForCausalLM(config).eval()
     with torch.no_grad():  # sharper distributions than the default init: stable argmax
         model.model.embed_tokens.weight.mul_(2.0)
     return model
@@ -81,20 +79,6 @@ def engine(reference):
     )
     yield built
     built.close()
-
-
-@torch.no_grad()
-def mean_abs_logprob_diff(model: torch.nn.Module, generations) -> float:
-    """Engine logprobs vs ``log_softmax`` of the reference at temperature 1."""
-    diffs = []
-    for generation in generations:
-        ids_T = torch.tensor(generation.prompt_ids + generation.response_ids)
-        logprobs_TV = torch.log_softmax(model(ids_T.unsqueeze(0)).logits[0].float(), dim=-1)
-        num_prompt = len(generation.prompt_ids)
-        expected = logprobs_TV[num_prompt - 1 : -1].gather(-1, ids_T[num_prompt:, None])
-        got = torch.tensor(generation.response_logprobs)
-        diffs.append((expected.squeeze(-1) - got).abs())
-    return torch.cat(diffs).mean().item()
 
 
 def perturbed(model: LlamaForCausalLM, seed: int, scale: float = 0.02) -> LlamaForCausalLM:
@@ -217,14 +201,8 @@ def test_unknown_or_misshaped_weights_are_refused_by_name(engine):
 
 
 def test_lora_adapter_matches_the_merged_reference(engine, reference):
-    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
-
     _, model = reference
-    torch.manual_seed(5)
-    config = LoraConfig(r=8, lora_alpha=16, target_modules=LORA_TARGETS, init_lora_weights=False)
-    peft_model = get_peft_model(copy.deepcopy(model), config)
-    adapter = get_peft_model_state_dict(peft_model)
-    merged = peft_model.merge_and_unload().eval()
+    adapter, merged = random_lora(model, seed=5, targets=LORA_TARGETS, rank=8, alpha=16)
     engine.load_lora_adapter(adapter.items(), rank=8, alpha=16, target_modules=LORA_TARGETS)
     try:
         assert engine.memory_state().adapter_resident

@@ -71,18 +71,13 @@ def test_engine_modules_import_no_engine_library():
 
 
 def test_build_engine_hf():
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
+    from helpers.models import tiny_llama_model
+
     from megarl.engines.hf import HFEngine
 
-    config = transformers.LlamaConfig(
-        vocab_size=32,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-    )
-    engine = build_engine("hf", model=transformers.LlamaForCausalLM(config), eos_token_ids=[3])
+    model = tiny_llama_model(vocab_size=32, num_hidden_layers=1)
+    engine = build_engine("hf", model=model, eos_token_ids=[3])
     assert isinstance(engine, HFEngine)
     assert engine.eos_token_ids == (3,)
     assert engine.memory_state() == base.EngineMemoryState(True, False)

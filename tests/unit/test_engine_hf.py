@@ -14,7 +14,9 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
-from transformers import LlamaConfig, LlamaForCausalLM
+from helpers.engines import random_lora, reference_logprobs
+from helpers.models import tiny_llama_model
+from transformers import LlamaForCausalLM
 
 from megarl.engines.base import Generation, SamplingParams
 from megarl.engines.hf import HFEngine, invert_cdf, parse_peft_lora_name, top_p_filter
@@ -28,21 +30,17 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:Futu
 
 
 def tiny_llama(tie: bool = False, seed: int = 0) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(
+    return tiny_llama_model(
+        seed,
         vocab_size=VOCAB,
         hidden_size=64,
         intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         max_position_embeddings=256,
         tie_word_embeddings=tie,
         eos_token_id=EOS,
         bos_token_id=1,
         pad_token_id=PAD,
     )
-    return LlamaForCausalLM(config).eval()
 
 
 def make_engine(model: LlamaForCausalLM, device: str = "cpu") -> HFEngine:
@@ -54,18 +52,6 @@ def bias_eos(model: LlamaForCausalLM, bias: float) -> None:
     bias_V = torch.zeros(VOCAB)
     bias_V[EOS] = bias
     model.lm_head.register_forward_hook(lambda _m, _i, out: out + bias_V.to(out.device))
-
-
-@torch.no_grad()
-def reference_logprobs(model: torch.nn.Module, generation: Generation, temperature: float):
-    """log_softmax(logits / T)[token] from one unpadded, uncached forward of prompt+response."""
-    device = next(model.parameters()).device
-    ids_T = torch.tensor(generation.prompt_ids + generation.response_ids, device=device)
-    logits_TV = model(ids_T.unsqueeze(0)).logits[0].float()
-    logprobs_TV = torch.log_softmax(logits_TV / (temperature or 1.0), dim=-1)
-    num_prompt = len(generation.prompt_ids)
-    response_T = ids_T[num_prompt:].unsqueeze(-1)
-    return logprobs_TV[num_prompt - 1 : -1].gather(-1, response_T).squeeze(-1).cpu()
 
 
 def greedy(max_new_tokens: int = 8) -> SamplingParams:
@@ -448,18 +434,9 @@ def test_sleep_levels_are_validated():
 
 
 def peft_adapter(base: LlamaForCausalLM, seed: int, targets: list[str]):
-    """A random PEFT LoRA on a copy of ``base``: (PEFT state dict, merged HF model)."""
-    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
-
-    torch.manual_seed(seed)
-    config = LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)
-    peft_model = get_peft_model(copy.deepcopy(base), config)
-    with torch.no_grad():  # make the adapter's effect large enough to see
-        for name, param in peft_model.named_parameters():
-            if "lora_" in name:
-                param.mul_(3.0)
-    state = {n: t.clone() for n, t in get_peft_model_state_dict(peft_model).items()}
-    return state, peft_model.merge_and_unload().eval()
+    """A random PEFT LoRA on a copy of ``base``, times 3 (an effect large enough to see):
+    (PEFT state dict, merged HF model)."""
+    return random_lora(base, seed, targets, rank=4, alpha=8, scale=3.0)
 
 
 def assert_engine_matches(engine: HFEngine, reference: torch.nn.Module) -> None:

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers.models import tiny_llama_model
 
 from megarl.engines.base import request_seed
 from megarl.engines.tensor_transport import SharedTensorFile, TensorMeta, read_tensors
@@ -26,18 +27,8 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:Futu
 
 
 def tiny_llama(tie: bool):
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        tie_word_embeddings=tie,
-    )
-    return transformers.LlamaForCausalLM(config).eval()
+    pytest.importorskip("transformers")
+    return tiny_llama_model(0, vocab_size=64, tie_word_embeddings=tie)
 
 
 def test_request_seeds_are_reproducible_and_distinct():

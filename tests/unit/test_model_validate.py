@@ -14,34 +14,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.models import edit_config, save_llama_folder
 
 from megarl.models.hf_io import resolve_model_path
 from megarl.models.validate import TOKENIZER_FILES, ModelPathError, check_hf_folder
 
-TINY = {
-    "vocab_size": 384,
-    "hidden_size": 32,
-    "intermediate_size": 48,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 64,
-    "tie_word_embeddings": False,
-}
-
 
 @pytest.fixture(scope="module")
 def pristine(tmp_path_factory) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     folder = tmp_path_factory.mktemp("tiny") / "hf"
-    torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(**TINY)).save_pretrained(folder, safe_serialization=True)
-    smollm2 = resolve_model_path(None)
-    for name in (*TOKENIZER_FILES, "tokenizer_config.json"):
-        if (smollm2 / name).is_file():
-            shutil.copy(smollm2 / name, folder / name)
-    return folder
+    return save_llama_folder(folder, max_position_embeddings=64)
 
 
 @pytest.fixture
@@ -49,16 +31,6 @@ def folder(pristine, tmp_path) -> Path:
     copy = tmp_path / "model"
     shutil.copytree(pristine, copy)
     return copy
-
-
-def _edit_config(folder: Path, **changes) -> None:
-    config = json.loads((folder / "config.json").read_text())
-    for key, value in changes.items():
-        if value is None:
-            del config[key]
-        else:
-            config[key] = value
-    (folder / "config.json").write_text(json.dumps(config))
 
 
 def _drop_tensor(folder: Path, name: str) -> None:
@@ -104,27 +76,27 @@ CORRUPTIONS: dict[str, tuple[Callable[[Path], None], str]] = {
         "config.json is not a JSON object",
     ),
     "config without layers": (
-        lambda f: _edit_config(f, num_hidden_layers=None),
+        lambda f: edit_config(f, num_hidden_layers=None),
         "config.json has no num_hidden_layers",
     ),
     "config without hidden size": (
-        lambda f: _edit_config(f, hidden_size=None),
+        lambda f: edit_config(f, hidden_size=None),
         "config.json has no hidden_size",
     ),
     "config of an unsupported family": (
-        lambda f: _edit_config(f, model_type="gpt2"),
+        lambda f: edit_config(f, model_type="gpt2"),
         "config.json: model_type='gpt2' is not supported",
     ),
     "vocab larger than the weights": (
-        lambda f: _edit_config(f, vocab_size=400),
+        lambda f: edit_config(f, vocab_size=400),
         "config.json vocab_size=400 but model.embed_tokens.weight has 384 rows",
     ),
     "more layers than the weights": (
-        lambda f: _edit_config(f, num_hidden_layers=4),
+        lambda f: edit_config(f, num_hidden_layers=4),
         "num_hidden_layers=4 but the weights have model.layers.0 to model.layers.1",
     ),
     "fewer layers than the weights": (
-        lambda f: _edit_config(f, num_hidden_layers=1),
+        lambda f: edit_config(f, num_hidden_layers=1),
         "num_hidden_layers=1 but the weights have model.layers.0 to model.layers.1",
     ),
     "a tensor missing": (
@@ -132,7 +104,7 @@ CORRUPTIONS: dict[str, tuple[Callable[[Path], None], str]] = {
         "the weights have no tensor model.layers.1.mlp.up_proj.weight",
     ),
     "ffn size disagreeing": (
-        lambda f: _edit_config(f, intermediate_size=64),
+        lambda f: edit_config(f, intermediate_size=64),
         "model.layers.0.mlp.gate_proj.weight has shape [48, 32] but config.json implies [64, 32]",
     ),
     "no tokenizer": (
