@@ -39,6 +39,18 @@ TWO_LAYER_DIMS = {
 TWO_LAYER_HF_CONFIG = {"model_type": "llama", **TWO_LAYER_DIMS, "tie_word_embeddings": False}
 """:data:`TWO_LAYER_DIMS` as an untied Llama."""
 
+MOE_EXPERTS = {
+    "qwen3_moe": {"num_experts": 4, "moe_intermediate_size": 24, "head_dim": 16},
+    "mixtral": {"num_local_experts": 4, "intermediate_size": 24},
+    "qwen2_moe": {
+        "num_experts": 4,
+        "moe_intermediate_size": 24,
+        "shared_expert_intermediate_size": 40,
+    },
+}
+"""Every mixture-of-experts family's expert keys, tiny: 4 experts of FFN 24 (Qwen2-MoE with a
+shared expert of 40); add ``num_experts_per_tok``."""
+
 
 def tiny_llama_hf_config() -> dict:
     """``model=tiny_llama``'s HF config (configs/model/tiny_llama.yaml), what runs train."""

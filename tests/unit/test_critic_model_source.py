@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from helpers.models import TINY_HF_CONFIG
 
 from megarl.critic.model_source import (
     CriticModelError,
@@ -13,23 +14,10 @@ from megarl.critic.model_source import (
     decide_value_head,
     first_spec_difference,
 )
-from megarl.models.spec import TransformerSpec
+from megarl.models.spec import spec_from_hf_config
 
-ACTOR = TransformerSpec(
-    family="llama",
-    vocab_size=384,
-    hidden_size=64,
-    ffn_hidden_size=96,
-    num_layers=4,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-    rms_norm_eps=1e-5,
-    rope_theta=10000.0,
-    tie_embeddings=False,
-    qkv_bias=False,
-    max_position_embeddings=128,
-)
+ACTOR = spec_from_hf_config(TINY_HF_CONFIG)
+"""The tiny Llama's: 4 layers, hidden 64, FFN 96, 4 heads of 16, 2 KV heads, vocab 384."""
 WHERE = "critic.model.path=/x"
 
 

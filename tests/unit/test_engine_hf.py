@@ -15,7 +15,7 @@ import torch
 
 pytest.importorskip("transformers")
 from helpers.engines import random_lora, reference_logprobs
-from helpers.models import tiny_llama_model
+from helpers.models import MOE_EXPERTS, tiny_llama_model
 from transformers import LlamaForCausalLM
 
 from megarl.engines.base import Generation, SamplingParams
@@ -235,19 +235,7 @@ def test_update_weights_rejects_unknown_names_and_bad_shapes():
         engine.update_weights([("model.norm.weight", torch.zeros(65))])
 
 
-MOE_CONFIGS = {
-    "qwen3_moe": {"num_experts": 4, "moe_intermediate_size": 24, "head_dim": 16},
-    "mixtral": {"num_local_experts": 4, "intermediate_size": 24},
-    "qwen2_moe": {
-        "num_experts": 4,
-        "moe_intermediate_size": 24,
-        "shared_expert_intermediate_size": 40,
-    },
-}
-"""Every mixture-of-experts family, tiny: 4 experts, top-2 (Qwen2-MoE with its shared expert)."""
-
-
-@pytest.mark.parametrize("family", sorted(MOE_CONFIGS))
+@pytest.mark.parametrize("family", sorted(MOE_EXPERTS))
 def test_moe_engine_takes_every_exported_name(family, tmp_path):
     """The exporter's names (the checkpoint's, one tensor per expert, Qwen2-MoE's shared expert
     and gate included) reach transformers 5's fused in-memory experts: the engine then holds
@@ -275,7 +263,7 @@ def test_moe_engine_takes_every_exported_name(family, tmp_path):
 
 
 def tiny_moe_config(family: str) -> dict:
-    """A 2-layer model of ``family`` with :data:`MOE_CONFIGS`' experts."""
+    """A 2-layer model of ``family`` with :data:`MOE_EXPERTS`' experts."""
     return dict(
         model_type=family,
         vocab_size=VOCAB,
@@ -285,7 +273,7 @@ def tiny_moe_config(family: str) -> dict:
         num_key_value_heads=2,
         num_experts_per_tok=2,
         max_position_embeddings=64,
-        **MOE_CONFIGS[family],
+        **MOE_EXPERTS[family],
     )
 
 
@@ -317,7 +305,7 @@ def reference_input_routing(model: torch.nn.Module, generation: Generation) -> t
     return torch.stack(seen, dim=1)[:-1]
 
 
-@pytest.mark.parametrize("family", sorted(MOE_CONFIGS))
+@pytest.mark.parametrize("family", sorted(MOE_EXPERTS))
 def test_moe_routing_is_that_of_each_tokens_scoring_forward(family):
     """The engine's expert ids (left-padded prefill, then cached decode columns) equal a plain
     full forward's at the positions that score each response token, as compact ids; a model

@@ -20,9 +20,9 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
+from helpers.models import MOE_EXPERTS
 from test_engine_hf import (
     EOS,
-    MOE_CONFIGS,
     PROMPTS,
     VOCAB,
     bias_eos,
@@ -236,7 +236,7 @@ def test_generate_requests_does_not_touch_the_global_rng():
 # --- mixture-of-experts routing ---------------------------------------------------------------
 
 
-@pytest.mark.parametrize("family", sorted(MOE_CONFIGS))
+@pytest.mark.parametrize("family", sorted(MOE_EXPERTS))
 def test_resumed_moe_responses_route_like_one_full_forward(family):
     """Joined pieces carry the routing of every input position once: the first piece's prompt
     routing, then each piece's response routing; resumed pieces bring no prompt routing."""

@@ -151,21 +151,12 @@ def test_cli_reports_execution_errors_as_startup_errors(monkeypatch):
 def test_plan_recompute_reaches_transformer_config(recompute, fields):
     """actor.recompute -> the plan -> Megatron TransformerConfig's recompute fields."""
     import torch
+    from helpers.models import TINY_HF_CONFIG
 
     from megarl.models.megatron_gpt import transformer_config
     from megarl.models.spec import spec_from_hf_config
 
-    spec = spec_from_hf_config(
-        {
-            "model_type": "llama",
-            "vocab_size": 384,
-            "hidden_size": 64,
-            "intermediate_size": 96,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-        }
-    )
+    spec = spec_from_hf_config(dict(TINY_HF_CONFIG, num_hidden_layers=2))
     plan = decide_execution(ExecutionRequest(recompute=recompute or "none"), H100_TE)
     config = transformer_config(
         spec, 1, 1, torch.bfloat16, use_cpu_initialization=True, recompute=plan.recompute

@@ -4,6 +4,7 @@ bitwise, and the converter's PEFT tensors from TP=2 shards equal those from the 
 from __future__ import annotations
 
 import torch
+from helpers.models import TWO_LAYER_HF_CONFIG
 
 from megarl.checkpoint.lora_shards import (
     SavedSite,
@@ -17,19 +18,7 @@ from megarl.export.lora import peft_name
 from megarl.models import mapping
 from megarl.models.spec import spec_from_hf_config
 
-HF = {
-    "model_type": "llama",
-    "vocab_size": 64,
-    "hidden_size": 32,
-    "intermediate_size": 48,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 10000.0,
-    "max_position_embeddings": 64,
-    "tie_word_embeddings": False,
-}
+HF = TWO_LAYER_HF_CONFIG
 SPEC = spec_from_hf_config(HF)
 RANK = 3
 TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")

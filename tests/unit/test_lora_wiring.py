@@ -7,6 +7,7 @@ import copy
 
 import pytest
 import torch
+from helpers.models import TWO_LAYER_HF_CONFIG
 
 from megarl.config import planning
 from megarl.config.schema import build_run_config
@@ -20,19 +21,7 @@ from megarl.trainer.summary import SAVED, summarize
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")
 
-HF = {
-    "model_type": "llama",
-    "vocab_size": 64,
-    "hidden_size": 32,
-    "intermediate_size": 48,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 10000.0,
-    "max_position_embeddings": 64,
-    "tie_word_embeddings": False,
-}
+HF = TWO_LAYER_HF_CONFIG
 SPEC = spec_from_hf_config(HF)
 
 

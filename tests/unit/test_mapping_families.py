@@ -7,21 +7,12 @@ and compares every name and shape, so a table that misses or invents a tensor fa
 from __future__ import annotations
 
 import pytest
+from helpers.models import MOE_EXPERTS, TWO_LAYER_DIMS
 
 from megarl.models import mapping
 from megarl.models.spec import ModelSpecError, spec_from_hf_config
 
-TINY = {
-    "vocab_size": 96,
-    "hidden_size": 32,
-    "intermediate_size": 48,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 10000.0,
-    "max_position_embeddings": 64,
-}
+TINY = dict(TWO_LAYER_DIMS, vocab_size=96)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
@@ -52,18 +43,7 @@ def test_table_matches_transformers_state_dict(family, tied):
     assert spec.num_parameters() == sum(t.numel() for t in state.values())
 
 
-MOE = {
-    "qwen3_moe": {"num_experts": 4, "moe_intermediate_size": 24, "head_dim": 16},
-    "mixtral": {"num_local_experts": 4},
-    "qwen2_moe": {
-        "num_experts": 4,
-        "moe_intermediate_size": 24,
-        "shared_expert_intermediate_size": 40,
-    },
-}
-
-
-@pytest.mark.parametrize("family", sorted(MOE))
+@pytest.mark.parametrize("family", sorted(MOE_EXPERTS))
 def test_moe_table_matches_the_saved_checkpoint(family, tmp_path):
     """MoE tables name the checkpoint's per-expert tensors (what ``save_pretrained`` writes and
     vLLM loads), not transformers 5's fused in-memory experts."""
@@ -71,7 +51,7 @@ def test_moe_table_matches_the_saved_checkpoint(family, tmp_path):
 
     from megarl.models.random_init import build_random_hf_model
 
-    cfg = dict(TINY, model_type=family, num_experts_per_tok=2, **MOE[family])
+    cfg = dict(TINY, model_type=family, num_experts_per_tok=2, **MOE_EXPERTS[family])
     model = build_random_hf_model(cfg, seed=0)
     model.save_pretrained(tmp_path)
     with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
@@ -97,7 +77,7 @@ def test_shared_expert_is_a_dense_parameter_on_every_expert_parallel_rank():
     holds, loads and checkpoints them, and expert-rank 0 exports them, like the attention."""
     from megarl.export.plan import export_items
 
-    cfg = dict(TINY, model_type="qwen2_moe", num_experts_per_tok=2, **MOE["qwen2_moe"])
+    cfg = dict(TINY, model_type="qwen2_moe", num_experts_per_tok=2, **MOE_EXPERTS["qwen2_moe"])
     spec = spec_from_hf_config(cfg)
     assert spec.moe_shared_ffn_hidden_size == 40
     shared = [r for r in mapping.rules_for(spec) if ".shared_experts." in r.mcore]

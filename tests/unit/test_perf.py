@@ -6,26 +6,13 @@ import math
 from types import SimpleNamespace
 
 import pytest
+from helpers.models import TINY_HF_CONFIG
 
-from megarl.models.spec import TransformerSpec
+from megarl.models.spec import spec_from_hf_config
 from megarl.trainer import perf
 
 # h=64, f=96, d=16, n=4 query heads, g=2 KV heads, L=2 layers, V=100
-SPEC = TransformerSpec(
-    family="llama",
-    vocab_size=100,
-    hidden_size=64,
-    ffn_hidden_size=96,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-    rms_norm_eps=1e-5,
-    rope_theta=1e4,
-    tie_embeddings=False,
-    qkv_bias=False,
-    max_position_embeddings=128,
-)
+SPEC = spec_from_hf_config(dict(TINY_HF_CONFIG, vocab_size=100, num_hidden_layers=2))
 
 
 def test_dense_flops_per_token_by_hand():
