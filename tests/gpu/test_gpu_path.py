@@ -11,6 +11,8 @@ import math
 
 import pytest
 import torch
+from helpers.batches import random_batch
+from helpers.models import TINY_HF_CONFIG
 
 pytestmark = pytest.mark.gpu
 
@@ -33,19 +35,14 @@ def require_transformer_engine() -> None:
 
 BF16_MEAN_LOGP_TOL = 2e-2
 BF16_MAX_LOGP_TOL = 0.25
-TINY = {
-    "model_type": "llama",
-    "vocab_size": 1024,
-    "hidden_size": 256,
-    "intermediate_size": 512,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 10000.0,
-    "max_position_embeddings": 512,
-    "tie_word_embeddings": False,
-}
+TINY = dict(
+    TINY_HF_CONFIG,
+    vocab_size=1024,
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    max_position_embeddings=512,
+)
 SEQ_LENS = (37, 120, 9, 64, 200)
 
 
@@ -68,20 +65,8 @@ def _init(ctx):
 
 
 def _batch(vocab: int):
-    from megarl.batch import RolloutBatch
-
-    gen = torch.Generator().manual_seed(0)
-    tokens = tuple(torch.randint(3, vocab, (n,), generator=gen) for n in SEQ_LENS)
     prompts = tuple(max(1, n // 3) for n in SEQ_LENS)
-    num = len(SEQ_LENS)
-    return RolloutBatch(
-        tokens=tokens,
-        prompt_lens=prompts,
-        group_ids=torch.zeros(num),
-        rewards=torch.zeros(num),
-        advantages=torch.linspace(-1, 1, num),
-        engine_logprobs=tuple(torch.zeros(n - p) for n, p in zip(SEQ_LENS, prompts, strict=True)),
-    )
+    return random_batch(SEQ_LENS, prompts, vocab, torch.linspace(-1, 1, len(SEQ_LENS)), seed=0)
 
 
 def _actor(spec, state, plan):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers.models import TINY_HF_CONFIG, value_model_folder
+from helpers.ranks import start_cpu_rank
 
 from megarl.distributed.launcher import launch
 from megarl.models.random_init import build_random_hf_model
@@ -52,13 +53,10 @@ def _worker(ctx, tp: int, pp: int, hf_config: dict, ids, ref_values, state, head
     from megarl.config.actor import ActorConfig
     from megarl.critic.megatron_critic import MegatronCritic, ValueLossSettings
     from megarl.distributed import parallel
-    from megarl.distributed.platform import enter_cpu_shims
     from megarl.models.spec import spec_from_hf_config
     from megarl.planner.step_plan import OptimizerStepPlan
 
-    enter_cpu_shims()
-    parallel.init_process_group("cpu", ctx.rank, ctx.world_size, ctx.master_addr, ctx.master_port)
-    parallel.init_model_parallel(tp, pp)
+    start_cpu_rank(ctx, tp, pp)
     spec = spec_from_hf_config(hf_config)
     cfg = ActorConfig(tp=tp, pp=pp, lr=1e-2)
     critic = MegatronCritic(spec, cfg, "cpu", torch.float32, state, pad_id=0)
@@ -126,14 +124,11 @@ def _folder_worker(ctx, tp: int, hf_config: dict, ids, actor_dir: str, critic_di
     from megarl.critic.hf_init import critic_init
     from megarl.critic.megatron_critic import MegatronCritic
     from megarl.distributed import parallel
-    from megarl.distributed.platform import enter_cpu_shims
     from megarl.models.hf_io import open_hf_tensors
     from megarl.models.megatron_gpt import ValueHeadInit
     from megarl.models.spec import spec_from_hf_config
 
-    enter_cpu_shims()
-    parallel.init_process_group("cpu", ctx.rank, ctx.world_size, ctx.master_addr, ctx.master_port)
-    parallel.init_model_parallel(tp, 1)
+    start_cpu_rank(ctx, tp)
     spec = spec_from_hf_config(hf_config)
     cfg = ActorConfig(tp=tp, pp=1)
     actor_tensors = open_hf_tensors(actor_dir)  # as the rank loop opens the actor's folder

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers.models import TINY_HF_CONFIG
+from helpers.ranks import start_cpu_rank
 
 from megarl.distributed.launcher import launch
 from megarl.models.random_init import build_random_hf_model
@@ -38,13 +39,10 @@ def _worker(ctx, tp, pp, vpp, hf_config, state, ids, ref_logits, engine_seed):
     from megarl.actor.megatron_actor import MegatronActor
     from megarl.config.actor import ActorConfig
     from megarl.distributed import parallel
-    from megarl.distributed.platform import enter_cpu_shims
     from megarl.export.stream import open_stream
     from megarl.models.spec import spec_from_hf_config
 
-    enter_cpu_shims()
-    parallel.init_process_group("cpu", ctx.rank, ctx.world_size, ctx.master_addr, ctx.master_port)
-    parallel.init_model_parallel(tp, pp, vpp if vpp > 1 else None)
+    start_cpu_rank(ctx, tp, pp, vpp if vpp > 1 else None)
     spec = spec_from_hf_config(hf_config)
     actor = MegatronActor(
         spec,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers.models import TINY_HF_CONFIG
+from helpers.ranks import loss_settings, start_cpu_rank
 
 from megarl.distributed.launcher import launch
 from megarl.models.random_init import build_random_hf_model
@@ -44,18 +45,15 @@ def _full_logits(actor, batch, tp: int):
 
 
 def _worker(ctx, tp: int, pp: int, ids, state):
-    from megarl.actor.megatron_actor import LossSettings, MegatronActor
+    from megarl.actor.megatron_actor import MegatronActor
     from megarl.config.actor import ActorConfig, LoraConfig
     from megarl.distributed import parallel
-    from megarl.distributed.platform import enter_cpu_shims
     from megarl.models.chunk import unwrap
     from megarl.models.lora import adapter_parameters
     from megarl.models.spec import spec_from_hf_config
     from megarl.planner.step_plan import OptimizerStepPlan
 
-    enter_cpu_shims()
-    parallel.init_process_group("cpu", ctx.rank, ctx.world_size, ctx.master_addr, ctx.master_port)
-    parallel.init_model_parallel(tp, pp)
+    start_cpu_rank(ctx, tp, pp)
     spec = spec_from_hf_config(TINY)
     cfg = ActorConfig(tp=tp, pp=pp, lr=1e-2, lora=LoraConfig(rank=RANK, alpha=ALPHA))
     actor = MegatronActor(spec, cfg, "cpu", torch.float32, state, pad_id=0, init_seed=5)
@@ -69,15 +67,7 @@ def _worker(ctx, tp: int, pp: int, ids, state):
     initial_logits = _full_logits(actor, batch, tp)
     initial_adapter = actor.gather_lora_adapter()
 
-    loss = LossSettings(
-        temperature=1.0,
-        clip_low=0.2,
-        clip_high=0.2,
-        agg="token-mean",
-        kl_coef=0.0,
-        kl_estimator="k1",
-        entropy_coef=0.0,
-    )
+    loss = loss_settings(kl_estimator="k1")
     work = OptimizerStepPlan.by_hand(
         [(0, 1, 2)], batch.seq_lens, normaliser=batch.num_seqs * (ids.shape[1] - 4)
     )

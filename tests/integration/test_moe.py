@@ -15,6 +15,8 @@ import math
 
 import pytest
 import torch
+from helpers.batches import random_batch
+from helpers.ranks import loss_settings, start_cpu_rank
 from helpers.runs import tiny_overrides
 from safetensors import safe_open
 
@@ -301,21 +303,9 @@ AUX_COEF = 0.5
 
 
 def _aux_batch():
-    from megarl.batch import RolloutBatch
-
-    gen = torch.Generator().manual_seed(11)
-    tokens = tuple(torch.randint(3, 384, (n,), generator=gen) for n in AUX_SEQ_LENS)
-    num = len(AUX_SEQ_LENS)
-    return RolloutBatch(
-        tokens=tokens,
-        prompt_lens=AUX_PROMPT_LENS,
-        group_ids=torch.arange(num) // 2,
-        rewards=torch.zeros(num),
-        advantages=torch.tensor([1.0, -1.0, 0.5, -0.5, 0.0, 0.0]),
-        engine_logprobs=tuple(
-            torch.zeros(n - p) for n, p in zip(AUX_SEQ_LENS, AUX_PROMPT_LENS, strict=True)
-        ),
-    )
+    advantages = torch.tensor([1.0, -1.0, 0.5, -0.5, 0.0, 0.0])
+    groups = torch.arange(len(AUX_SEQ_LENS)) // 2
+    return random_batch(AUX_SEQ_LENS, AUX_PROMPT_LENS, 384, advantages, seed=11, group_ids=groups)
 
 
 def _aux_step():
@@ -366,19 +356,11 @@ def _switch_loss_grads(model, mbs, num_experts: int, top_k: int, total_tokens: i
 def _aux_gradients(spec, state, tp: int, coef: float, dp_rank: int):
     """One optimizer step of :func:`_aux_step` at ``actor.moe_aux_loss_coef=coef``: every
     parameter's gradient (this rank's shard) and the grad norm."""
-    from megarl.actor.megatron_actor import LossSettings, MegatronActor
+    from megarl.actor.megatron_actor import MegatronActor
     from megarl.config.actor import ActorConfig, OptimConfig
     from megarl.models.chunk import unwrap
 
-    loss = LossSettings(
-        temperature=1.0,
-        clip_low=0.2,
-        clip_high=0.2,
-        agg="token-mean",
-        kl_coef=0.0,
-        kl_estimator="low_var_kl",
-        entropy_coef=0.0,
-    )
+    loss = loss_settings()
     cfg = ActorConfig(tp=tp, lr=1e-4, moe_aux_loss_coef=coef, optim=OptimConfig(grad_clip=0.0))
     actor = MegatronActor(spec, cfg, "cpu", torch.float32, state, 0, trainable=True)
     result = actor.train_step(_aux_batch(), _aux_step(), dp_rank, None, None, loss)
@@ -392,12 +374,9 @@ def _aux_worker(ctx, hf_config: dict, state):
     from megarl.actor.megatron_actor import MegatronActor
     from megarl.config.actor import ActorConfig
     from megarl.distributed import parallel
-    from megarl.distributed.platform import enter_cpu_shims
     from megarl.models.spec import spec_from_hf_config
 
-    enter_cpu_shims()
-    parallel.init_process_group("cpu", ctx.rank, ctx.world_size, ctx.master_addr, ctx.master_port)
-    parallel.init_model_parallel(1, 1)
+    start_cpu_rank(ctx, 1)
     spec = spec_from_hf_config(hf_config)
     batch, step = _aux_batch(), _aux_step()
     without, norm_without = _aux_gradients(spec, state, 1, 0.0, ctx.rank)
@@ -451,12 +430,9 @@ def _aux_router_worker(ctx, tp: int, hf_config: dict, state):
     from megatron.core import parallel_state as ps
 
     from megarl.distributed import parallel
-    from megarl.distributed.platform import enter_cpu_shims
     from megarl.models.spec import spec_from_hf_config
 
-    enter_cpu_shims()
-    parallel.init_process_group("cpu", ctx.rank, ctx.world_size, ctx.master_addr, ctx.master_port)
-    parallel.init_model_parallel(tp, 1)
+    start_cpu_rank(ctx, tp)
     spec = spec_from_hf_config(hf_config)
     dp_rank = ps.get_data_parallel_rank()
     without, _ = _aux_gradients(spec, state, tp, 0.0, dp_rank)

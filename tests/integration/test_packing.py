@@ -13,45 +13,23 @@ import itertools
 
 import pytest
 import torch
+from helpers.batches import random_batch
+from helpers.models import TINY_HF_CONFIG
+from helpers.ranks import loss_settings, start_cpu_rank
 
 from megarl.distributed.launcher import launch
 
 pytestmark = pytest.mark.slow
 
-TINY = {
-    "model_type": "llama",
-    "vocab_size": 384,
-    "hidden_size": 64,
-    "intermediate_size": 96,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 10000.0,
-    "max_position_embeddings": 128,
-    "tie_word_embeddings": False,
-}
+TINY = dict(TINY_HF_CONFIG, num_hidden_layers=2)
 SEQ_LENS = (7, 19, 4, 12, 9)
 PROMPT_LENS = (3, 5, 2, 4, 3)
 MICRO_BATCHES = ((0, 1, 2), (3, 4))
 
 
 def _batch():
-    from megarl.batch import RolloutBatch
-
-    gen = torch.Generator().manual_seed(5)
-    tokens = tuple(torch.randint(3, TINY["vocab_size"], (n,), generator=gen) for n in SEQ_LENS)
-    num = len(SEQ_LENS)
-    return RolloutBatch(
-        tokens=tokens,
-        prompt_lens=PROMPT_LENS,
-        group_ids=torch.zeros(num),
-        rewards=torch.zeros(num),
-        advantages=torch.tensor([1.0, -0.5, 0.75, -1.0, 0.25]),
-        engine_logprobs=tuple(
-            torch.zeros(n - p) for n, p in zip(SEQ_LENS, PROMPT_LENS, strict=True)
-        ),
-    )
+    advantages = torch.tensor([1.0, -0.5, 0.75, -1.0, 0.25])
+    return random_batch(SEQ_LENS, PROMPT_LENS, TINY["vocab_size"], advantages, seed=5)
 
 
 def _actor(spec, tp: int, state, packed: bool):
@@ -104,15 +82,11 @@ def _captured_queries(actor, mb):
 def _worker(ctx, tp: int, hf_config: dict, state):
     import dataclasses
 
-    from megarl.actor.megatron_actor import LossSettings
     from megarl.distributed import parallel
-    from megarl.distributed.platform import enter_cpu_shims
     from megarl.models.spec import spec_from_hf_config
     from megarl.planner.step_plan import OptimizerStepPlan
 
-    enter_cpu_shims()
-    parallel.init_process_group("cpu", ctx.rank, ctx.world_size, ctx.master_addr, ctx.master_port)
-    parallel.init_model_parallel(tp, 1)
+    start_cpu_rank(ctx, tp)
     spec = spec_from_hf_config(hf_config)
     batch = _batch()
     padded, packed = _actor(spec, tp, state, False), _actor(spec, tp, state, True)
@@ -137,15 +111,7 @@ def _worker(ctx, tp: int, hf_config: dict, state):
     q_wrong = _captured_queries(packed, one_long)
     no_restart_diff = (q_pad[1] - q_wrong[1]).abs().max().item()
 
-    loss = LossSettings(
-        temperature=1.0,
-        clip_low=0.2,
-        clip_high=0.2,
-        agg="token-mean",
-        kl_coef=0.0,
-        kl_estimator="low_var_kl",
-        entropy_coef=0.01,
-    )
+    loss = loss_settings(entropy_coef=0.01)
     work = OptimizerStepPlan.by_hand(
         MICRO_BATCHES,
         SEQ_LENS,
