@@ -98,6 +98,15 @@ def _async_batches(stream: AsyncRollout, model_dir: str, first: int = 1) -> list
     return batches
 
 
+def _stream_batches(host, cfg, model_dir: str) -> list[RolloutBatch]:
+    """:func:`_async_batches` of a new :class:`AsyncRollout`, closed after."""
+    stream = AsyncRollout(host, cfg)
+    try:
+        return _async_batches(stream, model_dir)
+    finally:
+        stream.close()
+
+
 def test_zero_staleness_generates_what_the_synchronous_loop_does(tmp_path):
     expected = _sync_batches(tmp_path, generating_version=lambda step: step - 1)
     cfg, host, model_dir = _host(
@@ -107,11 +116,7 @@ def test_zero_staleness_generates_what_the_synchronous_loop_does(tmp_path):
         **{"async_training.mode": "fully_async"},
         **{"async_training.max_staleness": 0},
     )
-    stream = AsyncRollout(host, cfg)
-    try:
-        got = _async_batches(stream, model_dir)
-    finally:
-        stream.close()
+    got = _stream_batches(host, cfg, model_dir)
     for a, b in zip(expected, got, strict=True):
         _assert_same_batch(a, b)
     assert {int(v.max()) for v in got[-1].behaviour_versions or ()} == {STEPS - 1}
@@ -122,11 +127,7 @@ def test_one_step_off_generates_batch_t_with_version_t_minus_2(tmp_path):
     cfg, host, model_dir = _host(
         tmp_path, "async", **ASYNC, **{"async_training.mode": "one_step_off"}
     )
-    stream = AsyncRollout(host, cfg)
-    try:
-        got = _async_batches(stream, model_dir)
-    finally:
-        stream.close()
+    got = _stream_batches(host, cfg, model_dir)
     for a, b in zip(expected, got, strict=True):
         _assert_same_batch(a, b)
 

@@ -16,6 +16,8 @@ pytestmark = pytest.mark.slow
 from megarl.train import run  # noqa: E402
 
 LP_DIFF_BOUND = 1e-4
+SPLIT = {"rollout.engine": "vllm", "trainer.launcher": "ray", "rollout.n_gpus": 1}
+"""vLLM in a rollout actor of its own (Ray), beside the training ranks."""
 
 
 def test_colocated_at_actor_tp2_serves_the_trainers_weights_every_step(tmp_path):
@@ -54,9 +56,7 @@ def test_split_lora_syncs_only_the_adapter_and_sleep_runs_at_level_0(tmp_path, c
             tmp_path / "run",
             steps=2,
             **{
-                "rollout.engine": "vllm",
-                "trainer.launcher": "ray",
-                "rollout.n_gpus": 1,
+                **SPLIT,
                 "actor.lora.rank": 8,
                 "rollout.sleep_level": 2,
                 "planner.prune_zero_adv": "off",
@@ -82,9 +82,7 @@ def test_split_fully_async_with_partial_rollouts_serves_every_version_bit_for_bi
             tmp_path / "run",
             steps=2,
             **{
-                "rollout.engine": "vllm",
-                "trainer.launcher": "ray",
-                "rollout.n_gpus": 1,
+                **SPLIT,
                 "async_training.mode": "fully_async",
                 "async_training.partial_rollout": True,
                 "export.checksum_interval": 1,
