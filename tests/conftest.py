@@ -1,12 +1,27 @@
 """Loaded first by every run of the tests: puts this folder on ``sys.path``, so test modules
 (and the rank processes they start, which inherit ``sys.path``) import the shared set-ups of
-``tests/helpers/`` as ``helpers``. Fixtures stay in each folder's own ``conftest.py``."""
+``tests/helpers/`` as ``helpers``. Fixtures more than one folder uses are here; the others in
+their folder's ``conftest.py``."""
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from pathlib import Path
+
+import pytest
 
 TESTS = str(Path(__file__).resolve().parent)
 if TESTS not in sys.path:
     sys.path.insert(0, TESTS)
+
+
+@pytest.fixture
+def vllm_not_installed(monkeypatch):
+    """``importlib.util.find_spec("vllm")`` answers ``None``, as where vLLM is not installed."""
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *args: None if name == "vllm" else real_find_spec(name, *args),
+    )

@@ -11,13 +11,7 @@ import pytest
 from megarl.train import StartupError, check_dump_dirs, check_engine_installed, check_run_dir
 
 
-def test_vllm_missing_is_one_line_before_any_model_is_loaded(monkeypatch):
-    real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(
-        importlib.util,
-        "find_spec",
-        lambda name, *args: None if name == "vllm" else real_find_spec(name, *args),
-    )
+def test_vllm_missing_is_one_line_before_any_model_is_loaded(vllm_not_installed):
     with pytest.raises(StartupError) as info:
         check_engine_installed("vllm")
     message = str(info.value)

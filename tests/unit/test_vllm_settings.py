@@ -108,18 +108,10 @@ def test_lora_rank_rounds_up_to_a_rank_vllm_accepts():
         vllm_max_lora_rank(600)
 
 
-def test_vllm_missing_is_one_line_before_any_model_is_loaded(monkeypatch):
-    import importlib.util
-
+def test_vllm_missing_is_one_line_before_any_model_is_loaded(vllm_not_installed):
     from megarl.config.schema import build_run_config
     from megarl.train import StartupError, check_vllm
 
-    real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(
-        importlib.util,
-        "find_spec",
-        lambda name, *a: None if name == "vllm" else real_find_spec(name, *a),
-    )
     cfg = build_run_config({"rollout": {"engine": "vllm"}})
     with pytest.raises(StartupError, match="needs vLLM, which is not installed") as error:
         check_vllm(cfg, "/no/model/is/read", "cpu")
