@@ -26,6 +26,8 @@ import os
 import sys
 import time
 
+from megarl.distributed.processes import command_line, descendants, kill_all
+
 ENV = "MEGARL_FAULT_INJECT"
 FREEZE_ENV = "MEGARL_FAULT_FREEZE"
 RAISE_ENV = "MEGARL_FAULT_RAISE"
@@ -112,17 +114,10 @@ def at_phase(rank: int, step: int, phase: str) -> None:
 
 def _kill_engine_cores() -> None:
     """SIGKILL this process's vLLM engine-core children (vLLM titles them ``VLLM::EngineCore``)."""
-    import psutil  # vLLM's dependency: any process with a vLLM engine has it
-
-    cores = [
-        child
-        for child in psutil.Process().children(recursive=True)
-        if "EngineCore" in " ".join(child.cmdline()) or "EngineCore" in child.name()
-    ]
+    cores = [pid for pid in descendants(os.getpid()) if "EngineCore" in command_line(pid)]
     if not cores:
         raise RuntimeError("fault injection: kill-engine found no vLLM engine-core process")
-    for core in cores:
-        core.kill()
+    kill_all(cores)
 
 
 def _write_mark() -> None:

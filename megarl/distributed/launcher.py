@@ -47,6 +47,7 @@ import torch.multiprocessing as mp
 
 from megarl.distributed import heartbeat, quiet
 from megarl.distributed.heartbeat import STALE_GRACE_S, Beat, HeartbeatWatch
+from megarl.distributed.processes import descendants, kill_all, process_lives
 from megarl.errors import MegarlError, RunAborted, RunStopped
 
 POLL_S = 0.2
@@ -231,7 +232,7 @@ def _die_with_launcher(launcher_pid: int, forked: bool) -> None:
     def launcher_alive() -> bool:
         if not forked:
             return os.getppid() == launcher_pid
-        return os.getppid() == parent and _process_lives(launcher_pid)
+        return os.getppid() == parent and process_lives(launcher_pid)
 
     if not launcher_alive():
         os._exit(1)
@@ -242,24 +243,6 @@ def _die_with_launcher(launcher_pid: int, forked: bool) -> None:
         os._exit(1)
 
     threading.Thread(target=watch, name="megarl-parent-watch", daemon=True).start()
-
-
-def _process_lives(pid: int) -> bool:
-    """Whether ``pid`` runs: it exists and is not a zombie (a killed launcher stays one until
-    whoever started it collects its exit status, and ``kill(pid, 0)`` still succeeds then)."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rpartition(")")[2].split()[0] not in ("Z", "X")
-    except FileNotFoundError:
-        return False
-    except OSError:  # no /proc: ask the kernel
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            pass
-        return True
 
 
 class _LauncherState:
@@ -498,34 +481,6 @@ def _stop(procs) -> None:
             proc.kill()
             proc.join(timeout=5)
     kill_all(below)
-
-
-def descendants(pid: int) -> list[int]:
-    """Every live process below ``pid``, read from ``/proc`` (Linux; none elsewhere)."""
-    children: dict[int, list[int]] = {}
-    with contextlib.suppress(OSError):
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
-            try:
-                with open(f"/proc/{entry}/stat") as stat:
-                    ppid = int(stat.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue  # ended meanwhile
-            children.setdefault(ppid, []).append(int(entry))
-    found, todo = [], [pid]
-    while todo:
-        below = children.get(todo.pop(), [])
-        found += below
-        todo += below
-    return found
-
-
-def kill_all(pids: list[int]) -> None:
-    """SIGKILL each of ``pids`` still running."""
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, signal.SIGKILL)
 
 
 def _raise_if_stuck(

@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from megarl.distributed.processes import process_start
 from megarl.errors import BadInputError
 
 LOCK_NAME = ".megarl.lock"
@@ -57,16 +58,6 @@ class LockHolder:
         except PermissionError:  # alive, another user's
             pass
         return self.pid_start is None or process_start(self.pid) in (None, self.pid_start)
-
-
-def process_start(pid: int) -> int | None:
-    """Start time of ``pid`` in clock ticks since boot (``/proc/<pid>/stat`` field 22)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    # the command name (field 2) may hold spaces and parentheses: split after its last ")"
-    return int(stat.rsplit(")", 1)[1].split()[19])
 
 
 def acquire(run_dir: str | Path) -> Path:

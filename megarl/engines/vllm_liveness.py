@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
+import warnings
 from collections.abc import Iterator
 from multiprocessing.connection import wait
 from typing import Any
@@ -60,8 +61,15 @@ class EngineCoreWatch:
         self.activity = "starting"
         """What the engine is doing, set by its caller (``generate``, ``update_weights``)."""
         self.death: EngineCoreDied | None = None
-        if self._procs:  # an in-process engine core (no multiprocessing) has nothing to watch
+        if self._procs:
             threading.Thread(target=self._watch, name="megarl-vllm-watch", daemon=True).start()
+        elif "Inproc" not in type(self._client).__name__:  # in-process: nothing to watch
+            warnings.warn(
+                f"vLLM's engine-core processes were not found on its client "
+                f"({type(self._client).__name__}: vLLM's internals changed?): an engine core "
+                "that dies will hang the call waiting on it instead of failing it",
+                stacklevel=2,
+            )
 
     def stop(self) -> None:
         """The engine is being closed: its processes ending now is no failure."""

@@ -10,11 +10,11 @@ import sys
 
 import pytest
 
+from megarl.distributed.processes import process_start
 from megarl.distributed.run_lock import (
     LOCK_NAME,
     RunDirBusy,
     acquire,
-    process_start,
     release,
     run_lock,
 )

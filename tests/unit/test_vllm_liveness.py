@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import queue
 import signal
+import warnings
 from concurrent.futures import Future
 from types import SimpleNamespace
 
 import pytest
 
 from megarl.engines.vllm_liveness import EngineCoreDied, EngineCoreWatch, describe_exit
+
+NOT_FOUND = "vLLM's engine-core processes were not found"
+pytestmark = pytest.mark.filterwarnings(f"ignore:{NOT_FOUND}")  # the fakes have no process
 
 
 @pytest.mark.parametrize(
@@ -56,3 +60,17 @@ def test_without_a_death_errors_pass_through_unchanged():
     with pytest.raises(ValueError, match="bad request"), watch.named("generation"):
         raise ValueError("bad request")
     assert watch.death is None and watch.activity == "idle"
+
+
+def test_a_client_without_processes_is_said_unless_it_runs_the_core_in_process():
+    """If vLLM renames what the watch reads, the run says the watch is blind, not nothing."""
+    with pytest.warns(UserWarning, match=NOT_FOUND):
+        EngineCoreWatch(fake_llm())
+
+    class InprocClient:  # VLLM_ENABLE_V1_MULTIPROCESSING=0: the core runs in this process
+        pass
+
+    in_process = SimpleNamespace(llm_engine=SimpleNamespace(engine_core=InprocClient()))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        EngineCoreWatch(in_process)

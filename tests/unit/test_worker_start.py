@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from megarl.distributed import launcher
+from megarl.distributed.processes import process_lives
 
 
 @pytest.mark.parametrize("forced", ["spawn", "forkserver"])
@@ -32,14 +33,14 @@ def test_workers_are_forked_from_the_warm_server_off_cuda_and_spawned_with_it(mo
 def test_a_zombie_launcher_counts_as_gone_and_a_reaped_one_too():
     """A SIGKILLed launcher stays a zombie until its parent collects it; ``kill(pid, 0)``
     still succeeds then, so only its state tells a worker to stop."""
-    assert launcher._process_lives(os.getpid())
+    assert process_lives(os.getpid())
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     stat = Path(f"/proc/{child.pid}/stat")
     while stat.read_text().rpartition(")")[2].split()[0] != "Z":
         pass  # exited, not yet collected: a zombie
-    assert not launcher._process_lives(child.pid)
+    assert not process_lives(child.pid)
     child.wait()
-    assert not launcher._process_lives(child.pid)
+    assert not process_lives(child.pid)
 
 
 def test_every_warm_module_imports():

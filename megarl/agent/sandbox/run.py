@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megarl.agent.sandbox.confine import _LAYERS, REQUIREMENTS, SandboxReport
+from megarl.distributed.processes import process_lives
 
 # ----------------------------------------------------------------------------------------------
 # Public types
@@ -416,14 +417,7 @@ class _Run:
 def _wait_gone(pid: int, timeout_s: float) -> None:
     """Wait until ``pid`` has exited (gone, or a zombie its parent has yet to reap)."""
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                state = f.read().rpartition(")")[2].split()[0]
-        except (OSError, IndexError):
-            return
-        if state in ("Z", "X"):
-            return
+    while time.monotonic() < deadline and process_lives(pid):
         time.sleep(0.01)
 
 
