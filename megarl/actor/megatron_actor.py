@@ -581,6 +581,7 @@ def default_execution(cfg: ActorConfig, device: str) -> ExecutionPlan:
     request = ExecutionRequest(
         device=device,
         pack_sequences=cfg.pack_sequences,
+        optimizer_impl=cfg.optim.impl,
         distributed_optimizer=cfg.optim.distributed,
         overlap_grad_reduce=cfg.optim.overlap_grad_reduce,
         overlap_param_gather=cfg.optim.overlap_param_gather,

@@ -1,10 +1,15 @@
-"""Optimizers for the Megatron actor: one interface, chosen by device.
+"""Optimizers for the Megatron actor and critic: one interface, chosen by ``actor.optim.impl``.
 
-Megatron's own optimizers assert CUDA tensor types, so on CPU we run ``torch.optim.AdamW`` over
-the DDP-wrapped parameters, whose gradients Megatron keeps in ``param.main_grad``. Grad-norm
-clipping is done over the whole model-parallel group, counting each parameter once (TP
-duplicates such as norms and the tied output-layer copy are skipped), so the norm equals the
-unsharded model's.
+:class:`MegatronOptimizer` is Megatron-Core's own (fp32 main copies of bf16 weights, the
+distributed form sharding its state over DP), on CUDA and, through the CPU shims
+(:mod:`megarl.distributed.platform`), on the CPU: what a GPU run trains with is what the CPU
+suite tests. :class:`CpuAdamW` (``impl=torch``) is ``torch.optim.AdamW`` over the DDP-wrapped
+parameters, whose gradients Megatron keeps in ``param.main_grad``; its grad-norm clipping is
+done over the whole model-parallel group, counting each parameter once (TP duplicates such as
+norms and the tied output-layer copy are skipped), so the norm equals the unsharded model's.
+
+Both return the gradient norm of every step, clipping or not, and apply nothing when it is not
+finite (the same on every rank): what to do then is :mod:`megarl.algo.divergence`'s decision.
 """
 
 from __future__ import annotations
@@ -119,7 +124,7 @@ def global_grad_norm(params) -> float:
 
 
 class MegatronOptimizer:
-    """Megatron's (distributed) optimizer on CUDA: fp32 main params and grads under bf16 params.
+    """Megatron's (distributed) optimizer: fp32 main params and grads under bf16 params.
 
     With ``overlap_param_gather`` Megatron defers the parameter all-gather of the distributed
     optimizer to the next forward's pre-hooks; megarl exports weights to the rollout engine
@@ -153,12 +158,29 @@ class MegatronOptimizer:
     def zero_grad(self) -> None:
         self.inner.zero_grad()
 
+    @torch.no_grad()
     def step(self) -> float:
-        _, grad_norm, _ = self.inner.step()  # pyright: ignore[reportGeneralTypeIssues]  # Megatron's step is unannotated
+        """Megatron's step (``ChainedOptimizer.step``) with the norm looked at before the update:
+        Megatron's own applies a non-finite gradient (bf16 has no loss scaler to catch it) and
+        reports no norm when clipping is off."""
+        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+        if self.inner.prepare_grads():  # an fp16 loss scaler found inf/nan: nothing applied
+            return math.inf
+        norm = float(self.inner.get_grad_norm())
+        if not math.isfinite(norm):
+            return norm
+        for part in getattr(self.inner, "chained_optimizers", [self.inner]):
+            if getattr(part, "is_stub_optimizer", False):  # a rank with nothing of that kind
+                continue
+            params = part.get_parameters()
+            if part.config.clip_grad > 0.0 and params:
+                clip_grad_by_total_norm_fp32(params, part.config.clip_grad, norm)
+        self.inner.step_with_ready_grads()
         self.step_count += 1
         if self.force_param_sync:
             self.model.start_param_sync(force_sync=True)
-        return float(grad_norm or 0.0)
+        return norm
 
     def state_dict(self):
         return self.inner.state_dict()
@@ -198,9 +220,7 @@ class MegatronOptimizer:
 
 
 def build_optimizer(model, cfg: ActorConfig, plan):
-    """The optimizer the execution plan names (``plan``: an ExecutionPlan, or a device string)."""
-    if isinstance(plan, str):  # older call sites pass the device
-        return MegatronOptimizer(model, cfg) if plan == "cuda" else CpuAdamW(model, cfg)
+    """The optimizer the execution plan names."""
     if plan.optimizer == "megatron":
         return MegatronOptimizer(
             model,

@@ -15,6 +15,7 @@ from megarl.algo.losses import AGG_MODES, KL_PENALTY_KINDS
 from megarl.algo.policy_losses import POLICY_LOSS_NAMES, get_policy_loss
 from megarl.algo.router_replay import ROUTER_REPLAY_MODES
 from megarl.config.checks import _choice, _optional_positive, _positive, _require
+from megarl.distributed.execution import OPTIMIZER_IMPLS
 
 
 @dataclass(frozen=True)
@@ -32,8 +33,14 @@ class OptimConfig:
     """AdamW's epsilon, > 0."""
     grad_clip: float = 1.0
     """Clip the global grad norm to this; 0 = no clipping, < 0 is refused."""
+    impl: str = "auto"
+    """Which optimizer: ``auto`` = ``megatron`` (Megatron-Core's, on CUDA and on the CPU alike),
+    or ``torch`` (``torch.optim.AdamW`` over Megatron's main grads). Megatron's keeps fp32 main
+    copies of bf16 weights and excludes biases and norms from weight decay; torch's decays
+    every parameter."""
     distributed: bool = False
-    """CUDA only: Megatron's distributed optimizer (optimizer state sharded over DP)."""
+    """Megatron's distributed optimizer: optimizer state (and, in bf16, the fp32 main copies)
+    sharded over the data-parallel ranks; needs ``impl`` auto or megatron."""
     overlap_grad_reduce: bool = False
     """CUDA only: overlap DP gradient reduce-scatter with the backward pass."""
     overlap_param_gather: bool = False
@@ -53,6 +60,12 @@ class OptimConfig:
                 0 <= beta < 1,
                 f"{self.section}.betas={list(self.betas)}: beta{index + 1}={beta} must be in [0, 1)",
             )
+        _choice(f"{self.section}.impl", self.impl, OPTIMIZER_IMPLS)
+        _require(
+            not (self.distributed and self.impl == "torch"),
+            f"{self.section}.distributed=true needs Megatron's optimizer: {self.section}.impl="
+            "torch has no distributed form (use auto or megatron)",
+        )
         _positive(f"{self.section}.eps", self.eps)
         _require(
             self.grad_clip >= 0,

@@ -11,11 +11,14 @@ branch is unit-tested on a CPU machine by passing a fake :class:`Environment`;
 
 Decisions, and why:
 
-- CPU: gloo, fp32, shims on, ``torch.optim.AdamW`` (Megatron's optimizers assert CUDA tensors),
-  local spec with SDPA core attention; packed micro-batches attend block by block (a
-  block-diagonal causal mask evaluated per sequence). Distributed optimizer, overlap and
-  recomputation are CUDA-only (Megatron's recompute saves CUDA RNG state) and are ignored with
-  a reason, so one config runs on both devices.
+- The optimizer (``actor.optim.impl``): Megatron's own wherever it runs (``auto``), on CUDA and,
+  through the CPU shims, on the CPU, plain or distributed (state sharded over DP) -- the code
+  every GPU user runs is the code the CPU suite tests. ``torch``: ``torch.optim.AdamW`` over
+  Megatron's main grads (:class:`megarl.actor.optim.CpuAdamW`), megarl's own.
+- CPU: gloo, fp32, shims on, local spec with SDPA core attention; packed micro-batches attend
+  block by block (a block-diagonal causal mask evaluated per sequence). Overlapped
+  communication and recomputation are CUDA-only (Megatron's recompute saves CUDA RNG state) and
+  are ignored with a reason, so one config runs on both devices.
 - CUDA: NCCL, bf16 parameters (``model.dtype=auto``) with fp32 main grads and fp32 gradient
   reduction, Megatron's optimizer (distributed when ``actor.optim.distributed``), overlap flags as
   configured, recomputation as configured. transformer-engine's layer spec when it imports (its
@@ -34,6 +37,11 @@ from pathlib import Path
 
 class ExecutionError(ValueError):
     """The requested execution cannot run here (e.g. cuda requested, none present)."""
+
+
+OPTIMIZER_IMPLS: tuple[str, ...] = ("auto", "megatron", "torch")
+"""``actor.optim.impl``: ``auto`` (Megatron's optimizer: it runs on every device), ``megatron``,
+``torch`` (``torch.optim.AdamW`` over Megatron's main grads; no distributed form)."""
 
 
 @dataclass(frozen=True)
@@ -55,6 +63,8 @@ class ExecutionRequest:
     model_dtype: str = "auto"
     """model.dtype: auto | float32 | bfloat16."""
     pack_sequences: bool = True
+    optimizer_impl: str = "auto"
+    """actor.optim.impl: auto | megatron | torch."""
     distributed_optimizer: bool = False
     overlap_grad_reduce: bool = False
     overlap_param_gather: bool = False
@@ -68,6 +78,7 @@ class ExecutionRequest:
             device=cfg.trainer.device,
             model_dtype=cfg.model.dtype,
             pack_sequences=a.pack_sequences,
+            optimizer_impl=a.optim.impl,
             distributed_optimizer=a.optim.distributed,
             overlap_grad_reduce=a.optim.overlap_grad_reduce,
             overlap_param_gather=a.optim.overlap_param_gather,
@@ -156,21 +167,38 @@ def decide_execution(request: ExecutionRequest, env: Environment) -> ExecutionPl
     return _cuda_plan(request, env)
 
 
-def execution_plan_for(cfg, device: str) -> ExecutionPlan:
+def _optimizer(request: ExecutionRequest) -> tuple[str, str]:
+    """The optimizer's name in the plan and the reason for it."""
+    if request.optimizer_impl == "torch":
+        return "torch_adamw", "optimizer: torch AdamW over Megatron's main grads (impl=torch)"
+    form = "distributed (state sharded over DP)" if request.distributed_optimizer else "plain"
+    return "megatron", f"optimizer: Megatron's, {form} (impl={request.optimizer_impl})"
+
+
+def execution_plan_for(cfg, device: str, optim=None) -> ExecutionPlan:
     """The run's plan on the device the launcher resolved (``cfg``: a ``RunConfig``); what every
-    rank executes and what the rollout host sizes its engine from."""
+    rank executes and what the rollout host sizes its engine from. ``optim``: another model's
+    optimizer settings (``critic.optim``) in place of ``actor.optim``."""
     import dataclasses
 
     request = dataclasses.replace(ExecutionRequest.from_config(cfg), device=device)
+    if optim is not None:
+        request = dataclasses.replace(
+            request,
+            optimizer_impl=optim.impl,
+            distributed_optimizer=optim.distributed,
+            overlap_grad_reduce=optim.overlap_grad_reduce,
+            overlap_param_gather=optim.overlap_param_gather,
+        )
     return decide_execution(request, detect_environment())
 
 
 def _cpu_plan(request: ExecutionRequest) -> ExecutionPlan:
-    reasons = ["cpu: gloo, fp32, Megatron CPU shims, torch AdamW (Megatron optimizers need CUDA)"]
+    optimizer, why = _optimizer(request)
+    reasons = ["cpu: gloo, fp32, Megatron CPU shims", why]
     ignored = [
         name
         for name, on in (
-            ("actor.optim.distributed", request.distributed_optimizer),
             ("actor.optim.overlap_grad_reduce", request.overlap_grad_reduce),
             ("actor.optim.overlap_param_gather", request.overlap_param_gather),
             ("actor.recompute", request.recompute != "none"),
@@ -195,8 +223,8 @@ def _cpu_plan(request: ExecutionRequest) -> ExecutionPlan:
         cpu_shims=True,
         params_dtype=dtype,
         grad_reduce_in_fp32=True,
-        optimizer="torch_adamw",
-        distributed_optimizer=False,
+        optimizer=optimizer,
+        distributed_optimizer=request.distributed_optimizer,
         overlap_grad_reduce=False,
         overlap_param_gather=False,
         recompute=None,
@@ -208,7 +236,8 @@ def _cpu_plan(request: ExecutionRequest) -> ExecutionPlan:
 
 
 def _cuda_plan(request: ExecutionRequest, env: Environment) -> ExecutionPlan:
-    reasons = [f"cuda ({env.device_name or 'unknown GPU'}): nccl, Megatron optimizer"]
+    optimizer, why = _optimizer(request)
+    reasons = [f"cuda ({env.device_name or 'unknown GPU'}): nccl", why]
     dtype = "bfloat16" if request.model_dtype == "auto" else request.model_dtype
     reasons.append(f"params {dtype}, fp32 main grads and fp32 gradient reduction")
     if env.transformer_engine:
@@ -228,7 +257,7 @@ def _cuda_plan(request: ExecutionRequest, env: Environment) -> ExecutionPlan:
         cpu_shims=False,
         params_dtype=dtype,
         grad_reduce_in_fp32=True,
-        optimizer="megatron",
+        optimizer=optimizer,
         distributed_optimizer=request.distributed_optimizer,
         overlap_grad_reduce=request.overlap_grad_reduce,
         overlap_param_gather=request.overlap_param_gather,

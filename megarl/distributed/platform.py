@@ -1,6 +1,6 @@
 """Everything megarl does to make Megatron-Core run on a CPU, in one place.
 
-Megatron-Core is written for CUDA. On CPU (gloo) it works once four things are handled
+Megatron-Core is written for CUDA. On CPU (gloo) it works once these things are handled
 (measured in ``shared/GUIDE.md`` section 1):
 
 1. ``DotProductAttention`` from the local spec takes scratch memory on the current CUDA device.
@@ -28,6 +28,14 @@ Megatron-Core is written for CUDA. On CPU (gloo) it works once four things are h
    all-reduce of the padded stack (:func:`_uneven_collectives`).
 7. Sequence-parallel layers fork Megatron's model-parallel CUDA RNG state around their dropout
    (probability 0 in megarl's models): on CPU the fork is a no-op.
+8. Megatron's optimizers check a parameter's or gradient's type by name before they make its
+   fp32 main copy or clip it (``param.type() == 'torch.cuda.FloatTensor'`` in
+   ``optimizer.py``'s and ``distrib_optimizer.py``'s main-parameter set-up and in
+   ``clip_grads.clip_grad_by_total_norm_fp32``): under :class:`CudaToCpuMode` a CPU tensor's
+   argument-less ``.type()`` answers its CUDA name (``torch.cuda.FloatTensor``), the only
+   question those checks ask. Their norms, scaling and Adam then run on the CPU tensors
+   (Megatron falls back to its local multi-tensor kernels and torch's Adam without
+   transformer-engine or apex).
 
 Nothing here is entered on a CUDA device. The equivalence tests
 (``tests/integration/test_megatron_equivalence.py``, dense and MoE, forward and backward at
@@ -58,12 +66,16 @@ def _is_cuda_device_arg(device: object) -> bool:
 
 
 class CudaToCpuMode(TorchFunctionMode):
-    """Send ``device="cuda"`` / ``"cuda:N"`` / int device keywords and ``.cuda()`` to the CPU."""
+    """Send ``device="cuda"`` / ``"cuda:N"`` / int device keywords and ``.cuda()`` to the CPU;
+    a CPU tensor's ``.type()`` names its CUDA type (item 8 of the module docstring)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is torch.Tensor.cuda:
             return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return name.replace("torch.", "torch.cuda.", 1) if "cuda" not in name else name
         if "device" in kwargs and _is_cuda_device_arg(kwargs["device"]):
             kwargs = {**kwargs, "device": "cpu"}
         return func(*args, **kwargs)

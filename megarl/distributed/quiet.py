@@ -73,6 +73,20 @@ KNOWN_WARNINGS: tuple[KnownWarning, ...] = (
         "first backward with tp > 1: a CUDA setting, meaningless on CPU",
         cpu_only=True,
     ),
+    KnownWarning(
+        r"The \.grad attribute of a Tensor that is not a leaf Tensor is being accessed",
+        UserWarning,
+        r"megatron\.core\.optimizer|megarl\.distributed\.platform",
+        "every step of Megatron's distributed fp32 optimizer: it reads .grad of its parameter "
+        "shards, views of the parameters (on CPU the shims' mode makes the call, so the warning "
+        "names megarl's module)",
+    ),
+    KnownWarning(
+        r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated",
+        FutureWarning,
+        r"torch\.distributed",
+        "Megatron's distributed optimizer and DDP call torch's older collective names",
+    ),
 )
 
 

@@ -263,6 +263,7 @@ def _build_critic(
     ``critic.model.path``: what the critic learned is in the checkpoint, not in that folder."""
     from megarl.critic.hf_init import critic_init
     from megarl.critic.megatron_critic import MegatronCritic
+    from megarl.distributed.execution import execution_plan_for
     from megarl.models.megatron_gpt import ValueHeadInit
     from megarl.trainer.critic_step import critic_model_config
 
@@ -273,6 +274,7 @@ def _build_critic(
         text = f"critic: restored from {resume_from}" if resume_from else source.description
         print(text, flush=True)
     head = ValueHeadInit(init_std=init_std, seed=cfg.trainer.seed, weight=source.head_weight)
+    execution = execution_plan_for(cfg, execution.device, optim=cfg.critic.optim)
     return MegatronCritic(
         spec, critic_model_config(cfg), device, dtype, source.weights, pad_id, head, execution
     )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -20,7 +21,7 @@ from helpers.models import tiny_llama_hf_config, value_model_folder
 from helpers.runs import run_env, tiny_overrides
 
 from megarl.checkpoint.convert import write_hf_folder
-from megarl.checkpoint.layout import complete_checkpoints, read_checkpoint
+from megarl.checkpoint.layout import complete_checkpoints, optim_file, read_checkpoint
 from megarl.models.hf_io import load_hf_state_dict
 from megarl.train import StartupError, run
 
@@ -31,6 +32,9 @@ REPO = Path(__file__).resolve().parents[2]
 # test, while TP=2 vs TP=1 float rounding, amplified by Adam in proportion to the lr, stays below
 # it (at lr 1e-4 it reached 6e-6 after 3 steps at each layout).
 COMMON = {"actor.lr": 1e-5}
+ROUNDING = 1e-7
+"""Plain vs distributed optimizer at one layout: the gradients' all-reduce and reduce-scatter
+may round differently; a lost or misplaced Adam moment, or a reset step count, shows as ~lr."""
 CURVE_KEYS = ("critic/rewards/mean", "actor/pg_loss")
 
 
@@ -99,6 +103,37 @@ def test_resume_at_another_layout(straight, tmp_path):
         r["critic/rewards/mean"] for r in straight_rows
     ]
     assert _max_diff(straight_state, result.final_state) <= 1e-6
+
+
+def test_the_distributed_optimizers_checkpoint_is_the_plain_ones(tmp_path):
+    """Megatron's distributed optimizer (Adam state sliced over 2 data-parallel ranks) saves
+    each parameter's whole state: the same weights and optimizer file as the plain optimizer's
+    at the same layout, to the last bits the two reductions may round differently. Resumed at
+    DP=1 and at TP=2, the two checkpoints then train the same next step."""
+    from safetensors.torch import load_file
+
+    dp2 = {**COMMON, "trainer.save_interval": 3, "trainer.n_gpus_per_node": 2}
+    saved = {}
+    for name, extra in {"plain": {}, "distributed": {"actor.optim.distributed": "true"}}.items():
+        run_dir = tmp_path / name
+        stopped = run(tiny_overrides(run_dir, 3, **dp2, **extra), return_final_state=True)
+        optim = load_file(run_dir / "checkpoints" / "step_000003" / optim_file(0, 0))
+        saved[name] = (run_dir, stopped.final_state, optim)
+    (_, plain_weights, plain_optim), (_, dist_weights, dist_optim) = saved.values()
+    assert sorted(plain_optim) == sorted(dist_optim)
+    assert any("exp_avg_sq" in key for key in plain_optim), sorted(plain_optim)[:5]
+    assert _max_diff(plain_weights, dist_weights) <= ROUNDING  # measured 5e-8
+    assert _max_diff(plain_optim, dist_optim) <= ROUNDING  # measured 2e-9
+    layouts = {"dp1": {}, "tp2": {"actor.tp": 2, "trainer.n_gpus_per_node": 2}}
+    for layout, overrides in layouts.items():
+        resumed = {}
+        for name, (run_dir, _, _) in saved.items():
+            copy = tmp_path / f"{name}-{layout}"
+            shutil.copytree(run_dir, copy)
+            args = tiny_overrides(copy, 4, **COMMON, **overrides)
+            resumed[name] = run(args, return_final_state=True).final_state
+        assert _max_diff(resumed["plain"], plain_weights) > 50 * ROUNDING, layout  # ~lr: 1e-5
+        assert _max_diff(resumed["plain"], resumed["distributed"]) <= ROUNDING, layout  # 7e-8
 
 
 def test_qwen3_saved_at_tp2_resumes_at_tp1(tmp_path):

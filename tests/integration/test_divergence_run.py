@@ -81,9 +81,9 @@ def test_weights_an_update_left_nonfinite_never_reach_the_engine(tmp_path, monke
     """An update that writes inf into a weight with a finite gradient norm (what Megatron's GPU
     optimizer would do with a NaN it applies before megarl sees the norm): the check after the
     step stops the run, even with skipping on, before the weights are sent or saved."""
-    from megarl.actor.optim import CpuAdamW
+    from megarl.actor.optim import MegatronOptimizer
 
-    original = CpuAdamW.step
+    original = MegatronOptimizer.step
     calls = {"n": 0}
 
     def poisoning(self) -> float:
@@ -91,10 +91,10 @@ def test_weights_an_update_left_nonfinite_never_reach_the_engine(tmp_path, monke
         calls["n"] += 1
         if calls["n"] == 2:
             with torch.no_grad():
-                self.params[0].view(-1)[0] = math.inf
+                next(self.model.parameters()).view(-1)[0] = math.inf
         return norm
 
-    monkeypatch.setattr(CpuAdamW, "step", poisoning)
+    monkeypatch.setattr(MegatronOptimizer, "step", poisoning)
     run_dir = tmp_path / "run"
     settings = {"trainer.save_interval": 1, "trainer.skip_nonfinite_updates": "true"}
     with pytest.raises(DivergenceError) as stopped:

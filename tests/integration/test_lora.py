@@ -46,6 +46,7 @@ def _full_logits(actor, batch, tp: int):
 
 def _worker(ctx, tp: int, pp: int, ids, state):
     from megarl.actor.megatron_actor import MegatronActor
+    from megarl.actor.megatron_optim_state import optimizer_parts
     from megarl.config.actor import ActorConfig, LoraConfig
     from megarl.distributed import parallel
     from megarl.models.chunk import unwrap
@@ -79,7 +80,9 @@ def _worker(ctx, tp: int, pp: int, ids, state):
     sharded = unwrap(actor.model).sharded_state_dict(metadata={})
     lora_shapes = {k: tuple(v.global_shape) for k, v in sharded.items() if ".lora." in k}
     base_unchanged = all(torch.equal(base_before[n], base_after[n]) for n in base_before)
-    optim_params = {id(p) for p in actor.optimizer.params}
+    optim_params = {
+        id(p) for part in optimizer_parts(actor.optimizer.inner) for p in part.get_parameters()
+    }
     optim_is_adapters = optim_params == {id(p) for p in adapter_parameters(actor.model)}
     result = {
         "rank": ctx.rank,

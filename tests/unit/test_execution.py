@@ -9,6 +9,7 @@ from megarl.distributed.execution import (
     ExecutionError,
     ExecutionRequest,
     decide_execution,
+    execution_plan_for,
     resolve_device,
 )
 
@@ -36,11 +37,22 @@ def test_cpu_plan_enters_shims_and_ignores_cuda_only_features_with_a_reason():
         True,
         "float32",
     )
-    assert plan.optimizer == "torch_adamw" and not plan.distributed_optimizer
+    assert plan.optimizer == "megatron" and plan.distributed_optimizer  # runs on CPU too
     assert plan.recompute is None and not plan.overlap_grad_reduce
     assert plan.layer_spec == "local" and plan.attention_core == "sdpa"
     assert plan.packed_attention == "sdpa_blocks"
-    assert any("actor.optim.distributed" in r and "actor.recompute" in r for r in plan.reasons)
+    assert any("overlap_grad_reduce" in r and "actor.recompute" in r for r in plan.reasons)
+    assert not any("actor.optim.distributed" in r for r in plan.reasons)
+
+
+@pytest.mark.parametrize("env", [CPU, H100_TE], ids=["cpu", "cuda"])
+def test_the_optimizer_is_megatrons_unless_torch_is_asked_for(env):
+    auto = decide_execution(ExecutionRequest(), env)
+    assert (auto.optimizer, auto.distributed_optimizer) == ("megatron", False)
+    assert any("optimizer: Megatron's, plain (impl=auto)" in r for r in auto.reasons)
+    torch_plan = decide_execution(ExecutionRequest(optimizer_impl="torch"), env)
+    assert torch_plan.optimizer == "torch_adamw"
+    assert any("torch AdamW" in r for r in torch_plan.reasons)
 
 
 def test_cuda_plan_with_transformer_engine():
@@ -92,6 +104,24 @@ def test_request_from_run_config():
     assert request == ExecutionRequest(
         device="cpu", pack_sequences=False, distributed_optimizer=True, recompute="full"
     )
+
+
+@pytest.mark.parametrize("section", ["actor", "critic"])
+def test_an_optimizer_that_cannot_be_is_refused_by_name(section):
+    from megarl.config.schema import ConfigError, build_run_config
+
+    with pytest.raises(ConfigError, match=rf"{section}\.optim\.impl='adafactor'"):
+        build_run_config({section: {"optim": {"impl": "adafactor"}}})
+    with pytest.raises(ConfigError, match=rf"{section}\.optim\.distributed=true needs Megatron"):
+        build_run_config({section: {"optim": {"impl": "torch", "distributed": True}}})
+
+
+def test_the_critic_trains_with_its_own_optimizer_settings():
+    from megarl.config.schema import build_run_config
+
+    cfg = build_run_config({"critic": {"optim": {"impl": "torch"}}})
+    assert execution_plan_for(cfg, "cpu").optimizer == "megatron"
+    assert execution_plan_for(cfg, "cpu", optim=cfg.critic.optim).optimizer == "torch_adamw"
 
 
 def test_detect_environment_reads_torch(monkeypatch):

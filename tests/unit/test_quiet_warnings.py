@@ -26,6 +26,17 @@ KNOWN = [
         "full scope is deprecated. Use empty cuda_graph_scope to capture the whole layer.",
         "megatron.core.transformer.transformer_config",
     ),
+    (
+        (
+            "The .grad attribute of a Tensor that is not a leaf Tensor is being accessed. Its "
+            ".grad attribute won't be populated during autograd.backward()."
+        ),
+        "megatron.core.optimizer.distrib_optimizer",
+    ),
+    (
+        "The .grad attribute of a Tensor that is not a leaf Tensor is being accessed.",
+        "megarl.distributed.platform",  # on CPU, through the shims' TorchFunctionMode
+    ),
 ]
 CPU_ONLY = (
     (
@@ -49,6 +60,12 @@ def _shown(message: str, module: str, device: str | None = None, category=UserWa
 def test_the_known_warnings_are_hidden(message, module):
     assert not _shown(message, module)
     assert not _shown(message, module, device="cpu")
+
+
+def test_torchs_deprecation_of_the_collectives_megatron_calls_is_hidden():
+    for name in ("reduce_scatter_tensor", "all_gather_into_tensor"):
+        message = f"`torch.distributed.{name}` is deprecated. Please use `...single` instead."
+        assert not _shown(message, "torch.distributed.c10d_logger", category=FutureWarning)
 
 
 def test_a_cuda_hint_is_hidden_on_cpu_only():
