@@ -105,6 +105,30 @@ def test_resume_at_another_layout(straight, tmp_path):
     assert _max_diff(straight_state, result.final_state) <= 1e-6
 
 
+def test_a_bf16_run_resumes_bitwise_from_its_fp32_main_copies(tmp_path):
+    """``model.dtype=bfloat16`` on the CPU trains as CUDA does: bf16 weights, Megatron's fp32
+    main copies in the optimizer. The checkpoint holds the main copies (``main_param``); the
+    resumed run puts them back and refreshes the optimizer from them, so its steps equal the
+    uninterrupted run's bit for bit (a main copy rebuilt from the bf16 weights would not)."""
+    from safetensors.torch import load_file
+
+    bf16 = {**COMMON, "model.dtype": "bfloat16", "trainer.save_interval": 2}
+    straight = run(tiny_overrides(tmp_path / "straight", 4, **bf16), return_final_state=True)
+    for name, tensor in straight.final_state.items():  # bf16 linear layers (the local
+        if name.endswith("proj.weight"):  # spec's torch norms keep fp32), whatever the export
+            assert torch.equal(tensor.to(torch.bfloat16).to(tensor.dtype), tensor), name
+    run_dir = tmp_path / "resumed"
+    run(tiny_overrides(run_dir, 2, **bf16))
+    optim = load_file(run_dir / "checkpoints" / "step_000002" / optim_file(0, 0))
+    mains = [key for key in optim if "main_param" in key]
+    assert mains and all(optim[key].dtype == torch.float32 for key in mains), sorted(optim)[:5]
+    resumed = run(tiny_overrides(run_dir, 4, **bf16), return_final_state=True)
+    assert _curve(_metrics(run_dir)) == _curve(_metrics(tmp_path / "straight"))
+    assert _max_diff(straight.final_state, resumed.final_state) == 0.0
+    lp_diff = [r["rollout/logprob_abs_diff"] for r in resumed.history]
+    assert all(d < 1e-2 for d in lp_diff), lp_diff  # the engine serves bf16 too
+
+
 def test_the_distributed_optimizers_checkpoint_is_the_plain_ones(tmp_path):
     """Megatron's distributed optimizer (Adam state sliced over 2 data-parallel ranks) saves
     each parameter's whole state: the same weights and optimizer file as the plain optimizer's
