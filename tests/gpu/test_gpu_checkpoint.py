@@ -1,10 +1,11 @@
-"""Checkpoints of Megatron's optimizer on CUDA: its fp32 main copies and Adam moments, plain and
+"""Checkpoints of Megatron's optimizer in bf16: its fp32 main copies and Adam moments, plain and
 distributed, saved per parameter and restored exactly.
 
-Skipped without CUDA. The distributed case runs on every visible GPU (data parallel over all of
-them, so the optimizer's slices cut parameters); with one GPU it still takes the distributed
-optimizer's code path with a single slice per parameter. The same module runs on CPU against
-stand-ins of Megatron's optimizer in ``tests/unit/test_megatron_optim_state.py``.
+The round trip runs on the CPU (gloo, the CPU shims: the same Megatron optimizer, two
+data-parallel ranks when distributed, so the optimizer's slices cut parameters) and, where CUDA
+is, on every visible GPU (with one GPU the distributed case still takes the distributed
+optimizer's code path, a single slice per parameter). The trainer's own save and resume on
+CUDA is skipped without it (its CPU twin: ``tests/integration/test_checkpoint_resume.py``).
 """
 
 from __future__ import annotations
@@ -15,21 +16,22 @@ import pytest
 import torch
 from test_gpu_path import TINY, require_cuda
 
-pytestmark = pytest.mark.gpu
+DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
 
 
-def _actor(spec, state, distributed: bool):
+def _actor(spec, state, distributed: bool, device: str):
     from megarl.actor.megatron_actor import MegatronActor
     from megarl.config.actor import ActorConfig
     from megarl.distributed.execution import Environment, ExecutionRequest, decide_execution
 
-    env = Environment(cuda_available=True, transformer_engine=False, device_name="cuda")
-    plan = decide_execution(
-        ExecutionRequest(device="cuda", model_dtype="bfloat16", distributed_optimizer=distributed),
-        env,
+    env = Environment(cuda_available=device == "cuda", transformer_engine=False)
+    request = ExecutionRequest(
+        device=device, model_dtype="bfloat16", distributed_optimizer=distributed
     )
+    plan = decide_execution(request, env)
+    assert plan.optimizer == "megatron" and plan.params_dtype == "bfloat16", plan
     cfg = ActorConfig(lr=1e-3)
-    return MegatronActor(spec, cfg, "cuda", torch.bfloat16, state, pad_id=0, execution=plan)
+    return MegatronActor(spec, cfg, device, torch.bfloat16, state, pad_id=0, execution=plan)
 
 
 def _step_with_seeded_grads(actor, seed: int) -> None:
@@ -42,7 +44,7 @@ def _step_with_seeded_grads(actor, seed: int) -> None:
     actor.optimizer.step()
 
 
-def _round_trip_worker(ctx, distributed: bool, folder: str):
+def _round_trip_worker(ctx, device: str, distributed: bool, folder: str):
     import torch.distributed as dist
     from safetensors.torch import load_file
 
@@ -51,11 +53,15 @@ def _round_trip_worker(ctx, distributed: bool, folder: str):
     from megarl.models.random_init import build_random_hf_model
     from megarl.models.spec import spec_from_hf_config
 
-    parallel.init_process_group("cuda", ctx.rank, ctx.world_size, ctx.master_addr, ctx.master_port)
+    if device == "cpu":
+        from megarl.distributed.platform import enter_cpu_shims
+
+        enter_cpu_shims()
+    parallel.init_process_group(device, ctx.rank, ctx.world_size, ctx.master_addr, ctx.master_port)
     parallel.init_model_parallel(1, 1)
     spec = spec_from_hf_config(TINY)
     state = {k: v.clone() for k, v in build_random_hf_model(TINY, 3).state_dict().items()}
-    trained = _actor(spec, state, distributed)
+    trained = _actor(spec, state, distributed, device)
     for seed in (1, 2):
         _step_with_seeded_grads(trained, seed)
     states = trained.optimizer.param_states()  # collective
@@ -66,7 +72,7 @@ def _round_trip_worker(ctx, distributed: bool, folder: str):
     dist.barrier()
 
     saved = load_file(str(path))
-    resumed = _actor(spec, state, distributed)  # the initial weights: a fresh start
+    resumed = _actor(spec, state, distributed, device)  # the initial weights: a fresh start
     with torch.no_grad():
         for (_, _, src), (_, _, dst) in zip(
             trained.local_params(), resumed.local_params(), strict=True
@@ -75,12 +81,15 @@ def _round_trip_worker(ctx, distributed: bool, folder: str):
     resumed.optimizer.reload_model_params()
     for rule, layer, param in resumed.local_params():
         name = rule.mcore_name(layer)
-        param_state = {k: saved[f"{k}/{name}"] for k in ("exp_avg", "exp_avg_sq", "main_param")}
+        # a bf16 weight's fp32 main copy; an fp32 one (the local spec's torch norms) has none
+        keys = [k for k in ("exp_avg", "exp_avg_sq", "main_param") if f"{k}/{name}" in saved]
+        param_state = {k: saved[f"{k}/{name}"] for k in keys}
         param_state["step"] = saved[f"step/{name}"].reshape(())
         resumed.optimizer.load_param_state(param, param_state)
 
     again = resumed.optimizer.param_states()
     out = {"mismatched_states": [], "mismatched_weights": []}
+    out["main_copies"] = sum(key.startswith("main_param/") for key in saved)
     if ctx.rank == 0:
         for rule, layer, param in resumed.local_params():
             name = rule.mcore_name(layer)
@@ -99,19 +108,27 @@ def _round_trip_worker(ctx, distributed: bool, folder: str):
     return out
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("distributed", [False, True], ids=["plain", "distributed"])
-def test_optimizer_state_round_trips_bitwise_and_the_next_step_matches(distributed, tmp_path):
-    require_cuda()
+def test_optimizer_state_round_trips_bitwise_and_the_next_step_matches(
+    device, distributed, tmp_path
+):
     from megarl.distributed.launcher import launch
 
-    world = torch.cuda.device_count() if distributed else 1
-    results = launch(_round_trip_worker, world, args=(distributed, str(tmp_path)), timeout_s=600)
+    if device == "cuda":
+        require_cuda()
+        world = torch.cuda.device_count() if distributed else 1
+    else:
+        world = 2 if distributed else 1
+    args = (device, distributed, str(tmp_path))
+    results = launch(_round_trip_worker, world, args=args, timeout_s=600)
     for r in results:
-        assert r["params"] > 0
+        assert r["params"] > 0 and r["main_copies"] > 0
         assert r["mismatched_states"] == [], r
         assert r["mismatched_weights"] == [], r
 
 
+@pytest.mark.gpu
 def test_grpo_run_on_gpu_saves_main_copies_and_resumes(tmp_path, capsys):
     """The trainer's own save and resume on CUDA with the distributed optimizer: the checkpoint
     holds every parameter's fp32 main copy and moments; the resumed run continues training."""
@@ -140,8 +157,10 @@ def test_grpo_run_on_gpu_saves_main_copies_and_resumes(tmp_path, capsys):
         keys = set(f.keys())
     names = {k.split("/", 1)[1] for k in keys if k.startswith("step/")}
     assert names, "no optimizer state saved"
-    for name in names:
-        assert {f"exp_avg/{name}", f"exp_avg_sq/{name}", f"main_param/{name}"} <= keys, name
+    for name in names:  # main copies of the bf16 weights (the local spec keeps norms in fp32)
+        assert {f"exp_avg/{name}", f"exp_avg_sq/{name}"} <= keys, name
+        if name.endswith("linear_proj.weight"):
+            assert f"main_param/{name}" in keys, name
     result = run([*common, "trainer.total_steps=3"])
     assert "resuming from" in capsys.readouterr().out
     assert [m["step"] for m in result.history][-1] == 3
