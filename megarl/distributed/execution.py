@@ -195,7 +195,8 @@ def execution_plan_for(cfg, device: str, optim=None) -> ExecutionPlan:
 
 def _cpu_plan(request: ExecutionRequest) -> ExecutionPlan:
     optimizer, why = _optimizer(request)
-    reasons = ["cpu: gloo, fp32, Megatron CPU shims", why]
+    dtype = "float32" if request.model_dtype == "auto" else request.model_dtype
+    reasons = [f"cpu: gloo, {dtype} parameters, Megatron CPU shims", why]
     ignored = [
         name
         for name, on in (
@@ -207,7 +208,6 @@ def _cpu_plan(request: ExecutionRequest) -> ExecutionPlan:
     ]
     if ignored:
         reasons.append(f"ignored on cpu (CUDA-only): {', '.join(ignored)}")
-    dtype = "float32" if request.model_dtype == "auto" else request.model_dtype
     packed = "sdpa_blocks" if request.pack_sequences else "none"
     reasons.append(
         "packing: "
