@@ -15,7 +15,7 @@ Decisions, and why:
   through the CPU shims, on the CPU, plain or distributed (state sharded over DP) -- the code
   every GPU user runs is the code the CPU suite tests. ``torch``: ``torch.optim.AdamW`` over
   Megatron's main grads (:class:`megarl.actor.optim.CpuAdamW`), megarl's own.
-- CPU: gloo, fp32, shims on, local spec with SDPA core attention; packed micro-batches attend
+- CPU: gloo, fp32 (``model.dtype=auto``), shims on, local spec with SDPA core attention; packed micro-batches attend
   block by block (a block-diagonal causal mask evaluated per sequence). Overlapped
   communication and recomputation are CUDA-only (Megatron's recompute saves CUDA RNG state) and
   are ignored with a reason, so one config runs on both devices.
@@ -71,17 +71,19 @@ class ExecutionRequest:
     recompute: str = "none"
 
     @classmethod
-    def from_config(cls, cfg) -> ExecutionRequest:
-        """From a :class:`megarl.config.schema.RunConfig`."""
+    def from_config(cls, cfg, optim=None) -> ExecutionRequest:
+        """From a :class:`megarl.config.schema.RunConfig`; ``optim``: another model's optimizer
+        settings (``critic.optim``) in place of ``actor.optim``."""
         a = cfg.actor
+        optim = optim or a.optim
         return cls(
             device=cfg.trainer.device,
             model_dtype=cfg.model.dtype,
             pack_sequences=a.pack_sequences,
-            optimizer_impl=a.optim.impl,
-            distributed_optimizer=a.optim.distributed,
-            overlap_grad_reduce=a.optim.overlap_grad_reduce,
-            overlap_param_gather=a.optim.overlap_param_gather,
+            optimizer_impl=optim.impl,
+            distributed_optimizer=optim.distributed,
+            overlap_grad_reduce=optim.overlap_grad_reduce,
+            overlap_param_gather=optim.overlap_param_gather,
             recompute=a.recompute,
         )
 
@@ -181,15 +183,7 @@ def execution_plan_for(cfg, device: str, optim=None) -> ExecutionPlan:
     optimizer settings (``critic.optim``) in place of ``actor.optim``."""
     import dataclasses
 
-    request = dataclasses.replace(ExecutionRequest.from_config(cfg), device=device)
-    if optim is not None:
-        request = dataclasses.replace(
-            request,
-            optimizer_impl=optim.impl,
-            distributed_optimizer=optim.distributed,
-            overlap_grad_reduce=optim.overlap_grad_reduce,
-            overlap_param_gather=optim.overlap_param_gather,
-        )
+    request = dataclasses.replace(ExecutionRequest.from_config(cfg, optim), device=device)
     return decide_execution(request, detect_environment())
 
 
