@@ -3,12 +3,14 @@
 Run on a CUDA machine (``pip install -e '.[gpu]'`` for transformer-engine; megatron-core is
 required)::
 
-    python benchmarks/bench_gpu.py                       # SmolLM2-135M and a ~0.93B random init
+    python benchmarks/bench_gpu.py                       # SmolLM2-135M, its shape and ~0.93B random
+    python benchmarks/bench_gpu.py --models random-135m random-0.9b  # without the packaged model
     python benchmarks/bench_gpu.py --models smollm2 --steps 5 --pack both
 
 Each model runs ``--steps`` GRPO steps through the real entry point (``megarl.train.run``,
 ``trainer.device=cuda``, bf16, the ``transformers`` rollout engine unless ``--engine vllm``);
-the first step is a warm-up and the table reports the mean of the others. ``--pack both``
+the first step is a warm-up and the table reports the mean of the others. Zero-advantage
+pruning is off: a random model earns no reward, and the update is what is timed. ``--pack both``
 runs each model with ``actor.pack_sequences`` true and false. Without CUDA it exits with code 2
 and one line saying so. Record the output and the command in ``benchmarks/RESULTS.md`` with the
 device named.
@@ -31,8 +33,19 @@ ONE_B = {
     "model.hf_config.num_key_value_heads": 4,
     "model.hf_config.max_position_embeddings": 4096,
 }
+# SmolLM2-135M's shape with random weights: its compute where the packaged model cannot travel.
+SMOLLM2_SHAPE = {
+    "model.hf_config.hidden_size": 576,
+    "model.hf_config.intermediate_size": 1536,
+    "model.hf_config.num_hidden_layers": 30,
+    "model.hf_config.num_attention_heads": 9,
+    "model.hf_config.num_key_value_heads": 3,
+    "model.hf_config.max_position_embeddings": 8192,
+    "model.hf_config.tie_word_embeddings": "true",
+}
 MODELS = {
     "smollm2": ("SmolLM2-135M-Instruct", {}),
+    "random-135m": ("random Llama, SmolLM2-135M's shape", {"model": "tiny_llama", **SMOLLM2_SHAPE}),
     "random-0.9b": ("random Llama ~0.93B", {"model": "tiny_llama", **ONE_B}),
 }
 PHASES = ("gen", "old_log_prob", "ref", "update_actor", "update_weights", "step")
@@ -54,6 +67,7 @@ def _overrides(args, model_overrides: dict, packed: bool, run_dir: str) -> list[
         "actor.micro_batch_tokens": args.micro_batch_tokens,
         "actor.logprob_micro_batch_tokens": 2 * args.micro_batch_tokens,
         "planner.old_log_prob": "always",
+        "planner.prune_zero_adv": "off",  # a random model earns no reward: time the update anyway
     }
     base.update(model_overrides)
     return [f"{k}={v}" for k, v in base.items()]

@@ -402,7 +402,7 @@ def check_dump_dirs(cfg) -> None:
             )
 
 
-def resolve_resume(cfg, model_dir: str, device: str) -> str | None:
+def resolve_resume(cfg, model_dir: str) -> str | None:
     """The checkpoint this run continues from (``trainer.resume``), checked against the config,
     the model's tokenizer and the dataset; see :func:`megarl.checkpoint.resume.prepare_resume`."""
     import dataclasses
@@ -425,7 +425,7 @@ def resolve_resume(cfg, model_dir: str, device: str) -> str | None:
 
     checks = RunChecks(model_spec=model_spec, model_dir=model_dir, load_position=load_position)
     try:
-        return prepare_resume(cfg, device, checks)
+        return prepare_resume(cfg, checks)
     except CheckpointError as exc:
         raise StartupError(str(exc)) from None
 
@@ -450,7 +450,7 @@ def run(overrides: list[str], return_final_state: bool = False):
             validate_against_model(cfg, model_dir, device)
             check_dump_dirs(cfg)
             held.enter_context(_hold_run_dir(cfg.trainer.run_dir))
-            resume_from = resolve_resume(cfg, model_dir, device)
+            resume_from = resolve_resume(cfg, model_dir)
             model_dir = place_model_dir(cfg, model_dir, staging)
         inputs = RunInputs(
             cfg=cfg,

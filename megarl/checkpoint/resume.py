@@ -248,7 +248,7 @@ class RunChecks:
     """Loads a saved data-stream state into a throw-away stream of this run (None: not checked)."""
 
 
-def prepare_resume(cfg, device: str, checks: RunChecks) -> str | None:
+def prepare_resume(cfg, checks: RunChecks) -> str | None:
     """Pick and check the checkpoint to resume (None = fresh start), then tidy ``run_dir`` for it.
 
     Every check comes first, so a refused resume leaves ``run_dir`` as it was. Resuming from
@@ -258,19 +258,10 @@ def prepare_resume(cfg, device: str, checks: RunChecks) -> str | None:
     :class:`CheckpointError` (one line) for a bad, damaged or mismatched checkpoint.
     """
     run_dir = cfg.trainer.run_dir
-    if device == "cuda" and cfg.trainer.save_interval > 0:
-        raise CheckpointError(
-            "trainer.save_interval > 0: training checkpoints of Megatron's CUDA "
-            "optimizer are not implemented yet (CPU only)"
-        )
     info = find_resume_checkpoint(cfg.trainer.resume, run_dir)
     if info is None:
         _start_fresh(run_dir)
         return None
-    if device == "cuda":
-        raise CheckpointError(
-            "trainer.resume: resuming on CUDA is not implemented yet; use trainer.resume=never"
-        )
     changes = check_compatible(info, config_tree(cfg), checks.model_spec())
     if checks.model_dir is not None:
         check_tokenizer(info, checks.model_dir)

@@ -432,17 +432,37 @@ class InProcessWatch:
 def _run_in_process(fn: Callable[..., Any], args: tuple, watch: HeartbeatWatch | None) -> Any:
     """``fn`` as rank 0 of a world of one, here; with ``watch``, an :class:`InProcessWatch`."""
     ctx = WorkerContext(0, 1, "127.0.0.1", find_free_port(), watch.folder if watch else None)
-    if watch is None:
-        return fn(ctx, *args)
-    watch.reset()
-    try:
-        with InProcessWatch(watch, watch.timeout_s + STALE_GRACE_S):
+    with _process_state_restored():
+        if watch is None:
             return fn(ctx, *args)
-    except Unresponsive as stuck:
-        raise stuck.report from None
-    finally:
-        heartbeat.stop()  # the next run in this process (a test session) starts its own
         watch.reset()
+        try:
+            with InProcessWatch(watch, watch.timeout_s + STALE_GRACE_S):
+                return fn(ctx, *args)
+        except Unresponsive as stuck:
+            raise stuck.report from None
+        finally:
+            heartbeat.stop()  # the next run in this process (a test session) starts its own
+            watch.reset()
+
+
+@contextlib.contextmanager
+def _process_state_restored():
+    """A rank run here must leave this process as it found it, however it ended: a process
+    group or model-parallel state it left behind makes the next run in this process (the next
+    model of a benchmark, the next test) fail with "initialize the default process group
+    twice", and CPU shims left on would move that run's CUDA tensors to the CPU."""
+    from megarl.distributed import platform
+
+    depth = platform.shims_depth()
+    try:
+        yield
+    finally:
+        platform.restore_shims_depth(depth)
+        if "megatron.core.parallel_state" in sys.modules or torch.distributed.is_initialized():
+            from megarl.distributed import parallel
+
+            parallel.destroy()
 
 
 def _wait(procs, queue, timeout_s: float | None, watch: HeartbeatWatch | None) -> list[Any]:

@@ -275,6 +275,18 @@ def shims_active() -> bool:
     return _active_depth > 0
 
 
+def shims_depth() -> int:
+    """How many :func:`enter_cpu_shims` are open: :func:`restore_shims_depth` returns to it."""
+    return _active_depth
+
+
+def restore_shims_depth(depth: int) -> None:
+    """Close the levels opened since :func:`shims_depth` answered ``depth``: a rank run in the
+    caller's process (a world of one) leaves the caller's tensors on the devices it asked for."""
+    while _active_depth > depth:
+        exit_cpu_shims()
+
+
 class SDPACoreAttention(torch.nn.Module):
     """Causal core attention via ``scaled_dot_product_attention``; drop-in for the local spec's.
 

@@ -149,6 +149,7 @@ def test_grpo_run_on_gpu_saves_main_copies_and_resumes(tmp_path, capsys):
         "data.prompts_per_step=2",
         "rollout.max_new_tokens=16",
         "planner.prune_zero_adv=off",
+        "data.reward=integration.synthetic_rewards:char_parity",  # mixed rewards: a gradient
         "actor.optim.distributed=true",
     ]
     run([*common, "trainer.total_steps=2"])

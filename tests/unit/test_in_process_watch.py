@@ -45,6 +45,32 @@ def test_without_a_watch_a_world_of_one_just_runs_here():
     assert launch(lambda ctx: (ctx.rank, ctx.world_size, ctx.heartbeat_dir), 1) == [(0, 1, None)]
 
 
+def fails_holding_a_process_group_and_the_cpu_shims(ctx: WorkerContext) -> None:
+    import torch.distributed as dist
+
+    from megarl.distributed.platform import enter_cpu_shims
+
+    enter_cpu_shims()
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://{ctx.master_addr}:{ctx.master_port}", rank=0, world_size=1
+    )
+    raise ValueError("the run failed half-way through its set-up")
+
+
+def test_a_failed_world_of_one_leaves_this_process_as_it_found_it():
+    """The next run in the same process (a benchmark's next model, the next test) would find
+    the process group taken and its CUDA tensors moved to the CPU by the shims."""
+    import torch.distributed as dist
+
+    from megarl.distributed.platform import shims_active
+
+    for _ in range(2):  # the second would fail with "initialize the default process group twice"
+        with pytest.raises(ValueError, match="half-way"):
+            launch(fails_holding_a_process_group_and_the_cpu_shims, 1)
+        assert not dist.is_initialized()
+        assert not shims_active()
+
+
 UNINTERRUPTIBLE = textwrap.dedent(
     """
     import signal, sys, time

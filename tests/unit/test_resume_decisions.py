@@ -58,7 +58,7 @@ def test_auto_with_a_damaged_newest_checkpoint_stops_and_names_the_ways_on(tmp_p
     shard.write_bytes(shard.read_bytes()[:10])
     before = _tree(run_dir)
     with pytest.raises(CheckpointError) as err:
-        prepare_resume(_cfg(run_dir), "cpu", _checks())
+        prepare_resume(_cfg(run_dir), _checks())
     message = str(err.value)
     assert "\n" not in message
     assert f"checkpoint {root / 'step_000002'}: {SHARD} is damaged" in message
@@ -73,7 +73,7 @@ def test_auto_with_only_damaged_checkpoints_does_not_start_fresh(tmp_path):
     (layout.checkpoints_dir(run_dir) / "step_000001" / layout.MARKER).write_text("{")
     before = _tree(run_dir)
     with pytest.raises(CheckpointError, match="unreadable megarl_checkpoint.json.*resume=never"):
-        prepare_resume(_cfg(run_dir), "cpu", _checks())
+        prepare_resume(_cfg(run_dir), _checks())
     assert _tree(run_dir) == before
 
 
@@ -83,7 +83,7 @@ def test_resume_from_the_older_checkpoint_sets_the_damaged_one_aside(tmp_path, c
     (root / "step_000002" / SHARD).write_bytes(b"x")
     layout.prepare_staging(root, "step_000003")
     older = str(root / "step_000001")
-    assert prepare_resume(_cfg(run_dir, resume=older), "cpu", _checks()) == older
+    assert prepare_resume(_cfg(run_dir, resume=older), _checks()) == older
     out = capsys.readouterr().out
     assert "later checkpoints set aside: abandoned-" in out and "unfinished saves set aside" in out
     [abandoned] = root.glob("abandoned-*-step_000002")
@@ -96,7 +96,7 @@ def test_metrics_after_a_resume_hold_each_step_once_and_torn_lines_are_reported(
     run_dir = _run_dir(tmp_path, metrics_steps=(1, 2, 3))
     with open(run_dir / "metrics.jsonl", "a") as handle:
         handle.write('{"step": 4, "actor/pg')
-    prepare_resume(_cfg(run_dir), "cpu", _checks())
+    prepare_resume(_cfg(run_dir), _checks())
     assert "dropped 1 torn line(s)" in capsys.readouterr().out
     assert (run_dir / "metrics.jsonl").read_text() == '{"step": 1}\n{"step": 2}\n'
 
@@ -105,7 +105,7 @@ def test_never_sets_every_checkpoint_and_the_metrics_aside(tmp_path, capsys):
     run_dir = _run_dir(tmp_path)
     (layout.checkpoints_dir(run_dir) / "step_000002" / SHARD).write_bytes(b"x")
     before = sorted(_tree(run_dir).values())
-    assert prepare_resume(_cfg(run_dir, resume="never"), "cpu", _checks()) is None
+    assert prepare_resume(_cfg(run_dir, resume="never"), _checks()) is None
     assert "starting fresh" in capsys.readouterr().out
     assert layout.scan_checkpoints(run_dir) == layout.CheckpointScan((), (), ())
     assert not (run_dir / "metrics.jsonl").exists()
@@ -121,16 +121,16 @@ def _stream_loader(num_problems: int):
 
 def test_a_data_position_beyond_the_dataset_is_refused_before_anything_changes(tmp_path):
     run_dir = _run_dir(tmp_path)
-    assert prepare_resume(_cfg(run_dir), "cpu", _checks(load_position=_stream_loader(5)))
+    assert prepare_resume(_cfg(run_dir), _checks(load_position=_stream_loader(5)))
     run_dir = _run_dir(tmp_path / "b")
     before = _tree(run_dir)
     with pytest.raises(CheckpointError, match="data position does not fit.*num_problems=5"):
-        prepare_resume(_cfg(run_dir), "cpu", _checks(load_position=_stream_loader(3)))
+        prepare_resume(_cfg(run_dir), _checks(load_position=_stream_loader(3)))
     assert _tree(run_dir) == before
     driver = layout.checkpoints_dir(run_dir) / "step_000002" / layout.HOST_STATE_FILE
     driver.write_text(json.dumps({"stream": {"epoch": 0, "position": 9, "seed": 1}}))
     with pytest.raises(CheckpointError, match="position 9 beyond the 5 problems"):
-        prepare_resume(_cfg(run_dir), "cpu", _checks(load_position=_stream_loader(5)))
+        prepare_resume(_cfg(run_dir), _checks(load_position=_stream_loader(5)))
 
 
 def test_a_different_tokenizer_vocabulary_is_refused(tmp_path):
@@ -141,7 +141,7 @@ def test_a_different_tokenizer_vocabulary_is_refused(tmp_path):
     vocab = {"model": {"vocab": {"a": 0, "b": 1}, "merges": []}, "added_tokens": []}
     (ckpt / "tokenizer.json").write_text(json.dumps(vocab))
     (model / "tokenizer.json").write_text(json.dumps(vocab, indent=2))  # formatting only
-    assert prepare_resume(_cfg(run_dir), "cpu", _checks(model_dir=str(model))) is not None
+    assert prepare_resume(_cfg(run_dir), _checks(model_dir=str(model))) is not None
     run_dir = _run_dir(tmp_path / "b")
     ckpt = layout.checkpoints_dir(run_dir) / "step_000002"
     (ckpt / "tokenizer.json").write_text(json.dumps(vocab))
@@ -149,5 +149,5 @@ def test_a_different_tokenizer_vocabulary_is_refused(tmp_path):
     (model / "tokenizer.json").write_text(json.dumps(vocab))
     before = _tree(run_dir)
     with pytest.raises(CheckpointError, match="tokenizer vocabulary in tokenizer.json differs"):
-        prepare_resume(_cfg(run_dir), "cpu", _checks(model_dir=str(model)))
+        prepare_resume(_cfg(run_dir), _checks(model_dir=str(model)))
     assert _tree(run_dir) == before
