@@ -444,7 +444,10 @@ def run(overrides: list[str], return_final_state: bool = False):
     check_loggers_installed(cfg.trainer.logger)
     device = resolve_device(cfg.trainer.device, cfg)
     with contextlib.ExitStack() as held:
-        with tempfile.TemporaryDirectory(prefix="megarl-init-") as tmp:
+        with (
+            _storage_errors_named(cfg.trainer.run_dir, "start-up"),
+            tempfile.TemporaryDirectory(prefix="megarl-init-") as tmp,
+        ):
             staging = Path(tmp) / "init_model"
             model_dir = resolve_model_dir(cfg, staging)
             validate_against_model(cfg, model_dir, device)
@@ -460,6 +463,22 @@ def run(overrides: list[str], return_final_state: bool = False):
             resume_from=resume_from,
         )
         return _launch(cfg, device, run_rank, inputs)[0]
+
+
+@contextlib.contextmanager
+def _storage_errors_named(run_dir: str, during: str) -> Iterator[None]:
+    """A write of the launcher's own (the run directory's lock, the model placed in it, the
+    resume check's tidying) that the storage refuses is one line, as a rank's is
+    (:func:`megarl.errors.storage_error`); any other error passes unchanged."""
+    from megarl.errors import storage_error
+
+    try:
+        yield
+    except OSError as exc:
+        error = storage_error(exc, run_dir, during)
+        if error is None:
+            raise
+        raise error from None
 
 
 @contextlib.contextmanager

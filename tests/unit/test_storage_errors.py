@@ -51,3 +51,22 @@ def test_an_error_log_that_cannot_be_written_goes_to_stderr_instead(tmp_path, ca
     assert "KeyError: 'x'" in capsys.readouterr().err
     assert str(failed).endswith("could not be written: Not a directory)")
     assert "traceback above" in str(failed)
+
+
+def test_the_launchers_own_start_up_writes_are_one_line_too():
+    """The run directory's lock, the placed model, the resume check's tidying: written by the
+    launcher before any rank starts, and named the same way; other errors pass unchanged."""
+    import pytest
+
+    from megarl.train import _storage_errors_named
+
+    full = OSError(errno.ENOSPC, "No space left on device", "/runs/a/init_model/x")
+    with pytest.raises(StorageError) as named, _storage_errors_named("/runs/a", "start-up"):
+        raise full
+    assert str(named.value).startswith(
+        "cannot write /runs/a/init_model/x: No space left on device (errno ENOSPC) during start-up;"
+    )
+    missing = OSError(errno.ENOENT, "No such file or directory", "/models/x/config.json")
+    with pytest.raises(OSError) as raised, _storage_errors_named("/runs/a", "start-up"):
+        raise missing
+    assert raised.value is missing
