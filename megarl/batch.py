@@ -265,6 +265,29 @@ class MicroBatchTensors:
         moved = {f: getattr(self, f).to(device) for f in _TENSOR_FIELDS}
         return dataclasses.replace(self, **moved)
 
+    def with_packed_width(self, width: int, pad_id: int) -> MicroBatchTensors:
+        """This packed row extended to ``width`` tokens by a padding tail (the segment
+        :func:`pack` adds for ``length_multiple``): Megatron's interleaved pipeline passes one
+        activation shape between stages, so every micro-batch of a schedule has the same width.
+        No sequence reads the tail; the loss side is unchanged."""
+        if self.cu_seqlens is None:
+            raise ValueError("with_packed_width: a padded micro-batch has no packed row to extend")
+        tail = width - int(self.tokens_BL.shape[1])
+        if tail < 0:
+            raise ValueError(f"with_packed_width: {width} is shorter than the row's {tail + width}")
+        if tail == 0:
+            return self
+        device = self.tokens_BL.device
+        pad = torch.full((1, tail), pad_id, dtype=self.tokens_BL.dtype, device=device)
+        end = self.cu_seqlens[-1]  # the tail, old and new, is one segment counting from 0
+        tail_positions = torch.arange(width - end, device=device).unsqueeze(0)
+        return dataclasses.replace(
+            self,
+            tokens_BL=torch.cat([self.tokens_BL, pad], dim=1),
+            position_ids_BL=torch.cat([self.position_ids_BL[:, :end], tail_positions], dim=1),
+            labels_BL=torch.cat([self.labels_BL, pad], dim=1),
+        )
+
 
 _TENSOR_FIELDS = (
     "tokens_BL",

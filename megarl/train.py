@@ -177,7 +177,7 @@ def validate_against_model(cfg, model_dir: str, device: str = "cpu") -> None:
     from megarl.config.planning import prune_mode, run_facts
     from megarl.data.errors import DatasetError
     from megarl.models.hf_io import load_hf_config
-    from megarl.models.spec import VPP_TRAINING_UNSUPPORTED, ModelSpecError, spec_from_hf_config
+    from megarl.models.spec import ModelSpecError, spec_from_hf_config, vpp_training_problem
     from megarl.planner.gates import GateConfigError, validate_gate_config
     from megarl.planner.inputs import PlannerError
     from megarl.planner.pruning import check_pruning_config
@@ -209,8 +209,12 @@ def validate_against_model(cfg, model_dir: str, device: str = "cpu") -> None:
             from megarl.critic.hf_init import check_critic_folder
 
             check_critic_folder(cfg.critic.model.path, spec, cfg.critic.value_head_init_std)
-        if cfg.actor.vpp > 1:  # VPP builds, loads and exports, but cannot train yet
-            raise StartupError(VPP_TRAINING_UNSUPPORTED)
+        if cfg.actor.vpp > 1 and (
+            problem := vpp_training_problem(
+                spec.is_moe, cfg.actor.lora.enabled, cfg.algo.uses_critic, cfg.actor.pack_sequences
+            )
+        ):
+            raise StartupError(problem)
         if cfg.rollout.engine == "vllm":
             check_vllm(cfg, model_dir, device)
         validate_gate_config(run_facts(cfg))

@@ -33,7 +33,7 @@ from megarl.batch import (
 from megarl.config.actor import ActorConfig
 from megarl.distributed.execution import ExecutionPlan
 from megarl.models import megatron_gpt
-from megarl.models.spec import VPP_TRAINING_UNSUPPORTED, TransformerSpec
+from megarl.models.spec import TransformerSpec
 from megarl.models.vocab_parallel import VocabShard, token_logprobs_and_entropy
 from megarl.planner.step_plan import MicroBatch, OptimizerStepPlan
 
@@ -98,8 +98,6 @@ class MegatronActor:
         chunks = self._build_chunks(dtype, init_seed)
         if hf_weights is not None:
             megatron_gpt.load_hf_weights(chunks, spec, hf_weights)
-        if trainable and cfg.vpp > 1:
-            raise NotImplementedError(VPP_TRAINING_UNSUPPORTED)
         model = chunks[0]
         # --- LoRA (megarl.models.lora): adapters on frozen base weights, before DDP ---
         self.lora = None
@@ -117,7 +115,9 @@ class MegatronActor:
             group=ps.get_tensor_model_parallel_group() if cfg.tp > 1 else None,
         )
         if trainable:
-            self.model = self._wrap_ddp(model)
+            chunks = self._wrap_ddp(chunks)
+            self.model = chunks[0]
+            self.chunks = chunks
             self.optimizer = self._build_optimizer()
         else:
             for chunk in chunks:
@@ -125,9 +125,10 @@ class MegatronActor:
                 for p in chunk.parameters():
                     p.requires_grad_(False)
             self.model = model
+            self.chunks = chunks
             self.optimizer = None
-        self.chunks = [self.model] if cfg.vpp == 1 else chunks
-        """Model chunks in virtual-pipeline order (one unless ``actor.vpp > 1``)."""
+        """``chunks``: the model chunks in virtual-pipeline order (one unless ``actor.vpp > 1``),
+        DDP-wrapped when trained; ``model``: the first of them."""
         routers = find_routers(self.chunks) if trainable and self._router_loss_on else []
         self.routers: list[Any] = list(routers)  # Megatron TopKRouters (untyped attributes)
         """The MoE routers whose load-balancing loss joins the gradient (none when it is off)."""
@@ -197,10 +198,13 @@ class MegatronActor:
         """Extra ``build_model_chunks`` options: none for the actor (its output layer)."""
         return {}
 
-    def _wrap_ddp(self, model):
+    def _wrap_ddp(self, chunks: list) -> list:
+        """Each chunk in Megatron's DDP (one gradient buffer each; as Megatron's own training
+        does, only the first chunk's is bucketed)."""
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-        model.config.calculate_per_token_loss = True  # we normalise explicitly; DDP must sum
+        config = chunks[0].config
+        config.calculate_per_token_loss = True  # we normalise explicitly; DDP must sum
         plan = self.execution
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=plan.grad_reduce_in_fp32,
@@ -208,18 +212,28 @@ class MegatronActor:
             overlap_param_gather=plan.overlap_param_gather,
             use_distributed_optimizer=plan.distributed_optimizer,
         )
-        ddp = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
+        wrapped = [
+            DistributedDataParallel(
+                config=chunk.config,
+                ddp_config=ddp_config,
+                module=chunk,
+                disable_bucketing=index > 0,
+            )
+            for index, chunk in enumerate(chunks)
+        ]
         if plan.overlap_grad_reduce:
             # Megatron's schedules only defer the bucketed reduce to the last micro-batch
             # (and start it early in pipelined schedules) through these config hooks.
-            model.config.no_sync_func = ddp.no_sync
-            model.config.grad_sync_func = ddp.start_grad_sync
-        return ddp
+            no_sync = [ddp.no_sync for ddp in wrapped]
+            grad_sync = [ddp.start_grad_sync for ddp in wrapped]
+            config.no_sync_func = no_sync[0] if len(wrapped) == 1 else no_sync
+            config.grad_sync_func = grad_sync[0] if len(wrapped) == 1 else grad_sync
+        return wrapped
 
     def _build_optimizer(self):
         from megarl.actor.optim import build_optimizer
 
-        return build_optimizer(self.model, self.cfg, self.execution)
+        return build_optimizer(self.chunks, self.cfg, self.execution)
 
     def _micro_batch(
         self,
@@ -313,7 +327,8 @@ class MegatronActor:
         """
         if self.optimizer is None:
             raise RuntimeError("train_step on a frozen model (built with trainable=False)")
-        self.model.zero_grad_buffer()
+        for chunk in self.chunks:
+            chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         stats: list[dict[str, Any]] = []
         micro_batches = step.ranks[dp_rank].micro_batches
@@ -340,7 +355,12 @@ class MegatronActor:
         """Whether every trainable weight of every rank is finite (one MIN all-reduce): an
         update must never reach the engine or a checkpoint with inf or NaN in it."""
         device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-        checks = [torch.isfinite(p).all() for p in self.model.parameters() if p.requires_grad]
+        checks = [
+            torch.isfinite(p).all()
+            for chunk in self.chunks
+            for p in chunk.parameters()
+            if p.requires_grad
+        ]
         local = torch.stack(checks).all() if checks else torch.tensor(True)
         flag = local.to(device=device, dtype=torch.float32).reshape(1)  # one sync, not per weight
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
@@ -501,7 +521,7 @@ class MegatronActor:
     def _finalize_grads(self) -> None:
         from megatron.core.distributed import finalize_model_grads
 
-        finalize_model_grads([self.model])
+        finalize_model_grads(self.chunks)
 
     # --- schedule ----------------------------------------------------------------------------
 
@@ -528,6 +548,8 @@ class MegatronActor:
 
         max_len = max(mb.tokens_BL.shape[1] for mb in mbs)
         max_b = max(mb.tokens_BL.shape[0] for mb in mbs)
+        if len(self.chunks) > 1:  # interleaved: one activation shape for every micro-batch
+            mbs = [mb.with_packed_width(max_len, self.pad_id) for mb in mbs]
         # each virtual-pipeline chunk walks the micro-batches on its own
         walks: list[Iterator[tuple[int, MicroBatchTensors]]] = [
             iter(enumerate(mbs)) for _ in self.chunks

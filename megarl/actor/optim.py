@@ -25,8 +25,8 @@ from megarl.config.actor import ActorConfig
 class CpuAdamW:
     """AdamW over ``main_grad`` with model-parallel-aware global-norm clipping."""
 
-    def __init__(self, model, cfg: ActorConfig):
-        self.params = [p for p in model.parameters() if p.requires_grad]
+    def __init__(self, chunks: list, cfg: ActorConfig):
+        self.params = [p for chunk in chunks for p in chunk.parameters() if p.requires_grad]
         self.cfg = cfg
         self.inner = torch.optim.AdamW(
             self.params,
@@ -133,11 +133,16 @@ class MegatronOptimizer:
     """
 
     def __init__(
-        self, model, cfg: ActorConfig, distributed: bool = False, overlap_param_gather: bool = False
+        self,
+        chunks: list,
+        cfg: ActorConfig,
+        distributed: bool = False,
+        overlap_param_gather: bool = False,
     ):
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-        self.model = model
+        self.chunks = chunks
+        model = chunks[0]
         self.force_param_sync = distributed and overlap_param_gather
         config = OptimizerConfig(
             optimizer="adam",
@@ -151,7 +156,7 @@ class MegatronOptimizer:
             params_dtype=model.config.params_dtype,
             use_distributed_optimizer=distributed,
         )
-        self.inner = get_megatron_optimizer(config, [model])
+        self.inner = get_megatron_optimizer(config, chunks)
         self.step_count = 0  # steps taken, restored from a checkpoint
         self._index = None  # model param -> where its state lives (built on first load)
 
@@ -179,7 +184,8 @@ class MegatronOptimizer:
         self.inner.step_with_ready_grads()
         self.step_count += 1
         if self.force_param_sync:
-            self.model.start_param_sync(force_sync=True)
+            for chunk in self.chunks:
+                chunk.start_param_sync(force_sync=True)
         return norm
 
     def state_dict(self):
@@ -219,13 +225,14 @@ class MegatronOptimizer:
         self.step_count = int(state["step"].item())
 
 
-def build_optimizer(model, cfg: ActorConfig, plan):
-    """The optimizer the execution plan names."""
+def build_optimizer(chunks: list, cfg: ActorConfig, plan):
+    """The optimizer the execution plan names, over every model chunk (the DDP-wrapped
+    virtual-pipeline chunks; one without a virtual pipeline)."""
     if plan.optimizer == "megatron":
         return MegatronOptimizer(
-            model,
+            chunks,
             cfg,
             distributed=plan.distributed_optimizer,
             overlap_param_gather=plan.overlap_param_gather,
         )
-    return CpuAdamW(model, cfg)
+    return CpuAdamW(chunks, cfg)

@@ -127,7 +127,10 @@ class ActorConfig:
     pp: int = 1
     """Pipeline parallel size (Megatron): the layers are split into this many stages."""
     vpp: int = 1
-    """Virtual pipeline stages (model chunks) per pipeline rank; > 1 needs pp > 1."""
+    """Virtual pipeline stages (model chunks) per pipeline rank; > 1 needs pp > 1 and trains
+    with Megatron's interleaved schedule (a smaller pipeline bubble; every pass then runs a
+    multiple of ``pp`` micro-batches, fillers added where needed). Dense models, packed
+    sequences, no LoRA or critic."""
     ep: int = 1
     """Expert parallel size (Megatron's ``expert_model_parallel_size``): a mixture-of-experts
     model's experts are split over this many ranks of the data-parallel dimension, which it must
@@ -231,3 +234,9 @@ class ActorConfig:
             f"actor.vpp={self.vpp}: virtual pipeline stages need actor.pp > 1",
         )
         _choice("actor.recompute", self.recompute, ("none", "selective", "full"))
+
+    @property
+    def micro_batch_multiple(self) -> int:
+        """Every pass's micro-batch count per rank is a multiple of this: ``pp`` under the
+        interleaved schedule, which runs micro-batches in groups of one per pipeline stage."""
+        return self.pp if self.vpp > 1 else 1

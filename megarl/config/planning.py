@@ -139,6 +139,7 @@ def planner_inputs(
         allow_approx=cfg.planner.allow_approx,
         adv_estimator=cfg.algo.adv_estimator,
         moe_aux_loss_coef=a.moe_aux_loss_coef,
+        micro_batch_multiple=a.micro_batch_multiple,
     )
 
 

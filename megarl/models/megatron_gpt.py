@@ -49,6 +49,7 @@ def transformer_config(
     """Megatron ``TransformerConfig`` for a Llama-style block; fusions off so CPU can run it."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    interleaved = vpp is not None and vpp > 1
     return TransformerConfig(
         **_moe_config(spec, ep, moe_aux_loss_coef, moe_routing_replay),
         num_layers=spec.num_layers,
@@ -75,6 +76,17 @@ def transformer_config(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp,
+        # Activations of each micro-batch's own length pass between pipeline stages; the
+        # interleaved schedule exchanges one fixed shape instead (its paired sends and receives
+        # deadlock with the per-message shape exchange), so under vpp every micro-batch of a
+        # schedule is padded to one width (MegatronActor._run_schedule).
+        variable_seq_lengths=not interleaved,
+        # Interleaved over two stages, a rank's previous and next stage are the same rank, which
+        # then gets an activation and a gradient in one exchange. Batched, both travel on the
+        # pipeline group and pair by posting order, which differs between the two ranks: with
+        # one shape for both, each silently lands in the other's buffer. Unbatched, Megatron
+        # sends each direction on its own group.
+        batch_p2p_comm=not interleaved,
         sequence_parallel=uses_sequence_parallel(spec, tp),
         use_cpu_initialization=use_cpu_initialization,
         params_dtype=dtype,
@@ -127,9 +139,8 @@ def _moe_config(
     ``RouterReplay`` hook.
     """
     if not spec.is_moe:
-        return {"variable_seq_lengths": True, "moe_token_dispatcher_type": "alltoall"}
+        return {"moe_token_dispatcher_type": "alltoall"}
     return {
-        "variable_seq_lengths": True,
         "num_moe_experts": spec.num_experts,
         "moe_router_topk": spec.moe_top_k,
         "moe_ffn_hidden_size": spec.moe_ffn_hidden_size,

@@ -19,10 +19,31 @@ from typing import Any
 SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral", "qwen2_moe")
 MOE_FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe")
 VOCAB_DIVISIBLE_BY = 128
-VPP_TRAINING_UNSUPPORTED = (
-    "actor.vpp > 1 is supported for loading, forward logprobs and export, not for training yet "
-    "(the interleaved schedule needs micro-batch counts in multiples of actor.pp); use actor.vpp=1"
-)
+
+
+def vpp_training_problem(is_moe: bool, lora: bool, critic: bool, packed: bool) -> str | None:
+    """What ``actor.vpp > 1`` cannot train yet, or None. The interleaved schedule trains a dense
+    model's full weights on packed micro-batches (it passes one activation shape between
+    stages, and a packed row widens to it with a padding tail that no sequence reads); a
+    mixture of experts (its routing recorder and replay, its load-balancing loss per virtual
+    stage), LoRA adapters and a critic have not been carried over to several model chunks per
+    rank."""
+    what = [
+        name
+        for name, on in (
+            ("a mixture-of-experts model", is_moe),
+            ("LoRA (actor.lora.rank > 0)", lora),
+            ("a critic (algo.adv_estimator=gae)", critic),
+            ("padded micro-batches (actor.pack_sequences=false)", not packed),
+        )
+        if on
+    ]
+    if not what:
+        return None
+    return (
+        f"actor.vpp > 1 trains dense models on packed micro-batches, without LoRA or a critic; "
+        f"this run has {' and '.join(what)}: use actor.vpp=1"
+    )
 
 
 class ModelSpecError(ValueError):

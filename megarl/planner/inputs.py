@@ -85,6 +85,9 @@ class PlannerInputs:
     (:func:`~megarl.planner.pruning.pruning_refusal`)."""
     attention_cost_coef: float = DEFAULT_ATTENTION_COST_COEF
     """Cost model ``t + coef * t**2``; ``1 / (12 * hidden)`` fits a transformer, 0 = tokens."""
+    micro_batch_multiple: int = 1
+    """Every rank's micro-batch count is a multiple of this: ``actor.pp`` under the interleaved
+    (virtual pipeline) schedule, which runs micro-batches in groups of one per stage."""
 
     def __post_init__(self) -> None:
         for name in ("seq_tokens", "response_tokens", "advantages", "group_ids"):
@@ -115,7 +118,13 @@ class PlannerInputs:
             )
 
     def _check_sizes(self) -> None:
-        for name in ("dp_size", "ppo_mini_batches", "ppo_epochs", "micro_batch_tokens"):
+        for name in (
+            "dp_size",
+            "ppo_mini_batches",
+            "ppo_epochs",
+            "micro_batch_tokens",
+            "micro_batch_multiple",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
                 raise PlannerError(f"{name} must be a positive int, got {value!r}")

@@ -4,7 +4,8 @@ Sharding. Within each non-ghost step the trained sequences are split over ``dp_s
 estimated cost ``t + attention_cost_coef * t**2`` (``t`` = prompt + response tokens; see
 :mod:`megarl.planner.partition`: LPT in rounds plus a swap refinement), then packed per rank into
 micro-batches of at most ``micro_batch_tokens`` tokens by first-fit-decreasing. Ranks must run
-the same number of micro-batches: a rank short of micro-batches first splits its fullest
+the same number of micro-batches, a multiple of ``micro_batch_multiple`` (the interleaved
+pipeline schedule's group size): a rank short of micro-batches first splits its fullest
 multi-sequence micro-batches (no extra compute), and only then is padded with *filler*
 micro-batches. A rank with no trained sequence at all gets fillers too, so no rank is ever empty
 in a non-ghost step. A filler is one sequence at loss weight 0: the shortest zero-advantage
@@ -35,10 +36,25 @@ _MAX_RANKS_NAMED = 4
 
 
 def plan_forward_micro_batches(
-    seq_indices: Sequence[int], seq_tokens: Sequence[int], budget: int
+    seq_indices: Sequence[int], seq_tokens: Sequence[int], budget: int, multiple: int = 1
 ) -> tuple[tuple[int, ...], ...]:
-    """Micro-batches of a forward-only (logprob) pass, packed as training packs them."""
-    return tuple(map(tuple, _pack_micro_batches(seq_indices, seq_tokens, budget)))
+    """Micro-batches of a forward-only (logprob) pass, packed as training packs them; their
+    count a multiple of ``multiple`` (split first, then the shortest micro-batch run again:
+    its sequences' values come out twice, equal)."""
+    bins = _pack_micro_batches(seq_indices, seq_tokens, budget)
+    if not bins:
+        return ()
+    wanted = round_up(len(bins), multiple)
+    bins = split_to_count(bins, wanted, seq_tokens)
+    if len(bins) < wanted:
+        shortest = min(bins, key=lambda b: sum(map(seq_tokens.__getitem__, b)))
+        bins += [shortest] * (wanted - len(bins))
+    return tuple(map(tuple, bins))
+
+
+def round_up(count: int, multiple: int) -> int:
+    """The smallest multiple of ``multiple`` that is >= ``count``."""
+    return -(-count // multiple) * multiple
 
 
 def plan_ranks(
@@ -55,7 +71,7 @@ def plan_ranks(
         _pack_micro_batches(seqs, inputs.seq_tokens, inputs.micro_batch_tokens)
         for seqs in rank_seqs
     ]
-    num_per_rank = max(len(bins) for bins in rank_bins)
+    num_per_rank = round_up(max(len(bins) for bins in rank_bins), inputs.micro_batch_multiple)
     rank_bins = [split_to_count(bins, num_per_rank, inputs.seq_tokens) for bins in rank_bins]
     fillers_per_rank = [num_per_rank - len(bins) for bins in rank_bins]
     filler = _filler_index(members, trained, batch) if any(fillers_per_rank) else -1

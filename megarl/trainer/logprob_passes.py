@@ -73,6 +73,7 @@ def logprob_passes(
         return _reuse_logprobs(rt, batch, mine, gates, precomputed)
     temperature = rt.cfg.rollout.temperature
     budget = rt.cfg.actor.logprob_micro_batch_tokens
+    multiple = rt.cfg.actor.micro_batch_multiple
     recomputed: dict[int, torch.Tensor] = {}
     routing: dict[int, torch.Tensor] = {}
     replay = replay_plan(rt.cfg.actor.router_replay.mode)
@@ -82,7 +83,7 @@ def logprob_passes(
         if gates.old_log_prob.run:
             wanted = set(gates.old_log_prob.seq_indices)
             groups = plan_forward_micro_batches(
-                [i for i in mine if i in wanted], batch.seq_lens, budget
+                [i for i in mine if i in wanted], batch.seq_lens, budget, multiple
             )
             heartbeat.mark("old_log_prob")
             num_seqs = sum(len(group) for group in groups)
@@ -103,7 +104,7 @@ def logprob_passes(
         old = recomputed
     ref = None
     if gates.ref_log_prob.run:
-        groups = plan_forward_micro_batches(list(mine), batch.seq_lens, budget)
+        groups = plan_forward_micro_batches(list(mine), batch.seq_lens, budget, multiple)
         heartbeat.mark("ref")
         with timer.phase("ref"), reported(rt.progress, "ref", len(mine), "sequences"):
             ref = reference_logprobs(rt, batch, groups, temperature)

@@ -91,7 +91,7 @@ def test_weights_an_update_left_nonfinite_never_reach_the_engine(tmp_path, monke
         calls["n"] += 1
         if calls["n"] == 2:
             with torch.no_grad():
-                next(self.model.parameters()).view(-1)[0] = math.inf
+                next(self.chunks[0].parameters()).view(-1)[0] = math.inf
         return norm
 
     monkeypatch.setattr(MegatronOptimizer, "step", poisoning)

@@ -1,4 +1,4 @@
-"""The streamed weight sync inside a real run: metrics, checksum, and the VPP start-up refusal."""
+"""The streamed weight sync inside a real run: metrics, checksum, an interleaved-pipeline run."""
 
 from __future__ import annotations
 
@@ -40,13 +40,21 @@ def test_run_streams_buckets_and_checksums(tmp_path):
     assert second["export/checksum_ok"] == 1.0
 
 
-def test_vpp_training_is_refused_at_start_up(tmp_path):
-    with pytest.raises(StartupError, match="actor.vpp > 1"):
-        run(
-            tiny_overrides(
-                tmp_path / "run", **{"actor.pp": 2, "actor.vpp": 2, "trainer.n_gpus_per_node": 2}
-            )
-        )
+def test_an_interleaved_pipeline_run_trains_and_its_engine_matches_the_trainer(tmp_path):
+    """``actor.pp=2 actor.vpp=2`` end to end: each step trains (the planner runs micro-batches
+    in pairs), and the engine's logprobs after each streamed sync match the trainer's."""
+    vpp = {"actor.pp": 2, "actor.vpp": 2, "trainer.n_gpus_per_node": 2}
+    result = run(tiny_overrides(tmp_path / "run", **vpp, **{"planner.old_log_prob": "always"}))
+    for row in result.history:
+        assert row["actor/grad_norm"] > 0, row
+        assert row["rollout/logprob_abs_diff"] <= 1e-4, row
+        assert row["planner/num_micro_batches"] % 2 == 0, row
+
+
+def test_an_interleaved_pipeline_with_lora_is_refused_at_start_up(tmp_path):
+    vpp = {"actor.pp": 2, "actor.vpp": 2, "trainer.n_gpus_per_node": 2, "actor.lora.rank": 4}
+    with pytest.raises(StartupError, match=r"actor.vpp > 1 .* LoRA"):
+        run(tiny_overrides(tmp_path / "run", **vpp))
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM")

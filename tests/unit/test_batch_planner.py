@@ -481,6 +481,41 @@ def test_ranks_split_micro_batches_before_padding_with_fillers() -> None:
     assert_invariants(inputs, plan)
 
 
+def test_interleaved_pipeline_runs_a_multiple_of_pp_micro_batches() -> None:
+    # one micro-batch of budget 100 would hold all three; the interleaved schedule over pp=4
+    # runs groups of four: split first (no extra compute), then one filler at loss weight 0
+    seq_tokens = [40, 30, 20]
+    inputs = make_inputs(
+        seq_tokens, [1.0, -1.0, 0.5], micro_batch_tokens=100, mode="off", micro_batch_multiple=4
+    )
+    plan = plan_step(inputs)
+    [rank] = plan.optimizer_steps[0].ranks
+    assert len(rank.micro_batches) == 4
+    assert sorted(len(mb.seq_indices) for mb in rank.micro_batches) == [1, 1, 1, 1]
+    assert plan.num_filler_seqs == 1
+    assert trained_by_rank(plan.optimizer_steps[0]) == [[0, 1, 2]]  # each trained once
+    assert_invariants(inputs, plan)
+    plain = plan_step(make_inputs(seq_tokens, [1.0, -1.0, 0.5], micro_batch_tokens=100, mode="off"))
+    assert len(plain.optimizer_steps[0].ranks[0].micro_batches) == 1
+
+
+def test_forward_passes_run_a_multiple_of_pp_micro_batches() -> None:
+    from megarl.planner.micro_batches import plan_forward_micro_batches
+
+    tokens = [40, 30, 20, 10]
+    assert plan_forward_micro_batches([0, 1, 2, 3], tokens, 100) == ((0, 1, 2, 3),)
+    two = plan_forward_micro_batches([0, 1, 2, 3], tokens, 100, multiple=2)
+    assert len(two) == 2 and sorted(i for mb in two for i in mb) == [0, 1, 2, 3]
+    five = plan_forward_micro_batches([0, 1, 2], tokens, 100, multiple=4)
+    assert len(five) == 4 and {i for mb in five for i in mb} == {0, 1, 2}  # one run twice
+    assert plan_forward_micro_batches([], tokens, 100, multiple=4) == ()
+
+
+def test_micro_batch_multiple_must_be_a_positive_int() -> None:
+    with pytest.raises(PlannerError, match="micro_batch_multiple"):
+        make_inputs([10, 10], [1.0, -1.0], micro_batch_multiple=0)
+
+
 def test_over_long_sequence_gets_its_own_micro_batch() -> None:
     inputs = make_inputs([500, 10, 10, 10], [1.0] * 4, micro_batch_tokens=100, mode="off")
     plan = plan_step(inputs)

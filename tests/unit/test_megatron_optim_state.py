@@ -208,7 +208,7 @@ def test_cpu_adamw_takes_a_saved_main_copy_as_the_weight():
     cfg = SimpleNamespace(
         lr=0.1, optim=SimpleNamespace(betas=(0.9, 0.99), eps=1e-8, weight_decay=0.0, grad_clip=0.0)
     )
-    opt = CpuAdamW(model, cfg)  # pyright: ignore[reportArgumentType]
+    opt = CpuAdamW([model], cfg)  # pyright: ignore[reportArgumentType]
     exact = torch.randn(2, 3)
     state = {"exp_avg": torch.ones(2, 3), "exp_avg_sq": torch.ones(2, 3), "step": torch.tensor(2.0)}
     opt.load_param_state(model.weight, {**state, "main_param": exact})

@@ -134,3 +134,14 @@ def test_transformers5_rope_parameters():
         dict(LLAMA, rope_parameters={"rope_type": "default", "rope_theta": 100000.0})
     )
     assert spec.rope_theta == 100000.0
+
+
+def test_interleaved_training_names_what_it_cannot_train_yet():
+    from megarl.models.spec import vpp_training_problem
+
+    assert vpp_training_problem(is_moe=False, lora=False, critic=False, packed=True) is None
+    problem = vpp_training_problem(is_moe=True, lora=False, critic=True, packed=False)
+    assert problem is not None and problem.startswith("actor.vpp > 1")
+    for named in ("mixture-of-experts", "critic", "actor.pack_sequences=false", "actor.vpp=1"):
+        assert named in problem
+    assert "LoRA (" not in problem
