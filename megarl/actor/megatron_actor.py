@@ -594,22 +594,9 @@ class MegatronActor:
 
 def default_execution(cfg: ActorConfig, device: str) -> ExecutionPlan:
     """The plan for ``device`` on this machine when the caller did not decide one."""
-    from megarl.distributed.execution import (
-        ExecutionRequest,
-        decide_execution,
-        detect_environment,
-    )
+    from megarl.distributed.execution import ExecutionRequest, decide_execution, detect_environment
 
-    request = ExecutionRequest(
-        device=device,
-        pack_sequences=cfg.pack_sequences,
-        optimizer_impl=cfg.optim.impl,
-        distributed_optimizer=cfg.optim.distributed,
-        overlap_grad_reduce=cfg.optim.overlap_grad_reduce,
-        overlap_param_gather=cfg.optim.overlap_param_gather,
-        recompute=cfg.recompute,
-    )
-    return decide_execution(request, detect_environment())
+    return decide_execution(ExecutionRequest.for_actor(cfg, device), detect_environment())
 
 
 def packed_seq_params(mb: MicroBatchTensors):

@@ -74,17 +74,24 @@ class ExecutionRequest:
     def from_config(cls, cfg, optim=None) -> ExecutionRequest:
         """From a :class:`megarl.config.schema.RunConfig`; ``optim``: another model's optimizer
         settings (``critic.optim``) in place of ``actor.optim``."""
-        a = cfg.actor
-        optim = optim or a.optim
+        return cls.for_actor(cfg.actor, cfg.trainer.device, cfg.model.dtype, optim)
+
+    @classmethod
+    def for_actor(
+        cls, actor, device: str, model_dtype: str = "auto", optim=None
+    ) -> ExecutionRequest:
+        """From an :class:`megarl.config.actor.ActorConfig` alone (a model built outside a run:
+        tests, benchmarks, tools); the one mapping of its keys to the request's."""
+        optim = optim or actor.optim
         return cls(
-            device=cfg.trainer.device,
-            model_dtype=cfg.model.dtype,
-            pack_sequences=a.pack_sequences,
+            device=device,
+            model_dtype=model_dtype,
+            pack_sequences=actor.pack_sequences,
             optimizer_impl=optim.impl,
             distributed_optimizer=optim.distributed,
             overlap_grad_reduce=optim.overlap_grad_reduce,
             overlap_param_gather=optim.overlap_param_gather,
-            recompute=a.recompute,
+            recompute=actor.recompute,
         )
 
 

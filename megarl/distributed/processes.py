@@ -77,6 +77,25 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+def processes_of_uid(uid: int) -> list[int]:
+    """Every live process whose real uid is ``uid`` (a sandbox's private uid), from /proc."""
+    pids = []
+    with contextlib.suppress(OSError):
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/status", encoding="ascii", errors="replace") as f:
+                    status = dict(line.split(":", 1) for line in f if ":" in line)
+            except OSError:
+                continue  # ended meanwhile
+            state = status.get("State", "").strip()[:1]
+            uids = status.get("Uid", "").split()
+            if uids and int(uids[0]) == uid and state not in DEAD_STATES:
+                pids.append(int(entry))
+    return pids
+
+
 def kill_all(pids: list[int]) -> None:
     """SIGKILL each of ``pids`` still running."""
     for pid in pids:

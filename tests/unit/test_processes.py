@@ -13,6 +13,7 @@ from megarl.distributed.processes import (
     kill_all,
     process_lives,
     process_start,
+    processes_of_uid,
 )
 
 
@@ -69,3 +70,19 @@ def test_kill_engine_sigkills_the_engine_core_below_this_process(monkeypatch):
         kill_all([core.pid, other.pid])
         core.wait(timeout=10)
         other.wait(timeout=10)
+
+
+def test_the_processes_of_a_uid_are_found_and_a_zombie_is_not():
+    """What the sandbox sweeps after a tool call: every live process of its private uid (here
+    this test's own uid, whose processes include this one), never an exited one."""
+    child = subprocess.Popen(["/bin/true"])
+    deadline = time.monotonic() + 10
+    while process_lives(child.pid) and time.monotonic() < deadline:
+        time.sleep(0.02)  # a zombie until waited for
+    try:
+        mine = processes_of_uid(os.getuid())
+        assert os.getpid() in mine
+        assert child.pid not in mine
+        assert processes_of_uid(2**31 - 2) == []  # no process has that uid
+    finally:
+        child.wait(timeout=10)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megarl.agent.sandbox.confine import _LAYERS, REQUIREMENTS, SandboxReport
-from megarl.distributed.processes import process_lives
+from megarl.distributed.processes import process_lives, processes_of_uid
 
 # ----------------------------------------------------------------------------------------------
 # Public types
@@ -435,29 +435,11 @@ async def _read_fd(fd: int, into: bytearray) -> None:
         transport.close()
 
 
-def _processes_of_uid(uid: int) -> list[int]:
-    """Live (non-zombie) processes whose real uid is ``uid``, from /proc."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/status", encoding="ascii", errors="replace") as f:
-                status = dict(line.split(":", 1) for line in f if ":" in line)
-        except OSError:
-            continue
-        state = status.get("State", "").strip()[:1]
-        uids = status.get("Uid", "").split()
-        if uids and int(uids[0]) == uid and state not in ("Z", "X"):
-            pids.append(int(entry))
-    return pids
-
-
 def _sweep_uid(uid: int, rounds: int) -> None:
     """SIGKILL every process of the run's private uid until none is left (a fork bomb without
     a PID namespace may fork between the listing and the kill: hence rounds)."""
     for _ in range(rounds):
-        pids = _processes_of_uid(uid)
+        pids = processes_of_uid(uid)
         if not pids:
             return
         for pid in pids:
