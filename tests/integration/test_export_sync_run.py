@@ -40,15 +40,27 @@ def test_run_streams_buckets_and_checksums(tmp_path):
     assert second["export/checksum_ok"] == 1.0
 
 
-def test_an_interleaved_pipeline_run_trains_and_its_engine_matches_the_trainer(tmp_path):
-    """``actor.pp=2 actor.vpp=2`` end to end: each step trains (the planner runs micro-batches
-    in pairs), and the engine's logprobs after each streamed sync match the trainer's."""
-    vpp = {"actor.pp": 2, "actor.vpp": 2, "trainer.n_gpus_per_node": 2}
-    result = run(tiny_overrides(tmp_path / "run", **vpp, **{"planner.old_log_prob": "always"}))
+def test_an_interleaved_pipeline_run_resumes_a_plain_pipelines_checkpoint_and_trains(
+    tmp_path, capsys
+):
+    """A checkpoint of ``actor.pp=2`` resumes at ``actor.vpp=2`` (the layers regroup into two
+    chunks per rank) and training goes on end to end: the planner runs micro-batches in pairs,
+    each step trains, and the engine's logprobs after each streamed sync match the trainer's."""
+    common = {
+        "actor.pp": 2,
+        "trainer.n_gpus_per_node": 2,
+        "trainer.save_interval": 1,
+        "planner.old_log_prob": "always",
+    }
+    run(tiny_overrides(tmp_path / "run", steps=1, **common, **{"actor.vpp": 1}))
+    result = run(tiny_overrides(tmp_path / "run", steps=3, **common, **{"actor.vpp": 2}))
+    assert "changed settings: actor.vpp: 1 -> 2" in capsys.readouterr().out
+    assert [row["step"] for row in result.history] == [1, 2, 3]  # step 1: the resumed run's
     for row in result.history:
         assert row["actor/grad_norm"] > 0, row
         assert row["rollout/logprob_abs_diff"] <= 1e-4, row
-        assert row["planner/num_micro_batches"] % 2 == 0, row
+        if row["step"] > 1:  # interleaved: in pairs
+            assert row["planner/num_micro_batches"] % 2 == 0, row
 
 
 def test_an_interleaved_pipeline_with_lora_is_refused_at_start_up(tmp_path):
