@@ -65,7 +65,7 @@ def test_a_fresh_start_sets_the_old_events_aside_instead_of_mixing_them_in(tmp_p
     _write(tmp_path, [1, 2, 3, 4], value_offset=0.0)
     old_events = {p.name: p.read_bytes() for p in (tmp_path / "tensorboard").iterdir()}
     cfg = RunConfig(trainer=TrainerConfig(run_dir=str(tmp_path), resume="never"))
-    assert prepare_resume(cfg, "cpu", RunChecks(model_spec=dict)) is None
+    assert prepare_resume(cfg, RunChecks(model_spec=dict)) is None
     [aside] = tmp_path.glob("tensorboard.*")
     said = capsys.readouterr().out
     assert "set aside: metrics." in said and f".jsonl, {aside.name}" in said, said

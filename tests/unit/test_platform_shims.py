@@ -42,3 +42,23 @@ def test_the_model_parallel_rng_fork_is_a_no_op():
         pass
     with pytest.raises(Exception, match="is not added"), tracker.fork():
         pass
+
+
+def test_bf16_matrix_products_run_in_fp32_and_round_once():
+    """What a GPU's bf16 GEMM computes (exact products, fp32 sums, one rounding), forward and
+    backward, at fp32 speed on a CPU without bf16 instructions; other dtypes pass through."""
+    from megarl.distributed.platform import Bf16MatmulInFp32Mode
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 40, generator=gen).bfloat16()
+    w = torch.randn(24, 40, generator=gen).bfloat16().requires_grad_()
+    with Bf16MatmulInFp32Mode():
+        y = torch.nn.functional.linear(x, w)
+        z = x @ w.t()
+        y.float().square().sum().backward()
+        plain = torch.randn(3, 4) @ torch.randn(4, 2)
+    expected = (x.float() @ w.detach().float().t()).bfloat16()
+    assert y.dtype == z.dtype == torch.bfloat16 and plain.dtype == torch.float32
+    assert torch.equal(y, expected) and torch.equal(z, expected)
+    grad_y = 2 * y.detach().float()  # d(sum y^2)/dy, y already rounded
+    assert torch.equal(w.grad, (grad_y.t() @ x.float()).bfloat16())
