@@ -272,9 +272,10 @@ class MicroBatchTensors:
         No sequence reads the tail; the loss side is unchanged."""
         if self.cu_seqlens is None:
             raise ValueError("with_packed_width: a padded micro-batch has no packed row to extend")
-        tail = width - int(self.tokens_BL.shape[1])
+        length = int(self.tokens_BL.shape[1])
+        tail = width - length
         if tail < 0:
-            raise ValueError(f"with_packed_width: {width} is shorter than the row's {tail + width}")
+            raise ValueError(f"with_packed_width: {width} is shorter than the row's {length}")
         if tail == 0:
             return self
         device = self.tokens_BL.device

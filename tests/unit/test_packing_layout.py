@@ -48,6 +48,24 @@ def test_pack_concatenates_with_restarting_positions():
     assert mb.advantages_B.tolist() == [-1.0, 0.5, 2.0]
 
 
+def test_a_packed_row_widens_with_one_tail_segment_and_the_same_loss_side():
+    """What the interleaved pipeline runs: every micro-batch at one width."""
+    mb = pack(_batch(), [1, 0], pad_id=0, length_multiple=4)  # 10 tokens + a tail of 2
+    wide = mb.with_packed_width(16, pad_id=0)
+    assert wide.tokens_BL.tolist() == [[20, 21, 22, 23, 24, 25, 10, 11, 12, 13, *[0] * 6]]
+    assert wide.position_ids_BL.tolist() == [[0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 0, 1, 2, 3, 4, 5]]
+    assert wide.labels_BL.shape == (1, 16) and wide.cu_seqlens == mb.cu_seqlens
+    for name in ("loss_mask_BL", "response_mask_BL", "advantages_B"):
+        assert torch.equal(getattr(wide, name), getattr(mb, name)), name
+    values = torch.arange(16.0).unsqueeze(0)
+    assert torch.equal(wide.to_rows(values), mb.to_rows(values[:, :12]))
+    assert mb.with_packed_width(12, pad_id=0) is mb
+    with pytest.raises(ValueError, match="shorter than the row's 12"):
+        mb.with_packed_width(8, pad_id=0)
+    with pytest.raises(ValueError, match="padded micro-batch"):
+        collate(_batch(), [0, 1], pad_id=0).with_packed_width(16, pad_id=0)
+
+
 def test_loss_side_tensors_equal_collate():
     batch = _batch()
     padded, packed = collate(batch, [1, 0, 2], pad_id=0), pack(batch, [1, 0, 2])
