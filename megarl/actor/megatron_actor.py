@@ -549,7 +549,12 @@ class MegatronActor:
         max_len = max(mb.tokens_BL.shape[1] for mb in mbs)
         max_b = max(mb.tokens_BL.shape[0] for mb in mbs)
         if len(self.chunks) > 1:  # interleaved: one activation shape for every micro-batch
-            mbs = [mb.with_packed_width(max_len, self.pad_id) for mb in mbs]
+            mbs = [
+                mb
+                if tuple(mb.tokens_BL.shape) == (max_b, max_len)
+                else mb.with_packed_width(max_len, self.pad_id)  # refuses other padded shapes
+                for mb in mbs
+            ]
         # each virtual-pipeline chunk walks the micro-batches on its own
         walks: list[Iterator[tuple[int, MicroBatchTensors]]] = [
             iter(enumerate(mbs)) for _ in self.chunks
