@@ -15,8 +15,9 @@ Decisions, and why:
   through the CPU shims, on the CPU, plain or distributed (state sharded over DP) -- the code
   every GPU user runs is the code the CPU suite tests. ``torch``: ``torch.optim.AdamW`` over
   Megatron's main grads (:class:`megarl.actor.optim.CpuAdamW`), megarl's own.
-- CPU: gloo, fp32 (``model.dtype=auto``), shims on, local spec with SDPA core attention; packed micro-batches attend
-  block by block (a block-diagonal causal mask evaluated per sequence). Overlapped
+- CPU: gloo, fp32 (``model.dtype=auto``; bf16 on request), shims on, local spec with SDPA core
+  attention; packed micro-batches attend block by block (a block-diagonal causal mask evaluated
+  per sequence). Overlapped
   communication and recomputation are CUDA-only (Megatron's recompute saves CUDA RNG state) and
   are ignored with a reason, so one config runs on both devices.
 - CUDA: NCCL, bf16 parameters (``model.dtype=auto``) with fp32 main grads and fp32 gradient
