@@ -15,14 +15,15 @@ a cached decode step and a prefill.
 
 Batching: contexts (prompt, then any tokens of an earlier call) are left-padded so that every
 row's next token sits in the last column. Pad positions are masked out of attention and given
-dummy position ids; real tokens get positions ``0..len-1`` as in an unpadded forward, so a
-row's logits do not depend on what it was batched with (the unit tests check this against a
-one-sequence full forward). The context is run once to fill a ``DynamicCache``; each step
-then feeds one token per row. A row ends on EOS or when it has used its own budget
-(``max_new_tokens`` minus the tokens it came with); ended rows keep being fed a pad token
-(their outputs are ignored) until every row has ended. An ``interrupt`` event is polled after
-each step's draw (so every call samples at least one token per row): once it is set the loop
-stops and the rows still going come back ``interrupted``.
+dummy position ids; real tokens get positions ``0..len-1`` as in an unpadded forward, so a row's
+logits do not depend on what it was batched with, up to the GEMM's rounding on other shapes (the
+unit tests check this against a one-sequence full forward). Each distinct context is run once to
+fill a ``DynamicCache`` (GRPO's ``n`` samples of a prompt share one prefill), whose rows are
+then copied out to one per request; each step then feeds one token per row. A row ends on EOS or
+when it has used its own budget (``max_new_tokens`` minus the tokens it came with), and the step
+that ends it drops it from the cache, so later steps compute only the rows still going. An
+``interrupt`` event is polled after each step's draw (so every call samples at least one token
+per row): once it is set the loop stops and the rows still going come back ``interrupted``.
 
 Routing: for a mixture-of-experts model the engine also reports, per response token and layer,
 the experts the router picked in the forward that produced the token's logprob (the prefill's
@@ -102,7 +103,7 @@ def resolve_eos_token_ids(
 def resolve_pad_token_id(
     explicit: int | None, tokenizer: PreTrainedTokenizerBase | None, eos_token_ids: Sequence[int]
 ) -> int:
-    """Id used for left padding and for feeding finished rows; its value never matters."""
+    """Id used for left padding; its value never matters (pad positions are masked out)."""
     if explicit is not None:
         return explicit
     tokenizer_pad = getattr(tokenizer, "pad_token_id", None)
@@ -497,46 +498,82 @@ class HFEngine(RolloutEngine):
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The decode loop: fills ``responses`` until each has ended or ``interrupt`` is set.
 
-        Returns, for a mixture-of-experts model, the prefill's ``[B, T, layers, top_k]``
-        experts of every (left-padded) context column and the ``[B, S, layers, top_k]``
-        experts of each step's forward (None for a dense model)."""
-        from transformers import DynamicCache
-
-        batch_size = len(responses)
-        batch = left_pad(
-            [response.request.context_ids for response in responses],
-            self._pad_token_id,
-            self._device,
+        The batch holds only the rows still going: a step that ends rows drops them from the
+        cache before the next forward. Returns, for a mixture-of-experts model, the prefill's
+        ``[B, T, layers, top_k]`` experts of every (left-padded) context column and the
+        ``[B, S, layers, top_k]`` experts of each step's forward, zero after a row ended (None
+        for a dense model)."""
+        cache, logits_BV, attention_mask_BT, next_position_B, prefill_BTLK = self._prefill(
+            [response.request.context_ids for response in responses]
         )
-        cache = DynamicCache(config=self._model.config)
-        logits_BV = self._forward_last(
-            batch.input_ids_BT, batch.attention_mask_BT, batch.position_ids_BT, cache
-        )
-        attention_mask_BT = batch.attention_mask_BT
-        next_position_B = batch.position_ids_BT[:, -1] + 1
         tap = self._router_tap
-        prefill_BTLK = tap.columns(batch_size) if tap is not None else None
-        routes: list[torch.Tensor] = []
+        rows = list(range(len(responses)))  # the response of each of the cache's rows
+        routes: list[tuple[list[int], torch.Tensor]] = []
         # on the host whatever the device: re-seeded before each draw, so one serves all rows
         generator = torch.Generator()
         while True:
             if tap is not None and prefill_BTLK is not None:  # the forward sampled from next
-                routes.append(prefill_BTLK[:, -1] if not routes else tap.last_column(batch_size))
-            token_B = self._sample_step(responses, logits_BV, params, generator)
-            if all(response.ended for response in responses):
+                routes.append((rows, tap.last_column(len(rows)) if routes else prefill_BTLK[:, -1]))
+            token_L = self._sample_step(
+                [responses[row] for row in rows], logits_BV, params, generator
+            )
+            going = [i for i, row in enumerate(rows) if not responses[row].ended]
+            if not going or (interrupt is not None and interrupt.is_set()):
                 break
-            if interrupt is not None and interrupt.is_set():
-                break
+            if len(going) < len(rows):
+                keep_L = torch.tensor(going, device=self._device)
+                cache.batch_select_indices(keep_L)
+                attention_mask_BT, next_position_B = (
+                    attention_mask_BT[keep_L],
+                    next_position_B[keep_L],
+                )
+                token_L, rows = token_L[keep_L], [rows[i] for i in going]
             attention_mask_BT = torch.cat(
-                [attention_mask_BT, attention_mask_BT.new_ones((batch_size, 1))], dim=1
+                [attention_mask_BT, attention_mask_BT.new_ones((len(rows), 1))], dim=1
             )
             logits_BV = self._forward_last(
-                token_B.unsqueeze(1), attention_mask_BT, next_position_B.unsqueeze(1), cache
+                token_L.unsqueeze(1), attention_mask_BT, next_position_B.unsqueeze(1), cache
             )
             next_position_B = next_position_B + 1
         if prefill_BTLK is None:
             return None
-        return prefill_BTLK, torch.stack(routes, 1)
+        routing_BSLK = prefill_BTLK.new_zeros(
+            (len(responses), len(routes), *prefill_BTLK.shape[2:])
+        )
+        for step, (step_rows, experts_LLK) in enumerate(routes):
+            routing_BSLK[step_rows, step] = experts_LLK
+        return prefill_BTLK, routing_BSLK
+
+    def _prefill(
+        self, contexts: list[Sequence[int]]
+    ) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Run each distinct context through the model once and give every row its copy.
+
+        GRPO asks for ``n`` samples of each prompt: their contexts are equal, so the prefill
+        (most of a short rollout's compute) runs on the distinct ones and the cache, logits and
+        masks are then indexed out to one row per request. Returns the cache, the ``[B, V]``
+        next-token logits, the ``[B, T]`` attention mask, the ``[B]`` next positions and, for a
+        mixture-of-experts model, the ``[B, T, layers, top_k]`` experts of every column."""
+        from transformers import DynamicCache
+
+        keys = [tuple(context) for context in contexts]
+        distinct = list(dict.fromkeys(keys))
+        slot = {key: i for i, key in enumerate(distinct)}
+        batch = left_pad(distinct, self._pad_token_id, self._device)
+        cache = DynamicCache(config=self._model.config)
+        logits_UV = self._forward_last(
+            batch.input_ids_BT, batch.attention_mask_BT, batch.position_ids_BT, cache
+        )
+        tap = self._router_tap
+        prefill_UTLK = tap.columns(len(distinct)) if tap is not None else None
+        next_position_U = batch.position_ids_BT[:, -1] + 1
+        if len(distinct) == len(keys):  # nothing shared: no copy
+            return cache, logits_UV, batch.attention_mask_BT, next_position_U, prefill_UTLK
+        rows_B = torch.tensor([slot[key] for key in keys], device=self._device)
+        cache.batch_select_indices(rows_B)
+        prefill_BTLK = prefill_UTLK[rows_B.cpu()] if prefill_UTLK is not None else None
+        mask_BT = batch.attention_mask_BT[rows_B]
+        return cache, logits_UV[rows_B], mask_BT, next_position_U[rows_B], prefill_BTLK
 
     def _sample_step(
         self,
@@ -545,22 +582,18 @@ class HFEngine(RolloutEngine):
         params: SamplingParams,
         generator: torch.Generator,
     ) -> torch.Tensor:
-        """Sample the next token of every response that has not ended and record it; return
-        the ``[B]`` tokens to feed next (the pad token for rows that ended, whose outputs are
-        ignored)."""
-        live = [row for row, response in enumerate(responses) if not response.ended]
-        uniform_L = None
+        """Sample the next token of every response (one per row of ``logits_BV``, none of them
+        ended) and record it; return the ``[B]`` tokens to feed next."""
+        uniform_B = None
         if not params.greedy:
-            uniform_L = torch.tensor(
-                [responses[row].next_uniform(generator) for row in live], dtype=torch.float64
+            uniform_B = torch.tensor(
+                [response.next_uniform(generator) for response in responses], dtype=torch.float64
             )
-        token_L, logprob_L = sample_next_tokens(logits_BV[live], params, uniform_L)
-        for row, token, logprob in zip(live, token_L.tolist(), logprob_L.tolist(), strict=True):
-            responses[row].append(token, logprob, token in self._eos_token_ids)
-        token_B = torch.full(
-            (len(responses),), self._pad_token_id, dtype=torch.long, device=self._device
-        )
-        token_B[live] = token_L
+        token_B, logprob_B = sample_next_tokens(logits_BV, params, uniform_B)
+        for response, token, logprob in zip(
+            responses, token_B.tolist(), logprob_B.tolist(), strict=True
+        ):
+            response.append(token, logprob, token in self._eos_token_ids)
         return token_B
 
     def _forward_last(

@@ -130,6 +130,31 @@ def test_a_request_samples_the_same_in_any_batch():
     assert_same_responses(alone, together)
 
 
+def test_each_distinct_context_is_prefilled_once_and_ended_rows_leave_the_batch():
+    """The work the loop skips: ``n`` samples of one prompt share one prefill row, and a decode
+    step runs only the rows still going after the step before it."""
+    model = tiny_llama()
+    bias_eos(model, 2.0)
+    rows_per_forward: list[int] = []
+    model.register_forward_hook(
+        lambda _m, _a, kwargs, _out: rows_per_forward.append(kwargs["input_ids"].shape[0]),
+        with_kwargs=True,
+    )
+    engine = make_engine(model)
+    prompts = [p for p in PROMPTS[:3] for _ in range(4)]
+    requests = [*requests_for(prompts), Request(tuple(PROMPTS[0]), 99, (30, 31))]
+    generations = engine.generate_requests(requests, SAMPLED)
+
+    # three prompts, and one resumed response whose context (prompt + its tokens) is its own
+    assert rows_per_forward[0] == 4
+    lengths = [len(g.response_ids) for g in generations]
+    budgets = [r.budget(SAMPLED) for r in requests]
+    going_after = [sum(length > step for length in lengths) for step in range(1, max(lengths))]
+    assert rows_per_forward[1:] == going_after
+    assert going_after[0] < len(requests) and going_after[-1] < going_after[0]
+    assert all(g.finished or n == b for g, n, b in zip(generations, lengths, budgets, strict=True))
+
+
 def test_generate_seeds_prompt_i_with_request_seed():
     engine = make_engine(tiny_llama())
     params = SamplingParams(max_new_tokens=8, seed=5)
