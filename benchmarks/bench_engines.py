@@ -111,9 +111,9 @@ def bench_engines(model_dir: str, repeats: int) -> None:
             f"{med[name][1]:>9.3f}"
         )
     print(
-        f"vllm / transformers: generation {med['transformers'][0] / med['vllm'][0]:.2f}x "
-        f"faster, weight sync {med['vllm'][1] / med['transformers'][1]:.1f}x slower "
-        f"(+{med['vllm'][1] - med['transformers'][1]:.2f} s per step)"
+        f"vllm / transformers time: generation {med['vllm'][0] / med['transformers'][0]:.2f}x, "
+        f"weight sync {med['vllm'][1] / med['transformers'][1]:.1f}x "
+        f"({med['vllm'][1] - med['transformers'][1]:+.2f} s per step)"
     )
     engines["vllm"].close()
 

@@ -276,6 +276,47 @@ def _validation_scores(m: Mapping[str, Any]) -> str:
     return ", ".join(f"{s} {v:.3f}" for s, v in scores.items())
 
 
+STARTUP_PREFIX = "timing_s/startup/"
+"""The start-up's seconds (:class:`StartupClock`): logged with a step, but not a phase of it."""
+
+
+class StartupClock:
+    """Where a run's start-up went, phase by phase, up to its first step.
+
+    Rank 0 times each phase of its set-up (building the rollout engine, the actor, the
+    reference, the critic, restoring a checkpoint); :meth:`metrics` gives them as
+    ``timing_s/startup/<phase>`` plus ``timing_s/startup/total`` (from the rank's entry, so it
+    also holds what no phase names: process groups, the tokenizer, the data's checks). They
+    are logged once, with the first step the run trains."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._start = time.perf_counter()
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+
+    def metrics(self) -> dict[str, float]:
+        times = {f"{STARTUP_PREFIX}{name}": s for name, s in self.seconds.items()}
+        return {**times, f"{STARTUP_PREFIX}total": time.perf_counter() - self._start}
+
+
+def startup_line(metrics: Mapping[str, float]) -> str:
+    """``start-up 23.4s: rollout_host 12.1s | actor 6.0s | ...`` from the start-up metrics."""
+    total = STARTUP_PREFIX + "total"
+    phases = " | ".join(
+        f"{key.removeprefix(STARTUP_PREFIX)} {seconds:.1f}s"
+        for key, seconds in metrics.items()
+        if key.startswith(STARTUP_PREFIX) and key != total
+    )
+    return f"start-up {metrics[total]:.1f}s: {phases}"
+
+
 class PhaseTimer:
     """Collects ``timing_s/<phase>`` durations for one step."""
 

@@ -55,7 +55,7 @@ from megarl.trainer import moe_routing
 from megarl.trainer.actor_update import update_actor
 from megarl.trainer.kl_in_reward import RewardKL, kl_in_reward, scatter_logprobs
 from megarl.trainer.logprob_passes import logprob_passes
-from megarl.trainer.metrics import PhaseTimer
+from megarl.trainer.metrics import PhaseTimer, StartupClock
 from megarl.trainer.progress import PhaseHook, no_progress
 from megarl.trainer.rollout_source import InlineSource, RolloutSource, StepRollout, StreamSource
 from megarl.trainer.runtime import Runtime
@@ -157,6 +157,7 @@ def _setup(ctx: WorkerContext, inputs: RunInputs) -> Runtime:
     from megarl.models.spec import spec_from_hf_config
 
     cfg = inputs.cfg
+    clock = StartupClock()
     execution = execution_plan_for(cfg, inputs.device)
     if ctx.rank == 0 and "console" in cfg.trainer.logger:
         print(f"execution: {execution.summary()}\n  " + "\n  ".join(execution.reasons), flush=True)
@@ -171,21 +172,23 @@ def _setup(ctx: WorkerContext, inputs: RunInputs) -> Runtime:
         torch.set_num_threads(max(1, cores // ctx.world_size))
     timeout_s = cfg.trainer.collective_timeout_s
     heartbeat.mark("init_process_group")
-    parallel.init_process_group(
-        inputs.device, ctx.rank, ctx.world_size, ctx.master_addr, ctx.master_port, timeout_s
-    )
-    parallel.init_model_parallel(
-        cfg.actor.tp,
-        cfg.actor.pp,
-        cfg.actor.vpp if cfg.actor.vpp > 1 else None,
-        timeout_s,
-        ep=cfg.actor.ep,
-    )
+    with clock.phase("process_groups"):
+        parallel.init_process_group(
+            inputs.device, ctx.rank, ctx.world_size, ctx.master_addr, ctx.master_port, timeout_s
+        )
+        parallel.init_model_parallel(
+            cfg.actor.tp,
+            cfg.actor.pp,
+            cfg.actor.vpp if cfg.actor.vpp > 1 else None,
+            timeout_s,
+            ep=cfg.actor.ep,
+        )
     spec = spec_from_hf_config(load_hf_config(inputs.model_dir))
     tokenizer = load_hf_tokenizer(inputs.model_dir)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     heartbeat.mark("build_rollout_engine")
-    host = _build_rollout_host(ctx, inputs, tokenizer, spec)  # engine first: its errors come early
+    with clock.phase("rollout_host"):  # engine first: its errors come early
+        host = _build_rollout_host(ctx, inputs, tokenizer, spec)
     hf_tensors = open_hf_tensors(inputs.model_dir)
     dtype = getattr(torch, execution.params_dtype)
     build = partial(
@@ -199,7 +202,8 @@ def _setup(ctx: WorkerContext, inputs: RunInputs) -> Runtime:
         execution=execution,
     )
     heartbeat.mark("build_actor")
-    actor = build(trainable=True, init_seed=cfg.trainer.seed)
+    with clock.phase("actor"):
+        actor = build(trainable=True, init_seed=cfg.trainer.seed)
     reference_plan = decide_reference(planning.run_facts(cfg))
     if ctx.rank == 0 and "console" in cfg.trainer.logger:
         print(
@@ -209,13 +213,15 @@ def _setup(ctx: WorkerContext, inputs: RunInputs) -> Runtime:
     reference = None
     if reference_plan.source is ReferenceSource.MODEL:
         heartbeat.mark("build_reference")
-        reference = build(trainable=False)
+        with clock.phase("reference"):
+            reference = build(trainable=False)
     critic = None
     if cfg.algo.uses_critic:
         heartbeat.mark("build_critic")
-        critic = _build_critic(
-            cfg, spec, inputs.device, dtype, hf_tensors, pad_id, execution, inputs.resume_from
-        )
+        with clock.phase("critic"):
+            critic = _build_critic(
+                cfg, spec, inputs.device, dtype, hf_tensors, pad_id, execution, inputs.resume_from
+            )
     return Runtime(
         cfg=cfg,
         source=_rollout_source(cfg, host),
@@ -234,6 +240,7 @@ def _setup(ctx: WorkerContext, inputs: RunInputs) -> Runtime:
         if spec.is_moe
         else None,
         progress=_progress_hook(host),
+        startup=clock,
     )
 
 
@@ -327,9 +334,11 @@ def _train(rt: Runtime) -> None:
     )
 
     heartbeat.mark("restore")
-    last_done = _maybe_restore(rt)
+    with rt.startup.phase("restore"):
+        last_done = _maybe_restore(rt)
     if rt.host is not None:  # wandb's run id is known now: a wandb that cannot start stops here
         rt.host.start_loggers()
+        rt.host.record_startup(rt.startup.metrics())
     if rt.host is not None and validates_before_training(
         rt.cfg.trainer.val_before_train, last_done
     ):

@@ -36,6 +36,7 @@ from megarl.trainer.metrics import (
     PhaseTimer,
     WandbRun,
     new_wandb_run_id,
+    startup_line,
     step_line,
     validation_line,
 )
@@ -112,6 +113,7 @@ class RolloutHost:
         # validations outside a training step (step 0): in the summary, not in the history
         self._validation_only: list[dict] = []
         self._export_metrics: dict[str, float] = {}
+        self._startup_metrics: dict[str, float] = {}
         self._perf = _PerfContext.build(model_dir, device, cfg.trainer.world_size)
         self.weights_version = 0
         """The policy version the engine serves (:mod:`megarl.planner.staleness`): 0 for the
@@ -259,6 +261,8 @@ class RolloutHost:
         metrics.update(gates.metrics())
         metrics["gates/summary"] = gates.summary()
         metrics.update(self._export_metrics)
+        metrics.update(self._startup_metrics)
+        self._startup_metrics = {}
         metrics.update(timer.times)
         metrics["timing_s/step"] = timer.total()
         total_tokens = sum(batch.seq_lens)
@@ -286,6 +290,12 @@ class RolloutHost:
             texts.turns,
         )
         write_step_file(Path(str(self.cfg.trainer.rollout_data_dir)), step, records)
+
+    def record_startup(self, metrics: Mapping[str, float]) -> None:
+        """Where the start-up went (``timing_s/startup/*``): one console line now, and the
+        metrics logged with the first step this run trains."""
+        self._startup_metrics = dict(metrics)
+        self.console.startup(self._startup_metrics)
 
     def start_loggers(self) -> None:
         """Start the metric sinks that connect somewhere (wandb), after a resume's restore."""
@@ -546,6 +556,10 @@ class Console:
     def validation(self, metrics: dict) -> None:
         if self.enabled:
             self._rich.print(validation_line(metrics))
+
+    def startup(self, metrics: Mapping[str, float]) -> None:
+        if self.enabled:
+            self._rich.print(startup_line(metrics))
 
     def skip(self, steps: int) -> None:
         """Steps already done before a resume."""

@@ -6,10 +6,11 @@ Built once by :func:`megarl.trainer.rank_loop` 's set-up; every stage of a step
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from megarl.planner.gate_results import ReferenceSource
+from megarl.trainer.metrics import StartupClock
 from megarl.trainer.progress import PhaseHook, no_progress
 
 if TYPE_CHECKING:
@@ -49,6 +50,8 @@ class Runtime:
     progress: PhaseHook = no_progress
     """Rank 0 with ``trainer.progress`` on: the console's phase display (the work done in each
     phase); a no-op everywhere else."""
+    startup: StartupClock = field(default_factory=StartupClock)
+    """Rank 0 reports from it where the start-up went (``timing_s/startup/*``)."""
 
 
 def pipeline_group(pp: int):

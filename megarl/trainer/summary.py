@@ -18,7 +18,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from megarl.trainer.metrics import PHASES
+from megarl.trainer.metrics import PHASES, STARTUP_PREFIX
 
 REWARD_KEY = "critic/rewards/mean"
 VALIDATION_PREFIX = "val-core/"
@@ -208,11 +208,16 @@ def _windowed(series: list[tuple[int, float]], window: int) -> tuple[str, str, s
 
 def phase_keys(rows: Rows) -> list[str]:
     """``timing_s/<phase>`` keys: ``PHASES`` first, then any other (critic, validation, engine
-    sleep) in order of first appearance; never ``timing_s/step``, the whole step."""
-    seen = {k for row in rows for k in row if k.startswith("timing_s/")}
-    known = [f"timing_s/{p}" for p in PHASES if f"timing_s/{p}" in seen]
-    others = dict.fromkeys(k for row in rows for k in row if k.startswith("timing_s/"))
-    return known + [k for k in others if k not in known and k != STEP_TIME_KEY]
+    sleep) in order of first appearance; never ``timing_s/step``, the whole step, nor the
+    start-up's ``timing_s/startup/*``, spent before any step."""
+    others = dict.fromkeys(
+        k
+        for row in rows
+        for k in row
+        if k.startswith("timing_s/") and not k.startswith(STARTUP_PREFIX) and k != STEP_TIME_KEY
+    )
+    known = [f"timing_s/{p}" for p in PHASES if f"timing_s/{p}" in others]
+    return known + [k for k in others if k not in known]
 
 
 def _time_rows(history: Rows, total: float) -> tuple[tuple[str, ...], ...]:

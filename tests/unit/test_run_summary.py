@@ -66,7 +66,9 @@ def test_scores_are_first_last_and_best():
 
 
 def test_headline_time_per_phase_and_tokens_per_second():
-    summary = summarize(_history())
+    history = _history()
+    history[1].update({"timing_s/startup/actor": 5.0, "timing_s/startup/total": 9.0})
+    summary = summarize(history)
     # the step-0 validation row is no step: 6 steps of 2 s; throughput 100..600 -> mean 350
     assert summary.headline == "6 steps in 12.0s, 350 tokens/s"
     time = summary.facts(TIME)
@@ -77,6 +79,8 @@ def test_headline_time_per_phase_and_tokens_per_second():
     assert table["update_actor"] == ("3.0s", "25%", "0.50s")
     # validation's seconds within steps: step 0's is no step's time
     assert table["testing"] == ("2.0s", "17%", "0.33s")
+    # the start-up's seconds, logged with step 1, are spent before any step: no phase
+    assert not any(name.startswith("startup/") for name in table)
     assert list(table)[:6] == [
         "gen",
         "old_log_prob",
