@@ -470,6 +470,24 @@ def trajectory_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
     }
 
 
+def validation_trajectory_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
+    """A validation's agent metrics: turns under verl's ``val-aux/num_turns/{min,max,mean}``,
+    the rest of :func:`trajectory_metrics` under ``val-aux/agent/``; empty when no agent loop
+    ran (a single-turn validation reports none)."""
+    if not trajectories:
+        return {}
+    turns = [t.num_turns for t in trajectories]
+    metrics = {
+        "val-aux/num_turns/min": float(min(turns)),
+        "val-aux/num_turns/max": float(max(turns)),
+        "val-aux/num_turns/mean": sum(turns) / len(turns),
+    }
+    for key, value in trajectory_metrics(trajectories).items():
+        if not key.startswith("agent/num_turns/"):
+            metrics[f"val-aux/{key}"] = value
+    return metrics
+
+
 def agent_metrics(
     trajectories: Sequence[Trajectory], contexts: Sequence[AgentContext], batcher: _Batcher
 ) -> dict[str, float]:

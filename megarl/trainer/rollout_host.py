@@ -19,6 +19,8 @@ from typing import Any
 import torch
 
 from megarl.actor.train_stats import UpdateStats
+from megarl.agent.driver import validation_trajectory_metrics
+from megarl.agent.trajectory import Trajectory
 from megarl.algo.validation import validation_metrics
 from megarl.config.schema import RunConfig
 from megarl.data.arithmetic import ArithmeticTask
@@ -165,6 +167,7 @@ class RolloutHost:
         final_answers: list[list[str | None]] = []  # what each sample answered, for maj@k
         response_lens: list[int] = []
         samples: list[tuple[str, str, str]] = []
+        trajectories: list[Trajectory] = []  # agent loops' (none for a single-turn rollout)
         progress = self.progress_hook()
         for start in range(0, len(problems), chunk):
             progress("validate", start, len(problems), "prompts")
@@ -172,6 +175,7 @@ class RolloutHost:
             prompts = [self.producer.encode_prompt(p) for p in part]
             generated = self.producer.generate(part, prompts, val.n, params.seed, params)
             gens = generated.gens
+            trajectories += generated.trajectories
             texts = [self.tokenizer.decode(g.response_ids, skip_special_tokens=True) for g in gens]
             answers = [p.answer for p in part for _ in range(val.n)]
             sources = [p.data_source for p in part for _ in range(val.n)]
@@ -193,6 +197,7 @@ class RolloutHost:
             samples += [(part[i // val.n].prompt, texts[i], answers[i]) for i in range(len(gens))]
         sources = [p.data_source for p in problems]
         metrics = validation_metrics(sources, rewards, response_lens, final_answers)
+        metrics.update(validation_trajectory_metrics(trajectories))
         if self.cfg.trainer.validation_data_dir is not None:
             per_sample = [source for source in sources for _ in range(val.n)]
             flat = [reward for prompt_rewards in rewards for reward in prompt_rewards]

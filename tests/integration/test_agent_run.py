@@ -57,11 +57,15 @@ def test_a_loop_that_sets_the_reward_replaces_the_datasets(tmp_path):
         "rollout.agent.loop": "agent_loops:OwnReward",
         "rollout.max_new_tokens": 40,
         "trainer.rollout_data_dir": str(gens),
+        "trainer.val_interval": 1,
     }
     [row] = run(tiny_overrides(tmp_path / "run", 1, **overrides)).history
     # OwnReward scores every trajectory 0.75; the dataset's reward (char parity) gives 0 or 1
     assert {r["reward"] for r in _records(gens, 1)} == {0.75}
     assert row["critic/rewards/mean"] == 0.75 and row["agent/num_turns/mean"] == 2.0
+    # the validation runs the loops too, and says so under verl's names
+    assert row["val-aux/num_turns/min"] == row["val-aux/num_turns/max"] == 2.0
+    assert row["val-aux/agent/tool_calls/mean"] == 0.0
 
 
 def test_the_tool_agent_recipe_trains_with_the_calculator_described(tmp_path, monkeypatch):

@@ -25,7 +25,9 @@ from megarl.agent.driver import (
     generate_output,
     make_samples,
     run_agent_loops,
+    trajectory_metrics,
     turn_seed,
+    validation_trajectory_metrics,
 )
 from megarl.agent.loop import (
     AgentLoopError,
@@ -744,6 +746,26 @@ def test_context_counters_are_summed_into_metrics():
 
     result, _ = run(FakeEngine(), Counts(), count=3)
     assert result.metrics["agent/retries"] == 3.0
+
+
+def test_validation_reports_turns_under_verls_names_and_the_rest_under_val_aux_agent():
+    class OneOrTwoTurns(AgentLoop):
+        async def run(self, sample, ctx: AgentContext):
+            traj = Trajectory(sample.prompt_ids)
+            for _ in range(1 + sample.index % 2):
+                traj.add_generated(await ctx.generate(traj.token_ids, max_new_tokens=2))
+            return traj
+
+    result, _ = run(FakeEngine(), OneOrTwoTurns(), count=3)
+    metrics = validation_trajectory_metrics(result.trajectories)
+    assert metrics["val-aux/num_turns/min"] == 1.0
+    assert metrics["val-aux/num_turns/max"] == 2.0
+    assert metrics["val-aux/num_turns/mean"] == pytest.approx(4 / 3)
+    step = trajectory_metrics(result.trajectories)
+    assert metrics["val-aux/agent/tool_calls/mean"] == step["agent/tool_calls/mean"]
+    assert metrics["val-aux/agent/observation_tokens/mean"] == 0.0
+    assert not any(key.startswith("val-aux/agent/num_turns") for key in metrics)
+    assert validation_trajectory_metrics([]) == {}  # a single-turn validation: none
 
 
 def test_llama3_json_calls_on_a_llama3_template_render_results_under_ipython(tokenizer):
