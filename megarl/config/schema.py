@@ -187,12 +187,6 @@ class RunConfig:
             return
         key = f"rollout.agent.loop={self.rollout.agent.loop}"
         _require(
-            not self.algo.uses_critic,
-            f"{key} with algo.adv_estimator={self.algo.adv_estimator}: a critic's per-token "
-            "values and GAE over trajectories with observation tokens are not supported yet; "
-            "use an outcome estimator (grpo, rloo, reinforce_plus_plus, ...)",
-        )
-        _require(
             not self.async_training.partial_rollout,
             f"{key} with async_training.partial_rollout=true: a weight sync cannot interrupt a "
             "trajectory yet (each is generated under one version); set partial_rollout=false",

@@ -145,7 +145,13 @@ def gae_targets(
         raise RuntimeError(f"the critic's values pass covered {len(values)}/{n} sequences")
     values_BT = pad_sequence([values[i].double() for i in range(n)], batch_first=True)
     lengths = [len(values[i]) for i in range(n)]
-    mask_BT = pad_sequence([torch.ones(length) for length in lengths], batch_first=True)
+    # multi-turn: observation tokens are off the mask, so GAE's recursion passes over them
+    # (neither a TD error nor a break between the turns around them) and they get no target
+    masks = rollout.response_masks
+    mask_BT = pad_sequence(
+        [torch.ones(lengths[i]) if masks is None else masks[i].float() for i in range(n)],
+        batch_first=True,
+    )
     if token_rewards is None:
         rewards_BT = outcome_token_rewards(rollout.rewards, mask_BT)
     else:
@@ -157,13 +163,19 @@ def gae_targets(
         advantages={i: result.advantages_BT[i, : lengths[i]].float() for i in range(n)},
     )
     summary_B = torch.stack(
-        [a.mean() if a.numel() else a.new_zeros(()) for a in targets.advantages.values()]
+        [_masked_mean(targets.advantages[i], mask_BT[i, : lengths[i]]) for i in range(n)]
     )
     metrics = {
         **advantage_metrics(result.advantages_BT[mask_BT != 0]),
         **critic_data_metrics(values_BT, result.returns_BT, mask_BT),
     }
     return targets, summary_B, metrics
+
+
+def _masked_mean(x_T: Tensor, mask_T: Tensor) -> Tensor:
+    """The mean of ``x_T`` over its tokens on the mask (0 for none)."""
+    on = mask_T != 0
+    return x_T[on].mean() if bool(on.any()) else x_T.new_zeros(())
 
 
 def update_critic(

@@ -126,3 +126,25 @@ def test_the_critic_starts_from_critic_model_path(tmp_path, capsys) -> None:
     assert row["critic/values/mean"] != 0.0
     for key in CRITIC_METRICS:
         assert math.isfinite(row[key]), (key, row[key])
+
+
+def test_ppo_over_multi_turn_trajectories(tmp_path) -> None:
+    """A critic over agent trajectories (``agent_loops:TwoTurns``: two generated turns around an
+    8-token observation): values of every response token, GAE over the generated ones only
+    (unit-tested against the trajectory with its observations cut out), and both models train."""
+    run_dir = tmp_path / "run"
+    overrides = {
+        **PPO,
+        "trainer.n_gpus_per_node": 1,
+        "rollout.agent.loop": "agent_loops:TwoTurns",
+        "rollout.max_new_tokens": 40,
+    }
+    history = run(tiny_overrides(run_dir, 2, **overrides)).history
+    for row in history:
+        for key in CRITIC_METRICS:
+            assert math.isfinite(row[key]), (key, row[key])
+        assert row["agent/num_turns/mean"] == 2.0 and row["agent/observation_tokens/mean"] == 8.0
+        assert row["rollout/logprob_abs_diff"] <= 1e-4
+        assert abs(row["critic/advantages/mean"]) < 1e-5  # whitened over generated tokens
+    assert history[0]["critic/values/mean"] != history[1]["critic/values/mean"]
+    assert any(row["actor/grad_norm"] > 0 for row in history)
