@@ -20,11 +20,11 @@ too, so that tools that take milliseconds do not split a turn's batch into a cal
 trajectory (each of which would cost a whole engine call); a tool that takes longer than that is
 not waited for. Timing changes only which requests share a call, never what they sample (see
 Seeds). Requests whose sampling overrides differ (temperature, top-p) go in separate calls,
-one after the other; requests that differ only in ``max_new_tokens`` share a call at the
-largest, and each response is cut to its own limit afterwards. That is exact -- a request's
+one after the other; requests that differ only in ``max_new_tokens`` share a call, each
+carrying its own limit (:attr:`~megarl.engines.base.Request.max_new_tokens`), so each stops at
+its own (the HF engine drops a row from the batch once it has). That is exact -- a request's
 first ``k`` tokens come from its own seed (:func:`megarl.engines.base.token_seed`) and do not
-depend on its limit -- at the price of the shorter rows decoding on until the call ends (the
-engine interface has no per-request limit).
+depend on its limit.
 
 **Seeds.** Deterministic whatever the timing or the batching: call ``t`` (``t = 0, 1, ...``, in
 the order the trajectory makes them) of sample ``i`` is seeded :func:`turn_seed` ``(seed_i, t)``
@@ -99,8 +99,8 @@ def finish_reason(generation: Generation) -> str:
 
 
 def generate_output(generation: Generation, limit: int) -> GenerateOutput:
-    """``generation`` as a loop sees it, cut to the request's own ``max_new_tokens`` (the call
-    may have sampled more for it: see the flush policy)."""
+    """``generation`` as a loop sees it, cut to the request's own ``max_new_tokens`` (an engine
+    that ignored the request's limit may have sampled more for it)."""
     if len(generation.response_ids) > limit:
         return GenerateOutput(
             generation.response_ids[:limit], generation.response_logprobs[:limit], "length"
@@ -242,7 +242,7 @@ class _Batcher:
         for params, group in _groups(batch, self.params):
             started = time.perf_counter()
             generations = await asyncio.to_thread(
-                self.engine.generate_requests, [p.request for p in group], params
+                self.engine.generate_requests, [_own_limit(p, params) for p in group], params
             )
             if len(generations) != len(group):
                 raise RuntimeError(
@@ -282,12 +282,24 @@ class _Batcher:
             await asyncio.gather(task, return_exceptions=True)
 
 
+def _own_limit(pending: _Pending, sent: SamplingParams) -> Request:
+    """The request as sent in a call at ``sent``: carrying its own ``max_new_tokens`` where that
+    is not the call's, so the engine stops it there."""
+    limit = pending.params.max_new_tokens
+    return (
+        pending.request
+        if limit == sent.max_new_tokens
+        else replace(pending.request, max_new_tokens=limit)
+    )
+
+
 def _groups(
     batch: Sequence[_Pending], base: SamplingParams
 ) -> list[tuple[SamplingParams, list[_Pending]]]:
     """The batch split by (temperature, top_p), each group in (sample, turn) order and sent
-    with the largest ``max_new_tokens`` of its requests; groups in order of their first
-    request. A group of plain ``ctx.generate`` calls is sent with ``base`` itself."""
+    with the largest ``max_new_tokens`` of its requests (each request carries its own);
+    groups in order of their first request. A group of plain ``ctx.generate`` calls is sent
+    with ``base`` itself."""
     ordered = sorted(batch, key=lambda p: (p.slot, p.turn))
     grouped: dict[tuple[float, float], list[_Pending]] = {}
     for pending in ordered:

@@ -103,10 +103,17 @@ class Request:
     generated_ids: tuple[int, ...] = ()
     """Tokens an earlier, interrupted call already sampled for this response: context for the
     next token, not output, and counted against ``max_new_tokens``. Empty for a new request."""
+    max_new_tokens: int | None = None
+    """This response's own limit (tokens of earlier calls included), where the requests of one
+    call differ (an agent's turns, each with the room its trajectory has left); None: the
+    call's ``SamplingParams.max_new_tokens``. A request's first ``k`` tokens do not depend on
+    its limit (each token has its own seed), so a limit only says where it stops."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.seed <= _MAX_SEED:
             raise ValueError(f"request seed must be in [0, 2**63), got {self.seed}")
+        if self.max_new_tokens is not None and self.max_new_tokens < 0:
+            raise ValueError(f"request max_new_tokens must be >= 0, got {self.max_new_tokens}")
 
     @property
     def context_ids(self) -> tuple[int, ...]:
@@ -114,8 +121,10 @@ class Request:
         return tuple(self.prompt_ids) + tuple(self.generated_ids)
 
     def budget(self, params: SamplingParams) -> int:
-        """New tokens this request may still sample under ``params`` (>= 0)."""
-        return max(0, params.max_new_tokens - len(self.generated_ids))
+        """New tokens this request may still sample in a call under ``params`` (>= 0): its own
+        limit, else the call's, less what it already sampled."""
+        limit = params.max_new_tokens if self.max_new_tokens is None else self.max_new_tokens
+        return max(0, limit - len(self.generated_ids))
 
 
 @dataclass(frozen=True)

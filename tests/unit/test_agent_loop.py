@@ -272,10 +272,13 @@ class Overrides(AgentLoop):
         return traj
 
 
-def test_different_limits_share_a_call_and_are_cut_to_their_own():
+def test_different_limits_share_a_call_each_request_carrying_its_own():
     engine = FakeEngine()
     result, samples = run(engine, Overrides([3, 9, 5]), count=3)
     assert len(engine.calls) == 1 and engine.calls[0][1].max_new_tokens == 9
+    # the engine is told each limit (None: the call's), so it stops each request there
+    assert [r.max_new_tokens for r in engine.calls[0][0]] == [3, None, 5]
+    assert [r.budget(engine.calls[0][1]) for r in engine.calls[0][0]] == [3, 9, 5]
     for sample, traj, limit in zip(samples, result.trajectories, [3, 9, 5], strict=True):
         alone = SamplingParams(temperature=1.0, max_new_tokens=limit)
         own = engine._one(Request(sample.prompt_ids, sample.seed), alone)

@@ -13,6 +13,7 @@ logprobs of this size; :data:`LOGPROB_ATOL` leaves room for other BLAS builds.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Sequence
 
@@ -153,6 +154,33 @@ def test_each_distinct_context_is_prefilled_once_and_ended_rows_leave_the_batch(
     assert rows_per_forward[1:] == going_after
     assert going_after[0] < len(requests) and going_after[-1] < going_after[0]
     assert all(g.finished or n == b for g, n, b in zip(generations, lengths, budgets, strict=True))
+
+
+def test_a_request_with_its_own_limit_stops_there_and_samples_what_it_would_alone():
+    """Requests of one call may carry their own ``max_new_tokens``: each stops at it (its row
+    leaves the batch) with the tokens and logprobs a call at that limit gives it."""
+    model = tiny_llama()
+    rows_per_forward: list[int] = []
+    model.register_forward_hook(
+        lambda _m, _a, kwargs, _out: rows_per_forward.append(kwargs["input_ids"].shape[0]),
+        with_kwargs=True,
+    )
+    engine = make_engine(model)
+    limits = [2, 5, None]
+    base = [*requests_for(PROMPTS[:3])]
+    requests = [dataclasses.replace(r, max_new_tokens=k) for r, k in zip(base, limits, strict=True)]
+    together = engine.generate_requests(requests, SAMPLED)  # SAMPLED: 12 new tokens
+    assert [len(g.response_ids) for g in together if not g.finished] == [
+        k or SAMPLED.max_new_tokens for k, g in zip(limits, together, strict=True) if not g.finished
+    ]
+    assert rows_per_forward[1:3] == [3, 2] and rows_per_forward[5] == 1  # rows leave at 2 and 5
+    alone = [
+        engine.generate_requests(
+            [r], dataclasses.replace(SAMPLED, max_new_tokens=k or SAMPLED.max_new_tokens)
+        )[0]
+        for r, k in zip(base, limits, strict=True)
+    ]
+    assert_same_responses(together, alone)
 
 
 def test_generate_seeds_prompt_i_with_request_seed():
