@@ -263,6 +263,12 @@ class RolloutEngine(abc.ABC):
         """The deepest :meth:`sleep` level this engine supports (0: it cannot sleep)."""
         return 2
 
+    def wait_until_started(self) -> None:
+        """Return once the engine can serve; raise if it could not start. An engine that starts
+        in the background (vLLM's processes, while the trainer builds its models) waits here;
+        one that was ready when built returns at once."""
+        return
+
     @abc.abstractmethod
     def load_lora_adapter(
         self,

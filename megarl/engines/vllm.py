@@ -65,6 +65,7 @@ import shutil
 import tempfile
 import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -315,14 +316,22 @@ class VLLMEngine(RolloutEngine):
         eos_token_ids: Sequence[int] | None = None,
         weight_bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         weight_load_method: str = "reload",
+        start_in_background: bool = False,
         **llm_kwargs: Any,
     ) -> None:
         """Start vLLM on ``model`` (a HF folder or hub id); see ``vllm_settings`` for values.
 
         ``eos_token_ids`` overrides tokenizer + config EOS (required with
         ``skip_tokenizer_init=True``). ``weight_load_method`` is ``reload`` (works on every
-        backend) or ``load_weights`` (CUDA only, no checksums; see ``vllm_worker``). Other ``LLM``/``EngineArgs`` options pass through
-        ``llm_kwargs``. Raises :class:`EngineStartupError` when vLLM cannot start.
+        backend) or ``load_weights`` (CUDA only, no checksums; see ``vllm_worker``). Other
+        ``LLM``/``EngineArgs`` options pass through ``llm_kwargs``.
+
+        ``start_in_background``: return once vLLM is imported, and let its processes start
+        (import vLLM again, load the model, size the KV cache: most of a start) on a thread
+        while the caller goes on building the trainer; every method waits for the start first
+        (:meth:`wait_until_started`). vLLM is imported here, on the caller's thread, so that
+        two threads never import the same modules at once. Raises :class:`EngineStartupError`
+        when vLLM cannot start: here, or from the first call after a background start.
         """
         _set_process_environment()
         try:
@@ -335,46 +344,8 @@ class VLLMEngine(RolloutEngine):
         self._logprobs_mode = logprobs_mode
         self._enable_sleep_mode = enable_sleep_mode
         self._enable_lora = enable_lora
-        lora_kwargs = {"max_lora_rank": max_lora_rank, "max_loras": 1} if enable_lora else {}
-        try:
-            self._llm: LLM = LLM(
-                model=model,
-                tensor_parallel_size=tensor_parallel_size,
-                dtype=dtype,  # pyright: ignore[reportArgumentType]  # vLLM's Literal; it checks
-                gpu_memory_utilization=gpu_memory_utilization,
-                kv_cache_memory_bytes=kv_cache_memory_bytes,
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens,
-                max_model_len=max_model_len,
-                enforce_eager=enforce_eager,
-                enable_sleep_mode=enable_sleep_mode,
-                enable_lora=enable_lora,
-                seed=seed,
-                logprobs_mode=logprobs_mode,
-                worker_extension_cls=WORKER_EXTENSION,
-                **lora_kwargs,
-                **llm_kwargs,
-            )
-        except Exception as error:
-            reason = (
-                str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
-            )
-            raise EngineStartupError(
-                f"vLLM could not start on {model}: {reason} (vLLM's log above has the details)"
-            ) from error
-        self._liveness = EngineCoreWatch(self._llm)
-        self._eos_token_ids = (
-            merge_token_ids(eos_token_ids) if eos_token_ids else self._default_eos_ids()
-        )
-        with self._liveness.named("start-up"):
-            facts = self._llm.collective_rpc("megarl_model_facts")[0]
-        self._tied_embeddings = bool(facts["tied_embeddings"])
-        self._batcher = FusedGroupBatcher(facts["packed_modules_mapping"], weight_bucket_bytes)
         self.weight_bucket_bytes = weight_bucket_bytes
         self._expected_shapes = read_checkpoint_shapes(model)
-        self._all_names = set(self._expected_shapes or ()) - (
-            {TIED_LM_HEAD} if self._tied_embeddings else set()
-        )
         self._shared = SharedTensorFile()
         self._checksums: dict[str, tuple[int, int]] = {}
         self._sleep = SleepState()
@@ -383,6 +354,82 @@ class VLLMEngine(RolloutEngine):
         self._next_lora_id = 1
         self._request_counter = itertools.count()
         """Numbers the requests of interruptible calls (``LLM.generate`` numbers its own)."""
+        lora_kwargs = {"max_lora_rank": max_lora_rank, "max_loras": 1} if enable_lora else {}
+        llm_args = dict(
+            model=model,
+            tensor_parallel_size=tensor_parallel_size,
+            dtype=dtype,
+            gpu_memory_utilization=gpu_memory_utilization,
+            kv_cache_memory_bytes=kv_cache_memory_bytes,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            enforce_eager=enforce_eager,
+            enable_sleep_mode=enable_sleep_mode,
+            enable_lora=enable_lora,
+            seed=seed,
+            logprobs_mode=logprobs_mode,
+            worker_extension_cls=WORKER_EXTENSION,
+            **lora_kwargs,
+            **llm_kwargs,
+        )
+        self._startup_error: BaseException | None = None
+        start = partial(self._start, LLM, llm_args, eos_token_ids)
+        self._starter: threading.Thread | None = None
+        if start_in_background:
+            self._starter = threading.Thread(target=start, name="megarl-vllm-start", daemon=True)
+            self._starter.start()
+        else:
+            start()
+            self.wait_until_started()
+
+    def _start(
+        self, llm_class: Any, llm_args: dict[str, Any], eos_token_ids: Sequence[int] | None
+    ) -> None:
+        """Build vLLM's ``LLM`` and read what the host needs of its model; a failure is kept for
+        :meth:`wait_until_started` to raise (vLLM's own as one :class:`EngineStartupError`
+        line)."""
+        try:
+            self._llm: LLM = llm_class(**llm_args)
+        except Exception as error:  # noqa: BLE001 - raised again, as one line, by the caller
+            text = str(error).strip()
+            reason = text.splitlines()[-1] if text else type(error).__name__
+            self._startup_error = EngineStartupError(
+                f"vLLM could not start on {llm_args['model']}: {reason} (vLLM's log above has "
+                "the details)"
+            )
+            self._startup_error.__cause__ = error
+            return
+        try:
+            self._read_model_facts(eos_token_ids)
+        except BaseException as error:  # noqa: BLE001 - raised again by wait_until_started
+            self._startup_error = error
+            watch = getattr(self, "_liveness", None)
+            if watch is not None:
+                watch.stop()
+            self._llm.llm_engine.engine_core.shutdown()
+
+    def _read_model_facts(self, eos_token_ids: Sequence[int] | None) -> None:
+        """The engine core's watch, the EOS ids and what bucketing and naming weights needs."""
+        self._liveness = EngineCoreWatch(self._llm)
+        self._eos_token_ids = (
+            merge_token_ids(eos_token_ids) if eos_token_ids else self._default_eos_ids()
+        )
+        with self._liveness.named("start-up"):
+            facts = self._llm.collective_rpc("megarl_model_facts")[0]
+        self._tied_embeddings = bool(facts["tied_embeddings"])
+        self._batcher = FusedGroupBatcher(facts["packed_modules_mapping"], self.weight_bucket_bytes)
+        self._all_names = set(self._expected_shapes or ()) - (
+            {TIED_LM_HEAD} if self._tied_embeddings else set()
+        )
+
+    def wait_until_started(self) -> None:
+        """Return once vLLM has started (at once after a start in the caller's thread); raise
+        its :class:`EngineStartupError` if it could not, on every call."""
+        if self._starter is not None:
+            self._starter.join()
+        if self._startup_error is not None:
+            raise self._startup_error
 
     def _default_eos_ids(self) -> tuple[int, ...]:
         """Tokenizer EOS plus the model's generation-config EOS (vLLM stops on both too)."""
@@ -397,6 +444,7 @@ class VLLMEngine(RolloutEngine):
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
+        self.wait_until_started()
         return self._eos_token_ids
 
     @property
@@ -406,6 +454,7 @@ class VLLMEngine(RolloutEngine):
     @property
     def llm(self) -> LLM:
         """The underlying ``vllm.LLM``, for inspection and tests."""
+        self.wait_until_started()
         return self._llm
 
     # -- generate --
@@ -420,6 +469,7 @@ class VLLMEngine(RolloutEngine):
         driven step by step (:meth:`_generate_interruptibly`): the same tokens and logprobs,
         but an output object per request at every step, which ``LLM.generate`` does not build.
         """
+        self.wait_until_started()
         self._sleep.require_ready_to_generate()
         self._require_no_pending_weights()
         self._check_logprob_mode(params)
@@ -545,6 +595,7 @@ class VLLMEngine(RolloutEngine):
     def update_weights(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], record_checksums: bool = False
     ) -> int:
+        self.wait_until_started()
         self._sleep.require_awake("update_weights")
         num_applied = 0
         self._batcher.max_bytes = self.weight_bucket_bytes
@@ -595,6 +646,7 @@ class VLLMEngine(RolloutEngine):
     ) -> None:
         from vllm.lora.request import LoRARequest
 
+        self.wait_until_started()
         self._sleep.require_awake("load_lora_adapter")
         if not self._enable_lora:
             raise RuntimeError("VLLMEngine was built with enable_lora=False")
@@ -621,6 +673,7 @@ class VLLMEngine(RolloutEngine):
     # -- memory --
 
     def sleep(self, level: int) -> None:
+        self.wait_until_started()
         if level > self.max_sleep_level:
             raise RuntimeError(
                 f"this vLLM engine cannot sleep at level {level} (built with "
@@ -630,6 +683,7 @@ class VLLMEngine(RolloutEngine):
         self._llm.sleep(level=level)
 
     def wake_up(self) -> EngineMemoryState:
+        self.wait_until_started()
         if not self._sleep.level:
             return self.memory_state()
         self._llm.wake_up()
@@ -645,10 +699,15 @@ class VLLMEngine(RolloutEngine):
         )
 
     def close(self) -> None:
-        """Stop vLLM's processes and delete the shared weight file and adapter folders."""
-        self._liveness.stop()
+        """Stop vLLM's processes and delete the shared weight file and adapter folders (after a
+        background start has ended: its processes are then there to stop, or never came)."""
+        if self._starter is not None:
+            self._starter.join()
         self._shared.close()
         shutil.rmtree(self._lora_root, ignore_errors=True)
+        if self._startup_error is not None:
+            return
+        self._liveness.stop()
         engine_core = getattr(getattr(self._llm, "llm_engine", None), "engine_core", None)
         if engine_core is not None:
             engine_core.shutdown()

@@ -187,7 +187,7 @@ def _setup(ctx: WorkerContext, inputs: RunInputs) -> Runtime:
     tokenizer = load_hf_tokenizer(inputs.model_dir)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     heartbeat.mark("build_rollout_engine")
-    with clock.phase("rollout_host"):  # engine first: its errors come early
+    with clock.phase("rollout_host"):  # engine first: it starts while the actor is built
         host = _build_rollout_host(ctx, inputs, tokenizer, spec)
     hf_tensors = open_hf_tensors(inputs.model_dir)
     dtype = getattr(torch, execution.params_dtype)
@@ -222,6 +222,10 @@ def _setup(ctx: WorkerContext, inputs: RunInputs) -> Runtime:
             critic = _build_critic(
                 cfg, spec, inputs.device, dtype, hf_tensors, pad_id, execution, inputs.resume_from
             )
+    if host is not None:  # the engine started meanwhile (vLLM: its processes, in the background)
+        heartbeat.mark("start_rollout_engine")
+        with clock.phase("rollout_engine"):
+            host.wait_for_engine()
     return Runtime(
         cfg=cfg,
         source=_rollout_source(cfg, host),

@@ -121,6 +121,11 @@ class RolloutHost:
         """The policy version the engine serves (:mod:`megarl.planner.staleness`): 0 for the
         model's own weights, then each step's number once its weights arrived."""
 
+    def wait_for_engine(self) -> None:
+        """The rollout engine has started (a vLLM start overlaps the trainer's set-up); its
+        start-up error, if any, is raised here."""
+        self.engine.wait_until_started()
+
     def rollout(self, step: int):
         """The synchronous loop's step: generate and score the step's prompts now."""
         return self.producer.produce(step, self.weights_version)
@@ -504,9 +509,10 @@ def prompt_source(cfg: RunConfig) -> PromptSource:
 
 def _build_engine(cfg: RunConfig, tokenizer, device: str, model_dir: str):
     """The rollout engine and the sleep level it will actually use."""
-    if cfg.rollout.engine == "vllm":
+    if cfg.rollout.engine == "vllm":  # its processes start while the trainer builds its models
         settings = vllm_settings(cfg, model_dir, device)
-        return build_engine("vllm", **settings.engine_kwargs), settings.sleep_level
+        engine = build_engine("vllm", **settings.engine_kwargs, start_in_background=True)
+        return engine, settings.sleep_level
     from megarl.distributed.quiet import hf_progress_bars_off
     from megarl.models.hf_io import load_hf_model
 

@@ -63,9 +63,11 @@ def reference(tmp_path_factory) -> tuple[str, LlamaForCausalLM]:
 
 @pytest.fixture(scope="module")
 def engine(reference):
+    """Started in the background, as a run starts it: every test goes through the wait."""
     path, _ = reference
     built = VLLMEngine(
         path,
+        start_in_background=True,
         dtype="float32",
         logprobs_mode="raw_logprobs",
         enforce_eager=True,
@@ -386,6 +388,22 @@ def test_a_model_vllm_cannot_serve_is_one_line(tmp_path):
         )
     message = str(error.value)
     assert "\n" not in message and str(folder) in message
+
+    # started in the background, as a run does: the same line, from the first wait
+    starting = VLLMEngine(
+        str(folder),
+        dtype="float32",
+        enforce_eager=True,
+        kv_cache_memory_bytes=64 << 20,
+        eos_token_ids=[EOS],
+        skip_tokenizer_init=True,
+        start_in_background=True,
+    )
+    for _ in range(2):  # every later call says it again
+        with pytest.raises(EngineStartupError) as again:
+            starting.generate([[5, 6]], GREEDY)
+        assert str(again.value) == message
+    starting.close()
 
 
 # --- a dying engine core (last: it kills the module's engine) -------------------------------
