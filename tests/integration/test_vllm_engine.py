@@ -377,28 +377,20 @@ def test_a_model_vllm_cannot_serve_is_one_line(tmp_path):
     random_llama(seed=1).save_pretrained(folder)
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "architectures": ["NoSuchLM"]}))
+    settings = {
+        "dtype": "float32",
+        "enforce_eager": True,
+        "kv_cache_memory_bytes": 64 << 20,
+        "eos_token_ids": [EOS],
+        "skip_tokenizer_init": True,
+    }
     with pytest.raises(EngineStartupError) as error:
-        VLLMEngine(
-            str(folder),
-            dtype="float32",
-            enforce_eager=True,
-            kv_cache_memory_bytes=64 << 20,
-            eos_token_ids=[EOS],
-            skip_tokenizer_init=True,
-        )
+        VLLMEngine(str(folder), **settings)
     message = str(error.value)
     assert "\n" not in message and str(folder) in message
 
     # started in the background, as a run does: the same line, from the first wait
-    starting = VLLMEngine(
-        str(folder),
-        dtype="float32",
-        enforce_eager=True,
-        kv_cache_memory_bytes=64 << 20,
-        eos_token_ids=[EOS],
-        skip_tokenizer_init=True,
-        start_in_background=True,
-    )
+    starting = VLLMEngine(str(folder), start_in_background=True, **settings)
     for _ in range(2):  # every later call says it again
         with pytest.raises(EngineStartupError) as again:
             starting.generate([[5, 6]], GREEDY)
