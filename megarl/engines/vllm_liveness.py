@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
+import time
 import warnings
 from collections.abc import Iterator
 from multiprocessing.connection import wait
@@ -30,6 +31,9 @@ from megarl.errors import MegarlError
 
 POLL_S = 1.0
 """How often the watch thread checks that it should still watch (the engine may be closing)."""
+
+EXIT_CODE_WAIT_S = 2.0
+"""How long the watch waits for a dead process's exit code (vLLM's own monitor may reap it)."""
 
 
 class EngineCoreDied(MegarlError):
@@ -48,6 +52,21 @@ def describe_exit(exitcode: int | None) -> str:
         oom = " (as the out-of-memory killer does)" if -exitcode == signal.SIGKILL else ""
         return f"killed by {name}{oom}"
     return f"exit code {exitcode}"
+
+
+def exit_code(proc: Any, wait_s: float = EXIT_CODE_WAIT_S) -> int | None:
+    """The exit code of a process whose sentinel fired, waiting up to ``wait_s`` for it.
+
+    vLLM's own monitor thread joins the same process when it dies. Two threads reaping one
+    child race: the loser's ``waitpid`` fails (the child is gone) and ``exitcode`` reads
+    ``None`` until the winner stores the status on the shared process object -- so this reads
+    it again until it appears, instead of naming the death ``ended`` without its signal.
+    """
+    deadline = time.monotonic() + wait_s
+    proc.join(timeout=wait_s)
+    while proc.exitcode is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return proc.exitcode
 
 
 class EngineCoreWatch:
@@ -97,11 +116,10 @@ class EngineCoreWatch:
             ended = wait(list(sentinels), timeout=POLL_S)
             if ended and not self._closing.is_set():
                 proc = sentinels[ended[0]]  # pyright: ignore[reportArgumentType]
-                proc.join(timeout=1)
                 self._fail_waiters(
                     EngineCoreDied(
                         f"vLLM's engine core process {proc.name} (pid {proc.pid}) "
-                        f"{describe_exit(proc.exitcode)} during {self.activity}; "
+                        f"{describe_exit(exit_code(proc))} during {self.activity}; "
                         "vLLM's log above may say why"
                     )
                 )

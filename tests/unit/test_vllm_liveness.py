@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from megarl.engines.vllm_liveness import EngineCoreDied, EngineCoreWatch, describe_exit
+from megarl.engines.vllm_liveness import EngineCoreDied, EngineCoreWatch, describe_exit, exit_code
 
 NOT_FOUND = "vLLM's engine-core processes were not found"
 pytestmark = pytest.mark.filterwarnings(f"ignore:{NOT_FOUND}")  # the fakes have no process
@@ -28,6 +28,28 @@ pytestmark = pytest.mark.filterwarnings(f"ignore:{NOT_FOUND}")  # the fakes have
 )
 def test_an_exit_is_described_by_its_signal_or_code(exitcode, text):
     assert describe_exit(exitcode) == text
+
+
+class ReapedElsewhere:
+    """A dead process another thread is reaping: its exit code appears after a few reads."""
+
+    def __init__(self, reads_before_code: int) -> None:
+        self.reads_left = reads_before_code
+
+    def join(self, timeout: float | None = None) -> None:
+        pass  # the other thread won ``waitpid``: this join finds nothing to reap
+
+    @property
+    def exitcode(self) -> int | None:
+        self.reads_left -= 1
+        return -signal.SIGKILL if self.reads_left < 0 else None
+
+
+def test_the_exit_code_is_awaited_while_another_thread_reaps_the_process():
+    assert describe_exit(exit_code(ReapedElsewhere(reads_before_code=5))) == (
+        "killed by SIGKILL (as the out-of-memory killer does)"
+    )
+    assert exit_code(ReapedElsewhere(reads_before_code=10**9), wait_s=0.05) is None  # bounded
 
 
 def fake_llm() -> SimpleNamespace:
