@@ -34,6 +34,7 @@ from megarl.agent.tools.python_exec import (
     PythonExecTool,
     format_observation,
 )
+from megarl.distributed.processes import process_lives
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the sandbox needs Linux")
 
@@ -128,6 +129,42 @@ def test_concurrent_runs_are_separate(work_root: str) -> None:
     uids = [r.report.uid for r in results]
     if uids[0] is not None:
         assert len(set(uids)) == 4  # a fresh uid each: one run cannot touch another
+
+
+def test_a_run_cancelled_while_it_starts_ends_and_leaves_nothing(
+    work_root: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A trajectory cancelled (another one failed the step) while its tool's sandbox starts:
+    Python 3.11's ``create_subprocess_exec``, cancelled while it connects the pipes, waits
+    forever. The start here behaves so -- cancelled before it returns, it never returns -- and
+    the cancelled run must still end at once, its launcher killed and its folder removed."""
+    real = asyncio.create_subprocess_exec
+    launched: list[asyncio.subprocess.Process] = []
+    starting = asyncio.Event()
+
+    async def start_as_python_311_does(*args: object, **kwargs: object):
+        proc = await real(*args, **kwargs)  # type: ignore[arg-type]
+        launched.append(proc)
+        starting.set()
+        try:
+            await asyncio.sleep(0.5)  # the pipes still connecting
+        except asyncio.CancelledError:
+            await asyncio.Event().wait()  # waits for an exit it is never told of
+        return proc
+
+    monkeypatch.setattr(asyncio, "create_subprocess_exec", start_as_python_311_does)
+
+    async def cancelled_while_starting() -> bool:
+        limits = SandboxLimits(timeout_s=30)
+        task = asyncio.ensure_future(run_python("print(1)", limits, work_root=work_root))
+        await starting.wait()
+        task.cancel()
+        done, _ = await asyncio.wait({task}, timeout=10)
+        return bool(done) and task.cancelled()
+
+    assert asyncio.run(cancelled_while_starting())
+    [launcher] = launched
+    assert not process_lives(launcher.pid)  # killed by the run's cleanup; work_root is empty
 
 
 def test_installed_packages_importable(work_root: str) -> None:

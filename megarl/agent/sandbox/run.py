@@ -285,29 +285,50 @@ class _Run:
         start = time.monotonic()
         read_fd, write_fd = os.pipe()
         try:
-            self.proc = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-I",
-                "-S",
-                _LAUNCHER,
-                json.dumps({**self.spec, "control_fd": write_fd}),
-                stdin=asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE,
-                pass_fds=(write_fd,),
-                start_new_session=True,
-                env=self.spec["env"],
-                cwd=self.base,
-            )
-        except OSError as e:
+            self.proc = await self._spawn(write_fd)
+        except BaseException as e:  # OSError, or cancelled: the control pipe goes either way
             os.close(read_fd)
-            raise SandboxError(f"cannot start the sandbox launcher: {e}") from e
+            if isinstance(e, OSError):
+                raise SandboxError(f"cannot start the sandbox launcher: {e}") from e
+            raise
         finally:
             os.close(write_fd)
         out = _CappedBuffer(self.limits.max_output_bytes)
         err = _CappedBuffer(self.limits.max_output_bytes)
         control = await self._supervise(code, read_fd, out, err)
         return self._result(control, out, err, time.monotonic() - start)
+
+    async def _spawn(self, control_fd: int) -> asyncio.subprocess.Process:
+        """Start the launcher. Cancelled meanwhile, the start still completes (and the process
+        is recorded for :meth:`cleanup` to kill) before the cancellation goes on: Python 3.11's
+        ``create_subprocess_exec`` cancelled while it connects the pipes waits forever for an
+        exit it never learns of (its transport finishes only once every pipe connected), so a
+        step whose other trajectory failed would hang in this tool call."""
+        starting = asyncio.ensure_future(
+            asyncio.create_subprocess_exec(
+                sys.executable,
+                "-I",
+                "-S",
+                _LAUNCHER,
+                json.dumps({**self.spec, "control_fd": control_fd}),
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                pass_fds=(control_fd,),
+                start_new_session=True,
+                env=self.spec["env"],
+                cwd=self.base,
+            )
+        )
+        try:
+            return await asyncio.shield(starting)
+        except asyncio.CancelledError:
+            while not starting.done():  # a start takes milliseconds: cancellations wait for it
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.wait({starting})
+            if not starting.cancelled() and starting.exception() is None:
+                self.proc = starting.result()
+            raise
 
     async def _supervise(
         self, code: bytes, control_fd: int, out: _CappedBuffer, err: _CappedBuffer
