@@ -274,12 +274,6 @@ def check_context_fit(cfg, model_dir: str, source, max_position_embeddings: int)
         raise StartupError(str(exc).splitlines()[0]) from None
     lens = []
     for problem in problems:
-        if cfg.async_training.partial_rollout and agents.applies([problem]):
-            raise StartupError(
-                f"{problem.source}: agent_name={problem.agent_name!r} with "
-                "async_training.partial_rollout=true: a weight sync cannot interrupt a "
-                "trajectory yet; set partial_rollout=false"
-            )
         try:
             lens.append(len(rollout_prompt_ids(tokenizer, problem, system_prompt, agents)))
         except BadInputError as exc:  # a row's agent_name that names no loop

@@ -32,21 +32,36 @@ with ``seed_i = request_seed(step seed, i)`` (:func:`make_samples`), and turn 0 
 ``seed_i`` itself, as the plain ``engine.generate`` seeds prompt ``i``; so ``single_turn`` is
 bitwise the plain rollout. Since the HF engine's responses do not depend on which requests
 share a call, a trajectory is reproducible from (weights, sample, seed).
+
+**Partial rollouts** (asynchronous training, ``async_training.partial_rollout``). Newer weights
+interrupt the engine call in flight; the batcher has them loaded and resumes the interrupted
+responses from their tokens so far (:class:`PartialRollouts`). A turn may then hold tokens of
+two policy versions, and its output says which sampled each (``GenerateOutput.versions``, kept
+by the trajectory for the staleness gates). The HF engine continues each response's own seeded
+stream, so a turn interrupted and resumed under unchanged weights is the uninterrupted turn.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 
 from megarl.agent.loop import AgentLoop, LoopFor, Sample
 from megarl.agent.trajectory import GenerateOutput, Trajectory
-from megarl.engines.base import Generation, Request, RolloutEngine, SamplingParams, request_seed
+from megarl.engines.base import (
+    Generation,
+    Request,
+    RolloutEngine,
+    SamplingParams,
+    join_pieces,
+    request_seed,
+)
 
 _MAX_SEED = 2**63 - 1
 
@@ -98,16 +113,38 @@ def finish_reason(generation: Generation) -> str:
     return "abort" if generation.interrupted else "length"
 
 
-def generate_output(generation: Generation, limit: int) -> GenerateOutput:
+def generate_output(
+    generation: Generation, limit: int, versions: Sequence[int] | None = None
+) -> GenerateOutput:
     """``generation`` as a loop sees it, cut to the request's own ``max_new_tokens`` (an engine
-    that ignored the request's limit may have sampled more for it)."""
-    if len(generation.response_ids) > limit:
-        return GenerateOutput(
-            generation.response_ids[:limit], generation.response_logprobs[:limit], "length"
-        )
+    that ignored the request's limit may have sampled more for it); ``versions``: the policy
+    version of each token (partial rollouts), cut alike."""
+    cut = len(generation.response_ids) > limit
     return GenerateOutput(
-        generation.response_ids, generation.response_logprobs, finish_reason(generation)
+        generation.response_ids[:limit],
+        generation.response_logprobs[:limit],
+        "length" if cut else finish_reason(generation),
+        None if versions is None else tuple(versions[:limit]),
     )
+
+
+@dataclass(frozen=True)
+class PartialRollouts:
+    """Newer weights may interrupt an engine call (``async_training.partial_rollout``).
+
+    A trajectory's loop cannot be suspended across a weight update, so the update happens
+    inside it: the engine call comes back with the responses so far, the batcher has the newer
+    weights loaded (the engine is idle between its two calls) and resumes each response from
+    its tokens so far -- the loop receives one output whose tokens carry the version that
+    sampled each. Turns that start later run under the newer weights."""
+
+    interrupt: threading.Event
+    """Set when newer weights are ready; an engine call then returns what it sampled so far."""
+    serving: Callable[[], int]
+    """The policy version the engine serves now."""
+    take_newer: Callable[[], None]
+    """Load the newer weights into the engine and clear ``interrupt`` (called between two
+    engine calls)."""
 
 
 # --- the batcher ----------------------------------------------------------------------------
@@ -146,9 +183,15 @@ class _Batcher:
     """Queues the trajectories' generate calls and sends them per the flush policy."""
 
     def __init__(
-        self, engine: RolloutEngine, params: SamplingParams, count: int, linger_s: float
+        self,
+        engine: RolloutEngine,
+        params: SamplingParams,
+        count: int,
+        linger_s: float,
+        partial: PartialRollouts | None = None,
     ) -> None:
         self.engine, self.params, self.linger_s = engine, params, linger_s
+        self.partial = partial
         self.slots = [_Slot() for _ in range(count)]
         self.changed = asyncio.Event()
         """Set on every change of a trajectory's standing (for the linger)."""
@@ -240,21 +283,69 @@ class _Batcher:
         """One engine call per sampling group; each group's callers are answered as soon as
         its call returns, so they go on while the next group samples."""
         for params, group in _groups(batch, self.params):
-            started = time.perf_counter()
-            generations = await asyncio.to_thread(
-                self.engine.generate_requests, [_own_limit(p, params) for p in group], params
-            )
-            if len(generations) != len(group):
-                raise RuntimeError(
-                    f"the engine returned {len(generations)} generations for {len(group)} requests"
-                )
-            self.engine_seconds += time.perf_counter() - started
+            requests = [_own_limit(p, params) for p in group]
+            generations, versions = await asyncio.to_thread(self._sample, requests, params)
             self.engine_calls += 1
             self.engine_requests += len(group)
-            for pending, generation in zip(group, generations, strict=True):
-                self._answer(pending, generation)
+            for pending, generation, tokens_versions in zip(
+                group, generations, versions, strict=True
+            ):
+                self._answer(pending, generation, tokens_versions)
 
-    def _answer(self, pending: _Pending, result: Generation | BaseException) -> None:
+    def _sample(
+        self, requests: Sequence[Request], params: SamplingParams
+    ) -> tuple[list[Generation], list[tuple[int, ...] | None]]:
+        """One group's requests sampled to their end (in the worker thread), with each token's
+        policy version under partial rollouts (None otherwise): a response that newer weights
+        interrupted goes on from its tokens so far once they are loaded (:class:`PartialRollouts`)."""
+        partial = self.partial
+        started = time.perf_counter()
+        if partial is None:
+            generations = self._engine_call(requests, params, None)
+            self.engine_seconds += time.perf_counter() - started
+            return generations, [None] * len(requests)
+        pieces: list[list[Generation]] = [[] for _ in requests]
+        versions: list[list[int]] = [[] for _ in requests]
+        current, todo = list(requests), list(range(len(requests)))
+        while todo:
+            version = partial.serving()
+            out = self._engine_call([current[i] for i in todo], params, partial.interrupt)
+            resumed = []
+            for i, piece in zip(todo, out, strict=True):
+                pieces[i].append(piece)
+                versions[i].extend([version] * len(piece.response_ids))
+                if piece.interrupted:
+                    current[i] = replace(
+                        current[i], generated_ids=current[i].generated_ids + piece.response_ids
+                    )
+                    resumed.append(i)
+            if resumed:
+                updating = time.perf_counter()
+                partial.take_newer()
+                started += time.perf_counter() - updating  # the load is not generation time
+            todo = resumed
+        self.engine_seconds += time.perf_counter() - started
+        return [join_pieces(p) for p in pieces], [tuple(v) for v in versions]
+
+    def _engine_call(
+        self,
+        requests: Sequence[Request],
+        params: SamplingParams,
+        interrupt: threading.Event | None,
+    ) -> list[Generation]:
+        generations = self.engine.generate_requests(requests, params, interrupt)
+        if len(generations) != len(requests):
+            raise RuntimeError(
+                f"the engine returned {len(generations)} generations for {len(requests)} requests"
+            )
+        return generations
+
+    def _answer(
+        self,
+        pending: _Pending,
+        result: Generation | BaseException,
+        versions: Sequence[int] | None = None,
+    ) -> None:
         """Resolve one caller (once); it counts as running from here, before its task resumes,
         so the next flush waits for its next turn."""
         if pending.answered:
@@ -267,7 +358,7 @@ class _Batcher:
             pending.future.set_exception(result)
             return
         try:
-            output = generate_output(result, pending.params.max_new_tokens)
+            output = generate_output(result, pending.params.max_new_tokens, versions)
         except ValueError as exc:  # an engine output a trajectory refuses (e.g. NaN logprobs)
             pending.future.set_exception(exc)
             return
@@ -395,15 +486,19 @@ def run_agent_loops(
     params: SamplingParams,
     tokenizer: Any,
     linger_s: float = LINGER_S,
+    partial: PartialRollouts | None = None,
 ) -> AgentResult:
     """Every sample's trajectory, built concurrently (see the module docstring); for
     synchronous callers (it runs its own event loop; async code awaits
     :func:`drive_agent_loops`). ``loop``: one loop for all samples, or the loop of each
     (:class:`megarl.agent.loop.LoopChooser`). ``params``: the step's sampling (its
-    ``max_new_tokens`` is each trajectory's response budget, ``ctx.max_response_tokens``). A
-    loop that raises stops the step: the other trajectories are cancelled (their tools
-    released) and the exception is raised here."""
-    return asyncio.run(drive_agent_loops(engine, loop, samples, params, tokenizer, linger_s))
+    ``max_new_tokens`` is each trajectory's response budget, ``ctx.max_response_tokens``).
+    ``partial``: newer weights may interrupt the engine calls (the trajectories' tokens then
+    carry their versions). A loop that raises stops the step: the other trajectories are
+    cancelled (their tools released) and the exception is raised here."""
+    return asyncio.run(
+        drive_agent_loops(engine, loop, samples, params, tokenizer, linger_s, partial)
+    )
 
 
 async def drive_agent_loops(
@@ -413,12 +508,13 @@ async def drive_agent_loops(
     params: SamplingParams,
     tokenizer: Any,
     linger_s: float = LINGER_S,
+    partial: PartialRollouts | None = None,
 ) -> AgentResult:
     """:func:`run_agent_loops` on the running event loop."""
     started = time.perf_counter()
     choose = (lambda _sample: loop) if isinstance(loop, AgentLoop) else loop
     loops = [choose(sample) for sample in samples]
-    batcher = _Batcher(engine, params, len(samples), linger_s)
+    batcher = _Batcher(engine, params, len(samples), linger_s, partial)
     contexts = [
         AgentContext(batcher, i, sample, tokenizer, params) for i, sample in enumerate(samples)
     ]

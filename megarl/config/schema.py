@@ -187,11 +187,6 @@ class RunConfig:
             return
         key = f"rollout.agent.loop={self.rollout.agent.loop}"
         _require(
-            not self.async_training.partial_rollout,
-            f"{key} with async_training.partial_rollout=true: a weight sync cannot interrupt a "
-            "trajectory yet (each is generated under one version); set partial_rollout=false",
-        )
-        _require(
             self.actor.router_replay.mode != "R3",
             f"{key} with actor.router_replay.mode=R3: trajectories carry no engine routing of "
             "their input positions; use R2 or no replay",

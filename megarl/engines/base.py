@@ -183,6 +183,36 @@ class Generation:
             )
 
 
+def join_pieces(pieces: Sequence[Generation]) -> Generation:
+    """One response sampled in several calls (interrupted, then resumed from its tokens so far)
+    as one generation: the first piece's prompt and prompt routing, every piece's tokens,
+    logprobs, routing and mask in order, the last piece's end."""
+    if not pieces:
+        raise ValueError("no pieces to join")
+    first, last = pieces[0], pieces[-1]
+    routed = [p.routed_experts for p in pieces]
+    joined_routing = None
+    if all(r is not None for r in routed):
+        import torch
+
+        joined_routing = torch.cat(routed)  # type: ignore[arg-type]
+    masked = any(p.response_mask is not None for p in pieces)
+    return Generation(
+        prompt_ids=tuple(first.prompt_ids),
+        response_ids=tuple(t for p in pieces for t in p.response_ids),
+        response_logprobs=tuple(lp for p in pieces for lp in p.response_logprobs),
+        finished=last.finished,
+        routed_experts=joined_routing,
+        prompt_routed_experts=first.prompt_routed_experts,
+        interrupted=last.interrupted,
+        response_mask=(
+            tuple(m for p in pieces for m in p.response_mask or [1] * len(p.response_ids))
+            if masked
+            else None
+        ),
+    )
+
+
 class NonFiniteLogitsError(RuntimeError):
     """The model gave inf or NaN logits: no token can be drawn (its weights diverged)."""
 

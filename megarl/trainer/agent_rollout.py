@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from megarl.agent.driver import run_agent_loops
+from megarl.agent.driver import PartialRollouts, run_agent_loops
 from megarl.agent.loop import SINGLE_TURN_NAMES, AgentSettings, LoopChooser, Sample
 from megarl.agent.trajectory import Trajectory
 from megarl.data.problems import Problem
@@ -125,15 +125,19 @@ class AgentRollout:
         prompt_ids: Sequence[Sequence[int]],
         seeds: Sequence[int],
         params: SamplingParams,
+        partial: PartialRollouts | None = None,
     ) -> GeneratedBatch:
         """One trajectory per sample (its problem, prompt ids and seed: the asynchronous
-        rollout's requests carry their own), in sample order."""
+        rollout's requests carry their own), in sample order; ``partial``: newer weights may
+        interrupt the engine calls (asynchronous partial rollouts)."""
         samples = []
         for index, (problem, ids, seed) in enumerate(zip(problems, prompt_ids, seeds, strict=True)):
             messages = problem.chat_messages(self.system_prompt)
             row = problem_row(problem, messages)
             samples.append(Sample(index, tuple(ids), row, seed, tuple(messages)))
-        result = run_agent_loops(engine, self.chooser, samples, params, self.tokenizer)
+        result = run_agent_loops(
+            engine, self.chooser, samples, params, self.tokenizer, partial=partial
+        )
         limit = params.max_new_tokens
         over = [t for t in result.trajectories if len(t.response_ids) > limit]
         if over and not self._warned_overrun:

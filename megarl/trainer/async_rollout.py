@@ -46,10 +46,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from megarl.agent.driver import trajectory_metrics
+from megarl.agent.driver import PartialRollouts, trajectory_metrics
 from megarl.agent.trajectory import Trajectory
 from megarl.distributed.fault_injection import ROLLOUT, maybe_die, maybe_freeze
-from megarl.engines.base import Generation, Request
+from megarl.engines.base import Generation, Request, join_pieces
 from megarl.errors import MegarlError
 from megarl.export.checksum import compare_checksums, tensor_checksum
 from megarl.planner.staleness import AdmissionRule, RolloutSchedule
@@ -64,6 +64,10 @@ if TYPE_CHECKING:
 
 class RolloutStalled(MegarlError):
     """The rollout side produced no batch for a step within the collective timeout."""
+
+
+class RolloutClosed(MegarlError):
+    """The rollout was closed while a generation was under way (it stops there)."""
 
 
 @dataclass
@@ -89,30 +93,16 @@ class _Response:
         """The request that continues this response (itself, before the first piece)."""
         return Request(self.request.prompt_ids, self.request.seed, self.generated_ids)
 
-    def add(self, piece: Generation, version: int) -> None:
+    def add(self, piece: Generation, version: int, versions: Sequence[int] | None = None) -> None:
+        """Append a piece whose tokens ``version`` sampled -- or, per token, ``versions`` (an
+        agent's trajectory, its turns resumed across weight updates under partial rollouts)."""
         self.pieces.append(piece)
-        self.versions.extend([version] * len(piece.response_ids))
+        count = len(piece.response_ids)
+        self.versions.extend(versions[:count] if versions is not None else [version] * count)
 
     def joined(self) -> Generation:
         """The whole response, its pieces joined."""
-        first, last = self.pieces[0], self.pieces[-1]
-        routed = [p.routed_experts for p in self.pieces]
-        masked = any(p.response_mask is not None for p in self.pieces)
-        return Generation(
-            prompt_ids=tuple(first.prompt_ids),
-            response_ids=self.generated_ids,
-            response_logprobs=tuple(lp for p in self.pieces for lp in p.response_logprobs),
-            finished=last.finished,
-            routed_experts=(
-                None if any(r is None for r in routed) else torch.cat(routed)  # type: ignore[arg-type]
-            ),
-            prompt_routed_experts=first.prompt_routed_experts,
-            response_mask=(
-                tuple(m for p in self.pieces for m in p.response_mask or [1] * len(p.response_ids))
-                if masked
-                else None
-            ),
-        )
+        return join_pieces(self.pieces)
 
 
 @dataclass
@@ -387,11 +377,18 @@ class AsyncRollout:
         problems = [self._problem(group) for group, _ in wave]
         agents = self.host.producer.agents
         if agents is not None and agents.applies(problems):
-            # whole trajectories under one version: the buffer holds them like responses
-            # (partial rollouts, which would interrupt inside them, are refused with loops)
+            # whole trajectories, the buffer holds them like responses; under partial rollouts
+            # newer weights are loaded inside the wave and the tokens carry their versions
             seeds = [request.seed for request in requests]
             prompt_ids = [request.prompt_ids for request in requests]
-            built = agents.generate_samples(self.host.engine, problems, prompt_ids, seeds, params)
+            partial = (
+                PartialRollouts(self._interrupt, self._serving, self._take_newer_mid_wave)
+                if self.partial
+                else None
+            )
+            built = agents.generate_samples(
+                self.host.engine, problems, prompt_ids, seeds, params, partial
+            )
             pieces = built.gens
             for (_, response), trajectory in zip(wave, built.trajectories, strict=True):
                 response.trajectory = trajectory
@@ -400,7 +397,8 @@ class AsyncRollout:
             pieces = self.host.engine.generate_requests(requests, params, interrupt)
         generated = time.perf_counter()
         for (_, response), piece in zip(wave, pieces, strict=True):
-            response.add(piece, version)
+            trajectory = response.trajectory
+            response.add(piece, version, trajectory and trajectory.response_versions)
         finished = [g for g in groups if all(r.done for r in self._responses[g])]
         scored = self._score(finished)
         with self._cv:
@@ -435,6 +433,27 @@ class AsyncRollout:
     def _problem(self, group: int) -> Problem:
         step = self.rule.step_of(group)
         return self._prompts[step].problems[group - self.rule.groups_of(step).start]
+
+    def _serving(self) -> int:
+        with self._cv:
+            return self._started().version
+
+    def _take_newer_mid_wave(self) -> None:
+        """Partial rollouts inside agent loops: newer weights interrupted an engine call of a
+        wave whose trajectories go on (a loop cannot be suspended across waves), so the loop
+        thread loads them now, between two engine calls, and the wave resumes under them."""
+        with self._cv:
+            if self._stop:
+                raise RolloutClosed("the rollout was closed during a generation")
+            self._interrupt.clear()
+            pending, doing = self._pending, self._doing
+            if pending is None or not self._started().may_apply(pending.committed):
+                return
+            self._pending, self._applying = None, True
+        self._apply(pending)
+        with self._cv:
+            what = doing[0].split(" (resumed under")[0]
+            self._doing = (f"{what} (resumed under version {pending.committed})", doing[1])
 
     def _apply(self, staged: _Staged) -> None:
         """Load a staged version into the engine (the loop's thread: nothing generates now)."""

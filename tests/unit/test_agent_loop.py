@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -22,6 +23,7 @@ import pytest
 from megarl.agent import AgentLoop, GenerateOutput, Sample, Tool, ToolError, Trajectory
 from megarl.agent.driver import (
     AgentContext,
+    PartialRollouts,
     generate_output,
     make_samples,
     run_agent_loops,
@@ -200,6 +202,87 @@ def test_two_turns_example_batches_turns_across_trajectories(tokenizer):
 def _requests_of(engine: FakeEngine, sample: Sample) -> list[Request]:
     seeds = {turn_seed(sample.seed, t) for t in range(8)}
     return [r for requests, _ in engine.calls for r in requests if r.seed in seeds]
+
+
+class VersionedEngine(FakeEngine):
+    """Token ``j`` of a request depends on its seed, ``j`` and the weights' version (version 0:
+    the plain fake's tokens). Newer weights "arrive" during call ``push_at``: that call's
+    responses come back interrupted after ``after`` tokens, with the interrupt set."""
+
+    def __init__(self, push_at: int, after: int):
+        super().__init__()
+        self.push_at, self.after = push_at, after
+        self.version = 0
+
+    def token(self, seed: int, j: int, version: int) -> int:
+        return 10 + (token_seed(seed, j) + 7 * version) % 990
+
+    def generate_requests(self, requests, params, interrupt=None) -> list[Generation]:
+        self.calls.append((list(requests), params))
+        pushed = len(self.calls) - 1 == self.push_at
+        out = []
+        for request in requests:
+            start, budget = len(request.generated_ids), request.budget(params)
+            count = min(budget, self.after) if pushed else budget
+            positions = range(start, start + count)
+            tokens = tuple(self.token(request.seed, j, self.version) for j in positions)
+            logprobs = tuple(-((token_seed(request.seed, j) % 97) + 1) / 50 for j in positions)
+            out.append(
+                Generation(request.prompt_ids, tokens, logprobs, False, interrupted=count < budget)
+            )
+        if pushed:
+            assert interrupt is not None, "partial rollouts pass the interrupt to the engine"
+            interrupt.set()
+        return out
+
+
+def test_newer_weights_interrupt_a_turn_which_resumes_under_them_tokens_tagged(tokenizer):
+    """Partial rollouts inside agent loops: the weights change 5 tokens into the first turn;
+    the batcher loads them and resumes each response from its 5 tokens; the loop sees one
+    output per turn whose tokens carry the version that sampled each."""
+    engine = VersionedEngine(push_at=0, after=5)
+    interrupt = threading.Event()
+    loads = []
+
+    def take_newer():
+        assert interrupt.is_set()  # only an interrupt brings newer weights in
+        engine.version += 1
+        loads.append(engine.version)
+        interrupt.clear()
+
+    partial = PartialRollouts(interrupt, lambda: engine.version, take_newer)
+    samples = make_samples(prompts(2), None, STEP_SEED)
+    result = run_agent_loops(engine, TwoTurns(), samples, PARAMS, tokenizer, 0.0, partial)
+    assert loads == [1] and not interrupt.is_set()
+    assert call_slots(engine, samples) == [[(0, 0), (1, 0)], [(0, 0), (1, 0)], [(0, 1), (1, 1)]]
+    observation = tokenizer.encode("\nObservation: 42\n", add_special_tokens=False)
+    for sample, traj in zip(samples, result.trajectories, strict=True):
+        first, resumed, second = _requests_of(engine, sample)
+        assert resumed.seed == first.seed and resumed.prompt_ids == first.prompt_ids
+        assert resumed.generated_ids == traj.response_ids[:5]  # goes on from its 5 tokens
+        turn1 = [engine.token(first.seed, j, 0 if j < 5 else 1) for j in range(16)]
+        turn2 = [engine.token(second.seed, j, 1) for j in range(16)]
+        assert traj.response_ids == (*turn1, *observation, *turn2)
+        assert traj.response_versions == (0,) * 5 + (1,) * (11 + len(observation) + 16)
+        assert traj.response_logprobs[:16] == FakeEngine()._one(first, PARAMS).response_logprobs
+        assert traj.num_turns == 2 and traj.finish_reason == "length"
+    assert result.metrics["agent/engine_calls"] == 2  # a resumed call is part of its turn's
+
+
+def test_without_newer_weights_a_turn_is_one_uninterrupted_call():
+    engine = VersionedEngine(push_at=-1, after=5)
+    partial = PartialRollouts(threading.Event(), lambda: 3, lambda: pytest.fail("no push"))
+    result = run_agent_loops(
+        engine,
+        SingleTurnLoop(),
+        make_samples(prompts(2), None, STEP_SEED),
+        PARAMS,
+        None,
+        0.0,
+        partial,
+    )
+    assert len(engine.calls) == 1
+    assert [t.response_versions for t in result.trajectories] == [(3,) * 16] * 2
 
 
 def test_single_turn_sends_exactly_the_plain_generate_call():
