@@ -155,15 +155,14 @@ class _PushesDuringGeneration:
         return self.engine.generate_requests(requests, params, interrupt)
 
 
-def test_an_interrupted_response_resumed_under_the_same_weights_is_unchanged(tmp_path):
-    """Two weight syncs (of unchanged weights) interrupt step 1's generation twice; each response
-    goes on from its tokens so far: the tokens are the uninterrupted ones, the logprobs too
-    (to the HF engine's prefill-vs-decode rounding), every token tagged with its version."""
-    [expected] = _sync_batches(tmp_path, lambda step: 0)[:1]
+def _step_1_interrupted_twice(tmp_path, **extra):
+    """Step 1's batch from a fully_async rollout (partial rollouts, K = 2) whose first two
+    engine calls each start with a push of unchanged weights: ``(batch, metrics, host)``."""
     cfg, host, model_dir = _host(
         tmp_path,
         "async",
         **ASYNC,
+        **extra,
         **{"async_training.mode": "fully_async"},
         **{"async_training.max_staleness": 2, "async_training.partial_rollout": True},
     )
@@ -173,9 +172,18 @@ def test_an_interrupted_response_resumed_under_the_same_weights_is_unchanged(tmp
     box.append(stream)
     try:
         stream.start_rollout(1)
-        got, _, _, _ = stream.next_batch(1, timeout_s=120)
+        batch, metrics, _, _ = stream.next_batch(1, timeout_s=120)
     finally:
         stream.close()
+    return batch, metrics, host
+
+
+def test_an_interrupted_response_resumed_under_the_same_weights_is_unchanged(tmp_path):
+    """Two weight syncs (of unchanged weights) interrupt step 1's generation twice; each response
+    goes on from its tokens so far: the tokens are the uninterrupted ones, the logprobs too
+    (to the HF engine's prefill-vs-decode rounding), every token tagged with its version."""
+    [expected] = _sync_batches(tmp_path, lambda step: 0)[:1]
+    got, _, host = _step_1_interrupted_twice(tmp_path)
     assert [t.tolist() for t in got.tokens] == [t.tolist() for t in expected.tokens]
     for x, y in zip(got.engine_logprobs, expected.engine_logprobs, strict=True):
         torch.testing.assert_close(x, y, rtol=0, atol=1e-5)
@@ -194,24 +202,8 @@ def test_agent_turns_interrupted_by_weight_syncs_resume_inside_the_trajectory(tm
     uninterrupted ones, every generated token tagged with the version that sampled it."""
     loop = {"rollout.agent.loop": "agent_loops:TwoTurns", "rollout.max_new_tokens": 40}
     [expected] = _sync_batches(tmp_path, lambda step: 0, **loop)[:1]
-    cfg, host, model_dir = _host(
-        tmp_path,
-        "async",
-        **ASYNC,
-        **loop,
-        **{"async_training.mode": "fully_async"},
-        **{"async_training.max_staleness": 2, "async_training.partial_rollout": True},
-    )
-    box: list = []
-    host.engine = _PushesDuringGeneration(box, model_dir, pushes=2, engine=host.engine)
-    stream = AsyncRollout(host, cfg)
-    box.append(stream)
-    try:
-        stream.start_rollout(1)
-        got, metrics, _, _ = stream.next_batch(1, timeout_s=120)
-        assert host.weights_version == 2  # both versions were loaded inside the wave
-    finally:
-        stream.close()
+    got, metrics, host = _step_1_interrupted_twice(tmp_path, **loop)
+    assert host.weights_version == 2  # both versions were loaded inside the wave
     assert [t.tolist() for t in got.tokens] == [t.tolist() for t in expected.tokens]
     assert got.response_masks is not None and expected.response_masks is not None
     masks = [m.tolist() for m in got.response_masks]
