@@ -598,10 +598,12 @@ def _cpu_core_split(cfg, device: str):
 
 
 def main(argv: list[str] | None = None) -> int:
+    from megarl.distributed import heap
     from megarl.distributed.launcher import RunStopped, WorkerFailed, stop_on_signals
     from megarl.errors import MegarlError
 
     args = sys.argv[1:] if argv is None else argv
+    heap.own_this_process()  # the command's process is the run's: a world of one trains here
     if any(a in ("-h", "--help") for a in args):
         print(
             (__doc__ or "").strip()

@@ -45,7 +45,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from megarl.distributed import heartbeat, quiet
+from megarl.distributed import heap, heartbeat, quiet
 from megarl.distributed.heartbeat import STALE_GRACE_S, Beat, HeartbeatWatch
 from megarl.distributed.processes import descendants, kill_all, process_lives
 from megarl.errors import MegarlError, RunAborted, RunStopped
@@ -283,6 +283,7 @@ def _worker_entry(
     heartbeat_dir: str | None,
 ) -> None:
     """A worker's main; ``launcher_state`` was applied while it was unpickled."""
+    heap.own_this_process()  # before anything: what the fork server imported, out of the GC's walk
     _die_with_launcher(launcher_pid, launcher_state.forked)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the launcher, which stops us
     os.environ.setdefault("OMP_NUM_THREADS", os.environ.get("MEGARL_WORKER_THREADS", "1"))

@@ -42,7 +42,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from megarl.distributed import quiet
+from megarl.distributed import heap, quiet
 from megarl.distributed.heartbeat import STALE_GRACE_S, HeartbeatWatch
 from megarl.distributed.launcher import (
     WATCH_POLL_S,
@@ -196,6 +196,7 @@ class RankActor:
     def __init__(self, rank: int, env: dict[str, str], sys_path: list[str]):
         self.rank = rank
         quiet.install()  # a Ray worker is a fresh interpreter, without the driver's filters
+        heap.own_this_process()
         os.environ.update(env)
         os.environ.setdefault("OMP_NUM_THREADS", os.environ.get("MEGARL_WORKER_THREADS", "1"))
         # Same import path as the driver (a shared file system is assumed across nodes).

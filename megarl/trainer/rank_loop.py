@@ -43,7 +43,7 @@ from megarl.algo.validation import is_validation_step, validates_before_training
 from megarl.batch import RolloutShard
 from megarl.config import planning
 from megarl.config.schema import RunConfig
-from megarl.distributed import heartbeat, quiet
+from megarl.distributed import heap, heartbeat, quiet
 from megarl.distributed.launcher import WorkerContext
 from megarl.errors import storage_error
 from megarl.planner.batch_planner import plan_step
@@ -115,6 +115,7 @@ def _run_rank(ctx: WorkerContext, inputs: RunInputs) -> RunResult | None:
     from megarl.distributed.platform import exit_cpu_shims
 
     runtime = _setup(ctx, inputs)
+    heap.freeze_after_startup()  # the model, optimizer and engine live as long as the rank
     try:
         _train(runtime)
         if runtime.host is not None:  # ended normally: the plot of every step

@@ -24,7 +24,7 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from megarl.distributed import quiet
+from megarl.distributed import heap, quiet
 from megarl.distributed.fault_injection import ROLLOUT, maybe_die
 from megarl.distributed.ray_launcher import (
     ActorPlacement,
@@ -81,6 +81,8 @@ class RolloutActor:
             from megarl.trainer.async_rollout import AsyncRollout
 
             self.stream = AsyncRollout(self.host, cfg)
+        if _in_ray_actor():  # built by a test without Ray, it runs in the test's process
+            heap.own_this_process()
 
     def placement(self) -> ActorPlacement:
         return self.where
@@ -186,3 +188,13 @@ class RemoteEngine:
         )
 
     TENSORS_PER_CALL = 16
+
+
+def _in_ray_actor() -> bool:
+    """Whether this process is a Ray actor's (a test may build :class:`RolloutActor` in its own)."""
+    ray = sys.modules.get("ray")
+    return (
+        ray is not None
+        and ray.is_initialized()
+        and ray.get_runtime_context().get_actor_id() is not None
+    )

@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
+import gc
 import os
 from pathlib import Path
 
 import pytest
 from forked_cli import ForkedTrain
 from helpers.runs import tiny_overrides
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _long_lived_objects_frozen():
+    """What this test process imported and kept so far (torch, Megatron-Core, transformers,
+    vLLM, the earlier modules' fixtures), out of the garbage collector's walk: the runs a test
+    starts in its own process (a world of one) would otherwise walk them all on every full
+    collection, as a run's own process avoids with :mod:`megarl.distributed.heap`."""
+    gc.collect()
+    gc.freeze()
 
 
 @pytest.fixture
