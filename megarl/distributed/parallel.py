@@ -40,16 +40,25 @@ def init_process_group(
     timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> None:
     """Join the global group: gloo on CPU, NCCL on CUDA (with a gloo-free default); every
-    collective of the group fails after ``timeout_s`` instead of waiting forever."""
+    collective of the group fails after ``timeout_s`` instead of waiting forever.
+
+    A world of one keeps its rendezvous in memory: a TCP store would bind ``master_port``, which
+    another process on the machine can take between the launcher's pick and the bind (seen with
+    several test workers starting runs side by side: ``EADDRINUSE``)."""
     backend = "nccl" if device == "cuda" else "gloo"
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if world_size == 1:
+        store = dist.HashStore()  # pyright: ignore[reportPrivateImportUsage]  (public, untyped)
+        dist.init_process_group(backend=backend, store=store, rank=0, world_size=1, timeout=timeout)
+        return
     dist.init_process_group(
         backend=backend,
         init_method=f"tcp://{master_addr}:{master_port}",
         rank=rank,
         world_size=world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
+        timeout=timeout,
     )
 
 
