@@ -260,12 +260,18 @@ def test_a_python_error_in_a_rank_is_one_line_and_keeps_its_traceback(capfd):
     assert "Traceback" not in capfd.readouterr().err
 
 
-def _report_surroundings(ctx) -> tuple[str | None, str, bool]:
-    """What a rank sees of its launcher: an environment variable, the working directory, and
-    whether the heavy libraries were already imported when it started."""
+def _report_surroundings(ctx) -> tuple[str | None, str, bool, bool]:
+    """What a rank sees of its launcher: an environment variable, the working directory,
+    whether the heavy libraries were already imported when it started, and whether its process
+    is the run's own with its imports out of the garbage collector's walk."""
+    import gc
+
+    from megarl.distributed import heap
+
     print(f"rank {ctx.rank} says hello", flush=True)
     warm = "megatron.core.optimizer" in sys.modules
-    return os.environ.get("MEGARL_TEST_PROBE"), os.getcwd(), warm
+    frozen = heap.owned() and gc.get_freeze_count() > 0
+    return os.environ.get("MEGARL_TEST_PROBE"), os.getcwd(), warm, frozen
 
 
 @pytest.mark.parametrize("method", ["forkserver", "spawn"])
@@ -274,7 +280,9 @@ def test_workers_see_the_launchers_environment_and_streams_as_they_are_now(
 ):
     """A worker forked from the long-lived fork server still sees the launcher's environment,
     working directory and stdout as they are when the run starts, like a spawned one; only
-    the forked one starts with Megatron-Core already imported."""
+    the forked one starts with Megatron-Core already imported. Both are the run's own
+    processes; a world of one runs in the caller's, which stays the caller's."""
+    from megarl.distributed import heap
     from megarl.distributed.launcher import launch
 
     monkeypatch.setenv("MEGARL_WORKER_START", method)
@@ -282,6 +290,8 @@ def test_workers_see_the_launchers_environment_and_streams_as_they_are_now(
         monkeypatch.setenv("MEGARL_TEST_PROBE", value)
         monkeypatch.chdir(cwd)
         results = launch(_report_surroundings, 2, timeout_s=120)
-        assert results == [(value, str(cwd), method == "forkserver")] * 2
+        assert results == [(value, str(cwd), method == "forkserver", True)] * 2
         out = capfd.readouterr().out
         assert "rank 0 says hello" in out and "rank 1 says hello" in out, out
+    [(_, _, _, frozen_here)] = launch(_report_surroundings, 1, timeout_s=120)
+    assert not frozen_here and not heap.owned()
