@@ -6,12 +6,14 @@ that once and then forks one child per requested run. The child is a process of 
 own working directory, environment, exit code, stdout and stderr: what a user's shell sees,
 minus the start-up. Ranks the child starts are spawned as usual (fresh interpreters).
 
-Protocol, one JSON line each way: request ``{"args", "cwd", "env", "stdout", "stderr"}``;
+Protocol, one JSON line each way: request ``{"args", "cwd", "env", "stdout", "stderr",
+"new_session"}``;
 replies ``{"pid"}`` when the child started, then ``{"returncode"}`` when it ended.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -50,22 +52,42 @@ class ForkedTrain:
     def run(
         self, *args: str, cwd: Path, env: dict[str, str] | None = None, timeout_s: float = 300
     ) -> Finished:
-        self._count += 1
-        out = self._scratch / f"run{self._count}.stdout"
-        err = self._scratch / f"run{self._count}.stderr"
-        request = {"args": list(args), "cwd": str(cwd), "env": env or {}}
-        assert self._server.stdin is not None
-        self._server.stdin.write(json.dumps({**request, "stdout": str(out), "stderr": str(err)}))
-        self._server.stdin.write("\n")
-        self._server.stdin.flush()
-        child = self._reply(timeout_s=30)["pid"]
+        """Run to its end; stdout and stderr apart, as ``subprocess.run(capture_output=True)``."""
+        out = self._scratch / f"run{self._count + 1}.stdout"
+        err = self._scratch / f"run{self._count + 1}.stderr"
+        started = self.start(*args, cwd=cwd, env=env, stdout=out, stderr=err)
         try:
-            returncode = self._reply(timeout_s)["returncode"]
+            returncode = started.wait(timeout_s)
         except TimeoutError:
-            os.kill(child, signal.SIGKILL)
-            self._reply(timeout_s=30)
+            os.kill(started.pid, signal.SIGKILL)
+            started.wait(timeout_s=30)
             raise
         return Finished(returncode, out.read_text(), err.read_text())
+
+    def start(
+        self,
+        *args: str,
+        cwd: Path,
+        stdout: Path,
+        stderr: Path | None = None,
+        env: dict[str, str] | None = None,
+        new_session: bool = False,
+    ) -> ForkedRun:
+        """Start a run and return at once, as ``subprocess.Popen``; ``stderr`` None: into
+        ``stdout``; ``new_session``: the child leads a process group of its own (``killpg``)."""
+        self._count += 1
+        request = {
+            "args": list(args),
+            "cwd": str(cwd),
+            "env": env or {},
+            "stdout": str(stdout),
+            "stderr": str(stderr or stdout),
+            "new_session": new_session,
+        }
+        assert self._server.stdin is not None
+        self._server.stdin.write(json.dumps(request) + "\n")
+        self._server.stdin.flush()
+        return ForkedRun(self, self._reply(timeout_s=30)["pid"])
 
     def close(self) -> None:
         if self._server.stdin is not None:
@@ -83,13 +105,38 @@ class ForkedTrain:
         return json.loads(line)
 
 
+class ForkedRun:
+    """A started run, read as a ``subprocess.Popen``: ``pid``, ``poll()``, ``wait()``. The server
+    answers its exit code once it ended; the next run starts after that."""
+
+    def __init__(self, server: ForkedTrain, pid: int):
+        self._server = server
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            with contextlib.suppress(TimeoutError):
+                self.returncode = self._server._reply(timeout_s=0)["returncode"]
+        return self.returncode
+
+    def wait(self, timeout_s: float) -> int:
+        if self.returncode is None:
+            self.returncode = self._server._reply(timeout_s)["returncode"]
+        return self.returncode
+
+
 def _child(request: dict) -> None:
     """Become ``megarl-train <args>`` in ``cwd``; never returns."""
     code = 1
     try:
+        if request["new_session"]:
+            os.setsid()
         stdin = os.open(os.devnull, os.O_RDONLY)
         stdout = os.open(request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-        stderr = os.open(request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        stderr = stdout
+        if request["stderr"] != request["stdout"]:
+            stderr = os.open(request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         for fd, target in ((stdin, 0), (stdout, 1), (stderr, 2)):
             os.dup2(fd, target)
         os.chdir(request["cwd"])

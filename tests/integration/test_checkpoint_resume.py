@@ -10,8 +10,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -225,8 +223,8 @@ def _tmp_saves(run_dir) -> list:
     return [p for p in root.iterdir() if p.name.startswith(".tmp-")] if root.is_dir() else []
 
 
-def _start_training(run_dir, steps: int, log) -> subprocess.Popen:
-    env = run_env()
+def _start_training(train_cli, run_dir, steps: int, log_path):
+    """``megarl-train`` started in a process group of its own, its output into ``log_path``."""
     args = tiny_overrides(
         run_dir,
         steps,
@@ -237,17 +235,10 @@ def _start_training(run_dir, steps: int, log) -> subprocess.Popen:
             "data.prompts_per_step": 1,
         },
     )
-    return subprocess.Popen(
-        [sys.executable, "-m", "megarl.train", *args],
-        cwd=REPO,
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    return train_cli.start(*args, cwd=REPO, env=run_env(), stdout=log_path, new_session=True)
 
 
-def _kill_during_save(proc: subprocess.Popen, run_dir, step: int, delay_s: float) -> bool:
+def _kill_during_save(proc, run_dir, step: int, delay_s: float) -> bool:
     """SIGKILL the run ``delay_s`` after its save of ``step`` starts.
 
     Returns whether the kill landed inside that save, judged after the kill: a save publishes by
@@ -264,14 +255,16 @@ def _kill_during_save(proc: subprocess.Popen, run_dir, step: int, delay_s: float
         time.sleep(0.002)
     time.sleep(delay_s)
     os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=60)
+    proc.wait(timeout_s=60)
     return wanted.exists()
 
 
-def test_sigkill_during_saves_resumes_from_last_complete_checkpoint(tmp_path):
+def test_sigkill_during_saves_resumes_from_last_complete_checkpoint(tmp_path, train_cli):
     """Each process resumes, saves one checkpoint, then is killed inside its next save (at 0 /
     50 / 150 ms); every time, the checkpoints left are complete and the next start resumes from
-    the newest of them. Finally the run completes with one metrics line per step."""
+    the newest of them. Finally the run completes with one metrics line per step. (The processes
+    are forked from a warm interpreter, see forked_cli.py: a SIGKILL ends them as it would a
+    fresh ``megarl-train``.)"""
     run_dir, total = tmp_path / "run", 5
     log_path = tmp_path / "log.txt"
     newest, mid_save = 0, []
@@ -279,9 +272,8 @@ def test_sigkill_during_saves_resumes_from_last_complete_checkpoint(tmp_path):
         target = newest + 2  # this start saves newest + 1, then is killed saving newest + 2
         if target > total:
             break
-        with open(log_path, "w") as log:
-            proc = _start_training(run_dir, total, log)
-            mid_save.append(_kill_during_save(proc, run_dir, target, delay_s))
+        proc = _start_training(train_cli, run_dir, total, log_path)
+        mid_save.append(_kill_during_save(proc, run_dir, target, delay_s))
         if newest:
             assert f"step_{newest:06d} (step {newest})" in log_path.read_text()
         steps = [c.step for c in complete_checkpoints(run_dir)]
@@ -294,9 +286,8 @@ def test_sigkill_during_saves_resumes_from_last_complete_checkpoint(tmp_path):
                 read_checkpoint(child)  # raises if incomplete
         newest = steps[-1]
     assert any(mid_save), "no kill landed inside a save"
-    with open(log_path, "w") as log:
-        proc = _start_training(run_dir, total, log)
-        assert proc.wait(timeout=600) == 0, log_path.read_text()[-2000:]
+    proc = _start_training(train_cli, run_dir, total, log_path)
+    assert proc.wait(timeout_s=600) == 0, log_path.read_text()[-2000:]
     assert f"step_{newest:06d} (step {newest})" in log_path.read_text()
     assert [r["step"] for r in _metrics(run_dir)] == list(range(1, total + 1))
     assert [c.step for c in complete_checkpoints(run_dir)] == [total - 1, total]

@@ -19,21 +19,17 @@ pytestmark = pytest.mark.slow
 DETECT_BOUND_S = 60  # death -> process exit; the collective timeout below is the backstop
 
 
-def _run_killed(tmp_path, fault: str, steps: int, **overrides) -> tuple[list[str], float]:
-    """Run ``megarl-train`` with ``MEGARL_FAULT_INJECT=fault``; assert it exits 1 with exactly
-    one error line. Returns that line (in a list) and seconds from the death to the exit."""
+def _run_killed(
+    train_cli, tmp_path, fault: str, steps: int, **overrides
+) -> tuple[list[str], float]:
+    """Run ``megarl-train`` (forked from a warm interpreter, see forked_cli.py) with
+    ``MEGARL_FAULT_INJECT=fault``; assert it exits 1 with exactly one error line. Returns that
+    line (in a list) and seconds from the death to the exit."""
     mark = tmp_path / "killed_at"
     env = run_env(MEGARL_FAULT_INJECT=fault, MEGARL_FAULT_INJECT_MARK=str(mark))
     overrides = {"trainer.collective_timeout_s": 120, **overrides}
     args = tiny_overrides(tmp_path / "run", steps=steps, **overrides)
-    done = subprocess.run(
-        [sys.executable, "-m", "megarl.train", *args],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    done = train_cli.run(*args, cwd=tmp_path, env=env, timeout_s=600)
     exited = time.time()
     errors = [line for line in done.stderr.splitlines() if line.startswith("megarl-train: error")]
     assert done.returncode == 1, done.stderr[-3000:]
@@ -42,8 +38,9 @@ def _run_killed(tmp_path, fault: str, steps: int, **overrides) -> tuple[list[str
 
 
 @pytest.mark.parametrize("launcher", ["local", "ray"])
-def test_killed_rank_is_named_and_run_exits_nonzero(tmp_path, launcher):
+def test_killed_rank_is_named_and_run_exits_nonzero(tmp_path, train_cli, launcher):
     errors, detect_s = _run_killed(
+        train_cli,
         tmp_path,
         "1:2",
         steps=3,
@@ -64,7 +61,7 @@ def test_killed_rank_is_named_and_run_exits_nonzero(tmp_path, launcher):
     ("mode", "calls"),
     [("sync", ("rollout",)), ("fully_async", ("next_batch", "engine update_weights"))],
 )
-def test_killed_rollout_actor_is_named_not_rank_0(tmp_path, mode, calls):
+def test_killed_rollout_actor_is_named_not_rank_0(tmp_path, train_cli, mode, calls):
     """Split placement: the rollout actor dies as it starts step 2's rollout (asynchronous: as
     its loop starts generating step 2, while step 1 trains). Rank 0 notices (its Ray call fails)
     but the one error line names the rollout actor and its node, within the bound; the other
@@ -72,6 +69,7 @@ def test_killed_rollout_actor_is_named_not_rank_0(tmp_path, mode, calls):
     call is step 2's batch or, when step 1's training ends first, its weight push: either
     notices the death."""
     errors, detect_s = _run_killed(
+        train_cli,
         tmp_path,
         "rollout:2",
         steps=2,
@@ -91,7 +89,7 @@ def test_killed_rollout_actor_is_named_not_rank_0(tmp_path, mode, calls):
 
 
 def test_an_error_raised_in_a_ray_rank_is_one_line_with_its_phase_and_a_logged_traceback(
-    tmp_path,
+    tmp_path, train_cli
 ):
     """Rank 1's loop raises as step 1's rollout begins: exit 1, one line naming its placement,
     the error and the phase; the remote traceback (down to the raising frame) is in
@@ -99,14 +97,7 @@ def test_an_error_raised_in_a_ray_rank_is_one_line_with_its_phase_and_a_logged_t
     env = run_env(MEGARL_FAULT_RAISE="1:1")
     run_dir = tmp_path / "run"
     layout = {"trainer.launcher": "ray", "trainer.n_gpus_per_node": 2, "actor.tp": 2}
-    done = subprocess.run(
-        [sys.executable, "-m", "megarl.train", *tiny_overrides(run_dir, steps=1, **layout)],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    done = train_cli.run(*tiny_overrides(run_dir, steps=1, **layout), cwd=tmp_path, env=env)
     assert done.returncode == 1, done.stderr[-3000:]
     [line] = [row for row in done.stderr.splitlines() if row.startswith("megarl-train: error")]
     log = run_dir / "logs" / "error-rank1.txt"
