@@ -602,8 +602,9 @@ def main(argv: list[str] | None = None) -> int:
     from megarl.distributed.launcher import RunStopped, WorkerFailed, stop_on_signals
     from megarl.errors import MegarlError
 
+    if argv is None:  # the command itself: its process is the run's (a world of one trains here)
+        heap.own_this_process()  # a caller that passes argv keeps its process as it is
     args = sys.argv[1:] if argv is None else argv
-    heap.own_this_process()  # the command's process is the run's: a world of one trains here
     if any(a in ("-h", "--help") for a in args):
         print(
             (__doc__ or "").strip()

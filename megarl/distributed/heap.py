@@ -13,7 +13,7 @@ counting still frees them), so later collections walk only what the run allocate
 (after the freeze above: 0.1 s for the same run). It is done only in processes the run owns --
 a rank's process the launcher started, a Ray actor, the ``megarl-train`` command -- never in a
 caller's process, where a world of one runs inside someone else's program (a test session, a
-notebook) whose objects are not ours to pin. Frozen objects are given back to the collector at
+notebook, ``megarl.train.main`` called with arguments) whose objects are not ours to pin. Frozen objects are given back to the collector at
 exit, so the interpreter's own clean-up sees them as it would have.
 """
 

@@ -144,8 +144,10 @@ def _child(request: dict) -> None:
         extra_paths = request["env"].get("PYTHONPATH", "").split(os.pathsep)
         sys.path[:0] = [p for p in extra_paths if p]  # what a fresh interpreter would do
         sys.argv = ["megarl-train", *request["args"]]
+        from megarl.distributed import heap
         from megarl.train import main
 
+        heap.own_this_process()  # as the command does when it reads its own sys.argv
         code = main(request["args"])
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)

@@ -23,3 +23,12 @@ def test_only_an_owned_process_freezes_and_it_freezes_what_start_up_built():
         [sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=60, check=True
     )
     assert done.stdout.split("\n")[:2] == ["False 0", "True True True"], done.stdout
+
+
+def test_the_command_called_from_python_leaves_the_callers_process_alone(capsys):
+    from megarl.distributed import heap
+    from megarl.train import main
+
+    assert main(["--help"]) == 0
+    assert "usage: megarl-train" in capsys.readouterr().out
+    assert not heap.owned()
