@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import gc
 import os
 from pathlib import Path
@@ -9,6 +10,10 @@ from pathlib import Path
 import pytest
 from forked_cli import ForkedTrain
 from helpers.runs import tiny_overrides
+
+# What the module fixture below froze is handed back at exit: extension modules' leak checks
+# (triton's nanobind) otherwise print a page of "leaked" lines as the worker ends.
+atexit.register(gc.unfreeze)
 
 
 @pytest.fixture(scope="module", autouse=True)
