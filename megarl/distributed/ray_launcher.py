@@ -229,6 +229,17 @@ def ray_node_id() -> str:
     return ""
 
 
+def in_ray_actor() -> bool:
+    """Whether this process is a Ray actor's; False in a driver and where Ray is not imported
+    (a test may build an actor's class in its own process)."""
+    ray = sys.modules.get("ray")
+    return (
+        ray is not None
+        and ray.is_initialized()
+        and ray.get_runtime_context().get_actor_id() is not None
+    )
+
+
 def node_ip() -> str:
     try:
         import ray

@@ -30,6 +30,7 @@ from megarl.distributed.ray_launcher import (
     ActorPlacement,
     SideActorFailed,
     get_from_side_actor,
+    in_ray_actor,
 )
 
 if TYPE_CHECKING:
@@ -81,7 +82,7 @@ class RolloutActor:
             from megarl.trainer.async_rollout import AsyncRollout
 
             self.stream = AsyncRollout(self.host, cfg)
-        if _in_ray_actor():  # built by a test without Ray, it runs in the test's process
+        if in_ray_actor():  # built by a test without Ray, it runs in the test's process
             heap.own_this_process()
 
     def placement(self) -> ActorPlacement:
@@ -188,13 +189,3 @@ class RemoteEngine:
         )
 
     TENSORS_PER_CALL = 16
-
-
-def _in_ray_actor() -> bool:
-    """Whether this process is a Ray actor's (a test may build :class:`RolloutActor` in its own)."""
-    ray = sys.modules.get("ray")
-    return (
-        ray is not None
-        and ray.is_initialized()
-        and ray.get_runtime_context().get_actor_id() is not None
-    )

@@ -309,3 +309,9 @@ def test_megarl_and_wandb_settings_travel_to_the_actors(monkeypatch):
     env = forwarded_env()
     assert env["MEGARL_COLLECTIVE_X"] == "1" and env["WANDB_MODE"] == "offline"
     assert "NOT_FORWARDED_X" not in env
+
+
+def test_a_driver_or_a_process_without_ray_is_no_ray_actor():
+    from megarl.distributed.ray_launcher import in_ray_actor
+
+    assert not in_ray_actor()
