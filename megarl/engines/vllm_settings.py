@@ -25,6 +25,10 @@ Decisions, and why:
   runs at level 0 with a note; the engine then reports its weights resident and the base-weight
   gate sends adapters only. On CUDA the levels keep their vLLM meaning.
 * **CPU attention** supports only some head sizes; another is refused here by name.
+* **Weight sync** on CPU copies into the live weights and packs the touched layers' GEMM kernels
+  again (``load_weights`` under megarl's CPU worker, which keeps the weights vLLM's drops):
+  a SmolLM2-135M sync 0.58 s instead of 0.84 s for rebuilding every layer, generation bit for
+  bit the same. CUDA keeps ``reload`` (vLLM's ``reload_weights``), the path run there.
 """
 
 from __future__ import annotations
@@ -140,6 +144,11 @@ def cpu_kv_cache_bytes(request: VLLMRequest, model: ModelFacts, available_bytes:
     return max(minimum, min(int(available_bytes * CPU_KV_SHARE), CPU_KV_MAX_BYTES))
 
 
+def weight_load_method(device: str) -> str:
+    """How the engine loads a sync (see "Weight sync" above): ``load_weights`` or ``reload``."""
+    return "load_weights" if device == "cpu" else "reload"
+
+
 def vllm_max_lora_rank(rank: int) -> int:
     """The smallest ``max_lora_rank`` vLLM accepts that holds an adapter of ``rank``."""
     for allowed in VLLM_MAX_LORA_RANKS:
@@ -200,6 +209,7 @@ def decide_vllm_settings(
         # prefix (vLLM's default for these models, stated: the cache is reset at every weight
         # update, so no turn reads KV of older weights)
         "enable_prefix_caching": True,
+        "weight_load_method": weight_load_method(request.device),
     }
     if on_cpu:
         kwargs["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(request, model, available_bytes)

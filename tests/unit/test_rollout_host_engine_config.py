@@ -43,6 +43,7 @@ def test_rollout_keys_reach_the_engine_arguments():
         "weight_bucket_bytes": 64 << 20,
         "gpu_memory_utilization": 0.35,
         "enable_prefix_caching": True,
+        "weight_load_method": "reload",
         "kv_cache_memory_bytes": 2 << 30,
     }
 

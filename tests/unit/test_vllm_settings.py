@@ -82,6 +82,14 @@ def test_gpu_keeps_graphs_sleep_and_vllm_memory_sizing():
     )
 
 
+def test_a_sync_copies_in_place_on_cpu_and_reloads_on_cuda():
+    assert decide(CPU).engine_kwargs["weight_load_method"] == "load_weights"
+    assert decide(VLLMRequest("cpu", "bfloat16")).engine_kwargs["weight_load_method"] == (
+        "load_weights"
+    )
+    assert decide(GPU).engine_kwargs["weight_load_method"] == "reload"
+
+
 def test_cpu_attention_head_size_is_checked():
     with pytest.raises(VLLMSettingsError, match="head size 16 is not supported"):
         decide(CPU, ModelFacts(4, 4, 16, 512))
