@@ -199,7 +199,9 @@ class _ChecksumRecorder:
 
     Every ``quant_method.process_weights_after_loading`` is wrapped for the duration of one
     reload; parameters of layers without one (norms) are read after the reload, since nothing
-    repacks them. Fused parameters are split by the layer's ``output_sizes`` into their HF parts.
+    repacks them. After an in-place load, where the weights stay, :meth:`read_back` reads every
+    loaded parameter from the live model instead. Fused parameters are split by the layer's
+    ``output_sizes`` into their HF parts; only the names of the bucket are recorded.
     """
 
     def __init__(self, model: torch.nn.Module, dtype: torch.dtype, loaded: set[str]) -> None:
