@@ -43,6 +43,7 @@ from multiprocessing import reduction
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from megarl.distributed import heap, heartbeat, quiet
@@ -195,6 +196,19 @@ class WorkerContext:
     master_port: int
     heartbeat_dir: str | None = None
     """Where this rank publishes its heartbeat for the launcher; None: nobody watches."""
+    store_hosted: bool = False
+    """The launcher holds the rendezvous store on ``master_port`` and rank 0 connects to it
+    like the others; otherwise rank 0 opens it there."""
+
+
+def rendezvous_store() -> dist.TCPStore:
+    """The ranks' rendezvous, held by the launcher on a port the OS picks as it binds.
+
+    Picking a free port and letting rank 0 bind it later loses the port whenever another
+    process takes it in between (seen in the test suite, where several runs start side by side
+    and gloo opens connections on ephemeral ports: ``EADDRINUSE`` in rank 0). Kept alive by the
+    caller until the ranks are done."""
+    return dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
 
 
 def find_free_port() -> int:
@@ -287,7 +301,7 @@ def _worker_entry(
     _die_with_launcher(launcher_pid, launcher_state.forked)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the launcher, which stops us
     os.environ.setdefault("OMP_NUM_THREADS", os.environ.get("MEGARL_WORKER_THREADS", "1"))
-    ctx = WorkerContext(rank, world_size, "127.0.0.1", port, heartbeat_dir)
+    ctx = WorkerContext(rank, world_size, "127.0.0.1", port, heartbeat_dir, store_hosted=True)
     try:
         result = fn(ctx, *args)
         # Plain pickle bytes: torch's queue reductions would pass tensors as shared-memory
@@ -330,7 +344,8 @@ def launch(
         ctx = mp.get_context("spawn")
     state = _LauncherState(forked)
     queue = ctx.SimpleQueue()
-    port = find_free_port()
+    store = rendezvous_store()
+    port = store.port
     if watch is not None:
         watch.reset()
     beat_dir = watch.folder if watch is not None else None

@@ -38,13 +38,15 @@ def init_process_group(
     master_addr: str,
     master_port: int,
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    store_hosted: bool = False,
 ) -> None:
     """Join the global group: gloo on CPU, NCCL on CUDA (with a gloo-free default); every
     collective of the group fails after ``timeout_s`` instead of waiting forever.
 
-    A world of one keeps its rendezvous in memory: a TCP store would bind ``master_port``, which
-    another process on the machine can take between the launcher's pick and the bind (seen with
-    several test workers starting runs side by side: ``EADDRINUSE``)."""
+    The rendezvous store is on ``master_addr:master_port``: rank 0 opens it there, or with
+    ``store_hosted`` the launcher already holds it and every rank connects (the local launcher
+    does, so no port is picked free and bound later: another process can take it in between).
+    A world of one keeps its rendezvous in memory, for the same reason."""
     backend = "nccl" if device == "cuda" else "gloo"
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
@@ -52,6 +54,12 @@ def init_process_group(
     if world_size == 1:
         store = dist.HashStore()  # pyright: ignore[reportPrivateImportUsage]  (public, untyped)
         dist.init_process_group(backend=backend, store=store, rank=0, world_size=1, timeout=timeout)
+        return
+    if store_hosted:
+        client = dist.TCPStore(master_addr, master_port, world_size, False, timeout=timeout)
+        dist.init_process_group(
+            backend=backend, store=client, rank=rank, world_size=world_size, timeout=timeout
+        )
         return
     dist.init_process_group(
         backend=backend,

@@ -175,7 +175,13 @@ def _setup(ctx: WorkerContext, inputs: RunInputs) -> Runtime:
     heartbeat.mark("init_process_group")
     with clock.phase("process_groups"):
         parallel.init_process_group(
-            inputs.device, ctx.rank, ctx.world_size, ctx.master_addr, ctx.master_port, timeout_s
+            inputs.device,
+            ctx.rank,
+            ctx.world_size,
+            ctx.master_addr,
+            ctx.master_port,
+            timeout_s,
+            store_hosted=ctx.store_hosted,
         )
         parallel.init_model_parallel(
             cfg.actor.tp,

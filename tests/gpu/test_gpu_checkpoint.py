@@ -57,7 +57,14 @@ def _round_trip_worker(ctx, device: str, distributed: bool, folder: str):
         from megarl.distributed.platform import enter_cpu_shims
 
         enter_cpu_shims()
-    parallel.init_process_group(device, ctx.rank, ctx.world_size, ctx.master_addr, ctx.master_port)
+    parallel.init_process_group(
+        device,
+        ctx.rank,
+        ctx.world_size,
+        ctx.master_addr,
+        ctx.master_port,
+        store_hosted=ctx.store_hosted,
+    )
     parallel.init_model_parallel(1, 1)
     spec = spec_from_hf_config(TINY)
     state = {k: v.clone() for k, v in build_random_hf_model(TINY, 3).state_dict().items()}

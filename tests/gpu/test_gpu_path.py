@@ -60,7 +60,14 @@ def _plan(packed: bool, te: bool, dtype: str):
 def _init(ctx):
     from megarl.distributed import parallel
 
-    parallel.init_process_group("cuda", ctx.rank, ctx.world_size, ctx.master_addr, ctx.master_port)
+    parallel.init_process_group(
+        "cuda",
+        ctx.rank,
+        ctx.world_size,
+        ctx.master_addr,
+        ctx.master_port,
+        store_hosted=ctx.store_hosted,
+    )
     parallel.init_model_parallel(1, 1)
 
 

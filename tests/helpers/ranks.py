@@ -12,7 +12,14 @@ def start_cpu_rank(ctx, tp: int, pp: int = 1, vpp: int | None = None, ep: int = 
     from megarl.distributed.platform import enter_cpu_shims
 
     enter_cpu_shims()
-    parallel.init_process_group("cpu", ctx.rank, ctx.world_size, ctx.master_addr, ctx.master_port)
+    parallel.init_process_group(
+        "cpu",
+        ctx.rank,
+        ctx.world_size,
+        ctx.master_addr,
+        ctx.master_port,
+        store_hosted=ctx.store_hosted,
+    )
     parallel.init_model_parallel(tp, pp, vpp, ep=ep)
 
 
