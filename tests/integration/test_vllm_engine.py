@@ -63,6 +63,19 @@ def reference(tmp_path_factory) -> tuple[str, LlamaForCausalLM]:
     return str(folder), model
 
 
+ENGINE_SETTINGS = {
+    "dtype": "float32",
+    "logprobs_mode": "raw_logprobs",
+    "enforce_eager": True,
+    "kv_cache_memory_bytes": 64 << 20,
+    "max_model_len": 256,
+    "max_num_seqs": 16,
+    "eos_token_ids": [EOS],
+    "skip_tokenizer_init": True,
+}
+"""What every engine of this module starts with (a run on CPU decides the same values)."""
+
+
 @pytest.fixture(scope="module")
 def engine(reference):
     """Started in the background, as a run starts it: every test goes through the wait."""
@@ -71,16 +84,9 @@ def engine(reference):
         path,
         start_in_background=True,
         weight_load_method="load_weights",
-        dtype="float32",
-        logprobs_mode="raw_logprobs",
-        enforce_eager=True,
-        kv_cache_memory_bytes=64 << 20,
-        max_model_len=256,
-        max_num_seqs=16,
         enable_lora=True,
         max_lora_rank=8,
-        eos_token_ids=[EOS],
-        skip_tokenizer_init=True,
+        **ENGINE_SETTINGS,
     )
     yield built
     built.close()
@@ -167,17 +173,7 @@ def test_the_reload_path_serves_the_sent_weights_too(reference):
     packed weights: a sync, its checksums and the tied output layer behave as in place, and
     the in-place method is refused on such an engine."""
     path, model = reference
-    engine = VLLMEngine(
-        path,
-        weight_load_method="reload",
-        dtype="float32",
-        enforce_eager=True,
-        kv_cache_memory_bytes=64 << 20,
-        max_model_len=256,
-        max_num_seqs=16,
-        eos_token_ids=[EOS],
-        skip_tokenizer_init=True,
-    )
+    engine = VLLMEngine(path, weight_load_method="reload", **ENGINE_SETTINGS)
     try:
         (facts,) = engine.llm.collective_rpc("megarl_model_facts")
         assert facts["weightless_linear_layers"] > 0
