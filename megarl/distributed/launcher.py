@@ -201,14 +201,15 @@ class WorkerContext:
     like the others; otherwise rank 0 opens it there."""
 
 
-def rendezvous_store() -> dist.TCPStore:
+def rendezvous_store() -> dist.TCPStore:  # pyright: ignore[reportPrivateImportUsage]
     """The ranks' rendezvous, held by the launcher on a port the OS picks as it binds.
 
     Picking a free port and letting rank 0 bind it later loses the port whenever another
     process takes it in between (seen in the test suite, where several runs start side by side
     and gloo opens connections on ephemeral ports: ``EADDRINUSE`` in rank 0). Kept alive by the
     caller until the ranks are done."""
-    return dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+    # public, but not in the module's __all__
+    return dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)  # pyright: ignore[reportPrivateImportUsage]
 
 
 def find_free_port() -> int:

@@ -56,7 +56,9 @@ def init_process_group(
         dist.init_process_group(backend=backend, store=store, rank=0, world_size=1, timeout=timeout)
         return
     if store_hosted:
-        client = dist.TCPStore(master_addr, master_port, world_size, False, timeout=timeout)
+        client = dist.TCPStore(  # pyright: ignore[reportPrivateImportUsage]  (public, untyped)
+            master_addr, master_port, world_size, False, timeout=timeout
+        )
         dist.init_process_group(
             backend=backend, store=client, rank=rank, world_size=world_size, timeout=timeout
         )
