@@ -51,21 +51,17 @@ def init_process_group(
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
     timeout = datetime.timedelta(seconds=timeout_s)
+    store = None  # rank 0 opens it at init_method
     if world_size == 1:
         store = dist.HashStore()  # pyright: ignore[reportPrivateImportUsage]  (public, untyped)
-        dist.init_process_group(backend=backend, store=store, rank=0, world_size=1, timeout=timeout)
-        return
-    if store_hosted:
-        client = dist.TCPStore(  # pyright: ignore[reportPrivateImportUsage]  (public, untyped)
+    elif store_hosted:
+        store = dist.TCPStore(  # pyright: ignore[reportPrivateImportUsage]  (public, untyped)
             master_addr, master_port, world_size, False, timeout=timeout
         )
-        dist.init_process_group(
-            backend=backend, store=client, rank=rank, world_size=world_size, timeout=timeout
-        )
-        return
     dist.init_process_group(
         backend=backend,
-        init_method=f"tcp://{master_addr}:{master_port}",
+        init_method=None if store is not None else f"tcp://{master_addr}:{master_port}",
+        store=store,
         rank=rank,
         world_size=world_size,
         timeout=timeout,

@@ -60,10 +60,7 @@ class WorkerExtension:
     def megarl_model_facts(self) -> dict[str, Any]:
         """What the host needs to bucket and name weights for this model."""
         model = self.model_runner.get_model()
-        packed = {
-            fused: list(parts)
-            for fused, parts in getattr(model, "packed_modules_mapping", {}).items()
-        }
+        packed = _packed_modules(model)
         experts = _routed_experts(model)
         if experts:
             # a layer's experts are one fused group: all 3 x E checkpoint tensors in one call
@@ -88,19 +85,17 @@ class WorkerExtension:
         """
         metas = [TensorMeta.from_wire(r) for r in records]
         model = self.model_runner.get_model()
+        loaded = {m.name for m in metas}
         if method == "load_weights":
             model.load_weights(read_tensors(path, metas))
-            repack_cpu_kernels(model, {m.name for m in metas})
+            repack_cpu_kernels(model, loaded)
             if not checksum_dtype:
                 return {}
-            recorder = _ChecksumRecorder(
-                model, getattr(torch, checksum_dtype), {m.name for m in metas}
-            )
-            return recorder.read_back()
+            return _ChecksumRecorder(model, getattr(torch, checksum_dtype), loaded).read_back()
         for name in RELOAD_LOGGERS:
             logging.getLogger(name).setLevel(logging.ERROR)
         recorder = (
-            _ChecksumRecorder(model, getattr(torch, checksum_dtype), {m.name for m in metas})
+            _ChecksumRecorder(model, getattr(torch, checksum_dtype), loaded)
             if checksum_dtype
             else None
         )
@@ -133,6 +128,13 @@ def _expert_parts(layer: Any) -> list[str]:
     return [f"{e}.{name}" for e in range(layer.w13_weight.shape[0]) for name in names]
 
 
+def _packed_modules(model: torch.nn.Module) -> dict[str, list[str]]:
+    """vLLM's fused modules and their checkpoint parts (``qkv_proj`` -> q/k/v projections)."""
+    return {
+        fused: list(parts) for fused, parts in getattr(model, "packed_modules_mapping", {}).items()
+    }
+
+
 def _weightless_linear_layers(model: torch.nn.Module) -> int:
     """How many layers multiply with a CPU kernel packed from a weight they no longer hold
     (vLLM's CPU backend sets ``cpu_linear`` on every linear layer, and its own worker drops the
@@ -155,9 +157,7 @@ def repack_cpu_kernels(model: torch.nn.Module, loaded: set[str]) -> int:
     from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
-    packed = {
-        fused: list(parts) for fused, parts in getattr(model, "packed_modules_mapping", {}).items()
-    }
+    packed = _packed_modules(model)
     tied = _tied_output_layer(model)
     repacked = 0
     for module_name, module in model.named_modules():
@@ -210,10 +210,7 @@ class _ChecksumRecorder:
         self.module_names = {
             id(module): name.replace(".base_layer", "") for name, module in model.named_modules()
         }
-        self.packed = {
-            fused: list(parts)
-            for fused, parts in getattr(model, "packed_modules_mapping", {}).items()
-        }
+        self.packed = _packed_modules(model)
         self.checksums: dict[str, list[int]] = {}
         self._methods: list[Any] = []
 
