@@ -107,7 +107,7 @@ def bench_engines(model_dir: str, repeats: int) -> None:
         f"SmolLM2-135M-Instruct fp32, {len(prompts)} sequences x <= 12 new tokens, "
         f"{torch.get_num_threads()} torch threads, {repeats} interleaved repeats"
     )
-    print(f"vLLM start-up (its two processes, eager): {vllm_start:.1f} s")
+    print(f"vLLM start-up (its engine-core process, eager): {vllm_start:.1f} s")
     print(f"{'engine':<14}{'gen s':>8}{'tokens/s':>10}{'sync s':>9}")
     med = {}
     for name in engines:

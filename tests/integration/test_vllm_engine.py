@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Sequence
 
+import psutil
 import pytest
 import torch
 
@@ -166,6 +167,33 @@ def test_a_cpu_engine_keeps_its_weights_so_a_sync_copies_in_place(engine):
     assert facts["weightless_linear_layers"] == 0
     worker_cls = engine.llm.llm_engine.vllm_config.parallel_config.worker_cls
     assert worker_cls == "megarl.engines.vllm_cpu_worker.PlainWeightsCPUWorker"
+
+
+def test_a_one_rank_cpu_engine_runs_its_model_inside_the_engine_core_with_32_token_blocks(engine):
+    """No model-worker process of its own: the engine core, which serves every other test of
+    this module, is vLLM's only process (a multiprocess executor would run one child); its KV
+    blocks are megarl's CPU size, not vLLM's 128."""
+    (core,) = engine.llm.llm_engine.engine_core.resources.engine_manager.processes
+    assert psutil.Process(core.pid).children(recursive=True) == []
+    assert engine.llm.llm_engine.vllm_config.cache_config.block_size == 32
+
+
+def test_a_groups_shared_prompt_blocks_are_never_served_from_older_weights(engine, reference):
+    """Prompts of two and a half KV blocks, eight samples each: their full blocks are shared
+    through the prefix cache (the group's samples, and the same prompts after a sync), so a
+    cache kept across a weight update would serve the prompt's keys and values of the old
+    weights -- the logprobs after the sync must be those of the new ones."""
+    _, model = reference
+    long_prompts = [[3 + (7 * i + j) % 90 for j in range(80)] for i in range(2)]
+    group = [p for p in long_prompts for _ in range(8)]
+    assert mean_abs_logprob_diff(model, engine.generate(group, SAMPLED)) < FP32_TOLERANCE
+    other = perturbed(model, seed=11)
+    engine.update_weights(hf_state(other).items())
+    try:
+        assert mean_abs_logprob_diff(other, engine.generate(group, SAMPLED)) < FP32_TOLERANCE
+    finally:
+        engine.update_weights(hf_state(model).items())
+    assert mean_abs_logprob_diff(model, engine.generate(group, SAMPLED)) < FP32_TOLERANCE
 
 
 def test_the_reload_path_serves_the_sent_weights_too(reference):

@@ -5,10 +5,14 @@ from __future__ import annotations
 import pytest
 
 from megarl.engines.vllm_settings import (
+    CPU_KV_BLOCK_TOKENS,
     GIB,
+    IN_ENGINE_CORE_EXECUTOR,
+    PLAIN_WEIGHTS_CPU_WORKER,
     ModelFacts,
     VLLMRequest,
     VLLMSettingsError,
+    cpu_engine_defaults,
     cpu_kv_cache_bytes,
     decide_vllm_settings,
     kv_bytes_per_token,
@@ -88,6 +92,24 @@ def test_a_sync_copies_in_place_on_cpu_and_reloads_on_cuda():
         "load_weights"
     )
     assert decide(GPU).engine_kwargs["weight_load_method"] == "reload"
+
+
+def test_a_cpu_engine_keeps_plain_weights_for_in_place_loads_and_runs_one_rank_in_its_core():
+    blocks = {"block_size": CPU_KV_BLOCK_TOKENS}
+    assert cpu_engine_defaults("load_weights", tp=1) == blocks | {
+        "worker_cls": PLAIN_WEIGHTS_CPU_WORKER,
+        "distributed_executor_backend": IN_ENGINE_CORE_EXECUTOR,
+    }
+    assert cpu_engine_defaults("reload", tp=1) == blocks | {
+        "distributed_executor_backend": IN_ENGINE_CORE_EXECUTOR
+    }
+    # several ranks keep vLLM's worker processes (one per rank, each bound to its cores)
+    assert cpu_engine_defaults("load_weights", tp=2) == blocks | {
+        "worker_cls": PLAIN_WEIGHTS_CPU_WORKER
+    }
+    assert cpu_engine_defaults("reload", tp=2) == blocks
+    # vLLM's CPU attention takes multiples of 32; smaller blocks share more of a prompt
+    assert CPU_KV_BLOCK_TOKENS % 32 == 0 and CPU_KV_BLOCK_TOKENS < 128
 
 
 def test_cpu_attention_head_size_is_checked():
