@@ -17,8 +17,9 @@ Each is repeated ``--repeats`` times after a warm-up, engines interleaved so bot
 machine load; medians and the ratio are printed.
 
 Part 2 (``--full-runs``): the embedded default run (``megarl-train``, SmolLM2, arithmetic) for
-``--steps`` steps once with each engine, interleaved with nothing else: median step time, the
-phase split, the reward curve and the largest ``rollout/logprob_abs_diff``.
+``--steps`` steps once with each engine, interleaved with nothing else: whole-run and start-up
+seconds, generation seconds per response token, median step time, the phase split, the reward
+curve and the largest ``rollout/logprob_abs_diff``; then the vllm / transformers ratios.
 """
 
 from __future__ import annotations
@@ -129,7 +130,8 @@ def bench_engines(model_dir: str, repeats: int) -> None:
     engines["vllm-reload"].close()
 
 
-def full_run(engine: str, steps: int, run_dir: Path) -> list[dict]:
+def full_run(engine: str, steps: int, run_dir: Path) -> tuple[float, list[dict]]:
+    """The whole run's seconds (start-up included) and its metrics rows."""
     command = [
         sys.executable,
         "-m",
@@ -142,17 +144,34 @@ def full_run(engine: str, steps: int, run_dir: Path) -> list[dict]:
     ]
     t0 = time.perf_counter()
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
-    print(f"  {engine}: whole run {time.perf_counter() - t0:.0f} s (start-up included)")
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    whole_s = time.perf_counter() - t0
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return whole_s, rows
 
 
-def report_run(engine: str, rows: list[dict]) -> None:
+def gen_s_per_response_token(rows: list[dict]) -> float:
+    """Generation seconds over all steps / response tokens sampled (the step's token count
+    split by the mean prompt and response lengths)."""
+    tokens = sum(
+        r["perf/total_num_tokens"]
+        * r["response_length/mean"]
+        / (r["prompt_length/mean"] + r["response_length/mean"])
+        for r in rows
+    )
+    return sum(r["timing_s/gen"] for r in rows) / tokens
+
+
+def report_run(engine: str, whole_s: float, rows: list[dict]) -> None:
     steps = [r["timing_s/step"] for r in rows]
     phases = {p: statistics.median(r.get(f"timing_s/{p}", 0.0) for r in rows) for p in PHASES}
     diffs = [r["rollout/logprob_abs_diff"] for r in rows if r["rollout/logprob_abs_diff"]]
     rewards = " ".join(f"{r['critic/rewards/mean']:.2f}" for r in rows)
     print(
-        f"  {engine}: median step {statistics.median(steps):.1f} s | "
+        f"  {engine}: whole run {whole_s:.0f} s | start-up {rows[0]['timing_s/startup/total']:.1f}"
+        f" s | gen {1000 * gen_s_per_response_token(rows):.1f} ms per response token"
+    )
+    print(
+        f"    median step {statistics.median(steps):.1f} s | "
         + " | ".join(f"{p} {s:.2f}" for p, s in phases.items())
         + f" | max lp_diff {max(diffs):.1e} over {len(diffs)} steps"
     )
@@ -171,10 +190,17 @@ def main() -> None:
     bench_engines(model_dir, args.repeats)
     if args.full_runs:
         print(f"\nembedded default run, {args.steps} steps, each engine:")
+        runs = {}
         with tempfile.TemporaryDirectory() as tmp:
             for engine in ("transformers", "vllm"):
                 name = "hf" if engine == "transformers" else engine
-                report_run(engine, full_run(name, args.steps, Path(tmp) / name))
+                runs[engine] = full_run(name, args.steps, Path(tmp) / name)
+                report_run(engine, *runs[engine])
+        (hf_s, hf_rows), (vllm_s, vllm_rows) = runs["transformers"], runs["vllm"]
+        print(
+            f"vllm / transformers: whole run {vllm_s / hf_s:.2f}, generation per response "
+            f"token {gen_s_per_response_token(vllm_rows) / gen_s_per_response_token(hf_rows):.2f}"
+        )
 
 
 if __name__ == "__main__":

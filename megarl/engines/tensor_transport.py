@@ -1,12 +1,12 @@
 """Hand named tensors to another process on the same machine through one shared-memory file.
 
-vLLM runs its model in worker processes of its own, and the arguments of ``collective_rpc``
-travel as msgpack: tensors inside plain arguments arrive as lists, not tensors. So the rollout
-host writes a bucket of tensors into a file in ``/dev/shm`` (page-cache backed, never on disk)
-and sends only :class:`TensorMeta` records; the worker maps the same file and reads each tensor
-as a view, with no copy until the model loads it. The file is reused for every bucket of a sync
-(the call is synchronous, so the worker is done with a bucket before the next is written) and
-grows when a bucket does not fit.
+vLLM runs its model in processes of its own (its engine core, or worker processes beside it),
+and the arguments of ``collective_rpc`` travel as msgpack: tensors inside plain arguments arrive
+as lists, not tensors. So the rollout host writes a bucket of tensors into a file in
+``/dev/shm`` (page-cache backed, never on disk) and sends only :class:`TensorMeta` records; the
+worker maps the same file and reads each tensor as a view, with no copy until the model loads
+it. The file is reused for every bucket of a sync (the call is synchronous, so the worker is
+done with a bucket before the next is written) and grows when a bucket does not fit.
 
 Pure torch and the standard library: used on both sides of the process boundary.
 """

@@ -1,8 +1,9 @@
 """vLLM's CPU worker that keeps its linear layers' weights beside their packed kernels
 (``worker_cls``).
 
-Runs only in vLLM's worker process on the CPU backend; the rollout host names it by its path
-(:mod:`megarl.engines.vllm`), never imports it.
+Runs only where vLLM holds its model on the CPU backend (the engine-core process at one rank,
+vLLM's worker processes at several); the rollout host names it by its path
+(:mod:`megarl.engines.vllm_settings`), never imports it.
 
 Why: after loading, vLLM's CPU backend hands every linear layer's weight to a packed GEMM kernel
 (oneDNN) and drops the plain tensor, so a weight sync has to rebuild each layer with the

@@ -1,4 +1,4 @@
-"""megarl's methods inside vLLM's worker processes (``worker_extension_cls``).
+"""megarl's methods inside vLLM's model workers (``worker_extension_cls``).
 
 Runs in the process that holds vLLM's model, never in a trainer rank. It may import torch,
 vLLM and the pure transport/checksum helpers, nothing else of megarl. The rollout host
