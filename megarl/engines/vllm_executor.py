@@ -8,9 +8,9 @@ Why a name of our own: on CPU vLLM replaces ``distributed_executor_backend="uni"
 multiprocess executor, so that the model worker starts in a process of its own whose OpenMP
 threads are bound to cores through that process's environment. That worker process imports vLLM
 a third time (the host and the engine core already did) and loads the model only then: ~12 s of
-a ~26 s start of SmolLM2 on the 2-core machine. Run inside the engine core instead, the worker
-starts in ~14 s and generates as fast, bit for bit the same (the binding gained nothing here:
-measured side by side, ``benchmarks/RESULTS.md``). vLLM's CPU platform swaps only the string
+a ~26 s start of SmolLM2 on the 2-core machine. With the worker inside the engine core the
+engine starts in ~14 s and generates as fast, bit for bit the same (the binding gained nothing
+here: measured side by side, ``benchmarks/RESULTS.md``). vLLM's CPU platform swaps only the string
 ``"uni"``, so this subclass keeps the engine core's own executor.
 """
 
