@@ -26,6 +26,7 @@ import torch
 from megarl.batch import RolloutBatch, RolloutShard
 from megarl.config import planning
 from megarl.config.schema import RunConfig
+from megarl.distributed import quiet
 from megarl.planner.gate_results import StepGates
 from megarl.planner.gates import decide_gates
 from megarl.planner.step_plan import StepPlan
@@ -105,7 +106,7 @@ def build_runtime_only(overrides: list[str]) -> Runtime:
     inputs = rank_loop.RunInputs(
         cfg=cfg, model_dir=resolve_model_dir(cfg), device=resolve_device(cfg.trainer.device)
     )
-    rank_loop._quiet_third_party_warnings()
+    quiet.install(inputs.device)  # as every rank does, before Megatron-Core is imported
     return rank_loop._setup(WorkerContext(0, 1, "127.0.0.1", find_free_port()), inputs)
 
 
