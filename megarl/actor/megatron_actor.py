@@ -354,14 +354,12 @@ class MegatronActor:
     def _weights_finite(self) -> bool:
         """Whether every trainable weight of every rank is finite (one MIN all-reduce): an
         update must never reach the engine or a checkpoint with inf or NaN in it."""
+        from megarl.actor.optim import all_finite
+
         device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-        checks = [
-            torch.isfinite(p).all()
-            for chunk in self.chunks
-            for p in chunk.parameters()
-            if p.requires_grad
-        ]
-        local = torch.stack(checks).all() if checks else torch.tensor(True)
+        local = all_finite(
+            [p for chunk in self.chunks for p in chunk.parameters() if p.requires_grad]
+        )
         flag = local.to(device=device, dtype=torch.float32).reshape(1)  # one sync, not per weight
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         return bool(flag.item() > 0)

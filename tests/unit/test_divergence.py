@@ -58,3 +58,29 @@ def test_the_sampler_refuses_nonfinite_logits_by_name(bad):
     params = SamplingParams(temperature=1.0, max_new_tokens=1)
     with pytest.raises(NonFiniteLogitsError, match="not finite in 1 rows"):
         sample_next_tokens(logits, params, torch.full((3,), 0.5, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_weights_check_agrees_with_isfinite_element_by_element(dtype):
+    from megarl.actor.optim import all_finite
+
+    def weights():
+        return [
+            torch.randn(64, 32).to(dtype),
+            torch.randn(7).to(dtype),
+            torch.zeros(3, dtype=dtype),
+        ]
+
+    assert bool(all_finite(weights()))
+    assert bool(all_finite([]))
+    for bad in (math.nan, math.inf, -math.inf):
+        tensors = weights()
+        tensors[1][5] = bad
+        assert not bool(all_finite(tensors)), bad
+    if dtype is not torch.float16:  # an fp16 sum, taken in fp32, cannot overflow
+        # finite weights whose sum overflows (each at the dtype's largest value) are finite
+        big = torch.full((4,), torch.finfo(dtype).max, dtype=dtype)
+        assert bool(torch.isfinite(big).all()) and not bool(big.float().sum().isfinite())
+        assert bool(all_finite([big, *weights()]))
+        big[2] = math.nan
+        assert not bool(all_finite([big]))
