@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -147,6 +147,14 @@ def _weightless_linear_layers(model: torch.nn.Module) -> int:
     )
 
 
+def _checkpoint_modules(module_name: str, packed: Mapping[str, Sequence[str]]) -> list[str]:
+    """The checkpoint's module names that vLLM's module ``module_name`` holds: the parts of a
+    fused layer (``...qkv_proj`` -> ``...q_proj``, ``...k_proj``, ``...v_proj``), in the
+    order their rows are stacked, or the module's own name."""
+    prefix, _, leaf = module_name.rpartition(".")
+    return [f"{prefix}.{part}" for part in packed.get(leaf, ())] or [module_name]
+
+
 def repack_cpu_kernels(model: torch.nn.Module, loaded: set[str]) -> int:
     """Build again the CPU GEMM kernel of every layer an in-place load wrote to; returns how
     many. vLLM's CPU backend multiplies with a kernel packed from the weight when it was
@@ -167,10 +175,8 @@ def repack_cpu_kernels(model: torch.nn.Module, loaded: set[str]) -> int:
         if module is tied:
             parts = [name for name in loaded if name.endswith("embed_tokens.weight")]
         elif isinstance(module, (LinearBase, ParallelLMHead)):
-            name = module_name.replace(".base_layer", "")
-            prefix, _, leaf = name.rpartition(".")
-            parts = [f"{prefix}.{part}.weight" for part in packed.get(leaf, ())]
-            parts = [part for part in parts or [f"{name}.weight"] if part in loaded]
+            names = _checkpoint_modules(module_name.replace(".base_layer", ""), packed)
+            parts = [f"{name}.weight" for name in names if f"{name}.weight" in loaded]
         else:
             continue
         if parts:
@@ -257,10 +263,9 @@ class _ChecksumRecorder:
         for param_name, param in layer.named_parameters(recurse=False):
             tensor = param.detach()
             if leaf in self.packed and sizes and tensor.shape[0] == sum(sizes):
-                for part, piece in zip(
-                    self.packed[leaf], torch.split(tensor, list(sizes)), strict=True
-                ):
-                    name = f"{prefix}.{part}.{param_name}"
+                parts = _checkpoint_modules(module_name, self.packed)
+                for part, piece in zip(parts, torch.split(tensor, list(sizes)), strict=True):
+                    name = f"{part}.{param_name}"
                     if name in self.loaded:
                         self.checksums[name] = list(tensor_checksum(piece.to(self.dtype)))
             elif tensor.numel() and f"{module_name}.{param_name}" in self.loaded:

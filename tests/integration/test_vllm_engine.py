@@ -32,6 +32,7 @@ from transformers import LlamaForCausalLM  # noqa: E402
 from megarl.engines.base import Generation, Request, SamplingParams, request_seed  # noqa: E402
 from megarl.engines.hf import HFEngine  # noqa: E402
 from megarl.engines.vllm import EngineStartupError, VLLMEngine, check_load_method  # noqa: E402
+from megarl.engines.vllm_settings import PLAIN_WEIGHTS_CPU_WORKER  # noqa: E402
 from megarl.export.checksum import compare_checksums, tensor_checksum  # noqa: E402
 
 VOCAB, EOS = 512, 2
@@ -166,7 +167,7 @@ def test_a_cpu_engine_keeps_its_weights_so_a_sync_copies_in_place(engine):
     (facts,) = engine.llm.collective_rpc("megarl_model_facts")
     assert facts["weightless_linear_layers"] == 0
     worker_cls = engine.llm.llm_engine.vllm_config.parallel_config.worker_cls
-    assert worker_cls == "megarl.engines.vllm_cpu_worker.PlainWeightsCPUWorker"
+    assert worker_cls == PLAIN_WEIGHTS_CPU_WORKER
 
 
 def test_a_one_rank_cpu_engine_runs_its_model_inside_the_engine_core_with_32_token_blocks(engine):
