@@ -49,7 +49,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from megarl.agent.loop import AgentLoop, LoopFor, Sample
@@ -476,7 +476,11 @@ class AgentResult:
     """A step's trajectories in sample order, and its ``agent/*`` metrics (times included)."""
 
     trajectories: list[Trajectory]
+    """Each sample's trajectory (its first branch, where a loop returned several)."""
     metrics: dict[str, float]
+    branches: list[list[Trajectory]] = field(default_factory=list)
+    """Each sample's further branches beyond the first (empty lists for most loops); each
+    trains as a sequence of its own with the sample's reward and advantage."""
 
 
 def run_agent_loops(
@@ -526,28 +530,35 @@ async def drive_agent_loops(
         await _all_or_first_error(tasks)
     finally:
         await batcher.close()
-    trajectories = [task.result() for task in tasks]
+    trajectories = [task.result()[0] for task in tasks]
+    branches = [task.result()[1:] for task in tasks]
     metrics = agent_metrics(trajectories, contexts, batcher)
     metrics["agent/timing_s/loops"] = time.perf_counter() - started
-    return AgentResult(trajectories, metrics)
+    return AgentResult(trajectories, metrics, branches)
 
 
 async def _run_one(
     batcher: _Batcher, index: int, loop: AgentLoop, sample: Sample, ctx: AgentContext
-) -> Trajectory:
+) -> list[Trajectory]:
+    """The sample's trajectories (one, or a loop's branches: at least one)."""
     try:
-        traj = await loop.run(sample, ctx)
+        returned = await loop.run(sample, ctx)
     finally:
         batcher.change(index, done=True)
-    if not isinstance(traj, Trajectory):
+    found = [returned] if isinstance(returned, Trajectory) else returned
+    if (
+        not isinstance(found, list)
+        or not found
+        or not all(isinstance(t, Trajectory) for t in found)
+    ):
         raise TypeError(
-            f"{type(loop).__name__}.run returned a {type(traj).__name__} for sample "
-            f"{sample.index}, not a Trajectory"
+            f"{type(loop).__name__}.run returned a {type(returned).__name__} for sample "
+            f"{sample.index}, not a Trajectory (or a non-empty list of them)"
         )
-    return traj
+    return found
 
 
-async def _all_or_first_error(tasks: Sequence[asyncio.Task[Trajectory]]) -> None:
+async def _all_or_first_error(tasks: Sequence[asyncio.Task[list[Trajectory]]]) -> None:
     """Wait for every task; on the first failure cancel the others (their ``finally`` blocks
     run) and raise the failure of the lowest sample index."""
     if not tasks:
@@ -613,4 +624,17 @@ def agent_metrics(
         for name, value in ctx.counters.items():
             counters[name] = counters.get(name, 0.0) + value
     metrics.update({f"agent/{name}": value for name, value in sorted(counters.items())})
+    metrics.update(_per_sample_means(counters, len(contexts)))
     return metrics
+
+
+def _per_sample_means(counters: Mapping[str, float], samples: int) -> dict[str, float]:
+    """Counters that read better as means: branches per sample, seconds per gateway request
+    (their sums stay reported too)."""
+    means = {}
+    if "branches" in counters:
+        means["agent/branches/mean"] = counters["branches"] / max(1, samples)
+    if "gateway/latency_s" in counters:
+        requests = max(1.0, counters.get("gateway/requests", 0.0))
+        means["agent/gateway/latency_s/mean"] = counters["gateway/latency_s"] / requests
+    return means

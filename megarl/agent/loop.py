@@ -33,6 +33,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from megarl.agent.gateway.settings import GatewaySettings
 from megarl.agent.render import ChatRenderer, PrefixBrokenError
 from megarl.agent.tool_calls import ParsedTurn, ToolCall, get_tool_format
 from megarl.agent.tool_config import load_tools
@@ -83,8 +84,14 @@ class AgentSettings:
     one (its ``max_tool_response_length`` counts characters; this counts tokens)."""
 
     loop: str = "single_turn"
-    """``single_turn`` | ``tool`` | ``package.module:ClassName`` (rows may override with
-    verl's ``agent_name``)."""
+    """``single_turn`` | ``tool`` | ``openai`` (an unmodified agent through the gateway, see
+    ``entrypoint``) | ``package.module:ClassName`` (rows may override with verl's
+    ``agent_name``)."""
+    entrypoint: str | None = None
+    """``loop=openai``: the agent, ``package.module:function``, called once per sample as
+    ``solve(row, llm)`` (:mod:`megarl.agent.gateway`)."""
+    gateway: GatewaySettings = field(default_factory=GatewaySettings)
+    """``loop=openai``: where the gateway listens, how long a session may run."""
     max_turns: int | None = None
     """Generated (assistant) turns per trajectory, verl's ``max_assistant_turns``; None: only
     the response budget (``rollout.max_new_tokens``) ends a trajectory that keeps calling."""
@@ -113,6 +120,18 @@ class AgentSettings:
         get_tool_format(self.tool_format)
 
 
+@dataclass(frozen=True)
+class RunFacts:
+    """What a loop may need to know of the run beyond ``rollout.agent.*`` (given once, by
+    :meth:`AgentLoop.bind_run`, before the first sample)."""
+
+    reward_error: str = "raise"
+    """``data.reward_error``: what a failure of the user's code on a sample does."""
+    max_prompt_tokens: int | None = None
+    """The longest prompt a trajectory may start from (the context less the response budget,
+    or ``data.max_prompt_length``); None: not known here."""
+
+
 class AgentLoop(abc.ABC):
     """Builds one trajectory per sample; subclass and implement :meth:`run`.
 
@@ -131,10 +150,17 @@ class AgentLoop(abc.ABC):
         self.settings = settings if settings is not None else AgentSettings()
         self.tokenizer = tokenizer
         self.tools: dict[str, Tool] = dict(tools or {})
+        self.run_facts = RunFacts()
+
+    def bind_run(self, facts: RunFacts) -> None:
+        """Told the run's facts once, before the first sample (a subclass may read them)."""
+        self.run_facts = facts
 
     @abc.abstractmethod
-    async def run(self, sample: Sample, ctx: AgentContext) -> Trajectory:
-        """One trajectory for ``sample``, from ``await ctx.generate(...)`` calls."""
+    async def run(self, sample: Sample, ctx: AgentContext) -> Trajectory | list[Trajectory]:
+        """One trajectory for ``sample``, from ``await ctx.generate(...)`` calls; or several
+        (branches of one sample: each trains as a sequence with the sample's reward and
+        advantage, the first stands for the sample in its group)."""
 
     def prompt_ids(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
         """The prompt ids this loop expects for ``messages`` (what :attr:`Sample.prompt_ids`
@@ -393,6 +419,10 @@ BUILT_IN_LOOPS: dict[str, type[AgentLoop]] = {
 }
 
 
+GATEWAY_NAMES = ("openai",)
+"""The gateway's loop (:mod:`megarl.agent.gateway`): an unmodified agent per sample."""
+
+
 def resolve_loop(name: str, key: str = LOOP_KEY) -> type[AgentLoop]:
     """The loop class ``name`` denotes: a built-in name, or a class path
     ``package.module:ClassName`` (``package.module.ClassName`` also works). Anything else is a
@@ -401,11 +431,17 @@ def resolve_loop(name: str, key: str = LOOP_KEY) -> type[AgentLoop]:
         raise AgentLoopError(f"{key}={name!r}: expected a loop name or 'package.module:ClassName'")
     if name in BUILT_IN_LOOPS:
         return BUILT_IN_LOOPS[name]
+    if name in GATEWAY_NAMES:  # imported here: the gateway's loop imports this module
+        from megarl.agent.gateway.agent_loop import GatewayLoop
+
+        return GatewayLoop
     module_name, sep, attribute = name.partition(":")
     if not sep:
         module_name, _, attribute = name.rpartition(".")
     if not module_name or not attribute:
-        builtins = ", ".join(n for n in BUILT_IN_LOOPS if not n.endswith("_agent"))
+        builtins = ", ".join(
+            [*(n for n in BUILT_IN_LOOPS if not n.endswith("_agent")), *GATEWAY_NAMES]
+        )
         raise AgentLoopError(
             f"{key}={name!r}: not a built-in loop ({builtins}) nor a class path "
             "'package.module:ClassName'"
@@ -450,8 +486,11 @@ class LoopChooser:
     ``rollout.agent.loop``. The tools are loaded once, and each loop is built on first use and
     kept for the run; a bad name fails on the first sample that uses it."""
 
-    def __init__(self, settings: AgentSettings, tokenizer: Any) -> None:
+    def __init__(
+        self, settings: AgentSettings, tokenizer: Any, facts: RunFacts | None = None
+    ) -> None:
         self.settings, self.tokenizer = settings, tokenizer
+        self.facts = facts if facts is not None else RunFacts()
         path = settings.tool_config_path
         self.tools: dict[str, Tool] = load_tools(path) if path else {}
         self._loops: dict[str, AgentLoop] = {}
@@ -464,6 +503,7 @@ class LoopChooser:
         loop = self._loops.get(name)
         if loop is None:
             loop = build_loop(name, self.settings, self.tokenizer, self.tools, key)
+            loop.bind_run(self.facts)
             self._loops[name] = loop
         return loop
 

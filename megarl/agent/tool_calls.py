@@ -90,6 +90,12 @@ class ToolFormat(ABC):
         """Consecutive tool results as the text of one user message, for chat templates
         without a tool role (what :meth:`system_prompt` told the model to expect)."""
 
+    @abstractmethod
+    def calls_text(self, calls: Sequence[tuple[str, Any]]) -> str:
+        """``(name, arguments)`` calls written as a model writes them in this convention: an
+        assistant turn someone else wrote (an agent's history) rendered for a template that
+        renders no tool calls itself."""
+
 
 # --- checking arguments against a tool's JSON schema ----------------------------------------
 
@@ -287,6 +293,14 @@ class HermesFormat(ToolFormat):
     def results_text(self, results: Sequence[str]) -> str:
         return "\n".join(f"<tool_response>\n{result}\n</tool_response>" for result in results)
 
+    def calls_text(self, calls: Sequence[tuple[str, Any]]) -> str:
+        return "\n".join(
+            f"{self.open_tag}\n"
+            f"{json.dumps({'name': name, 'arguments': arguments}, ensure_ascii=False)}\n"
+            f"{self.close_tag}"
+            for name, arguments in calls
+        )
+
 
 # --- llama3_json ----------------------------------------------------------------------------
 
@@ -347,6 +361,12 @@ class Llama3JsonFormat(ToolFormat):
 
     def results_text(self, results: Sequence[str]) -> str:
         return "\n".join(json.dumps({"output": result}, ensure_ascii=False) for result in results)
+
+    def calls_text(self, calls: Sequence[tuple[str, Any]]) -> str:
+        return "; ".join(
+            json.dumps({"name": name, "parameters": arguments}, ensure_ascii=False)
+            for name, arguments in calls
+        )
 
 
 TOOL_FORMATS: dict[str, ToolFormat] = {"hermes": HermesFormat(), "llama3_json": Llama3JsonFormat()}

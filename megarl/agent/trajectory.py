@@ -134,6 +134,9 @@ class Trajectory:
         """The last generated turn's finish reason; None before the first."""
         self.reward: float | None = None
         """Set by a loop to score this trajectory itself; None: the dataset's reward function."""
+        self.answer_text: str | None = None
+        """Set by a loop to choose what the dataset's reward function reads (the gateway: the
+        session's last answer); None: the decoded response."""
         self.tool_calls = 0
         """Tool calls the model made (well-formed or not)."""
         self.tool_errors = 0

@@ -30,6 +30,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from megarl.agent.loop import GATEWAY_NAMES
 from megarl.algo.advantages import GROUP_ESTIMATORS
 from megarl.algo.router_replay import router_replay_problem
 from megarl.config.actor import ActorConfig
@@ -191,6 +192,14 @@ class RunConfig:
             f"{key} with actor.router_replay.mode=R3: trajectories carry no engine routing of "
             "their input positions; use R2 or no replay",
         )
+        if self.rollout.agent.loop in GATEWAY_NAMES:
+            mini_batches = max(self.actor.ppo_mini_batches, self.critic_ppo_mini_batches)
+            _require(
+                mini_batches == 1,
+                f"{key} with {mini_batches} PPO mini-batches: a session may become several "
+                "sequences (its branches), so a step's sequence count varies and cannot be split "
+                "into equal mini-batches; set actor.ppo_mini_batches=1 (critic.ppo_mini_batches too)",
+            )
 
     @property
     def overlong_buffer_len(self) -> int | None:

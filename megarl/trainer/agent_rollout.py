@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megarl.agent.driver import PartialRollouts, run_agent_loops
-from megarl.agent.loop import SINGLE_TURN_NAMES, AgentSettings, LoopChooser, Sample
+from megarl.agent.loop import SINGLE_TURN_NAMES, AgentSettings, LoopChooser, RunFacts, Sample
 from megarl.agent.trajectory import Trajectory
 from megarl.data.problems import Problem
 from megarl.engines.base import Generation, RolloutEngine, SamplingParams, request_seed
@@ -77,14 +77,27 @@ class GeneratedBatch:
     """``agent/*`` metrics of the batch (:func:`megarl.agent.driver.agent_metrics`)."""
     trajectories: list[Trajectory] = field(default_factory=list)
     """The trajectories themselves (empty for a plain engine call)."""
+    answer_texts: list[str | None] = field(default_factory=list)
+    """What the dataset's reward reads of each sample, where a loop chose it
+    (``trajectory.answer_text``); None or empty: the decoded response."""
+    branches: list[list[Generation]] = field(default_factory=list)
+    """Each sample's further branches (a gateway session that forked), as generations; each
+    trains with the sample's reward and advantage. Empty: none."""
+    branch_trajectories: list[list[Trajectory]] = field(default_factory=list)
 
 
 class AgentRollout:
     """The run's loops (built once, tools loaded once) and the prompts they expect."""
 
-    def __init__(self, settings: AgentSettings, tokenizer: Any, system_prompt: str | None):
+    def __init__(
+        self,
+        settings: AgentSettings,
+        tokenizer: Any,
+        system_prompt: str | None,
+        facts: RunFacts | None = None,
+    ):
         self.settings, self.tokenizer, self.system_prompt = settings, tokenizer, system_prompt
-        self.chooser = LoopChooser(settings, tokenizer)
+        self.chooser = LoopChooser(settings, tokenizer, facts)
         self._warned_overrun = False
         if needs_agent_loops(settings.loop, []):  # a bad loop or tool YAML fails at start-up
             self.chooser(Sample(0, (0,)))
@@ -153,6 +166,9 @@ class AgentRollout:
             rewards=[t.reward for t in result.trajectories],
             metrics=result.metrics,
             trajectories=result.trajectories,
+            answer_texts=[t.answer_text for t in result.trajectories],
+            branches=[[trajectory_generation(t, limit) for t in more] for more in result.branches],
+            branch_trajectories=result.branches,
         )
 
 

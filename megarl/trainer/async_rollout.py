@@ -53,7 +53,8 @@ from megarl.engines.base import Generation, Request, join_pieces
 from megarl.errors import MegarlError
 from megarl.export.checksum import compare_checksums, tensor_checksum
 from megarl.planner.staleness import AdmissionRule, RolloutSchedule
-from megarl.trainer.rollout import ScoredGroups
+from megarl.trainer.agent_rollout import trajectory_generation
+from megarl.trainer.rollout import ExtraBranch, ScoredGroups
 
 if TYPE_CHECKING:
     from megarl.config.schema import RunConfig
@@ -80,6 +81,8 @@ class _Response:
     """The version of the weights that sampled each token so far."""
     trajectory: Trajectory | None = None
     """Built by an agent loop (in one piece, under one version): the sample's trajectory."""
+    branches: list[Trajectory] = field(default_factory=list)
+    """The sample's further branches (a gateway session that forked)."""
 
     @property
     def generated_ids(self) -> tuple[int, ...]:
@@ -103,6 +106,16 @@ class _Response:
     def joined(self) -> Generation:
         """The whole response, its pieces joined."""
         return join_pieces(self.pieces)
+
+
+def _branch(trajectory: Trajectory, response: _Response) -> ExtraBranch:
+    """A further branch of a sample as the step takes it: its tokens' versions are its own
+    where its turns carried them, else the version of the sample's first token."""
+    gen = trajectory_generation(trajectory)
+    versions = trajectory.response_versions
+    if versions is None:
+        versions = [response.versions[0] if response.versions else 0] * len(gen.response_ids)
+    return ExtraBranch(gen, list(versions))
 
 
 @dataclass
@@ -390,8 +403,12 @@ class AsyncRollout:
                 self.host.engine, problems, prompt_ids, seeds, params, partial
             )
             pieces = built.gens
-            for (_, response), trajectory in zip(wave, built.trajectories, strict=True):
+            more = built.branch_trajectories or [[] for _ in wave]
+            for (_, response), trajectory, branches in zip(
+                wave, built.trajectories, more, strict=True
+            ):
                 response.trajectory = trajectory
+                response.branches = branches
         else:
             interrupt = self._interrupt if self.partial else None
             pieces = self.host.engine.generate_requests(requests, params, interrupt)
@@ -424,6 +441,8 @@ class AsyncRollout:
                 [r.versions for r in responses],
                 step,
                 [t.reward for t in trajectories] if trajectories else None,
+                [t.answer_text for t in trajectories] if trajectories else None,
+                [[_branch(b, r) for b in r.branches] for r in responses],
             )
             if trajectories:
                 part = dataclasses.replace(part, agent_metrics=trajectory_metrics(trajectories))

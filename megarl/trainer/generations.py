@@ -47,6 +47,7 @@ def rollout_records(
     group_ids: Sequence[int],
     trained: Iterable[int],
     turns: Sequence[Sequence[tuple[str, bool]]] | None = None,
+    branches: Sequence[int] | None = None,
 ) -> list[dict[str, Any]]:
     """One record per sequence of a training step.
 
@@ -54,6 +55,8 @@ def rollout_records(
     sequences the step's plan trains (the rest were pruned: zero advantage). ``turns`` (agent
     loops): each response as (text, trained) pieces, shown as ``turns``: the model's turns
     (``"trained": true``) and the observations between them (``false``), special tokens kept.
+    ``branches`` (gateway sessions that forked): each sequence's branch number within its
+    sample (0: the first), shown as ``branch`` with the branch's own ``prompt_ids_text``.
     """
     kept = set(trained)
     records = [
@@ -72,6 +75,9 @@ def rollout_records(
     if turns is not None:
         for record, pieces in zip(records, turns, strict=True):
             record["turns"] = [{"text": text, "trained": flag} for text, flag in pieces]
+    if branches is not None:
+        for record, branch in zip(records, branches, strict=True):
+            record["branch"] = branch
     return records
 
 

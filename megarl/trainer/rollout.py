@@ -170,6 +170,20 @@ class StepTexts:
     turns: list[list[tuple[str, bool]]] | None = None
     """Multi-turn trajectories: each sequence's response as (text, trained) pieces, generated
     turns and observations in order, special tokens shown; None for single-turn steps."""
+    branches: list[int] | None = None
+    """Steps with gateway sessions that forked: each sequence's branch number within its sample
+    (0: the sample's first); None when every sample is one sequence."""
+
+
+@dataclass(frozen=True)
+class ExtraBranch:
+    """A further branch of one sample (a gateway session that forked or restarted its
+    conversation): a sequence of its own in the step's batch, with its sample's reward and
+    advantage, its group's id, and its own mask (only its sampled tokens train)."""
+
+    gen: Generation
+    versions: list[int]
+    """The policy version that sampled each response token."""
 
 
 @dataclass(frozen=True)
@@ -188,6 +202,12 @@ class ScoredGroups:
     """Samples whose reward function failed (``data.reward_error=zero`` scored them 0)."""
     agent_metrics: dict[str, float] = field(default_factory=dict)
     """The agent loops' ``agent/*`` metrics when the batch was rolled out through them."""
+    branches: list[list[ExtraBranch]] = field(default_factory=list)
+    """Per sequence, its further branches (empty: none anywhere); the group statistics and
+    advantages are the samples', each branch takes its sample's."""
+
+    def branches_of(self, seq: int) -> list[ExtraBranch]:
+        return self.branches[seq] if self.branches else []
 
     def groups(self, keep: torch.Tensor, n: int) -> ScoredGroups:
         """Only the groups where ``keep`` (one bool per group) is true."""
@@ -202,12 +222,15 @@ class ScoredGroups:
             versions=[self.versions[i] for i in seqs],
             failures=self.failures,
             agent_metrics=self.agent_metrics,
+            branches=[self.branches[i] for i in seqs] if self.branches else [],
         )
 
     @staticmethod
     def join(parts: Sequence[ScoredGroups], num_groups: int, n: int) -> ScoredGroups:
         """The first ``num_groups`` groups of ``parts`` in order."""
         problems = [p for part in parts for p in part.problems][:num_groups]
+        branched = any(part.branches for part in parts)
+        branches = [part.branches_of(i) for part in parts for i in range(len(part.gens))]
         return ScoredGroups(
             problems=problems,
             gens=[g for part in parts for g in part.gens][: num_groups * n],
@@ -217,6 +240,7 @@ class ScoredGroups:
             versions=[v for part in parts for v in part.versions][: num_groups * n],
             failures=sum(part.failures for part in parts),
             agent_metrics=join_agent_metrics([p.agent_metrics for p in parts if p.agent_metrics]),
+            branches=branches[: num_groups * n] if branched else [],
         )
 
 
@@ -345,7 +369,19 @@ class RolloutProducer:
         gens = generated.gens
         t_generated = time.perf_counter()
         versions = [[version] * len(g.response_ids) for g in gens]
-        scored = self.score_groups(prompts.problems, gens, versions, step, generated.rewards)
+        branches = [
+            [ExtraBranch(b, [version] * len(b.response_ids)) for b in more]
+            for more in generated.branches
+        ]
+        scored = self.score_groups(
+            prompts.problems,
+            gens,
+            versions,
+            step,
+            generated.rewards,
+            generated.answer_texts or None,
+            branches,
+        )
         scored = dataclasses.replace(scored, agent_metrics=generated.metrics)
         seconds["gen"] += t_generated - t_start
         seconds["adv"] += time.perf_counter() - t_generated
@@ -358,13 +394,21 @@ class RolloutProducer:
         versions: Sequence[Sequence[int]],
         step: int,
         own_rewards: Sequence[float | None] | None = None,
+        own_texts: Sequence[str | None] | None = None,
+        branches: Sequence[Sequence[ExtraBranch]] | None = None,
     ) -> ScoredGroups:
         """Whole groups (``rollout.n`` generations per problem, in order) decoded and scored,
         the overlong penalty included; ``versions``: each generation's tokens' versions;
         ``own_rewards``: a reward per generation that replaces the dataset's where not None
-        (an agent loop's ``trajectory.reward``)."""
+        (an agent loop's ``trajectory.reward``); ``own_texts``: what the dataset's reward
+        reads instead of the decoded response, where not None (``trajectory.answer_text``);
+        ``branches``: each generation's further branches (:class:`ExtraBranch`)."""
         n = self.settings.group_size
         texts = [self.tokenizer.decode(g.response_ids, skip_special_tokens=True) for g in gens]
+        if own_texts is not None:
+            texts = [
+                own if own is not None else text for own, text in zip(own_texts, texts, strict=True)
+            ]
         answers = [p.answer for p in problems for _ in range(n)]
         sources = [p.data_source for p in problems for _ in range(n)]
         scores, failures = self._score(texts, answers, sources, step)
@@ -390,6 +434,7 @@ class RolloutProducer:
             overlong,
             [list(v) for v in versions],
             failures,
+            branches=[list(b) for b in branches] if branches and any(branches) else [],
         )
 
     def assemble(self, step: int, scored: ScoredGroups) -> tuple[RolloutBatch, dict[str, float]]:
@@ -397,26 +442,27 @@ class RolloutProducer:
         the rollout metrics, and the step's texts kept for its record."""
         settings, n = self.settings, self.settings.group_size
         group_ids = torch.arange(len(scored.problems)).repeat_interleave(n)
-        masked = any(g.response_mask is not None for g in scored.gens)
+        advantages = self.advantage_fn(scored.rewards, group_ids)
+        gens, versions, owner = _with_branches(scored)
+        masked = any(g.response_mask is not None for g in gens)
         batch = RolloutBatch(
             tokens=tuple(
                 torch.tensor(list(g.prompt_ids) + list(g.response_ids), dtype=torch.long)
-                for g in scored.gens
+                for g in gens
             ),
-            prompt_lens=tuple(len(g.prompt_ids) for g in scored.gens),
-            group_ids=group_ids,
-            rewards=scored.rewards,
-            advantages=self.advantage_fn(scored.rewards, group_ids),
+            prompt_lens=tuple(len(g.prompt_ids) for g in gens),
+            group_ids=group_ids[owner],
+            rewards=scored.rewards[owner],
+            advantages=advantages[owner],
             engine_logprobs=tuple(
-                torch.tensor(g.response_logprobs, dtype=torch.float32) for g in scored.gens
+                torch.tensor(g.response_logprobs, dtype=torch.float32) for g in gens
             ),
-            engine_routing=engine_routing(scored.gens),
-            engine_input_routing=(
-                engine_input_routing(scored.gens) if settings.input_routing else None
-            ),
-            behaviour_versions=tuple(torch.tensor(v, dtype=torch.long) for v in scored.versions),
-            response_masks=tuple(_mask_of(g) for g in scored.gens) if masked else None,
+            engine_routing=engine_routing(gens),
+            engine_input_routing=(engine_input_routing(gens) if settings.input_routing else None),
+            behaviour_versions=tuple(torch.tensor(v, dtype=torch.long) for v in versions),
+            response_masks=tuple(_mask_of(g) for g in gens) if masked else None,
         )
+        rows = [int(i) for i in owner]
         self.texts[step] = StepTexts(
             samples=[
                 (scored.problems[i // n].prompt, scored.texts[i], float(scored.rewards[i]))
@@ -424,11 +470,12 @@ class RolloutProducer:
             ],
             texts=[
                 (scored.problems[i // n].prompt, scored.texts[i], scored.problems[i // n].answer)
-                for i in range(len(scored.gens))
+                for i in rows
             ],
-            turns=[self._turns(g) for g in scored.gens] if masked else None,
+            turns=[self._turns(g) for g in gens] if masked else None,
+            branches=_branch_numbers(rows) if len(rows) > len(scored.gens) else None,
         )
-        metrics = rollout_metrics(batch, [g.finished for g in scored.gens], settings.max_new_tokens)
+        metrics = rollout_metrics(batch, [g.finished for g in gens], settings.max_new_tokens)
         metrics["critic/rewards/failed"] = float(scored.failures)
         metrics.update(scored.agent_metrics)
         if settings.overlong_buffer_len is not None:
@@ -477,6 +524,34 @@ class RolloutProducer:
                 flush=True,
             )
         return scored.rewards, scored.failures
+
+
+def _with_branches(
+    scored: ScoredGroups,
+) -> tuple[list[Generation], list[list[int]], torch.Tensor]:
+    """Every sequence of the step: each sample's generation followed by its further branches
+    (:class:`ExtraBranch`), their versions, and the index of the sample each one belongs to
+    (to take its group, reward and advantage)."""
+    gens, versions, owner = [], [], []
+    for i, gen in enumerate(scored.gens):
+        gens.append(gen)
+        versions.append(scored.versions[i])
+        owner.append(i)
+        for branch in scored.branches_of(i):
+            gens.append(branch.gen)
+            versions.append(branch.versions)
+            owner.append(i)
+    return gens, versions, torch.tensor(owner, dtype=torch.long)
+
+
+def _branch_numbers(owners: Sequence[int]) -> list[int]:
+    """Each sequence's number among its sample's sequences (0, 1, ... in order)."""
+    seen: dict[int, int] = {}
+    numbers = []
+    for owner in owners:
+        numbers.append(seen.get(owner, 0))
+        seen[owner] = numbers[-1] + 1
+    return numbers
 
 
 def _mask_of(gen: Generation) -> torch.Tensor:

@@ -20,6 +20,7 @@ import torch
 
 from megarl.actor.train_stats import UpdateStats
 from megarl.agent.driver import validation_trajectory_metrics
+from megarl.agent.loop import RunFacts
 from megarl.agent.trajectory import Trajectory
 from megarl.algo.validation import validation_metrics
 from megarl.config.schema import RunConfig
@@ -108,7 +109,12 @@ class RolloutHost:
             settings,
             cfg.trainer.seed,
             progress=self.progress_hook(),
-            agents=AgentRollout(cfg.rollout.agent, tokenizer, cfg.data.system_prompt),
+            agents=AgentRollout(
+                cfg.rollout.agent,
+                tokenizer,
+                cfg.data.system_prompt,
+                agent_run_facts(cfg, self.spec.max_position_embeddings),
+            ),
         )
         self.writer = metrics_writer(cfg)
         self.history: list[dict] = []
@@ -182,6 +188,11 @@ class RolloutHost:
             gens = generated.gens
             trajectories += generated.trajectories
             texts = [self.tokenizer.decode(g.response_ids, skip_special_tokens=True) for g in gens]
+            if generated.answer_texts:  # what a loop chose for the reward (the gateway's answer)
+                texts = [
+                    own if own is not None else text
+                    for own, text in zip(generated.answer_texts, texts, strict=True)
+                ]
             answers = [p.answer for p in part for _ in range(val.n)]
             sources = [p.data_source for p in part for _ in range(val.n)]
             scores = self.producer.score(texts, answers, sources, step)
@@ -298,6 +309,7 @@ class RolloutHost:
             batch.group_ids.tolist(),
             trained,
             texts.turns,
+            texts.branches,
         )
         write_step_file(Path(str(self.cfg.trainer.rollout_data_dir)), step, records)
 
@@ -442,6 +454,16 @@ def vllm_settings(cfg: RunConfig, model_dir: str, device: str):
         model_dir,
         psutil.virtual_memory().available,
     )
+
+
+def agent_run_facts(cfg: RunConfig, max_position_embeddings: int) -> RunFacts:
+    """What the agent loops may need of the run: the reward-error policy (the gateway applies
+    it to the user's agent) and the longest prompt a trajectory may start from."""
+    from megarl.config.context import context_limit, prompt_budget
+
+    limit = context_limit(max_position_embeddings, cfg.rollout.engine, cfg.rollout.max_model_len)
+    budget = prompt_budget(limit, cfg.rollout.max_new_tokens, cfg.data.max_prompt_length)
+    return RunFacts(reward_error=cfg.data.reward_error, max_prompt_tokens=budget)
 
 
 def fitting_problems(

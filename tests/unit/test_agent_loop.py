@@ -472,7 +472,7 @@ def test_resolve_loop(name, expected):
 @pytest.mark.parametrize(
     ("name", "message"),
     [
-        ("multi", "not a built-in loop (single_turn, tool) nor a class path"),
+        ("multi", "not a built-in loop (single_turn, tool, openai) nor a class path"),
         ("", "expected a loop name"),
         ("no_such_module_xyz:Loop", "module 'no_such_module_xyz' not found"),
         ("megarl.agent.loop:Nope", "module 'megarl.agent.loop' has no 'Nope'"),

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# An agent you already have: examples/agents/openai_calculator.py is written with the plain
+# openai SDK (its own system prompt, a calculator it runs in its own code) and knows nothing of
+# megarl. The gateway gives each sample a session URL, renders the agent's messages with the
+# chat template, keeps the ids the policy sampled, and GRPO trains them (recipe
+# gsm8k_openai_agent, GSM8K sample); the calculator's answers are read, never trained.
+#
+#   examples/gateway_calculator.sh                   # installs .venv on first use, then trains
+#   examples/gateway_calculator.sh model.path=/path/to/Qwen2.5-0.5B-Instruct
+#
+# Output: runs/gateway_calculator/ (metrics.jsonl with agent/* and agent/gateway/*,
+# generations/<step>.jsonl showing each trajectory's turns and which were trained).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+make --no-print-directory install
+exec .venv/bin/megarl-train \
+    recipe=gsm8k_openai_agent \
+    trainer.total_steps=2 \
+    data.prompts_per_step=4 \
+    rollout.n=4 \
+    trainer.run_dir=runs/gateway_calculator \
+    trainer.rollout_data_dir=runs/gateway_calculator/generations \
+    "$@"
