@@ -213,3 +213,41 @@ def test_agent_loops_in_fully_async_at_zero_staleness_train_bitwise_like_sync(tm
     for row in async_rows:
         assert row["agent/num_turns/mean"] == 2.0 and row["agent/observation_tokens/mean"] == 8.0
         assert row["rollout/logprob_abs_diff"] <= 1e-4
+
+
+def test_gateway_sessions_in_fully_async_at_zero_staleness_train_bitwise_like_sync(tmp_path):
+    """An unmodified openai-SDK agent that compacts its context (two branches per session):
+    the rollout side runs the same sessions, seeds and branches as the synchronous loop, so the
+    training is bitwise the same."""
+    gateway = {
+        **SPLIT,
+        "rollout.agent.loop": "openai",
+        "rollout.agent.entrypoint": "helpers.gateway_agents:compacting",
+        "rollout.max_new_tokens": 24,
+    }
+    sync_dir, async_dir = tmp_path / "sync", tmp_path / "async"
+    sync = run(tiny_overrides(sync_dir, 2, **gateway), return_final_state=True)
+    settings = {**gateway, "async_training.mode": "fully_async", "async_training.max_staleness": 0}
+    fully_async = run(tiny_overrides(async_dir, 2, **settings), return_final_state=True)
+    sync_rows, async_rows = _rows(sync_dir), _rows(async_dir)
+    _assert_same_training(sync_rows, async_rows, sync.final_state, fully_async.final_state)
+    assert all(row["agent/branches/mean"] == 2.0 for row in sync_rows)
+
+
+def test_gateway_sessions_under_partial_rollouts_complete_across_weight_syncs(tmp_path):
+    """Requests interrupted by a weight sync complete transparently: every step trains two
+    turns per session, no token older than the bound."""
+    settings = {
+        **SPLIT,
+        "rollout.agent.loop": "openai",
+        "rollout.agent.entrypoint": "helpers.gateway_agents:two_turns",
+        "rollout.max_new_tokens": 40,
+        "async_training.mode": "fully_async",
+        "async_training.max_staleness": 1,
+        "async_training.partial_rollout": True,
+    }
+    history = run(tiny_overrides(tmp_path / "run", 3, **settings)).history
+    assert [row["step"] for row in history] == [1, 2, 3]
+    for row in history:
+        assert row["agent/num_turns/mean"] == 2.0
+        assert row["async/staleness/max"] <= 1

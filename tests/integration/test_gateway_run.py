@@ -49,10 +49,14 @@ def _check_two_turns(history: list[dict], gens: Path) -> None:
 
 def test_the_two_turn_openai_agent_trains_with_the_observation_untrained(tmp_path):
     gens = tmp_path / "gens"
-    overrides = _gateway("two_turns", **{"trainer.rollout_data_dir": str(gens)})
+    overrides = _gateway(
+        "two_turns", **{"trainer.rollout_data_dir": str(gens), "trainer.val_interval": 2}
+    )
     history = run(tiny_overrides(tmp_path / "run", 2, **overrides)).history
     _check_two_turns(history, gens)
     assert any(row["actor/grad_norm"] > 0 for row in history)
+    # validation runs the same agent through the gateway (greedy: the run's val sampling)
+    assert history[-1]["val-aux/num_turns/mean"] == 2.0
 
 
 def test_the_two_turn_openai_agent_on_vllm(tmp_path):
