@@ -201,3 +201,47 @@ async def silent(row, llm):
     """Never calls the model."""
     await asyncio.sleep(0)
     return 0.5
+
+
+async def slow_starter(row, llm):
+    """Prepares for a while before its first request (sample 0 only)."""
+    import openai
+
+    if row.get("extra_info", {}).get("slow"):
+        await asyncio.sleep(0.6)
+    client = openai.AsyncOpenAI(base_url=llm.base_url, api_key=llm.api_key)
+    await client.chat.completions.create(model=llm.model, messages=row["prompt"], max_tokens=4)
+    return
+
+
+async def with_stop(row, llm):
+    """A stop string (as smolagents sends ``Observation:``), then the conversation goes on."""
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=llm.base_url, api_key=llm.api_key)
+    messages = list(row["prompt"])
+    first = await client.chat.completions.create(
+        model=llm.model, messages=messages, max_tokens=16, stop=["Observation:"]
+    )
+    messages += [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "Observation: 5"},
+    ]
+    await client.chat.completions.create(model=llm.model, messages=messages, max_tokens=16)
+    return 1.0 if first.choices[0].finish_reason == "stop" else 0.0
+
+
+async def retry_second(row, llm):
+    """Two turns, the second request sent twice (a retry): a sibling forked mid-conversation."""
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=llm.base_url, api_key=llm.api_key)
+    messages = list(row["prompt"])
+    first = await client.chat.completions.create(model=llm.model, messages=messages, max_tokens=8)
+    messages += [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "Again."},
+    ]
+    for _ in range(2):
+        await client.chat.completions.create(model=llm.model, messages=messages, max_tokens=8)
+    return

@@ -229,6 +229,55 @@ def test_a_resent_request_forks_a_sibling_that_trains_only_its_own_tokens(tokeni
     assert_only_sampled_ids_train(result, engine)
 
 
+def test_a_stop_string_ends_the_turn_and_the_next_request_continues_its_tokens(tokenizer):
+    """The engine writes past the stop string; the turn is cut after the token that completes
+    it (those ids train), the client gets the text before it, and the next request continues
+    the cut ids exactly: the template's end-of-turn token is read, not trained."""
+    engine = ScriptedEngine(tokenizer, reply=lambda _: "Thought: add. Observation: more text")
+    result, _, _ = run_agent(tokenizer, "with_stop", count=1, engine=engine)
+    traj = result.trajectories[0]
+    assert traj.reward == 1.0 and result.metrics["agent/branches/mean"] == 1
+    first = trained_runs(traj)[0]
+    assert tokenizer.decode(first).endswith("Observation:")
+    assert first == engine.sampled[0][: len(first)] and len(first) < len(engine.sampled[0])
+    observation = traj.response_ids[len(first) : len(first) + 1]
+    assert observation[0] == engine.end_of_turn and traj.response_mask[len(first)] == 0
+
+
+def test_a_slow_first_request_holds_back_the_others_only_for_the_first_request_wait(
+    tokenizer, monkeypatch
+):
+    from megarl.agent.gateway import agent_loop
+
+    engine = ScriptedEngine(tokenizer)
+    loop = gateway_loop(tokenizer, "slow_starter")
+    rows = [{"prompt": QUESTION, "extra_info": {"slow": i == 0}} for i in range(3)]
+    samples = make_samples([loop.prompt_ids(QUESTION)] * 3, rows, PARAMS.seed, [QUESTION] * 3)
+    try:
+        shared = run_agent_loops(engine, loop, samples, PARAMS, tokenizer)
+        monkeypatch.setattr(agent_loop, "FIRST_REQUEST_WAIT_S", 0.1)
+        split = run_agent_loops(engine, loop, samples, PARAMS, tokenizer)
+    finally:
+        loop.close()
+    assert shared.metrics["agent/engine_calls"] == 1  # all first turns in one call
+    assert split.metrics["agent/engine_calls"] == 2  # the slow one did not hold the others
+
+
+def test_a_fork_mid_conversation_gets_what_is_left_of_the_context(tokenizer):
+    """A retried second request forks at the point before its turn: the sibling reads the
+    first turn and the follow-up as its prompt, and its budget is what the context leaves."""
+    prompt = len(gateway_loop(tokenizer, "retry_second").prompt_ids(QUESTION))
+    limit = prompt + 8
+    result, engine, _ = run_agent(tokenizer, "retry_second", count=1, max_prompt_tokens=limit)
+    first, sibling = result.trajectories[0], result.branches[0][0]
+    assert result.metrics["agent/gateway/forks"] == 1 and first.num_turns == 2
+    shared = len(sibling.prompt_ids)
+    assert sibling.prompt_ids == first.token_ids[:shared]
+    assert shared > prompt  # the first turn and "Again." are context of the sibling
+    assert sibling.max_response_tokens == limit + PARAMS.max_new_tokens - shared
+    assert_only_sampled_ids_train(result, engine)
+
+
 # --- other clients -------------------------------------------------------------------------------
 
 

@@ -63,6 +63,11 @@ if TYPE_CHECKING:
 
 ENTRYPOINT_KEY = "rollout.agent.entrypoint"
 
+FIRST_REQUEST_WAIT_S = 2.0
+"""How long the batcher waits for a session's first request before sending the other
+sessions' first turns without it (agents start their first request within milliseconds; one
+that prepares longer only misses the first shared engine call)."""
+
 
 class AgentFailedError(BadInputError):
     """The user's agent failed on a sample under ``data.reward_error=raise``: one line."""
@@ -214,6 +219,8 @@ class GatewayLoop(AgentLoop):
 
     async def run(self, sample: Sample, ctx: AgentContext) -> list[Trajectory]:  # type: ignore[override]
         busy = _BusyOutsideEngine(ctx)
+        # an agent slow to send its first request stops holding back the others' first turns
+        first_wait = asyncio.get_running_loop().call_later(FIRST_REQUEST_WAIT_S, busy.stop_waiting)
 
         async def generate(ids: Sequence[int], limit: int, _: ChatRequest) -> GenerateOutput:
             with busy.waiting():
@@ -236,6 +243,7 @@ class GatewayLoop(AgentLoop):
         try:
             reward, failure = await self._call_agent(row, llm, sample.index)
         finally:
+            first_wait.cancel()
             session.close()
             server.unregister(session_id)
             busy.close()
@@ -329,16 +337,28 @@ class _BusyOutsideEngine:
     def __init__(self, ctx: AgentContext) -> None:
         self._ctx = ctx
         self._busy: AbstractContextManager[None] | None = None
+        self._started = False
 
     @contextmanager
     def waiting(self) -> Iterator[None]:
+        """Around a request's engine call: not busy while it waits, busy once answered."""
         self.close()
+        self._started = True
         try:
             yield
         finally:
-            if self._busy is None:
-                self._busy = self._ctx.busy()
-                self._busy.__enter__()
+            self.idle()
+
+    def stop_waiting(self) -> None:
+        """The first-request wait is over: busy, unless a request already came."""
+        if not self._started:
+            self.idle()
+
+    def idle(self) -> None:
+        """Busy outside the engine from now on (until the next request)."""
+        if self._busy is None:
+            self._busy = self._ctx.busy()
+            self._busy.__enter__()
 
     def close(self) -> None:
         busy, self._busy = self._busy, None

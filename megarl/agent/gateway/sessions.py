@@ -246,11 +246,20 @@ class Session:
         return branch
 
     def _fork(self, branch: Branch, tokens: int, entries: int) -> Branch:
-        """A new branch whose prompt is ``branch``'s first ``tokens`` ids (context, untrained)."""
+        """A new branch whose prompt is ``branch``'s first ``tokens`` ids (context, untrained),
+        with what is left of the context after them as its budget (at most a branch's)."""
+        budget = self.max_response_tokens
+        if self.max_prompt_tokens is not None:
+            budget = min(budget, self.max_prompt_tokens + self.max_response_tokens - tokens)
+        if budget < 1:
+            raise GatewayError(
+                400,
+                f"context_length_exceeded: the conversation up to this point is {tokens} "
+                "tokens, which leaves no room for an answer in this run's context",
+            )
         self.stats.forks += 1
         fork = Branch(
-            Trajectory(branch.trajectory.token_ids[:tokens], self.max_response_tokens),
-            list(branch.entries[:entries]),
+            Trajectory(branch.trajectory.token_ids[:tokens], budget), list(branch.entries[:entries])
         )
         self.branches.append(fork)
         return fork
