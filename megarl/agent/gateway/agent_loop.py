@@ -285,13 +285,16 @@ class GatewayLoop(AgentLoop):
             raise AgentFailedError(
                 f"{message}; fix the agent, or set data.reward_error=zero to score such samples 0"
             )
-        if "failure" not in self._warned:
-            self._warned.add("failure")
-            warnings.warn(
-                f"{message}; scored 0 (data.reward_error=zero; agent/gateway/agent_errors "
-                "counts them per step)",
-                stacklevel=1,
-            )
+        self._warn_once(
+            "failure",
+            f"{message}; scored 0 (data.reward_error=zero; agent/gateway/agent_errors counts "
+            "them per step)",
+        )
+
+    def _warn_once(self, kind: str, message: str) -> None:
+        if kind not in self._warned:
+            self._warned.add(kind)
+            warnings.warn(message, stacklevel=2)
 
     @staticmethod
     def _count(ctx: AgentContext, session: Session, failure: str | None) -> None:
@@ -313,13 +316,11 @@ class GatewayLoop(AgentLoop):
         end-of-turn token read as an observation: no token of it trains)."""
         branches = session.trajectories()
         if not branches:
-            if "empty" not in self._warned:
-                self._warned.add("empty")
-                warnings.warn(
-                    f"sample {sample.index}: the agent made no request to the gateway; the "
-                    "sample trains nothing (an untrained placeholder)",
-                    stacklevel=1,
-                )
+            self._warn_once(
+                "empty",
+                f"sample {sample.index}: the agent made no request to the gateway; the sample "
+                "trains nothing (an untrained placeholder)",
+            )
             placeholder = Trajectory(sample.prompt_ids, ctx.max_response_tokens)
             placeholder.add_observation([self.renderer.end_of_turn_id])
             branches = [placeholder]
