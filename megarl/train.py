@@ -113,7 +113,8 @@ def resolve_model_dir(cfg, staging: Path | None = None) -> str:
             hf_config, seed = cfg.model.hf_config, cfg.model.init_seed
             out = staging if staging and not is_saved(hf_config, seed, final) else final
             return str(resolve_model_path(save_random_hf_model(hf_config, seed, out)))
-        if cfg.model.path is not None and _is_megarl_checkpoint(cfg.model.path):
+        checkpoint = _megarl_checkpoint_of(cfg.model.path) if cfg.model.path else None
+        if checkpoint is not None:
             from megarl.checkpoint.convert import (
                 ConvertError,
                 hf_folder_for_training,
@@ -121,9 +122,9 @@ def resolve_model_dir(cfg, staging: Path | None = None) -> str:
             )
 
             try:  # a converted or training checkpoint: train from its weights
-                current = is_training_folder_current(cfg.model.path, final)
+                current = is_training_folder_current(checkpoint, final)
                 out = staging if staging and not current else final
-                return str(resolve_model_path(hf_folder_for_training(cfg.model.path, out)))
+                return str(resolve_model_path(hf_folder_for_training(checkpoint, out)))
             except ConvertError as exc:
                 raise StartupError(f"model.path={cfg.model.path}: {exc}") from None
         return str(resolve_model_path(cfg.model.path))
@@ -171,6 +172,25 @@ def _is_megarl_checkpoint(path: str) -> bool:
     return (Path(path).expanduser() / MARKER).is_file()
 
 
+def _megarl_checkpoint_of(path: str) -> str | None:
+    """``model.path`` as a megarl checkpoint: the folder itself, or a run folder's newest
+    complete checkpoint (e.g. an SFT run's, to continue with RL); None for anything else. A
+    run folder whose newest checkpoint is damaged stops the start rather than fall back."""
+    from megarl.checkpoint.layout import DamagedCheckpointError, checkpoints_dir, latest_checkpoint
+
+    if _is_megarl_checkpoint(path):
+        return path
+    if not checkpoints_dir(Path(path).expanduser()).is_dir():
+        return None
+    try:
+        newest = latest_checkpoint(Path(path).expanduser())
+    except DamagedCheckpointError as exc:
+        raise StartupError(f"model.path={path}: the newest checkpoint is damaged: {exc}") from None
+    if newest is None:
+        raise StartupError(f"model.path={path}: a run folder without a complete checkpoint")
+    return str(newest.path)
+
+
 def validate_against_model(cfg, model_dir: str, device: str = "cpu") -> None:
     """Checks that need the model's shape or the data: parallel layout, gates, planner, dataset."""
     from megarl.algo.router_replay import dense_model_problem
@@ -215,7 +235,7 @@ def validate_against_model(cfg, model_dir: str, device: str = "cpu") -> None:
             )
         ):
             raise StartupError(problem)
-        if cfg.rollout.engine == "vllm":
+        if cfg.rollout.engine == "vllm" and not cfg.algo.is_sft:
             check_vllm(cfg, model_dir, device)
         validate_gate_config(run_facts(cfg))
         check_pruning_config(
@@ -226,6 +246,9 @@ def validate_against_model(cfg, model_dir: str, device: str = "cpu") -> None:
             cfg.algo.adv_estimator,
             cfg.actor.moe_aux_loss_coef,
         )
+        if cfg.algo.is_sft:
+            check_sft_data(cfg, model_dir, spec.max_position_embeddings)
+            return
         source, dropped = training_source(cfg, model_dir, spec.max_position_embeddings)
         if dropped and isinstance(source, list):
             if not source:
@@ -244,6 +267,35 @@ def validate_against_model(cfg, model_dir: str, device: str = "cpu") -> None:
             check_context_fit(cfg, model_dir, val, spec.max_position_embeddings)
     except (ModelSpecError, GateConfigError, PlannerError, DatasetError, ValueError) as exc:
         raise StartupError(str(exc).splitlines()[0]) from None
+
+
+def check_sft_data(cfg, model_dir: str, context: int) -> None:
+    """``algo.objective=sft``: every training and validation conversation renders, has an
+    assistant turn and fits; a bad row stops the start naming ``file:row``, or with
+    ``data.skip_bad_rows`` the rows left out are counted here."""
+    from megarl.models.hf_io import load_hf_tokenizer
+    from megarl.sft.conversations import BadRow
+    from megarl.trainer.sft_batches import load_sft_examples
+
+    tokenizer = load_hf_tokenizer(model_dir)
+    for key, files in (
+        ("data.train_files", cfg.data.train_files),
+        ("data.val_files", cfg.data.val_files),
+    ):
+        if not files:
+            continue
+        try:
+            examples, skipped = load_sft_examples(cfg, tokenizer, files, context)
+        except BadRow as exc:
+            raise StartupError(str(exc)) from None
+        if skipped:
+            print(
+                f"data: data.skip_bad_rows left out {len(skipped)} of "
+                f"{len(skipped) + len(examples)} rows of {key} (the first: {skipped[0]})",
+                flush=True,
+            )
+        if not examples:
+            raise StartupError(f"{key}: no row to train on ({len(skipped)} bad rows left out)")
 
 
 CONTEXT_CHECK_MAX_PROMPTS = 4096
@@ -417,8 +469,15 @@ def resolve_resume(cfg, model_dir: str) -> str | None:
 
     def load_position(state) -> None:  # the rollout host's stream, as it will be built
         context = spec_from_hf_config(load_hf_config(model_dir)).max_position_embeddings
-        source, _ = training_source(cfg, model_dir, context)
-        stream = PromptStream(source, cfg.data.prompts_per_step, cfg.trainer.seed)
+        if cfg.algo.is_sft:  # the conversations (the bad rows a run skips are not in it)
+            from megarl.models.hf_io import load_hf_tokenizer
+            from megarl.trainer.sft_batches import load_sft_examples
+
+            tokenizer = load_hf_tokenizer(model_dir)
+            source, _ = load_sft_examples(cfg, tokenizer, cfg.data.train_files or (), context)
+        else:
+            source, _ = training_source(cfg, model_dir, context)
+        stream = PromptStream(cast("Any", source), cfg.data.prompts_per_step, cfg.trainer.seed)
         stream.load_state_dict(state)
 
     checks = RunChecks(model_spec=model_spec, model_dir=model_dir, load_position=load_position)

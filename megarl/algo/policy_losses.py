@@ -155,6 +155,21 @@ def cispo(
     )
 
 
+def sft(
+    logp_BT: Tensor, old_logp_BT: Tensor, adv_BT: Tensor, mask_BT: Tensor, clip: ClipSettings
+) -> TokenPolicyLoss:
+    """Supervised fine-tuning as a policy loss: the weighted negative log-likelihood
+    ``-A_t * log pi(y_t)`` (``algo.objective=sft`` gives every trained token ``A = 1``, so its
+    token-mean is the usual SFT cross-entropy over the assistant tokens). Nothing is clipped:
+    the old logprobs are not read. Both rules hold: ``A = 0`` contributes nothing, and each row
+    depends on itself only."""
+    return TokenPolicyLoss(
+        loss_BT=-adv_BT * logp_BT,
+        clipped_BT=torch.zeros_like(logp_BT, dtype=torch.bool),
+        clipped_lower_BT=_no_dual_clip(logp_BT),
+    )
+
+
 @dataclass(frozen=True)
 class PolicyLoss:
     """One registered loss: its per-token function and the aggregation it is meant with."""
@@ -169,6 +184,7 @@ POLICY_LOSSES: dict[str, PolicyLoss] = {
     # verl always aggregates GSPO with seq-mean-token-mean (the paper's per-sequence mean)
     "gspo": PolicyLoss(gspo, default_agg="seq-mean-token-mean"),
     "cispo": PolicyLoss(cispo),
+    "sft": PolicyLoss(sft),
 }
 
 POLICY_LOSS_NAMES: tuple[str, ...] = tuple(POLICY_LOSSES)

@@ -190,6 +190,10 @@ class FilterGroupsConfig:
         )
 
 
+OBJECTIVES: tuple[str, ...] = ("rl", "sft")
+"""The values of ``algo.objective``."""
+
+
 @dataclass(frozen=True)
 class AlgoConfig:
     """``algo``: the advantage estimator and what shapes the advantages (verl's ``algorithm``
@@ -219,8 +223,13 @@ class AlgoConfig:
     lam: float = 1.0
     """verl's key: GAE's lambda (``adv_estimator=gae`` only), in [0, 1]: 0 = one-step TD
     error, 1 = Monte-Carlo return minus the critic's value."""
+    objective: str = "rl"
+    """rl: rollouts, rewards, advantages | sft: supervised fine-tuning on a dataset's assistant
+    turns (``recipe=sft``, :mod:`megarl.sft`): no rollout engine, every assistant token trains
+    with ``actor.policy_loss=sft`` (the token-mean negative log-likelihood)."""
 
     def __post_init__(self) -> None:
+        _choice("algo.objective", self.objective, OBJECTIVES)
         _choice(
             "algo.adv_estimator",
             self.adv_estimator,
@@ -239,6 +248,11 @@ class AlgoConfig:
     def estimator(self) -> str:
         """The estimator that runs (``grpo`` without std normalisation is ``grpo_no_std``)."""
         return resolve_estimator_name(self.adv_estimator, self.norm_adv_by_std_in_grpo)
+
+    @property
+    def is_sft(self) -> bool:
+        """Supervised fine-tuning: batches from a dataset, no rollout engine."""
+        return self.objective == "sft"
 
     @property
     def uses_critic(self) -> bool:

@@ -91,6 +91,20 @@ class DataConfig:
     """Appended to every jsonl question."""
     system_prompt: str | None = None
     """None keeps the tokenizer's default system prompt."""
+    messages_key: str = "messages"
+    """``algo.objective=sft``: the column of OpenAI chat messages (multi-turn, ``tool_calls``
+    and ``tool`` messages); rows without it use ``prompt_key`` and ``response_key``."""
+    response_key: str = "response"
+    """``algo.objective=sft``: the column of the answer to ``prompt_key``'s prompt."""
+    tools_key: str = "tools"
+    """``algo.objective=sft``: the optional column of the row's OpenAI tool schemas."""
+    max_length: int | None = None
+    """``algo.objective=sft`` (verl's key): the longest conversation in tokens; null = the
+    model's context. Longer rows are bad rows."""
+    skip_bad_rows: bool = False
+    """``algo.objective=sft``: false = a bad row (no assistant turn, too long, a tool call
+    whose arguments are not JSON) stops the start in one line naming ``file:row``; true = such
+    rows are left out, counted, and said at start-up."""
 
     def __post_init__(self) -> None:
         files = _file_list("data.train_files", self.train_files)
@@ -119,6 +133,7 @@ class DataConfig:
             _choice("data.reward", self.reward, ("auto", *BUILTIN_REWARDS))
         _choice("data.reward_error", self.reward_error, REWARD_ERROR_POLICIES)
         _optional_positive("data.reward_timeout_s", self.reward_timeout_s)
+        _optional_positive("data.max_length", self.max_length)
 
     @property
     def reward_choice(self) -> RewardChoice:

@@ -50,6 +50,7 @@ def run_facts(cfg: RunConfig) -> RunFacts:
         lora_enabled=cfg.actor.lora.enabled,
         rollout_correction=cfg.algo.rollout_correction.enabled,
         router_replay_r2=cfg.actor.router_replay.mode == "R2",
+        rollout_engine=not cfg.algo.is_sft,
     )
 
 

@@ -102,14 +102,15 @@ class RunConfig:
         )
         _require(replay is None, str(replay))
         _require(
-            self.rollout.n >= 2 or self.algo.estimator not in GROUP_ESTIMATORS,
+            self.rollout.n >= 2 or self.algo.estimator not in GROUP_ESTIMATORS or self.algo.is_sft,
             f"rollout.n={self.rollout.n}: algo.adv_estimator={self.algo.adv_estimator} compares "
             "the samples of a prompt's group and needs at least 2 per prompt (one sample per "
             "prompt suits gae or reinforce_plus_plus)",
         )
         self._check_async_training()
         self._check_agent_loops()
-        num_seqs = self.data.prompts_per_step * self.rollout.n
+        self._check_sft()
+        num_seqs = self.num_seqs_per_step
         _require(
             num_seqs % self.actor.ppo_mini_batches == 0,
             f"data.prompts_per_step x rollout.n = {num_seqs} sequences is not divisible by "
@@ -182,6 +183,34 @@ class RunConfig:
             "gives) or bypass_mode=true (the behaviour logprobs as old, an approximation)",
         )
 
+    def _check_sft(self) -> None:
+        """``algo.objective=sft``: a dataset's assistant turns, the NLL loss, no rollout."""
+        if not self.algo.is_sft:
+            return
+        key = "algo.objective=sft"
+        _require(
+            self.data.task == "files",
+            f"{key} trains on a dataset's conversations: set data.train_files",
+        )
+        _require(
+            self.actor.policy_loss == "sft",
+            f"{key} needs actor.policy_loss=sft (the NLL of the assistant tokens), got "
+            f"{self.actor.policy_loss}; recipe=sft sets both",
+        )
+        _require(
+            not self.algo.uses_critic and not self.algo.use_kl_in_reward,
+            f"{key} has no rewards: algo.adv_estimator=gae and algo.use_kl_in_reward do not apply",
+        )
+        _require(self.actor.kl_coef == 0, f"{key} with actor.kl_coef={self.actor.kl_coef}: set 0")
+        _require(
+            not self.async_training.is_async and self.rollout.n_gpus == 0,
+            f"{key} has no rollout: async_training.mode=sync and rollout.n_gpus=0",
+        )
+        _require(
+            self.rollout.temperature == 1.0,
+            f"{key} scores tokens at temperature 1: set rollout.temperature=1.0",
+        )
+
     def _check_agent_loops(self) -> None:
         """What multi-turn trajectories do not combine with yet, refused by name."""
         if not self.rollout.multi_turn:
@@ -225,6 +254,9 @@ class RunConfig:
 
     @property
     def num_seqs_per_step(self) -> int:
+        """Sequences of a step's batch: ``rollout.n`` per prompt, one per conversation in SFT."""
+        if self.algo.is_sft:
+            return self.data.prompts_per_step
         return self.data.prompts_per_step * self.rollout.n
 
     @property

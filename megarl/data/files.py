@@ -62,7 +62,7 @@ def load_problem_files(
     problems: list[Problem] = []
     for path in files:
         rows = 0
-        for location, row in _read_rows(str(path)):
+        for location, row in read_rows(str(path)):
             problems.append(_to_problem(row, location, prompt_key, answer_key, instruction, choice))
             rows += 1
         if rows == 0:
@@ -70,7 +70,7 @@ def load_problem_files(
     return problems
 
 
-def _read_rows(path: str) -> Iterator[tuple[str, dict]]:
+def read_rows(path: str) -> Iterator[tuple[str, dict]]:
     """``(file:row, row)`` for each row; rows are counted from 1 as an editor or pandas shows
     them (+1)."""
     suffix = Path(path).suffix.lower()

@@ -119,7 +119,7 @@ class StepGates:
         step) | ref: skip (actor.kl_coef=0) | sync: adapter only (engine kept base)``."""
         old_action = self._old_action()
         if not self.adapter_sync.run:
-            sync_action = "full weights"
+            sync_action = "full weights" if self.base_weight_sync.run else "skip"
         else:
             sync_action = "base + adapter" if self.base_weight_sync.run else "adapter only"
         ref_action = "run" if self.ref_log_prob.run else "skip"

@@ -114,6 +114,9 @@ class RunFacts:
     router_replay_r2: bool = False
     """``actor.router_replay.mode=R2``: the old-logprob pass records the routing every training
     forward replays, so it runs on every sequence, also on an on-policy slice."""
+    rollout_engine: bool = True
+    """Whether the run has a rollout engine to send weights to (``algo.objective=sft`` has
+    none: its batches come from a dataset)."""
 
 
 @dataclass(frozen=True)
@@ -135,7 +138,11 @@ class StepFacts:
     """The version of the weights this step trains from (``step - 1``)."""
 
     def __post_init__(self) -> None:
-        if self.run.lora_enabled and self.engine_base_weights_resident is None:
+        if (
+            self.run.lora_enabled
+            and self.run.rollout_engine
+            and self.engine_base_weights_resident is None
+        ):
             raise ValueError(
                 "engine_base_weights_resident must come from the engine's report when "
                 "LoRA is enabled (it is never inferred from config)"
@@ -203,7 +210,7 @@ def decide_gates(facts: StepFacts) -> StepGates:
     """Decide every expensive pass of one RL step from its facts alone."""
     _check_forced_modes(facts.run, len(facts.slices), facts.step)
     base_weight_sync, adapter_sync = decide_weight_sync(
-        facts.run.lora_enabled, facts.engine_base_weights_resident
+        facts.run.lora_enabled, facts.engine_base_weights_resident, facts.run.rollout_engine
     )
     return StepGates(
         step=facts.step,
@@ -268,9 +275,12 @@ def decide_ref_log_prob(facts: StepFacts) -> PassGate:
 
 
 def decide_weight_sync(
-    lora_enabled: bool, engine_base_weights_resident: bool | None
+    lora_enabled: bool, engine_base_weights_resident: bool | None, rollout_engine: bool = True
 ) -> tuple[PassGate, PassGate]:
     """(base-weight sync, adapter sync), from the engine's report, never from config."""
+    if not rollout_engine:
+        reason = "no rollout engine (algo.objective=sft)"
+        return PassGate(run=False, reason=reason), PassGate(run=False, reason=reason)
     if not lora_enabled:
         return (
             PassGate(run=True, reason="no LoRA: full weights"),

@@ -238,6 +238,8 @@ def _jsonable(value: Any) -> Any:
 
 def step_line(m: Mapping[str, Any]) -> str:
     """One readable console line per step."""
+    if "sft/loss" in m:
+        return _sft_step_line(m)
     parts = [
         f"step {m['step']:>3}",
         f"reward {m['critic/rewards/mean']:.3f}",
@@ -259,10 +261,33 @@ def step_line(m: Mapping[str, Any]) -> str:
     return line
 
 
+def _sft_step_line(m: Mapping[str, Any]) -> str:
+    """The line of a supervised fine-tuning step: its loss, perplexity, tokens trained."""
+    parts = [
+        f"step {m['step']:>3}",
+        f"loss {m['sft/loss']:.4f}",
+        f"ppl {m['sft/ppl']:.2f}",
+        f"tokens {m['sft/trained_tokens']:,.0f}",
+        f"grad_norm {m['actor/grad_norm']:.3f}",
+        f"{m['timing_s/step']:.1f}s",
+    ]
+    line = " | ".join(parts)
+    if "sft/val_loss" in m:
+        line += f"\n         validation: loss {m['sft/val_loss']:.4f} | ppl {m['sft/val_ppl']:.2f}"
+    if m.get("planner/summary"):
+        line += f"\n         plan: {m['planner/summary']}"
+    if m.get("gates/summary"):
+        line += f"\n         gates: {m['gates/summary']}"
+    return line
+
+
 def validation_line(m: Mapping[str, Any]) -> str:
     """The console line of a validation outside a training step (step 0: the initial weights)."""
     seconds = m.get("timing_s/testing")
     took = f" | {seconds:.1f}s" if isinstance(seconds, int | float) else ""
+    if "sft/val_loss" in m:
+        scores = f"loss {m['sft/val_loss']:.4f} | ppl {m['sft/val_ppl']:.2f}"
+        return f"step {m['step']:>3} | validation: {scores}{took}"
     return f"step {m['step']:>3} | validation: {_validation_scores(m)}{took}"
 
 

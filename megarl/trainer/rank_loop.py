@@ -252,7 +252,21 @@ def _setup(ctx: WorkerContext, inputs: RunInputs) -> Runtime:
         else None,
         progress=_progress_hook(host),
         startup=clock,
+        sft_validation=_sft_validation_examples(cfg, tokenizer, spec),
     )
+
+
+def _sft_validation_examples(cfg: RunConfig, tokenizer, spec: TransformerSpec):
+    """``algo.objective=sft`` with ``data.val_files``: the validation conversations, loaded by
+    every rank (each scores its data-parallel share); None otherwise."""
+    if not cfg.algo.is_sft or not cfg.data.val_files:
+        return None
+    from megarl.trainer.sft_batches import load_sft_examples
+
+    examples, _ = load_sft_examples(
+        cfg, tokenizer, cfg.data.val_files, spec.max_position_embeddings
+    )
+    return examples
 
 
 def _rollout_source(cfg: RunConfig, host: RolloutHost | None) -> RolloutSource:
@@ -350,11 +364,10 @@ def _train(rt: Runtime) -> None:
     if rt.host is not None:  # wandb's run id is known now: a wandb that cannot start stops here
         rt.host.start_loggers()
         rt.host.record_startup(rt.startup.metrics())
-    if rt.host is not None and validates_before_training(
-        rt.cfg.trainer.val_before_train, last_done
-    ):
-        heartbeat.mark("validate", 0)
-        rt.host.record_validation(0, rt.host.validate(0))
+    if validates_before_training(rt.cfg.trainer.val_before_train, last_done):
+        validation = _validate(rt, 0)
+        if rt.host is not None:
+            rt.host.record_validation(0, validation)
     rt.source.start(last_done + 1)
     for step in range(last_done + 1, rt.cfg.trainer.total_steps + 1):
         maybe_die(dist.get_rank(), step)
@@ -405,22 +418,37 @@ def _train_step(rt: Runtime, step: int) -> None:
         replicas = rt.cfg.actor.tp // rt.actor.sequence_split
         metrics.update(moe_routing.router_statistics(rt.routers, rt.spec.num_layers, replicas))
     sync_weights(rt, gates, timer, step)
+    validation = {}
+    if is_validation_step(step, rt.cfg.trainer.total_steps, rt.cfg.trainer.val_interval):
+        validation = _validate(rt, step)
     if rt.host is not None:
-        _record_step(rt, step, timer, rollout, plan, gates, stats, metrics)
+        _record_step(rt, step, timer, rollout, plan, gates, stats, metrics, validation)
     _maybe_save(rt, step)
 
 
-def _record_step(rt: Runtime, step: int, timer, rollout: StepRollout, plan, gates, stats, metrics):
-    """Rank 0: validate when due, then the step's metrics to every sink and the console."""
+def _validate(rt: Runtime, step: int) -> dict[str, float]:
+    """Validation after ``step`` (0: before training): rank 0's rollout host generates and
+    scores; under ``algo.objective=sft`` every rank takes part in the loss on the validation
+    conversations (empty elsewhere, or without any)."""
+    heartbeat.mark("validate", step)
+    if rt.sft_validation is not None:
+        from megarl.trainer.sft_batches import sft_validation
+
+        return sft_validation(rt, rt.sft_validation)
+    if rt.host is None or rt.cfg.algo.is_sft:
+        return {}
+    return rt.host.validate(step)
+
+
+def _record_step(
+    rt: Runtime, step: int, timer, rollout: StepRollout, plan, gates, stats, metrics, validation
+):
+    """Rank 0: the step's metrics (its validation's included) to every sink and the console."""
     assert rt.host is not None and rollout.batch is not None
     if rt.cfg.async_training.is_async and rollout.batch.behaviour_versions is not None:
         trained = {i for dp in range(rt.cfg.dp) for i in plan.trained_sequences(dp)}
         versions = [v.tolist() for v in rollout.batch.behaviour_versions]
         metrics.update(staleness_stats(versions, trained, trainer_version(step)).metrics())
-    validation = {}
-    if is_validation_step(step, rt.cfg.trainer.total_steps, rt.cfg.trainer.val_interval):
-        heartbeat.mark("validate", step)
-        validation = rt.host.validate(step)
     heartbeat.mark("record_metrics")
     rt.host.record_step(step, timer, metrics, plan, gates, stats, rollout.batch, validation)
 
@@ -458,7 +486,8 @@ def _maybe_restore(rt: Runtime) -> int:
         saved = read_algo_state(rt.resume_from).get("kl_ctrl")
         if saved is not None:  # else the run had no KL in the reward: start afresh
             rt.kl_ctrl.load_state_dict(saved)
-    push_weights(rt, base=True, adapter=rt.cfg.actor.lora.enabled)
+    if not rt.cfg.algo.is_sft:  # the engine serves the restored weights (SFT has none)
+        push_weights(rt, base=True, adapter=rt.cfg.actor.lora.enabled)
     rt.source.weights_synced(step)  # the weights after step s are policy version s
     return step
 

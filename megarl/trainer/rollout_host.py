@@ -28,7 +28,7 @@ from megarl.data.arithmetic import ArithmeticTask
 from megarl.data.files import load_problem_files
 from megarl.data.loader import PromptSource, PromptStream, build_prompt_source
 from megarl.data.problems import Problem
-from megarl.engines.base import EngineMemoryState, SamplingParams
+from megarl.engines.base import EngineMemoryState, RolloutEngine, SamplingParams
 from megarl.engines.factory import build_engine
 from megarl.models.spec import TransformerSpec, spec_from_hf_config
 from megarl.trainer import perf
@@ -52,8 +52,12 @@ from megarl.trainer.rollout import (
     rollout_prompt_ids,
     sampling_seed,
 )
+from megarl.trainer.sft_batches import NoEngine, SFTProducer, load_sft_examples, loss_metrics
 from megarl.trainer.summary import summarize
 from megarl.trainer.summary_plot import SUMMARY_PLOT, write_summary_plot
+
+NO_ENGINE_METRICS = ("rollout/logprob_abs_diff", "rollout_corr/", "critic/", "actor/pg_clipfrac")
+"""Metrics that compare with an engine's sampling or describe rewards: not in an SFT step."""
 
 VALIDATION_SEED_BATCH = 1_000_003
 """``sampling_seed``'s batch number for validation: far from dynamic sampling's 1, 2, ..."""
@@ -74,9 +78,41 @@ class RolloutHost:
 
         self.cfg = cfg
         self.spec = spec if spec is not None else spec_from_hf_config(load_hf_config(model_dir))
-        self.engine, self.sleep_level = _build_engine(cfg, tokenizer, device, model_dir)
         self.tokenizer = tokenizer
         self._val_problems: list[Problem] | None = None
+        self.console = Console(
+            cfg.trainer.total_steps,
+            enabled="console" in cfg.trainer.logger,
+            progress=cfg.trainer.progress,
+        )
+        self.engine: RolloutEngine = NoEngine()
+        self.sleep_level = 0
+        self.producer: RolloutProducer
+        """RL: prompts, engine, rewards, advantages (not set under ``algo.objective=sft``)."""
+        self.sft: SFTProducer | None = None
+        """``algo.objective=sft``: the batches come from the dataset's conversations."""
+        if cfg.algo.is_sft:  # no engine (megarl.sft)
+            context = self.spec.max_position_embeddings
+            examples, _ = load_sft_examples(cfg, tokenizer, cfg.data.train_files or (), context)
+            self.sft = SFTProducer(examples, cfg.data.prompts_per_step, cfg.trainer.seed, tokenizer)
+            self.stream = self.sft.stream
+        else:
+            self.engine, self.sleep_level = _build_engine(cfg, tokenizer, device, model_dir)
+            self.producer = self._rollout_producer(model_dir)
+        self.writer = metrics_writer(cfg)
+        self.history: list[dict] = []
+        # validations outside a training step (step 0): in the summary, not in the history
+        self._validation_only: list[dict] = []
+        self._export_metrics: dict[str, float] = {}
+        self._startup_metrics: dict[str, float] = {}
+        self._perf = _PerfContext.build(model_dir, device, cfg.trainer.world_size)
+        self.weights_version = 0
+        """The policy version the engine serves (:mod:`megarl.planner.staleness`): 0 for the
+        model's own weights, then each step's number once its weights arrived."""
+
+    def _rollout_producer(self, model_dir: str) -> RolloutProducer:
+        """RL's producer: the prompt stream, the engine, rewards and advantages."""
+        cfg, tokenizer = self.cfg, self.tokenizer
         source, _ = training_source(
             cfg, model_dir, self.spec.max_position_embeddings, tokenizer=tokenizer
         )
@@ -96,12 +132,7 @@ class RolloutHost:
             max_num_gen_batches=cfg.algo.filter_groups.max_num_gen_batches,
             input_routing=cfg.actor.router_replay.mode == "R3",
         )
-        self.console = Console(
-            cfg.trainer.total_steps,
-            enabled="console" in cfg.trainer.logger,
-            progress=cfg.trainer.progress,
-        )
-        self.producer = RolloutProducer(
+        return RolloutProducer(
             self.engine,
             tokenizer,
             self.stream,
@@ -116,16 +147,6 @@ class RolloutHost:
                 agent_run_facts(cfg, self.spec.max_position_embeddings),
             ),
         )
-        self.writer = metrics_writer(cfg)
-        self.history: list[dict] = []
-        # validations outside a training step (step 0): in the summary, not in the history
-        self._validation_only: list[dict] = []
-        self._export_metrics: dict[str, float] = {}
-        self._startup_metrics: dict[str, float] = {}
-        self._perf = _PerfContext.build(model_dir, device, cfg.trainer.world_size)
-        self.weights_version = 0
-        """The policy version the engine serves (:mod:`megarl.planner.staleness`): 0 for the
-        model's own weights, then each step's number once its weights arrived."""
 
     def wait_for_engine(self) -> None:
         """The rollout engine has started (a vLLM start overlaps the trainer's set-up); its
@@ -134,6 +155,8 @@ class RolloutHost:
 
     def rollout(self, step: int):
         """The synchronous loop's step: generate and score the step's prompts now."""
+        if self.sft is not None:
+            return self.sft.produce(step)
         return self.producer.produce(step, self.weights_version)
 
     def weights_loaded(self, version: int) -> None:
@@ -239,6 +262,8 @@ class RolloutHost:
 
     def engine_metrics(self, state: EngineMemoryState) -> dict[str, float]:
         """What the engine reported after its sleep (the base-weight gate's input)."""
+        if self.sft is not None:
+            return {}
         return {
             "engine/sleep_level": float(self.sleep_level),
             "engine/base_weights_resident": float(state.base_weights_resident),
@@ -277,6 +302,10 @@ class RolloutHost:
         metrics.update(rollout_metrics)
         metrics.update(validation or {})
         metrics.update(stats.metrics())
+        if self.cfg.algo.is_sft:  # the sft loss is the NLL; nothing was sampled to compare
+            metrics.update(loss_metrics(metrics["actor/pg_loss"], 1.0))
+            for key in [k for k in metrics if k.startswith(NO_ENGINE_METRICS)]:
+                del metrics[key]
         metrics.update(plan.metrics)
         metrics["planner/summary"] = plan.summary()
         metrics.update(gates.metrics())
@@ -290,7 +319,7 @@ class RolloutHost:
         metrics["perf/total_num_tokens"] = total_tokens
         metrics["perf/throughput"] = total_tokens / max(metrics["timing_s/step"], 1e-9)
         metrics.update(self._perf.update_metrics(plan, batch, timer.times))
-        texts = self.producer.pop_texts(step)
+        texts = (self.sft or self.producer).pop_texts(step)
         if self.cfg.trainer.rollout_data_dir is not None:
             self._dump_rollout(step, batch, plan, texts)
         self.writer.write(metrics)

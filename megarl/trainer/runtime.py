@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from megarl.config.schema import RunConfig
     from megarl.critic.megatron_critic import MegatronCritic
     from megarl.models.spec import TransformerSpec
+    from megarl.sft.conversations import SFTExample
     from megarl.trainer.rollout_host import RolloutHost
     from megarl.trainer.rollout_source import RolloutSource
 
@@ -51,6 +52,9 @@ class Runtime:
     """Rank 0 with ``trainer.progress`` on: the console's phase display (the work done in each
     phase); a no-op everywhere else."""
     startup: StartupClock = field(default_factory=StartupClock)
+    sft_validation: list[SFTExample] | None = None
+    """``algo.objective=sft`` with ``data.val_files``: the validation conversations (every
+    rank holds them; each scores its data-parallel share)."""
     """Rank 0 reports from it where the start-up went (``timing_s/startup/*``)."""
 
 

@@ -21,6 +21,8 @@ from typing import Any
 from megarl.trainer.metrics import PHASES, STARTUP_PREFIX
 
 REWARD_KEY = "critic/rewards/mean"
+NO_ENGINE_SYNC = "sync: no rollout engine"
+"""The gates' reason of a run without a rollout engine (``algo.objective=sft``)."""
 VALIDATION_PREFIX = "val-core/"
 STEP_TIME_KEY = "timing_s/step"
 
@@ -188,6 +190,18 @@ def _score_rows(history: Rows, window: int) -> tuple[tuple[str, ...], ...]:
         for key, series in scores
         if series
     ]
+    for key, label in (("sft/loss", "loss (sft)"), ("sft/val_loss", "val loss (sft)")):
+        losses = series(history, key)
+        if losses:  # lower is better
+            best_step, best = min(losses, key=lambda point: point[1])
+            rows.append(
+                (
+                    label,
+                    f"{losses[0][1]:.4f}",
+                    f"{losses[-1][1]:.4f}",
+                    f"{best:.4f} (step {best_step})",
+                )
+            )
     return tuple(rows)
 
 
@@ -297,6 +311,9 @@ def _weight_sync(history: Rows) -> tuple[str, str] | None:
     gated = [row for row in history if isinstance(row.get("gates/base_weight_sync"), int | float)]
     if not gated:
         return None
+    engineless = sum(1 for row in gated if NO_ENGINE_SYNC in str(row.get("gates/reasons", "")))
+    if engineless == len(gated):
+        return "weight sync", f"none on {len(gated)} steps (no rollout engine)"
     base = sum(1 for row in gated if row["gates/base_weight_sync"] > 0)
     seconds = sum(v for _, v in series(gated, "timing_s/update_weights"))
     skipped = len(gated) - base

@@ -25,6 +25,8 @@ from megarl.trainer.summary import REWARD_KEY, Rows, phase_keys, series, validat
 SUMMARY_PLOT = "summary.png"
 RESPONSE_LENGTH_KEY = "response_length/mean"
 LOGPROB_DIFF_KEY = "rollout/logprob_abs_diff"
+SFT_LOSS_KEY = "sft/loss"
+SFT_VAL_LOSS_KEY = "sft/val_loss"
 MATPLOTLIB_MISSING = "matplotlib is not installed (pip install matplotlib)"
 
 Runs = Mapping[str, Rows]
@@ -185,6 +187,8 @@ def _any_validation(runs: Runs) -> bool:
 
 _PANELS: Sequence[tuple[str, Callable[[Any, Runs], None], Callable[[Runs], bool]]] = (
     ("reward (critic/rewards/mean)", _draw_reward, _has(REWARD_KEY)),
+    ("SFT loss (sft/loss)", _draw_line(SFT_LOSS_KEY), _has(SFT_LOSS_KEY)),
+    ("SFT validation loss (sft/val_loss)", _draw_line(SFT_VAL_LOSS_KEY), _has(SFT_VAL_LOSS_KEY)),
     ("validation (val-core)", _draw_validation, _any_validation),
     ("mean response length", _draw_line(RESPONSE_LENGTH_KEY), _has(RESPONSE_LENGTH_KEY)),
     (LOGPROB_DIFF_KEY, _draw_line(LOGPROB_DIFF_KEY, log_scale=True), _has(LOGPROB_DIFF_KEY)),

@@ -25,6 +25,7 @@ LAYERS = (
     "export",
     "engines",
     "agent",
+    "sft",
     "config",
     "checkpoint",
     "actor",

@@ -290,10 +290,10 @@ def test_policy_loss_rejects_wrong_advantage_length() -> None:
 
 
 def test_registry_names_and_default_aggregations() -> None:
-    assert POLICY_LOSS_NAMES == ("vanilla", "gspo", "cispo")
+    assert POLICY_LOSS_NAMES == ("vanilla", "gspo", "cispo", "sft")
     assert all(entry.default_agg in AGG_MODES for entry in POLICY_LOSSES.values())
     assert get_policy_loss("gspo").default_agg == "seq-mean-token-mean"  # as verl forces it
-    with pytest.raises(ValueError, match="vanilla, gspo, cispo"):
+    with pytest.raises(ValueError, match="vanilla, gspo, cispo, sft"):
         get_policy_loss("ppo")
 
 

@@ -202,8 +202,8 @@ def _stops(value: Any, key: str) -> tuple[str, ...]:
     raise bad_request(f"{key}: must be a string or a list of strings")
 
 
-def _openai_message(raw: Any, number: int) -> Message:
-    where = f"messages[{number}]"
+def _openai_message(raw: Any, number: int, where: str = "messages") -> Message:
+    where = f"{where}[{number}]"
     if not isinstance(raw, Mapping):
         raise bad_request(f"{where}: must be an object with a role")
     role = raw.get("role")
@@ -237,13 +237,23 @@ def _openai_tools(raw: Any) -> tuple[Mapping[str, Any], ...]:
     return tuple(tools)
 
 
+def parse_messages(raw: Any, where: str = "messages") -> tuple[Message, ...]:
+    """A list of OpenAI chat messages in the neutral form (``where`` names them in errors)."""
+    if not isinstance(raw, list) or not raw:
+        raise bad_request(f"{where}: a non-empty list is required")
+    return tuple(_openai_message(m, i, where) for i, m in enumerate(raw))
+
+
+def parse_tools(raw: Any) -> tuple[Mapping[str, Any], ...]:
+    """OpenAI function tools (``[{"type": "function", "function": {...}}]``), kept as schemas."""
+    return _openai_tools(raw)
+
+
 def parse_openai(body: Any) -> ChatRequest:
     """A ``POST /v1/chat/completions`` body as a :class:`ChatRequest`."""
     if not isinstance(body, Mapping):
         raise bad_request("the request body must be a JSON object")
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise bad_request("messages: a non-empty list is required")
+    messages = parse_messages(body.get("messages"))
     n = body.get("n")
     if n not in (None, 1):
         raise bad_request(f"n={n!r}: this gateway samples one choice per request (n=1)")
@@ -251,7 +261,7 @@ def parse_openai(body: Any) -> ChatRequest:
     if not isinstance(top_logprobs, int) or not 0 <= top_logprobs <= 20:
         raise bad_request(f"top_logprobs={top_logprobs!r}: must be an integer in [0, 20]")
     return ChatRequest(
-        messages=tuple(_openai_message(m, i) for i, m in enumerate(messages)),
+        messages=messages,
         tools=_openai_tools(body.get("tools")),
         max_tokens=_positive_int(body, "max_completion_tokens", "max_tokens"),
         temperature=_number(body, "temperature", 0.0, 2.0),
