@@ -62,6 +62,7 @@ from megarl.engines.base import (
     join_pieces,
     request_seed,
 )
+from megarl.user_code import user_call
 
 _MAX_SEED = 2**63 - 1
 
@@ -495,7 +496,9 @@ def run_agent_loops(
     ``max_new_tokens`` is each trajectory's response budget, ``ctx.max_response_tokens``).
     ``partial``: newer weights may interrupt the engine calls (the trajectories' tokens then
     carry their versions). A loop that raises stops the step: the other trajectories are
-    cancelled (their tools released) and the exception is raised here."""
+    cancelled (their tools released) and the exception is raised here (a ``SystemExit`` or
+    ``KeyboardInterrupt`` as :class:`megarl.user_code.UserCodeExit`, naming loop and sample:
+    never the process's exit)."""
     return asyncio.run(
         drive_agent_loops(engine, loop, samples, params, tokenizer, linger_s, partial)
     )
@@ -536,7 +539,8 @@ async def _run_one(
     batcher: _Batcher, index: int, loop: AgentLoop, sample: Sample, ctx: AgentContext
 ) -> Trajectory:
     try:
-        traj = await loop.run(sample, ctx)
+        with user_call(f"agent loop {type(loop).__name__}: run (sample {sample.index})"):
+            traj = await loop.run(sample, ctx)
     finally:
         batcher.change(index, done=True)
     if not isinstance(traj, Trajectory):

@@ -39,6 +39,7 @@ from megarl.agent.tool_config import load_tools
 from megarl.agent.tools.base import Tool, ToolError
 from megarl.agent.trajectory import Trajectory
 from megarl.errors import BadInputError, RunAborted
+from megarl.user_code import describe_user_exception, user_call
 
 if TYPE_CHECKING:
     from megarl.agent.driver import AgentContext
@@ -189,20 +190,30 @@ def tools_kwargs(row: Mapping[str, Any], name: str) -> dict[str, Any]:
     return dict(kwargs) if isinstance(kwargs, Mapping) else {}
 
 
+def tool_call_name(name: str, hook: str, sample: int) -> str:
+    """How a call into a tool is named (warnings, the heartbeat, a dead rank's line)."""
+    return f"tool {name}: {hook} (sample {sample})"
+
+
 class _ToolStates:
     """One trajectory's tool states: each tool's ``create`` runs once, on its first call (two
-    concurrent first calls share it), and every created state is released at the end."""
+    concurrent first calls share it), and every created state is released at the end. Every
+    hook runs inside :func:`megarl.user_code.user_call`."""
 
-    def __init__(self, tools: Mapping[str, Tool], row: Mapping[str, Any]) -> None:
-        self._tools, self._row = tools, row
+    def __init__(self, tools: Mapping[str, Tool], row: Mapping[str, Any], sample: int) -> None:
+        self._tools, self._row, self.sample = tools, row, sample
         self._created: dict[str, asyncio.Task[Any]] = {}
 
     async def get(self, name: str) -> Any:
         task = self._created.get(name)
         if task is None:
-            task = asyncio.ensure_future(self._tools[name].create(tools_kwargs(self._row, name)))
+            task = asyncio.ensure_future(self._create(name))
             self._created[name] = task
         return await asyncio.shield(task)
+
+    async def _create(self, name: str) -> Any:
+        with user_call(tool_call_name(name, "create", self.sample)):
+            return await self._tools[name].create(tools_kwargs(self._row, name))
 
     async def release(self) -> None:
         """Release every state that was created; a failing release is warned about (the
@@ -215,12 +226,13 @@ class _ToolStates:
             if task.cancelled() or task.exception() is not None:
                 continue
             try:
-                await self._tools[name].release(task.result())
+                with user_call(tool_call_name(name, "release", self.sample)):
+                    await self._tools[name].release(task.result())
             except RunAborted:
                 raise
             except Exception as exc:  # noqa: BLE001 - a user's release hook; reported, not raised
                 warnings.warn(
-                    f"tool {name}: release failed: {type(exc).__name__}: {exc}", stacklevel=1
+                    f"tool {name}: release failed: {describe_user_exception(exc)}", stacklevel=1
                 )
 
 
@@ -266,6 +278,7 @@ class ToolAgentLoop(AgentLoop):
         self.renderer = ChatRenderer(tokenizer, schemas, tool_format=settings.tool_format)
         self._schemas = {name: tool.tool_schema for name, tool in self.tools.items()}
         self._warned_prefix = False
+        self._warned_tools: set[str] = set()
 
     def prompt_ids(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
         """The prompt with the tools described (by the template, or in the system message)."""
@@ -281,7 +294,7 @@ class ToolAgentLoop(AgentLoop):
             )
         traj = Trajectory(sample.prompt_ids, ctx.max_response_tokens)
         history: list[dict[str, Any]] = list(messages)
-        states = _ToolStates(self.tools, sample.row)
+        states = _ToolStates(self.tools, sample.row, sample.index)
         try:
             while True:
                 room = traj.remaining
@@ -357,7 +370,9 @@ class ToolAgentLoop(AgentLoop):
         except RunAborted:  # a stop (SIGTERM/SIGINT) while the tool ran: the run ends, not the tool
             raise
         except Exception as exc:  # noqa: BLE001 - a tool's bug: the model's error, not a crash
-            return _Answer(f"Error: {call.name} failed: {type(exc).__name__}: {exc}", failed=True)
+            self._warn_tool_failure(call.name, exc)
+            described = describe_user_exception(exc, location=False)
+            return _Answer(f"Error: {call.name} failed: {described}", failed=True)
         if not isinstance(result, str):
             kind = type(result).__name__
             return _Answer(f"Error: {call.name} returned a {kind}, not text", failed=True)
@@ -365,7 +380,19 @@ class ToolAgentLoop(AgentLoop):
 
     async def _execute(self, call: ToolCall, states: _ToolStates) -> Any:
         state = await states.get(call.name)
-        return await self.tools[call.name].execute(dict(call.arguments), state)
+        with user_call(tool_call_name(call.name, "execute", states.sample)):
+            return await self.tools[call.name].execute(dict(call.arguments), state)
+
+    def _warn_tool_failure(self, name: str, exc: BaseException) -> None:
+        """Say once per tool where its code failed (the model reads the error without it)."""
+        if name in self._warned_tools:
+            return
+        self._warned_tools.add(name)
+        warnings.warn(
+            f"tool {name} failed: {describe_user_exception(exc)}; the model reads it as an "
+            "error observation (agent/tool_errors counts them)",
+            stacklevel=1,
+        )
 
     def _truncate(self, text: str) -> str:
         """``text`` cut to ``max_tool_response_tokens`` tokens, saying so (the head is kept:

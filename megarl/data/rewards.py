@@ -30,6 +30,7 @@ from typing import Any, cast
 
 from megarl.data.numbers import normalize_number, numbers_equal
 from megarl.errors import BadInputError, RunAborted
+from megarl.user_code import describe_user_exception, user_call
 
 RewardFn = Callable[[str, str], float]
 
@@ -439,7 +440,10 @@ def score_samples(
     check each value (see :func:`reward_value`). A user's function (not a built-in) that
     takes longer than ``timeout_s`` for one sample has failed on it (:func:`call_bounded`).
 
-    Messages name ``data.reward`` as the user set it. Under ``policy="raise"`` the first
+    Messages name ``data.reward`` as the user set it, and what the function raised with the
+    ``file:line`` it came from. Every call goes through :func:`megarl.user_code.user_call`: a
+    ``SystemExit`` (of any code) or a ``KeyboardInterrupt`` the function raises is its failure
+    like any exception, never the run's exit. Under ``policy="raise"`` the first
     failure raises :class:`RewardFunctionError`; under ``"zero"`` it scores 0.0 and is
     counted. A stop request or the launcher's watch (:class:`~megarl.errors.RunAborted`, raised
     wherever the main thread is, inside the function too) is never taken for the function's
@@ -457,14 +461,14 @@ def score_samples(
         reward = choice.for_source(source)
         limit = None if reward.name in BUILTIN_REWARDS else timeout_s
         try:
-            returned = call_bounded(reward.fn, response, answer, limit)
+            with user_call(f"{choice.label(reward)}: sample {index}{where}"):
+                returned = call_bounded(reward.fn, response, answer, limit)
         except RunAborted:
             raise
         except RewardTimeout as exc:
             problem = str(exc)
         except Exception as exc:  # noqa: BLE001 - the user's code: any failure is reported
-            detail = " ".join(str(exc).split())[:200]
-            problem = f"raised {type(exc).__name__}{': ' + detail if detail else ''}"
+            problem = f"raised {describe_user_exception(exc)}"
         else:
             try:
                 rewards.append(reward_value(returned))

@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import signal
+import sys
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -578,6 +580,10 @@ class Fails(Tool):
             await asyncio.sleep(30)
         if arguments["how"] == "long":
             return " ".join(f"word{i}" for i in range(200))
+        if arguments["how"] == "exit":
+            raise SystemExit(False)  # what unittest.main() raises when the tests pass
+        if arguments["how"] == "thread_exit":
+            await asyncio.to_thread(sys.exit, 0)
         return 42  # not text
 
 
@@ -689,6 +695,8 @@ def test_two_calls_in_one_turn_run_concurrently_and_answer_in_order(tokenizer):
         ("bug", "Error: fails failed: RuntimeError: the tool has a bug"),
         ("hang", "Error: fails timed out after 0.05 s"),
         ("int", "Error: fails returned a int, not text"),
+        ("exit", "Error: fails failed: SystemExit(False)"),
+        ("thread_exit", "Error: fails failed: SystemExit(0)"),
     ],
 )
 def test_a_failing_tool_is_an_error_observation(tokenizer, how, expected):
@@ -898,3 +906,55 @@ def test_a_stop_request_inside_a_tool_stops_the_step_instead_of_becoming_an_obse
 
     with pytest.raises(RunStopped):
         tool_run(tokenizer, [[call("stop", why="now"), "done"]], [Stopped()])
+
+
+def test_a_tool_that_exits_or_interrupts_itself_is_an_error_observation_not_the_runs_end(
+    tokenizer, monkeypatch
+):
+    """Under megarl-train SIGINT raises RunStopped, so a KeyboardInterrupt is the tool's own;
+    a SystemExit from ``create`` or ``execute`` is that call's failure, warned with where."""
+    monkeypatch.setattr(signal, "getsignal", lambda sig: lambda *args: None)
+
+    class Exits(Tool):
+        def __init__(self, name: str, hook: str, exc: BaseException) -> None:
+            super().__init__({}, schema(name, x="integer"))
+            self.hook, self.exc = hook, exc
+
+        async def create(self, tools_kwargs):
+            if self.hook == "create":
+                raise self.exc
+            return {}
+
+        async def execute(self, arguments, state):
+            raise self.exc
+
+    tools = [
+        Exits("interrupts", "execute", KeyboardInterrupt()),
+        Exits("exits_early", "create", SystemExit(0)),
+    ]
+    turn = call("interrupts", x=1) + "\n" + call("exits_early", x=2)
+    with pytest.warns(UserWarning, match=r"tool exits_early failed: SystemExit\(0\) \(at "):
+        result, loop, _ = tool_run(tokenizer, [[turn, "Sorry."]], tools)
+    (traj,) = result.trajectories
+    assert traj.num_turns == 2 and traj.tool_errors == 2
+    (observation,) = observations(loop, traj)
+    assert "Error: interrupts failed: KeyboardInterrupt\n" in observation
+    assert "Error: exits_early failed: SystemExit(0)\n" in observation
+
+
+def test_a_loop_that_raises_system_exit_fails_its_step_naming_loop_and_sample():
+    from megarl.user_code import UserCodeExit
+
+    class ExitsOnTwo(AgentLoop):
+        async def run(self, sample, ctx):
+            traj = Trajectory(sample.prompt_ids, ctx.max_response_tokens)
+            traj.add_generated(await ctx.generate(traj.token_ids))
+            if sample.index == 2:
+                sys.exit(0)
+            return traj
+
+    with pytest.raises(UserCodeExit) as failed:
+        run(FakeEngine(), ExitsOnTwo(), count=3)
+    message = str(failed.value)
+    assert message.startswith("agent loop ExitsOnTwo: run (sample 2) raised SystemExit(0) (at ")
+    assert "test_agent_loop.py:" in message

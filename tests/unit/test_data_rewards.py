@@ -242,6 +242,26 @@ def test_ctrl_c_in_a_reward_function_is_not_swallowed() -> None:
         score_samples(_fixed(interrupted), ["a"], ["1"], None, "zero")
 
 
+def _exits(response: str, answer: str) -> float:
+    if response == "bad":
+        raise SystemExit(False)  # what unittest.main() raises when the checks pass
+    return 1.0
+
+
+@pytest.mark.parametrize("timeout_s", [None, 5.0])
+def test_a_reward_function_that_exits_fails_its_sample_never_the_run(timeout_s) -> None:
+    """``SystemExit`` (any code) is the function's failure under both policies, in the caller's
+    thread and in the timed one, named with where it was raised."""
+    with pytest.raises(RewardFunctionError) as info:
+        score_samples(_fixed(_exits), ["ok", "bad"], ["1", "1"], None, "raise", 3, timeout_s)
+    message = str(info.value)
+    assert "sample 1 (step 3) raised SystemExit(False) (at tests/unit/test_data_rewards.py:" in (
+        message
+    )
+    scored = score_samples(_fixed(_exits), ["bad", "ok"], ["1", "1"], None, "zero", 3, timeout_s)
+    assert scored.rewards == (0.0, 1.0) and scored.failures == 1
+
+
 @pytest.mark.parametrize("policy", ["raise", "zero"])
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_a_stop_request_during_a_reward_function_stops_the_run(policy, sig) -> None:
