@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import itertools
 import os
 import signal
@@ -140,6 +141,9 @@ def _cancelling() -> bool:
 
 _lock = threading.Lock()
 _in_flight: dict[int, str] = {}
+_current: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "megarl_user_call", default=None
+)
 _tokens = itertools.count()
 _listener: Callable[[], None] | None = None
 
@@ -155,6 +159,12 @@ def calls_in_flight() -> tuple[str, ...]:
     """What user code is running now, oldest first (``tool python_exec (sample 3)``)."""
     with _lock:
         return tuple(_in_flight.values())
+
+
+def current_user_call() -> str | None:
+    """The innermost user call of this context (this task, or the thread ``asyncio.to_thread``
+    started for it), or None: what a worker thread started now is working for."""
+    return _current.get()
 
 
 def _notify() -> None:
@@ -175,6 +185,7 @@ def user_call(what: str) -> Iterator[None]:
         token = next(_tokens)
         _in_flight[token] = what
     _notify()
+    current = _current.set(what)
     try:
         yield
     except Exception:
@@ -184,6 +195,7 @@ def user_call(what: str) -> Iterator[None]:
             raise
         raise UserCodeExit(what, exc) from exc
     finally:
+        _current.reset(current)
         with _lock:
             del _in_flight[token]
         _notify()
@@ -192,6 +204,7 @@ def user_call(what: str) -> Iterator[None]:
 __all__ = [
     "UserCodeExit",
     "calls_in_flight",
+    "current_user_call",
     "describe_user_exception",
     "is_stop_request",
     "set_listener",

@@ -44,9 +44,11 @@ stream, so a turn interrupted and resumed under unchanged weights is the uninter
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import hashlib
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -62,7 +64,7 @@ from megarl.engines.base import (
     join_pieces,
     request_seed,
 )
-from megarl.user_code import user_call
+from megarl.user_code import current_user_call, user_call
 
 _MAX_SEED = 2**63 - 1
 
@@ -480,6 +482,49 @@ class AgentResult:
     metrics: dict[str, float]
 
 
+class _DaemonThreads(concurrent.futures.ThreadPoolExecutor):
+    """A step's default executor (``asyncio.to_thread``, ``run_in_executor(None, ...)``: the
+    engine calls and the tools' blocking work): each call in a daemon thread of its own, never
+    joined. ``asyncio.run`` joins its default executor's threads at the end, and Python joins a
+    plain pool's at exit, so one tool thread that never returns (its call long since timed out)
+    would hold the step, and the process, forever; a daemon thread is left running instead
+    (Python cannot stop a thread; it ends with the process) and counted
+    (:meth:`abandoned`)."""
+
+    def __init__(self) -> None:
+        super().__init__(max_workers=1)  # the pool itself is never used
+        self._calls: list[tuple[concurrent.futures.Future[Any], str]] = []
+        self._calls_lock = threading.Lock()
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        what = current_user_call() or "the rollout"
+
+        def work() -> None:
+            if not future.set_running_or_notify_cancel():
+                return
+            try:
+                result = fn(*args, **kwargs)
+            except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
+                future.set_exception(exc)
+            else:
+                future.set_result(result)
+
+        with self._calls_lock:
+            self._calls = [(f, w) for f, w in self._calls if not f.done()]
+            self._calls.append((future, what))
+        threading.Thread(target=work, name="megarl-agent-call", daemon=True).start()
+        return future
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        super().shutdown(wait=False, cancel_futures=cancel_futures)  # never joins a call
+
+    def abandoned(self) -> list[str]:
+        """The user calls whose worker threads are still running (their callers gave up)."""
+        with self._calls_lock:
+            return [what for future, what in self._calls if not future.done()]
+
+
 def run_agent_loops(
     engine: RolloutEngine,
     loop: AgentLoop | LoopFor,
@@ -495,13 +540,30 @@ def run_agent_loops(
     (:class:`megarl.agent.loop.LoopChooser`). ``params``: the step's sampling (its
     ``max_new_tokens`` is each trajectory's response budget, ``ctx.max_response_tokens``).
     ``partial``: newer weights may interrupt the engine calls (the trajectories' tokens then
-    carry their versions). A loop that raises stops the step: the other trajectories are
+    carry their versions). Worker threads (the tools' ``asyncio.to_thread``) are daemon
+    threads that the step does not wait for (:class:`_DaemonThreads`): a tool's blocking work
+    that outlives its timeout is left running, warned about and counted in
+    ``agent/abandoned_threads``. A loop that raises stops the step: the other trajectories are
     cancelled (their tools released) and the exception is raised here (a ``SystemExit`` or
     ``KeyboardInterrupt`` as :class:`megarl.user_code.UserCodeExit`, naming loop and sample:
     never the process's exit)."""
-    return asyncio.run(
-        drive_agent_loops(engine, loop, samples, params, tokenizer, linger_s, partial)
-    )
+    threads = _DaemonThreads()
+
+    async def on_daemon_threads() -> AgentResult:
+        asyncio.get_running_loop().set_default_executor(threads)
+        return await drive_agent_loops(engine, loop, samples, params, tokenizer, linger_s, partial)
+
+    result = asyncio.run(on_daemon_threads())
+    abandoned = threads.abandoned()
+    result.metrics["agent/abandoned_threads"] = float(len(abandoned))
+    if abandoned:
+        warnings.warn(
+            f"{len(abandoned)} worker thread(s) still running after their calls timed out "
+            f"({', '.join(sorted(set(abandoned)))}): left behind as daemon threads, which end "
+            "with the process (agent/abandoned_threads counts them per step)",
+            stacklevel=2,
+        )
+    return result
 
 
 async def drive_agent_loops(

@@ -958,3 +958,35 @@ def test_a_loop_that_raises_system_exit_fails_its_step_naming_loop_and_sample():
     message = str(failed.value)
     assert message.startswith("agent loop ExitsOnTwo: run (sample 2) raised SystemExit(0) (at ")
     assert "test_agent_loop.py:" in message
+
+
+def test_a_tool_whose_worker_thread_never_returns_times_out_without_holding_the_step(
+    tokenizer,
+):
+    """The blocking work runs in ``asyncio.to_thread`` as advised, and never returns: the
+    call is a timeout error on time, and the step ends without waiting for the thread."""
+    release = threading.Event()
+
+    class Stuck(Tool):
+        def __init__(self) -> None:
+            super().__init__({}, schema("stuck", x="integer"))
+
+        async def execute(self, arguments, state):
+            await asyncio.to_thread(release.wait, 20)
+            return "never"
+
+    settings = AgentSettings(loop="tool", tool_timeout_s=0.2)
+    started = time.perf_counter()
+    try:
+        with pytest.warns(UserWarning, match=r"tool stuck: execute \(sample 0\)"):
+            result, loop, _ = tool_run(
+                tokenizer, [[call("stuck", x=1), "Hm."]], [Stuck()], settings=settings
+            )
+        elapsed = time.perf_counter() - started
+    finally:
+        release.set()
+    assert elapsed < 5
+    (observation,) = observations(loop, result.trajectories[0])
+    assert "Error: stuck timed out after 0.2 s" in observation
+    assert result.metrics["agent/abandoned_threads"] == 1
+    assert result.metrics["agent/tool_errors"] == 1
