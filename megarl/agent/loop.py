@@ -45,6 +45,11 @@ if TYPE_CHECKING:
     from megarl.agent.driver import AgentContext
 
 LOOP_KEY = "rollout.agent.loop"
+CHARS_PER_TOKEN = 16
+"""A tool's answer is cut to ``max_tool_response_tokens * CHARS_PER_TOKEN`` characters before it
+is tokenized, so an answer of megabytes costs what its head costs. Tokens average 3-5
+characters in text and code, so the token limit, not this cut, decides what the model reads
+(where it does not, the note names characters)."""
 SINGLE_TURN_NAMES = ("single_turn", "single_turn_agent")
 """The plain rollout's names (megarl's and verl's ``agent_name``): no trajectory is built."""
 
@@ -355,7 +360,7 @@ class ToolAgentLoop(AgentLoop):
                 for item in parsed.items
             )
         )
-        return [_Answer(self._truncate(a.text), a.failed) for a in answers]
+        return [self._bounded(answer) for answer in answers]
 
     async def _call(self, call: ToolCall, states: _ToolStates) -> _Answer:
         """One well-formed call run under the timeout (its tool state's creation, on the first
@@ -375,6 +380,7 @@ class ToolAgentLoop(AgentLoop):
             return _Answer(f"Error: {call.name} failed: {described}", failed=True)
         if not isinstance(result, str):
             kind = type(result).__name__
+            self._warn_tool_failure(call.name, TypeError(f"execute returned a {kind}, not a str"))
             return _Answer(f"Error: {call.name} returned a {kind}, not text", failed=True)
         return _Answer(result, failed=False)
 
@@ -394,15 +400,33 @@ class ToolAgentLoop(AgentLoop):
             stacklevel=1,
         )
 
+    def _bounded(self, answer: _Answer) -> _Answer:
+        """``answer`` cut to ``max_tool_response_tokens`` (:meth:`_truncate`); a cut answer is
+        an error observation (counted in ``agent/tool_errors``), as the docs say."""
+        text = self._truncate(answer.text)
+        return _Answer(text, answer.failed or text is not answer.text)
+
     def _truncate(self, text: str) -> str:
         """``text`` cut to ``max_tool_response_tokens`` tokens, saying so (the head is kept:
-        a traceback's or a print's start is where the model looks first)."""
+        a traceback's or a print's start is where the model looks first). Only the first
+        :data:`CHARS_PER_TOKEN` characters per token are tokenized: a tool that prints
+        megabytes costs what the kept head costs, not a tokenization of the whole."""
         limit = self.settings.max_tool_response_tokens
-        ids = self.renderer.encode(text)
-        if len(ids) <= limit:
-            return text
-        kept = self.renderer.decode(ids[:limit])
-        return f"{kept}\n... (truncated: the first {limit} of {len(ids)} tokens shown)"
+        char_limit = limit * CHARS_PER_TOKEN
+        head = text[:char_limit]
+        ids = self.renderer.encode(head)
+        if len(ids) > limit:
+            kept = self.renderer.decode(ids[:limit])
+            if len(head) < len(text):
+                total = f"an answer of {len(text)} characters"
+            else:
+                total = f"{len(ids)} tokens"
+            return f"{kept}\n... (truncated: the first {limit} tokens of {total} shown)"
+        if len(head) < len(text):
+            return (
+                f"{head}\n... (truncated: the first {char_limit} of {len(text)} characters shown)"
+            )
+        return text
 
 
 async def _immediate(answer: _Answer) -> _Answer:

@@ -580,6 +580,8 @@ class Fails(Tool):
             await asyncio.sleep(30)
         if arguments["how"] == "long":
             return " ".join(f"word{i}" for i in range(200))
+        if arguments["how"] == "huge":
+            return "ab" * 2_000_000
         if arguments["how"] == "exit":
             raise SystemExit(False)  # what unittest.main() raises when the tests pass
         if arguments["how"] == "thread_exit":
@@ -764,7 +766,32 @@ def test_a_long_tool_output_is_truncated_and_says_so(tokenizer):
     )
     (observation,) = observations(loop, result.trajectories[0])
     assert "word0 word1" in observation and "word150" not in observation
-    assert "(truncated: the first 8 of" in observation
+    assert "(truncated: the first 8 tokens of an answer of 1489 characters shown)" in observation
+    assert result.metrics["agent/tool_errors"] == 1  # a cut answer is an error observation
+
+
+def test_a_huge_tool_answer_is_cut_by_characters_before_it_is_tokenized(tokenizer, monkeypatch):
+    """A tool that returns 4 MB: only the head the token limit can keep is tokenized."""
+    from megarl.agent.render import ChatRenderer
+
+    encoded: list[int] = []
+    encode = ChatRenderer.encode
+
+    def spy(self, text):
+        encoded.append(len(text))
+        return encode(self, text)
+
+    monkeypatch.setattr(ChatRenderer, "encode", spy)
+    settings = AgentSettings(loop="tool", max_tool_response_tokens=8)
+    result, loop, _ = tool_run(
+        tokenizer, [[call("fails", how="huge"), "Ok."]], [Fails()], settings=settings
+    )
+    assert max(encoded) <= 8 * 16 + 1000  # the cut head (and the turns' own short texts)
+    (observation,) = observations(loop, result.trajectories[0])
+    assert "(truncated: the first 8 tokens of an answer of 4000000 characters shown)" in (
+        observation
+    )
+    assert result.metrics["agent/tool_errors"] == 1
 
 
 def test_a_turn_cut_by_its_budget_runs_no_tool(tokenizer):
