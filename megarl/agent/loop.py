@@ -472,12 +472,15 @@ def resolve_loop(name: str, key: str = LOOP_KEY) -> type[AgentLoop]:
 
 def _import_attribute(module_name: str, attribute: str, where: str) -> object:
     try:
-        module = importlib.import_module(module_name)
+        with user_call(f"{where}: import {module_name}"):
+            module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
         raise AgentLoopError(f"{where}: module {exc.name or module_name!r} not found") from exc
+    except RunAborted:
+        raise
     except Exception as exc:  # whatever the user's module raised on import
         raise AgentLoopError(
-            f"{where}: importing {module_name!r} failed: {type(exc).__name__}: {exc}"
+            f"{where}: importing {module_name!r} failed: {describe_user_exception(exc)}"
         ) from exc
     if not hasattr(module, attribute):
         raise AgentLoopError(f"{where}: module {module_name!r} has no {attribute!r}")

@@ -302,9 +302,17 @@ def _import_reward_fn(path: str) -> RewardFn:
 
     module_name, _, attr = path.partition(":")
     try:
-        fn = getattr(importlib.import_module(module_name), attr)
+        with user_call(f"data.reward={path!r}: import"):
+            fn = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:
         raise ValueError(f"data.reward={path!r}: cannot import it ({exc})") from None
+    except RunAborted:
+        raise
+    except Exception as exc:  # noqa: BLE001 - whatever the user's module raised on import
+        raise ValueError(
+            f"data.reward={path!r}: importing {module_name!r} failed: "
+            f"{describe_user_exception(exc)}"
+        ) from None
     if not callable(fn):
         raise ValueError(f"data.reward={path!r} is not callable")
     _require_two_arguments(path, fn)

@@ -338,6 +338,29 @@ def test_a_reward_function_that_cannot_take_response_and_answer_is_refused_on_im
     assert get_reward_fn("sig_rewards:extra")("x", "1") == 1.0
 
 
+@pytest.mark.parametrize(
+    ("body", "raised"),
+    [
+        ("import os\nKEY = os.environ['MEGARL_NO_SUCH_KEY']\n", "KeyError: 'MEGARL_NO_SUCH_KEY'"),
+        ("raise SystemExit(0)\n", "SystemExit(0)"),
+        ("1 / 0\n", "ZeroDivisionError: division by zero"),
+    ],
+)
+def test_a_reward_module_whose_import_raises_anything_is_one_bad_input_line(
+    tmp_path, monkeypatch, body, raised
+) -> None:
+    """An API key read at import, an exit, a bug: ``data.reward``'s one line (a ValueError,
+    which start-up turns into exit 2), naming what was raised and where."""
+    name = f"import_fails_{abs(hash(body))}"
+    (tmp_path / f"{name}.py").write_text(body)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError) as info:
+        get_reward_fn(f"{name}:score")
+    message = str(info.value)
+    assert message.startswith(f"data.reward='{name}:score': importing '{name}' failed: {raised}")
+    assert f"{name}.py:" in message and "\n" not in message
+
+
 def _fixed(fn, name: str = "m:f") -> RewardChoice:
     """``data.reward=name`` for a function defined in the test (as an import would give it)."""
     return RewardChoice(name, Reward(name, fn))
