@@ -175,16 +175,24 @@ def _notify() -> None:
 
 
 @contextlib.contextmanager
-def user_call(what: str) -> Iterator[None]:
+def user_call(what: str, record: bool = True, publish: bool = True) -> Iterator[None]:
     """Run the block as a call into user code named ``what`` (``tool calc: execute (sample
-    3)``): recorded while it runs (:func:`calls_in_flight`), and a ``BaseException`` it raises
-    that is neither an ``Exception`` nor a stop request (:func:`is_stop_request`) leaves it as
-    :class:`UserCodeExit`. Put it inside the coroutine that awaits the user's, not around the
-    task that runs it: asyncio re-raises ``SystemExit`` out of the event loop first."""
-    with _lock:
-        token = next(_tokens)
-        _in_flight[token] = what
-    _notify()
+    3)``): a ``BaseException`` it raises that is neither an ``Exception`` nor a stop request
+    (:func:`is_stop_request`) leaves it as :class:`UserCodeExit`. Put it inside the coroutine
+    that awaits the user's, not around the task that runs it: asyncio re-raises ``SystemExit``
+    out of the event loop first.
+
+    ``record``: listed in :func:`calls_in_flight` while it runs (off for a call that mostly
+    waits on megarl's own work, an agent loop's ``run``: a crash in the engine meanwhile is not
+    its); ``publish``: the listener is told at once (off for calls made by the thousand, each
+    sample's reward: the heartbeat's own thread publishes them within seconds)."""
+    token = None
+    if record:
+        with _lock:
+            token = next(_tokens)
+            _in_flight[token] = what
+        if publish:
+            _notify()
     current = _current.set(what)
     try:
         yield
@@ -196,9 +204,11 @@ def user_call(what: str) -> Iterator[None]:
         raise UserCodeExit(what, exc) from exc
     finally:
         _current.reset(current)
-        with _lock:
-            del _in_flight[token]
-        _notify()
+        if token is not None:
+            with _lock:
+                del _in_flight[token]
+            if publish:
+                _notify()
 
 
 __all__ = [

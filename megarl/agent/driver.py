@@ -601,7 +601,8 @@ async def _run_one(
     batcher: _Batcher, index: int, loop: AgentLoop, sample: Sample, ctx: AgentContext
 ) -> Trajectory:
     try:
-        with user_call(f"agent loop {type(loop).__name__}: run (sample {sample.index})"):
+        name = f"agent loop {type(loop).__name__}: run (sample {sample.index})"
+        with user_call(name, record=False):  # it mostly waits on the engine: not listed
             traj = await loop.run(sample, ctx)
     finally:
         batcher.change(index, done=True)

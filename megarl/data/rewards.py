@@ -20,6 +20,7 @@ sample 0 for the whole run.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 import re
@@ -460,16 +461,34 @@ def score_samples(
     if policy not in REWARD_ERROR_POLICIES:
         raise ValueError(f"reward error policy {policy!r}: must be one of raise, zero")
     sources = [""] * len(responses) if data_sources is None else data_sources
+    where = f" (step {step})" if step is not None else ""
+    users = choice.fixed is not None and choice.fixed.name not in BUILTIN_REWARDS
+    scoring = f"data.reward={choice.configured}: scoring {len(responses)} samples{where}"
+    with user_call(scoring) if users else contextlib.nullcontext():
+        return _score_each(choice, responses, answers, sources, policy, where, timeout_s)
+
+
+def _score_each(
+    choice: RewardChoice,
+    responses: Sequence[str],
+    answers: Sequence[str],
+    sources: Sequence[str],
+    policy: str,
+    where: str,
+    timeout_s: float | None,
+) -> ScoredSamples:
+    """:func:`score_samples`' loop over the samples, each call its own user call."""
     rewards: list[float] = []
     failures: list[str] = []
-    where = f" (step {step})" if step is not None else ""
     for index, (response, answer, source) in enumerate(
         zip(responses, answers, sources, strict=True)
     ):
         reward = choice.for_source(source)
-        limit = None if reward.name in BUILTIN_REWARDS else timeout_s
+        users = reward.name not in BUILTIN_REWARDS
+        limit = timeout_s if users else None
+        call = f"{choice.label(reward)}: sample {index}{where}"
         try:
-            with user_call(f"{choice.label(reward)}: sample {index}{where}"):
+            with user_call(call, publish=False) if users else contextlib.nullcontext():
                 returned = call_bounded(reward.fn, response, answer, limit)
         except RunAborted:
             raise

@@ -581,12 +581,30 @@ def _drain(queue, results: dict[int, Any], errors: dict[int, Any]) -> None:
 
 
 def _silently_dead(procs, results, errors) -> list[tuple[int, int]]:
-    """Ranks that exited abnormally without reporting anything: killed or crashed natively."""
+    """Ranks that exited without reporting anything: killed or crashed natively, or ended by
+    ``os._exit`` -- with status 0 too (a rank that finished reports its result first)."""
     return [
         (r, p.exitcode)
         for r, p in enumerate(procs)
-        if p.exitcode not in (None, 0) and r not in results and r not in errors
+        if p.exitcode is not None and r not in results and r not in errors
     ]
+
+
+def _dead_rank_report(
+    rank: int, exitcode: int, pid: int, peers_failed: int, watch: HeartbeatWatch | None
+) -> WorkerFailed:
+    """The line for a rank that died without a Python error: its exit status, the phase its
+    heartbeat last named and the user code it was running then (a tool that called
+    ``os._exit``, an extension that segfaulted: nothing was raised to name it)."""
+    beat = watch.read({rank: pid}).get(rank) if watch is not None else None
+    how = (
+        "exited with status 0 before its work was done, without a Python error"
+        if exitcode == 0
+        else "killed or crashed without a Python error"
+    )
+    during = f" during {beat.during}" if beat is not None else ""
+    peers = f"; then {peers_failed} other rank(s) failed" if peers_failed else ""
+    return WorkerFailed(rank, exitcode, f"{how}{during}{peers}")
 
 
 def _raise_root_cause(procs, queue, results, errors, watch: HeartbeatWatch | None = None) -> None:
@@ -602,8 +620,9 @@ def _raise_root_cause(procs, queue, results, errors, watch: HeartbeatWatch | Non
         killed = [(r, code) for r, code in dead if r not in errors and r not in results]
         if killed:
             rank, code = killed[0]
-            peers = f"; then {len(errors)} other rank(s) failed" if errors else ""
-            raise WorkerFailed(rank, code, f"killed or crashed without a Python error{peers}")
+            raise _dead_rank_report(rank, code, procs[rank].pid, len(errors), watch)
+        if not errors:  # the rank seen dead had reported after all (it finished)
+            return
         if time.monotonic() >= grace_end:
             break
         time.sleep(POLL_S / 4)
