@@ -630,19 +630,31 @@ async def _all_or_first_error(tasks: Sequence[asyncio.Task[Trajectory]]) -> None
     raise first
 
 
-def trajectory_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
+def trajectory_metrics(
+    trajectories: Sequence[Trajectory], max_response_tokens: int | None = None
+) -> dict[str, float]:
     """What the trajectories themselves say: turns, tool use, observation length, truncation
-    (means over trajectories, so equal-sized parts average to the whole's)."""
+    (means over trajectories, so equal-sized parts average to the whole's), as trained: a
+    response over ``max_response_tokens`` (a loop that built it without the budget) is cut to
+    it before training, so it counts as truncated and only its kept observation tokens count."""
     count = max(1, len(trajectories))
     turns = [t.num_turns for t in trajectories]
+    kept = [_as_trained(t, max_response_tokens) for t in trajectories]
     return {
         "agent/num_turns/mean": sum(turns) / count,
         "agent/num_turns/max": float(max(turns, default=0)),
         "agent/tool_calls/mean": sum(t.tool_calls for t in trajectories) / count,
         "agent/tool_errors": float(sum(t.tool_errors for t in trajectories)),
-        "agent/observation_tokens/mean": sum(t.observation_tokens for t in trajectories) / count,
-        "agent/truncated_frac": sum(t.truncated for t in trajectories) / count,
+        "agent/observation_tokens/mean": sum(observed for observed, _ in kept) / count,
+        "agent/truncated_frac": sum(truncated for _, truncated in kept) / count,
     }
+
+
+def _as_trained(traj: Trajectory, limit: int | None) -> tuple[int, bool]:
+    """``traj``'s observation tokens and truncation once cut to ``limit`` response tokens."""
+    if limit is None or len(traj.response_ids) <= limit:
+        return traj.observation_tokens, traj.truncated
+    return traj.response_mask[:limit].count(0), True
 
 
 def validation_trajectory_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
@@ -669,7 +681,7 @@ def agent_metrics(
     """Per step: turns, tool use, observation length, engine calls and time, loop counters."""
     calls = max(1, batcher.engine_calls)
     metrics = {
-        **trajectory_metrics(trajectories),
+        **trajectory_metrics(trajectories, batcher.params.max_new_tokens),
         "agent/engine_calls": float(batcher.engine_calls),
         "agent/requests_per_engine_call/mean": batcher.engine_requests / calls,
         "agent/timing_s/gen": batcher.engine_seconds,

@@ -444,10 +444,13 @@ def score_samples(
     policy: str = "raise",
     step: int | None = None,
     timeout_s: float | None = None,
+    first_index: int = 0,
 ) -> ScoredSamples:
     """Score each sample with its reward (``choice``, by the sample's ``data_source``) and
     check each value (see :func:`reward_value`). A user's function (not a built-in) that
     takes longer than ``timeout_s`` for one sample has failed on it (:func:`call_bounded`).
+    ``first_index``: the step's number of the first sample (a part of a step scored alone, as
+    the asynchronous rollout scores each group: messages number samples as the step does).
 
     Messages name ``data.reward`` as the user set it, and what the function raised with the
     ``file:line`` it came from. Every call goes through :func:`megarl.user_code.user_call`: a
@@ -465,7 +468,9 @@ def score_samples(
     users = choice.fixed is not None and choice.fixed.name not in BUILTIN_REWARDS
     scoring = f"data.reward={choice.configured}: scoring {len(responses)} samples{where}"
     with user_call(scoring) if users else contextlib.nullcontext():
-        return _score_each(choice, responses, answers, sources, policy, where, timeout_s)
+        return _score_each(
+            choice, responses, answers, sources, policy, where, timeout_s, first_index
+        )
 
 
 def _score_each(
@@ -476,12 +481,13 @@ def _score_each(
     policy: str,
     where: str,
     timeout_s: float | None,
+    first_index: int,
 ) -> ScoredSamples:
     """:func:`score_samples`' loop over the samples, each call its own user call."""
     rewards: list[float] = []
     failures: list[str] = []
     for index, (response, answer, source) in enumerate(
-        zip(responses, answers, sources, strict=True)
+        zip(responses, answers, sources, strict=True), start=first_index
     ):
         reward = choice.for_source(source)
         users = reward.name not in BUILTIN_REWARDS

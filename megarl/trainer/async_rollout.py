@@ -400,6 +400,13 @@ class AsyncRollout:
             trajectory = response.trajectory
             response.add(piece, version, trajectory and trajectory.response_versions)
         finished = [g for g in groups if all(r.done for r in self._responses[g])]
+        if finished:  # a reward that hangs is named as what the loop is stuck in
+            reward = f"data.reward={self.host.producer.reward.configured}"
+            with self._cv:
+                self._doing = (
+                    f"scoring {len(finished)} group(s) of {shown} ({reward})",
+                    time.time(),
+                )
         scored = self._score(finished)
         with self._cv:
             self._generating = False
@@ -424,9 +431,12 @@ class AsyncRollout:
                 [r.versions for r in responses],
                 step,
                 [t.reward for t in trajectories] if trajectories else None,
+                first_group=group - self.rule.groups_of(step).start,
             )
             if trajectories:
-                part = dataclasses.replace(part, agent_metrics=trajectory_metrics(trajectories))
+                budget = self.host.producer.settings.max_new_tokens  # what trains of each
+                metrics = trajectory_metrics(trajectories, budget)
+                part = dataclasses.replace(part, agent_metrics=metrics)
             scored[group] = part
         return scored
 

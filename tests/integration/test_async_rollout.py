@@ -271,6 +271,21 @@ def test_a_stuck_loop_fails_the_wait_saying_what_it_was_doing(tmp_path, monkeypa
     assert "generating 8 sequences of step 2 under weights version 0 since" in message
 
 
+def test_a_stuck_reward_is_named_as_what_the_loop_is_doing(tmp_path):
+    """Generation is done; the loop is inside the reward function: the line says so."""
+    reward = "synthetic_rewards:slow_for_3_s"
+    mode = {"async_training.mode": "fully_async", "data.reward": reward}
+    cfg, host, _ = _host(tmp_path, "async", **ASYNC, **mode)
+    stream = AsyncRollout(host, cfg)
+    try:
+        stream.start_rollout(1)
+        with pytest.raises(RolloutStalled) as stalled:
+            stream.next_batch(1, timeout_s=1.5)
+    finally:
+        stream.close()
+    assert f"scoring 2 group(s) of step 1 (data.reward={reward}) since" in str(stalled.value)
+
+
 def test_a_failing_reward_reaches_the_trainer_as_its_own_error(tmp_path):
     from megarl.errors import MegarlError
 

@@ -196,7 +196,10 @@ def test_two_turns_example_batches_turns_across_trajectories(tokenizer):
     ]
     assert result.metrics["agent/engine_calls"] == 2
     assert result.metrics["agent/num_turns/mean"] == 2 == result.metrics["agent/num_turns/max"]
-    assert result.metrics["agent/observation_tokens/mean"] == len(observation)
+    # 16 + observation + 16 tokens overrun the 16-token budget: trained cut to it, no
+    # observation token kept (the metrics describe what trains)
+    assert result.metrics["agent/observation_tokens/mean"] == 0
+    assert result.metrics["agent/truncated_frac"] == 1.0
     assert result.metrics["agent/requests_per_engine_call/mean"] == 2
     assert result.metrics["agent/timing_s/gen_per_call"] >= 0
 
@@ -1017,3 +1020,22 @@ def test_a_tool_whose_worker_thread_never_returns_times_out_without_holding_the_
     assert "Error: stuck timed out after 0.2 s" in observation
     assert result.metrics["agent/abandoned_threads"] == 1
     assert result.metrics["agent/tool_errors"] == 1
+
+
+def test_the_metrics_describe_a_trajectory_as_trained_cut_to_the_budget():
+    """A loop that builds its trajectory without the budget (16 tokens here) overruns it; the
+    response is cut to 16 before training, so the metrics count it truncated and count only
+    the observation tokens that were kept."""
+
+    class NoBudget(AgentLoop):
+        async def run(self, sample, ctx):
+            traj = Trajectory(sample.prompt_ids)  # no ctx.max_response_tokens
+            traj.add_generated(await ctx.generate(traj.token_ids, max_new_tokens=10))
+            traj.add_observation([7] * 10)
+            traj.add_generated(await ctx.generate(traj.token_ids, max_new_tokens=10))
+            return traj
+
+    result, _ = run(FakeEngine(), NoBudget(), count=1)
+    assert len(result.trajectories[0].response_ids) == 30
+    assert result.metrics["agent/truncated_frac"] == 1.0
+    assert result.metrics["agent/observation_tokens/mean"] == 6.0
