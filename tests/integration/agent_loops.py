@@ -23,3 +23,15 @@ class OwnReward(TwoTurns):
         traj = await super().run(sample, ctx)
         traj.reward = 0.75
         return traj
+
+
+class ExitsZero(TwoTurns):
+    """A loop whose check of sample 2 ends in ``sys.exit(0)`` (as ``unittest.main()`` does)."""
+
+    async def run(self, sample, ctx):
+        import sys
+
+        traj = await super().run(sample, ctx)
+        if sample.index == 2:
+            sys.exit(0)
+        return traj

@@ -150,3 +150,17 @@ def test_a_row_naming_a_loop_that_does_not_exist_is_named_by_file_and_row(tmp_pa
     assert str(refused.value).startswith(f"{data}:2: ")
     assert "agent_name='agent_loops:Nope': module 'agent_loops' has no 'Nope'" in str(refused.value)
     assert not run_dir.exists() or not any(run_dir.iterdir())
+
+
+def test_a_loop_that_exits_zero_fails_the_run_in_one_line_never_as_a_success(train_cli, tmp_path):
+    """``sys.exit(0)`` inside a user's loop: exit 1, the line names the loop, the sample and
+    where, the traceback goes to the log; not exit 0 with "no steps ran"."""
+    run_dir = tmp_path / "run"
+    overrides = {"rollout.agent.loop": "agent_loops:ExitsZero", "rollout.max_new_tokens": 40}
+    done = train_cli.run(*tiny_overrides(run_dir, 1, **overrides), cwd=tmp_path)
+    errors = [line for line in done.stderr.splitlines() if line.startswith("megarl-train: error")]
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert len(errors) == 1, done.stderr[-3000:]
+    assert "agent loop ExitsZero: run (sample 2) raised SystemExit(0) (at " in errors[0]
+    assert "agent_loops.py:" in errors[0]
+    assert "SystemExit" in (run_dir / "logs" / "error-rank0.txt").read_text()
