@@ -494,9 +494,21 @@ def build_loop(
     tools: Mapping[str, Tool] | None = None,
     key: str = LOOP_KEY,
 ) -> AgentLoop:
-    """The loop ``name`` denotes, constructed with keywords (once per run)."""
+    """The loop ``name`` denotes, constructed with keywords (once per run). A user's class whose
+    constructor raises (an exit included) is a one-line :class:`AgentLoopError` naming ``key``."""
     cls = resolve_loop(name, key)
-    return cls(settings=settings, tokenizer=tokenizer, tools=tools)
+    if cls in BUILT_IN_LOOPS.values():
+        return cls(settings=settings, tokenizer=tokenizer, tools=tools)
+    try:
+        with user_call(f"{key}={name!r}: {cls.__name__}(...)"):
+            return cls(settings=settings, tokenizer=tokenizer, tools=tools)
+    except RunAborted:
+        raise
+    except Exception as exc:  # whatever the user's constructor raised
+        raise AgentLoopError(
+            f"{key}={name!r}: {cls.__name__}(settings=..., tokenizer=..., tools=...) failed: "
+            f"{describe_user_exception(exc)}"
+        ) from exc
 
 
 class LoopChooser:

@@ -1039,3 +1039,21 @@ def test_the_metrics_describe_a_trajectory_as_trained_cut_to_the_budget():
     assert len(result.trajectories[0].response_ids) == 30
     assert result.metrics["agent/truncated_frac"] == 1.0
     assert result.metrics["agent/observation_tokens/mean"] == 6.0
+
+
+class ExitsInInit(SingleTurnLoop):
+    """A user loop whose constructor checks its environment and exits."""
+
+    def __init__(self, **kwargs) -> None:
+        raise SystemExit(0)
+
+
+def test_a_user_loop_whose_constructor_exits_is_one_bad_input_line():
+    from megarl.agent.loop import build_loop
+
+    name = f"{__name__}:ExitsInInit"
+    with pytest.raises(AgentLoopError) as refused:
+        build_loop(name, AgentSettings(), None)
+    message = str(refused.value)
+    assert message.startswith(f"rollout.agent.loop={name!r}: ExitsInInit(settings=..., ")
+    assert "failed: SystemExit(0) (at " in message and refused.value.exit_code == 2
