@@ -564,7 +564,8 @@ def _result_of(
     try:
         return ray.get(ref)
     except ray.exceptions.RayActorError as exc:
-        raise WorkerFailed(rank, None, _death_cause(exc), where=where) from None
+        during = _last_seen_during(watch, rank, placements)
+        raise WorkerFailed(rank, None, _death_cause(exc) + during, where=where) from None
     except ray.exceptions.RayTaskError as exc:
         cause = exc.cause if isinstance(exc.cause, BaseException) else exc
         if isinstance(cause, SideActorFailed):  # the rollout actor, not this rank
@@ -623,6 +624,15 @@ def _raise_if_a_rank_died(pending: dict, placements: list[RankPlacement]) -> Non
             ) from None
         except ray.exceptions.RayTaskError:
             continue
+
+
+def _last_seen_during(
+    watch: HeartbeatWatch | None, rank: int, placements: list[RankPlacement]
+) -> str:
+    """`` during <phase>, while running <user call>`` from a dead rank's last heartbeat (a
+    tool's ``os._exit`` or a segfault raises nothing that could name the call), or ""."""
+    beat = watch.read(_pids([rank], placements)).get(rank) if watch is not None else None
+    return f" during {beat.during}" if beat is not None else ""
 
 
 def _death_cause(exc: BaseException) -> str:
