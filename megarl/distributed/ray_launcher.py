@@ -42,7 +42,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from megarl.distributed import heap, quiet
+from megarl.distributed import heap, quiet, ray_reaper
 from megarl.distributed.heartbeat import STALE_GRACE_S, HeartbeatWatch
 from megarl.distributed.launcher import (
     WATCH_POLL_S,
@@ -389,6 +389,7 @@ def connect() -> bool:
         try:
             with _keep_signal_handlers():
                 ray.init(address="local", **quiet)
+            ray_reaper.start()  # a private Ray's agents end with this driver, however it ends
             return True
         except Exception as exc:  # Ray waits a fixed 30 s for its raylet; an overloaded host
             ray.shutdown()  # can miss it once, so retry before giving up.
@@ -659,6 +660,7 @@ def release(actors: list, group, disconnect: bool = True) -> None:
     release_group(group)
     if disconnect:
         ray.shutdown(wait_for_processes=True)
+        ray_reaper.stop()  # Ray's processes are gone: nothing is left for it to end
 
 
 def _wait_until_dead(actors: list) -> None:
