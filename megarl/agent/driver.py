@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextvars
 import hashlib
 import threading
 import time
@@ -251,7 +252,11 @@ class _Batcher:
         if self.closed or self.in_flight or not self.pending or self.running:
             return
         self.in_flight = True
-        self.flush_task = asyncio.get_running_loop().create_task(self._flush())
+        # a context of its own: the engine call is the rollout's, not the user call of the
+        # trajectory whose change started the flush (see _DaemonThreads)
+        self.flush_task = asyncio.get_running_loop().create_task(
+            self._flush(), context=contextvars.Context()
+        )
 
     async def _linger(self) -> None:
         """Wait up to ``linger_s`` while trajectories are busy (or just back from being busy,

@@ -1057,3 +1057,19 @@ def test_a_user_loop_whose_constructor_exits_is_one_bad_input_line():
     message = str(refused.value)
     assert message.startswith(f"rollout.agent.loop={name!r}: ExitsInInit(settings=..., ")
     assert "failed: SystemExit(0) (at " in message and refused.value.exit_code == 2
+
+
+def test_engine_calls_run_outside_every_user_call(tokenizer):
+    """The engine's worker thread is the rollout's, not the loop's whose turn started the
+    batch: a stuck engine call is never reported as a user call (nor published as one)."""
+    from megarl.user_code import current_user_call
+
+    seen: list[str | None] = []
+
+    class Recording(FakeEngine):
+        def generate_requests(self, requests, params, interrupt=None):
+            seen.append(current_user_call())
+            return super().generate_requests(requests, params, interrupt)
+
+    run(Recording(), TwoTurns(), count=2, tokenizer=tokenizer)
+    assert seen == [None, None]
