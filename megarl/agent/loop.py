@@ -403,14 +403,15 @@ class ToolAgentLoop(AgentLoop):
     def _bounded(self, answer: _Answer) -> _Answer:
         """``answer`` cut to ``max_tool_response_tokens`` (:meth:`_truncate`); a cut answer is
         an error observation (counted in ``agent/tool_errors``), as the docs say."""
-        text = self._truncate(answer.text)
-        return _Answer(text, answer.failed or text is not answer.text)
+        text, cut = self._truncate(answer.text)
+        return _Answer(text, answer.failed or cut)
 
-    def _truncate(self, text: str) -> str:
+    def _truncate(self, text: str) -> tuple[str, bool]:
         """``text`` cut to ``max_tool_response_tokens`` tokens, saying so (the head is kept:
         a traceback's or a print's start is where the model looks first). Only the first
         :data:`CHARS_PER_TOKEN` characters per token are tokenized: a tool that prints
-        megabytes costs what the kept head costs, not a tokenization of the whole."""
+        megabytes costs what the kept head costs, not a tokenization of the whole. Returns the
+        text the model reads and whether it was cut."""
         limit = self.settings.max_tool_response_tokens
         char_limit = limit * CHARS_PER_TOKEN
         head = text[:char_limit]
@@ -421,12 +422,11 @@ class ToolAgentLoop(AgentLoop):
                 total = f"an answer of {len(text)} characters"
             else:
                 total = f"{len(ids)} tokens"
-            return f"{kept}\n... (truncated: the first {limit} tokens of {total} shown)"
+            return f"{kept}\n... (truncated: the first {limit} tokens of {total} shown)", True
         if len(head) < len(text):
-            return (
-                f"{head}\n... (truncated: the first {char_limit} of {len(text)} characters shown)"
-            )
-        return text
+            note = f"(truncated: the first {char_limit} of {len(text)} characters shown)"
+            return f"{head}\n... {note}", True
+        return text, False
 
 
 async def _immediate(answer: _Answer) -> _Answer:

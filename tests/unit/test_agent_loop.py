@@ -1073,3 +1073,27 @@ def test_engine_calls_run_outside_every_user_call(tokenizer):
 
     run(Recording(), TwoTurns(), count=2, tokenizer=tokenizer)
     assert seen == [None, None]
+
+
+def test_where_tokens_are_longer_than_the_character_bound_the_note_says_characters(
+    tokenizer, monkeypatch
+):
+    """A tokenizer whose tokens hold 100 characters: the character cut keeps fewer than the
+    token limit, and the note names characters, not a token count it never made."""
+    from megarl.agent.render import ChatRenderer
+
+    encode = ChatRenderer.encode
+    monkeypatch.setattr(
+        ChatRenderer,
+        "encode",
+        lambda self, text: (
+            [1] * (len(text) // 100) if text.startswith("ab") else encode(self, text)
+        ),
+    )
+    settings = AgentSettings(loop="tool", max_tool_response_tokens=8)
+    loop = ToolAgentLoop(settings, tokenizer, {})
+    text, cut = loop._truncate("ab" * 2_000_000)
+    assert (
+        cut and text == "ab" * 64 + "\n... (truncated: the first 128 of 4000000 characters shown)"
+    )
+    assert loop._truncate("short") == ("short", False)
