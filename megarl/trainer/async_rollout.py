@@ -376,6 +376,7 @@ class AsyncRollout:
         params = self.host.producer.sampling_params()
         problems = [self._problem(group) for group, _ in wave]
         agents = self.host.producer.agents
+        abandoned = 0.0
         if agents is not None and agents.applies(problems):
             # whole trajectories, the buffer holds them like responses; under partial rollouts
             # newer weights are loaded inside the wave and the tokens carry their versions
@@ -390,6 +391,7 @@ class AsyncRollout:
                 self.host.engine, problems, prompt_ids, seeds, params, partial
             )
             pieces = built.gens
+            abandoned = built.metrics.get("agent/abandoned_threads", 0.0)
             for (_, response), trajectory in zip(wave, built.trajectories, strict=True):
                 response.trajectory = trajectory
         else:
@@ -407,7 +409,7 @@ class AsyncRollout:
                     f"scoring {len(finished)} group(s) of {shown} ({reward})",
                     time.time(),
                 )
-        scored = self._score(finished)
+        scored = self._score(finished, abandoned)
         with self._cv:
             self._generating = False
             self._clock.gen += generated - started
@@ -418,8 +420,9 @@ class AsyncRollout:
             self._started().finish(list(scored))
             self._cv.notify_all()
 
-    def _score(self, groups: Sequence[int]) -> dict[int, ScoredGroups]:
-        """Each finished group, decoded and scored: the rewards a synchronous step gives."""
+    def _score(self, groups: Sequence[int], abandoned: float = 0.0) -> dict[int, ScoredGroups]:
+        """Each finished group, decoded and scored: the rewards a synchronous step gives;
+        ``abandoned``: the wave's ``agent/abandoned_threads``, counted with its first group."""
         scored: dict[int, ScoredGroups] = {}
         for group in groups:
             step = self.rule.step_of(group)
@@ -436,6 +439,7 @@ class AsyncRollout:
             if trajectories:
                 budget = self.host.producer.settings.max_new_tokens  # what trains of each
                 metrics = trajectory_metrics(trajectories, budget)
+                metrics["agent/abandoned_threads"] = abandoned if group == groups[0] else 0.0
                 part = dataclasses.replace(part, agent_metrics=metrics)
             scored[group] = part
         return scored

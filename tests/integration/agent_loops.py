@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from megarl.agent import AgentLoop, Trajectory
 
 
@@ -35,3 +37,16 @@ class ExitsZero(TwoTurns):
         if sample.index == 2:
             sys.exit(0)
         return traj
+
+
+class AbandonsAThread(TwoTurns):
+    """Sample 0 gives up on a worker thread that goes on for 3 s (a tool call that timed out)."""
+
+    async def run(self, sample, ctx):
+        import asyncio
+        import time
+
+        if sample.index == 0:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.to_thread(time.sleep, 3), 0.05)
+        return await super().run(sample, ctx)
