@@ -39,6 +39,16 @@ class ExitsZero(TwoTurns):
         return traj
 
 
+class Interrupts(TwoTurns):
+    """A loop whose code raises ``KeyboardInterrupt`` itself on sample 2 (no Ctrl-C)."""
+
+    async def run(self, sample, ctx):
+        traj = await super().run(sample, ctx)
+        if sample.index == 2:
+            raise KeyboardInterrupt
+        return traj
+
+
 class AbandonsAThread(TwoTurns):
     """Sample 0 gives up on a worker thread that goes on for 3 s (a tool call that timed out)."""
 
