@@ -42,11 +42,22 @@ import sysconfig
 import threading
 import traceback
 from collections.abc import Callable, Iterator
+from typing import NoReturn
 
 from megarl.errors import RunAborted
 
 MESSAGE_CHARS = 200
 """How much of an exception's message a description keeps (one line)."""
+
+
+class ProcessExitCalled(BaseException):
+    """User code called ``os._exit(code)`` in the trainer's process, inside a user call (see
+    :func:`guard_process_exit`): raised in its place, so the call fails instead of the process
+    ending with ``code`` -- 0 would be a run that "succeeded" with no step trained."""
+
+    def __init__(self, code: int):
+        self.code = code
+        super().__init__(f"os._exit({code}) called")
 
 
 class UserCodeExit(Exception):
@@ -69,6 +80,8 @@ def describe_user_exception(exc: BaseException, location: bool = True) -> str:
         exc = exc.cause
     if isinstance(exc, SystemExit):
         text = f"SystemExit({exc.code!r})"
+    elif isinstance(exc, ProcessExitCalled):
+        text = str(exc)
     else:
         detail = " ".join(str(exc).split())
         if len(detail) > MESSAGE_CHARS:
@@ -137,6 +150,32 @@ def _cancelling() -> bool:
     return task is None or task.cancelling() > 0
 
 
+# --- os._exit inside a user call -----------------------------------------------------------------
+
+_real_exit = os._exit
+_guarded_pid: int | None = None
+
+
+def guard_process_exit() -> None:
+    """From now on, ``os._exit`` called by code running inside a :func:`user_call` of this
+    process raises :class:`ProcessExitCalled` instead of ending it (the call then fails like
+    one that raised). Everywhere else it ends the process as always: in another process (a
+    child the code forked: its pid differs), and in threads outside every user call (megarl's
+    own watchdogs). Idempotent; :func:`user_call` installs it on its first use. A C extension
+    that calls ``_exit`` itself, or a segfault, is not stopped: the heartbeat names the call."""
+    global _guarded_pid
+    if _guarded_pid == os.getpid():
+        return
+    _guarded_pid = os.getpid()
+    os._exit = _guarded_exit  # type: ignore[assignment]  # restored by nothing: process-wide
+
+
+def _guarded_exit(code: int) -> NoReturn:
+    if os.getpid() == _guarded_pid and _current.get() is not None:
+        raise ProcessExitCalled(code)
+    _real_exit(code)
+
+
 # --- calls in flight ----------------------------------------------------------------------------
 
 _lock = threading.Lock()
@@ -186,6 +225,7 @@ def user_call(what: str, record: bool = True, publish: bool = True) -> Iterator[
     waits on megarl's own work, an agent loop's ``run``: a crash in the engine meanwhile is not
     its); ``publish``: the listener is told at once (off for calls made by the thousand, each
     sample's reward: the heartbeat's own thread publishes them within seconds)."""
+    guard_process_exit()
     token = None
     if record:
         with _lock:
@@ -212,10 +252,12 @@ def user_call(what: str, record: bool = True, publish: bool = True) -> Iterator[
 
 
 __all__ = [
+    "ProcessExitCalled",
     "UserCodeExit",
     "calls_in_flight",
     "current_user_call",
     "describe_user_exception",
+    "guard_process_exit",
     "is_stop_request",
     "set_listener",
     "user_call",

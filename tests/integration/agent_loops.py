@@ -60,3 +60,15 @@ class AbandonsAThread(TwoTurns):
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(asyncio.to_thread(time.sleep, 3), 0.05)
         return await super().run(sample, ctx)
+
+
+class QuitsProcess(TwoTurns):
+    """A loop whose code calls ``os._exit(0)`` on sample 2 (a one-process run's own process)."""
+
+    async def run(self, sample, ctx):
+        import os
+
+        traj = await super().run(sample, ctx)
+        if sample.index == 2:
+            os._exit(0)
+        return traj

@@ -153,14 +153,20 @@ def test_a_row_naming_a_loop_that_does_not_exist_is_named_by_file_and_row(tmp_pa
 
 
 @pytest.mark.parametrize(
-    ("loop", "raised"), [("ExitsZero", "SystemExit(0)"), ("Interrupts", "KeyboardInterrupt")]
+    ("loop", "raised"),
+    [
+        ("ExitsZero", "SystemExit(0)"),
+        ("Interrupts", "KeyboardInterrupt"),
+        ("QuitsProcess", "os._exit(0) called"),
+    ],
 )
 def test_a_loop_that_exits_or_interrupts_itself_fails_the_run_in_one_line(
     train_cli, tmp_path, loop, raised
 ):
-    """``sys.exit(0)`` or a ``KeyboardInterrupt`` raised inside a user's loop (no signal): exit
-    1, the line names the loop, the sample and where, the traceback goes to the log; not exit 0
-    with "no steps ran", nor exit 130 as if Ctrl-C had been pressed."""
+    """``sys.exit(0)``, ``os._exit(0)`` or a ``KeyboardInterrupt`` raised inside a user's loop
+    (no signal): exit 1, the line names the loop, the sample and where, the traceback goes to
+    the log; not exit 0 with "no steps ran" (or nothing at all), nor exit 130 as if Ctrl-C had
+    been pressed."""
     run_dir = tmp_path / "run"
     overrides = {"rollout.agent.loop": f"agent_loops:{loop}", "rollout.max_new_tokens": 40}
     done = train_cli.run(*tiny_overrides(run_dir, 1, **overrides), cwd=tmp_path)

@@ -208,8 +208,11 @@ def test_killed_rank_is_named_not_the_peer_that_noticed(tmp_path):
 
 
 def _tool_ends_rank_1(ctx, sync_dir: str) -> None:
-    """Rank 1's tool calls ``os._exit(0)`` (status 0, nothing raised); rank 0 then fails in
-    its next collective, as a real peer would."""
+    """Rank 1's tool ends its process with status 0 from C (an extension's ``_exit(0)``, which
+    no guard of ``os._exit`` sees; nothing raised); rank 0 then fails in its next collective,
+    as a real peer would."""
+    import ctypes
+
     from megarl.distributed import heartbeat
     from megarl.user_code import user_call
 
@@ -217,7 +220,7 @@ def _tool_ends_rank_1(ctx, sync_dir: str) -> None:
     heartbeat.mark("rollout", 2)
     if ctx.rank == 1:
         with user_call("tool crash: execute (sample 3)"):
-            os._exit(0)
+            ctypes.CDLL(None)._exit(0)
     time.sleep(2)
     raise RuntimeError("Connection closed by peer")
 

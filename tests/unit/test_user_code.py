@@ -144,3 +144,41 @@ def test_descriptions_are_one_line_and_cut():
     assert text.startswith("ValueError: a b xxx") and text.endswith("...")
     assert len(text) <= len("ValueError: ") + user_code.MESSAGE_CHARS and "\n" not in text
     assert describe_user_exception(KeyError()) == "KeyError"
+
+
+GUARDED = """
+import asyncio, os, sys, threading
+from megarl.user_code import UserCodeExit, user_call
+
+async def tool():
+    with user_call("tool quits: execute (sample 0)"):
+        await asyncio.to_thread(os._exit, 0)  # in its worker thread too
+
+try:
+    asyncio.run(tool())
+except UserCodeExit as exc:
+    print("failed:", exc, flush=True)
+with user_call("tool forks: execute (sample 1)"):
+    if os.fork() == 0:  # a child the code forked ends as it asked
+        os._exit(7)
+_, status = os.wait()
+print("child exit:", os.waitstatus_to_exitcode(status), flush=True)
+threading.Thread(target=os._exit, args=(3,)).start()  # outside every user call: ends it
+threading.Event().wait(10)
+"""
+
+
+def test_os_exit_inside_a_user_call_fails_the_call_and_only_there():
+    """``os._exit(0)`` in a tool would end a one-process run with status 0, no step trained."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", GUARDED], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 3, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith(
+        "failed: tool quits: execute (sample 0) raised os._exit(0) called"
+    ), done.stdout
+    assert lines[1] == "child exit: 7"
