@@ -21,6 +21,7 @@ sample 0 for the whole run.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import math
 import numbers
 import re
@@ -428,7 +429,8 @@ def call_bounded(fn: RewardFn, response: str, answer: str, timeout_s: float | No
         finally:
             done.set()
 
-    threading.Thread(target=call, name="megarl-reward", daemon=True).start()
+    context = contextvars.copy_context()  # the thread runs inside the caller's user call
+    threading.Thread(target=context.run, args=(call,), name="megarl-reward", daemon=True).start()
     if not done.wait(timeout_s):
         raise RewardTimeout(f"did not return within data.reward_timeout_s={timeout_s:g} s")
     if "error" in outcome:

@@ -446,3 +446,31 @@ def test_auto_failure_messages_name_the_reward_it_chose() -> None:
     choice = RewardChoice("auto", None)
     with pytest.raises(RewardFunctionError, match=r"^data\.reward=auto \(gsm8k\): sample 0"):
         score_samples(choice, ["7"], ["seven"], ["openai/gsm8k"])
+
+
+QUITS = """
+from megarl.data.rewards import Reward, RewardChoice, score_samples
+
+def quits(response, answer):
+    import os
+    os._exit(0)
+
+choice = RewardChoice("m:quits", Reward("m:quits", quits))
+for timeout_s in (None, 5.0):  # in the caller's thread, and in the timed one
+    scored = score_samples(choice, ["a"], ["1"], None, "zero", 1, timeout_s)
+    print(scored.failures, scored.first_failure, flush=True)
+"""
+
+
+def test_a_reward_function_calling_os_exit_fails_its_sample_in_either_thread() -> None:
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", QUITS], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert len(lines) == 2, done.stdout
+    assert all(
+        line.startswith("1 data.reward=m:quits: sample 0 (step 1) raised os._exit(0)")
+        for line in lines
+    )
