@@ -23,9 +23,18 @@ What is never converted: the run's own stop requests (:func:`is_stop_request`):
 an asyncio cancellation of the running task, and ``KeyboardInterrupt`` where SIGINT still has
 Python's default handler (megarl used as a library: that is Ctrl-C).
 
-:func:`user_call` also records the call while it runs (:func:`calls_in_flight`), and tells a
-listener (the rank's heartbeat, :func:`set_listener`), so a process that dies inside user code
-(``os._exit``, a segfault in an extension), which no ``except`` sees, is named by the launcher.
+``os._exit`` called inside a user call raises :class:`ProcessExitCalled` instead of ending the
+process (:func:`guard_process_exit`, installed by the first :func:`user_call`), so it fails that
+call as ``SystemExit`` does. :func:`user_call` also records the call while it runs
+(:func:`calls_in_flight`) and tells a listener (the rank's heartbeat, :func:`set_listener`), so
+a process that dies inside user code in a way no Python code sees (an extension's own
+``_exit``, a segfault) is named by the launcher.
+
+Every call into user code goes through :func:`user_call` -- tools' hooks, agent loops' ``run``
+and constructors, reward functions and their import -- and so should any new entry point (an
+agent gateway's): ``with user_call("what (sample i)"):`` around the awaited or called user code,
+then the caller's usual ``except Exception`` handling, with :func:`describe_user_exception` for
+the line.
 
 Pure: imports only :mod:`megarl.errors` and the standard library.
 """
