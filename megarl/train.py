@@ -603,7 +603,8 @@ def _tracebacks_to_log(cfg) -> Iterator[None]:
 def _log_traceback(cfg, failed, trace: str) -> None:
     """Write the traceback to the run's log; where that write fails too (the disk that made
     the run fail is full), print it on stderr instead and say why, never a second error."""
-    path = Path(cfg.trainer.run_dir) / "logs" / f"error-rank{failed.rank}.txt"
+    name = f"rank{failed.rank}" if failed.rank >= 0 else "rollout"  # -1: the rollout actor
+    path = Path(cfg.trainer.run_dir) / "logs" / f"error-{name}.txt"
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(trace, encoding="utf-8")

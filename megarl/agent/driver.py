@@ -44,9 +44,12 @@ stream, so a turn interrupted and resumed under unchanged weights is the uninter
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextvars
 import hashlib
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -62,6 +65,7 @@ from megarl.engines.base import (
     join_pieces,
     request_seed,
 )
+from megarl.user_code import current_user_call, user_call
 
 _MAX_SEED = 2**63 - 1
 
@@ -248,7 +252,11 @@ class _Batcher:
         if self.closed or self.in_flight or not self.pending or self.running:
             return
         self.in_flight = True
-        self.flush_task = asyncio.get_running_loop().create_task(self._flush())
+        # a context of its own: the engine call is the rollout's, not the user call of the
+        # trajectory whose change started the flush (see _DaemonThreads)
+        self.flush_task = asyncio.get_running_loop().create_task(
+            self._flush(), context=contextvars.Context()
+        )
 
     async def _linger(self) -> None:
         """Wait up to ``linger_s`` while trajectories are busy (or just back from being busy,
@@ -483,6 +491,49 @@ class AgentResult:
     trains as a sequence of its own with the sample's reward and advantage."""
 
 
+class _DaemonThreads(concurrent.futures.ThreadPoolExecutor):
+    """A step's default executor (``asyncio.to_thread``, ``run_in_executor(None, ...)``: the
+    engine calls and the tools' blocking work): each call in a daemon thread of its own, never
+    joined. ``asyncio.run`` joins its default executor's threads at the end, and Python joins a
+    plain pool's at exit, so one tool thread that never returns (its call long since timed out)
+    would hold the step, and the process, forever; a daemon thread is left running instead
+    (Python cannot stop a thread; it ends with the process) and counted
+    (:meth:`abandoned`)."""
+
+    def __init__(self) -> None:
+        super().__init__(max_workers=1)  # the pool itself is never used
+        self._calls: list[tuple[concurrent.futures.Future[Any], str]] = []
+        self._calls_lock = threading.Lock()
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        what = current_user_call() or "the rollout"
+
+        def work() -> None:
+            if not future.set_running_or_notify_cancel():
+                return
+            try:
+                result = fn(*args, **kwargs)
+            except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
+                future.set_exception(exc)
+            else:
+                future.set_result(result)
+
+        with self._calls_lock:
+            self._calls = [(f, w) for f, w in self._calls if not f.done()]
+            self._calls.append((future, what))
+        threading.Thread(target=work, name="megarl-agent-call", daemon=True).start()
+        return future
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        super().shutdown(wait=False, cancel_futures=cancel_futures)  # never joins a call
+
+    def abandoned(self) -> list[str]:
+        """The user calls whose worker threads are still running (their callers gave up)."""
+        with self._calls_lock:
+            return [what for future, what in self._calls if not future.done()]
+
+
 def run_agent_loops(
     engine: RolloutEngine,
     loop: AgentLoop | LoopFor,
@@ -498,11 +549,30 @@ def run_agent_loops(
     (:class:`megarl.agent.loop.LoopChooser`). ``params``: the step's sampling (its
     ``max_new_tokens`` is each trajectory's response budget, ``ctx.max_response_tokens``).
     ``partial``: newer weights may interrupt the engine calls (the trajectories' tokens then
-    carry their versions). A loop that raises stops the step: the other trajectories are
-    cancelled (their tools released) and the exception is raised here."""
-    return asyncio.run(
-        drive_agent_loops(engine, loop, samples, params, tokenizer, linger_s, partial)
-    )
+    carry their versions). Worker threads (the tools' ``asyncio.to_thread``) are daemon
+    threads that the step does not wait for (:class:`_DaemonThreads`): a tool's blocking work
+    that outlives its timeout is left running, warned about and counted in
+    ``agent/abandoned_threads``. A loop that raises stops the step: the other trajectories are
+    cancelled (their tools released) and the exception is raised here (a ``SystemExit`` or
+    ``KeyboardInterrupt`` as :class:`megarl.user_code.UserCodeExit`, naming loop and sample:
+    never the process's exit)."""
+    threads = _DaemonThreads()
+
+    async def on_daemon_threads() -> AgentResult:
+        asyncio.get_running_loop().set_default_executor(threads)
+        return await drive_agent_loops(engine, loop, samples, params, tokenizer, linger_s, partial)
+
+    result = asyncio.run(on_daemon_threads())
+    abandoned = threads.abandoned()
+    result.metrics["agent/abandoned_threads"] = float(len(abandoned))
+    if abandoned:
+        warnings.warn(
+            f"{len(abandoned)} worker thread(s) still running after their calls timed out "
+            f"({', '.join(sorted(set(abandoned)))}): left behind as daemon threads, which end "
+            "with the process (agent/abandoned_threads counts them per step)",
+            stacklevel=2,
+        )
+    return result
 
 
 async def drive_agent_loops(
@@ -542,7 +612,9 @@ async def _run_one(
 ) -> list[Trajectory]:
     """The sample's trajectories (one, or a loop's branches: at least one)."""
     try:
-        returned = await loop.run(sample, ctx)
+        name = f"agent loop {type(loop).__name__}: run (sample {sample.index})"
+        with user_call(name, record=False):  # it mostly waits on the engine: not listed
+            returned = await loop.run(sample, ctx)
     finally:
         batcher.change(index, done=True)
     found = [returned] if isinstance(returned, Trajectory) else returned
@@ -574,19 +646,31 @@ async def _all_or_first_error(tasks: Sequence[asyncio.Task[list[Trajectory]]]) -
     raise first
 
 
-def trajectory_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
+def trajectory_metrics(
+    trajectories: Sequence[Trajectory], max_response_tokens: int | None = None
+) -> dict[str, float]:
     """What the trajectories themselves say: turns, tool use, observation length, truncation
-    (means over trajectories, so equal-sized parts average to the whole's)."""
+    (means over trajectories, so equal-sized parts average to the whole's), as trained: a
+    response over ``max_response_tokens`` (a loop that built it without the budget) is cut to
+    it before training, so it counts as truncated and only its kept observation tokens count."""
     count = max(1, len(trajectories))
     turns = [t.num_turns for t in trajectories]
+    kept = [_as_trained(t, max_response_tokens) for t in trajectories]
     return {
         "agent/num_turns/mean": sum(turns) / count,
         "agent/num_turns/max": float(max(turns, default=0)),
         "agent/tool_calls/mean": sum(t.tool_calls for t in trajectories) / count,
         "agent/tool_errors": float(sum(t.tool_errors for t in trajectories)),
-        "agent/observation_tokens/mean": sum(t.observation_tokens for t in trajectories) / count,
-        "agent/truncated_frac": sum(t.truncated for t in trajectories) / count,
+        "agent/observation_tokens/mean": sum(observed for observed, _ in kept) / count,
+        "agent/truncated_frac": sum(truncated for _, truncated in kept) / count,
     }
+
+
+def _as_trained(traj: Trajectory, limit: int | None) -> tuple[int, bool]:
+    """``traj``'s observation tokens and truncation once cut to ``limit`` response tokens."""
+    if limit is None or len(traj.response_ids) <= limit:
+        return traj.observation_tokens, traj.truncated
+    return traj.response_mask[:limit].count(0), True
 
 
 def validation_trajectory_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
@@ -613,7 +697,7 @@ def agent_metrics(
     """Per step: turns, tool use, observation length, engine calls and time, loop counters."""
     calls = max(1, batcher.engine_calls)
     metrics = {
-        **trajectory_metrics(trajectories),
+        **trajectory_metrics(trajectories, batcher.params.max_new_tokens),
         "agent/engine_calls": float(batcher.engine_calls),
         "agent/requests_per_engine_call/mean": batcher.engine_requests / calls,
         "agent/timing_s/gen": batcher.engine_seconds,

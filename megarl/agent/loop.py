@@ -40,11 +40,17 @@ from megarl.agent.tool_config import load_tools
 from megarl.agent.tools.base import Tool, ToolError
 from megarl.agent.trajectory import Trajectory
 from megarl.errors import BadInputError, RunAborted
+from megarl.user_code import describe_user_exception, user_call
 
 if TYPE_CHECKING:
     from megarl.agent.driver import AgentContext
 
 LOOP_KEY = "rollout.agent.loop"
+CHARS_PER_TOKEN = 16
+"""A tool's answer is cut to ``max_tool_response_tokens * CHARS_PER_TOKEN`` characters before it
+is tokenized, so an answer of megabytes costs what its head costs. Tokens average 3-5
+characters in text and code, so the token limit, not this cut, decides what the model reads
+(where it does not, the note names characters)."""
 SINGLE_TURN_NAMES = ("single_turn", "single_turn_agent")
 """The plain rollout's names (megarl's and verl's ``agent_name``): no trajectory is built."""
 
@@ -215,20 +221,30 @@ def tools_kwargs(row: Mapping[str, Any], name: str) -> dict[str, Any]:
     return dict(kwargs) if isinstance(kwargs, Mapping) else {}
 
 
+def tool_call_name(name: str, hook: str, sample: int) -> str:
+    """How a call into a tool is named (warnings, the heartbeat, a dead rank's line)."""
+    return f"tool {name}: {hook} (sample {sample})"
+
+
 class _ToolStates:
     """One trajectory's tool states: each tool's ``create`` runs once, on its first call (two
-    concurrent first calls share it), and every created state is released at the end."""
+    concurrent first calls share it), and every created state is released at the end. Every
+    hook runs inside :func:`megarl.user_code.user_call`."""
 
-    def __init__(self, tools: Mapping[str, Tool], row: Mapping[str, Any]) -> None:
-        self._tools, self._row = tools, row
+    def __init__(self, tools: Mapping[str, Tool], row: Mapping[str, Any], sample: int) -> None:
+        self._tools, self._row, self.sample = tools, row, sample
         self._created: dict[str, asyncio.Task[Any]] = {}
 
     async def get(self, name: str) -> Any:
         task = self._created.get(name)
         if task is None:
-            task = asyncio.ensure_future(self._tools[name].create(tools_kwargs(self._row, name)))
+            task = asyncio.ensure_future(self._create(name))
             self._created[name] = task
         return await asyncio.shield(task)
+
+    async def _create(self, name: str) -> Any:
+        with user_call(tool_call_name(name, "create", self.sample)):
+            return await self._tools[name].create(tools_kwargs(self._row, name))
 
     async def release(self) -> None:
         """Release every state that was created; a failing release is warned about (the
@@ -241,12 +257,13 @@ class _ToolStates:
             if task.cancelled() or task.exception() is not None:
                 continue
             try:
-                await self._tools[name].release(task.result())
+                with user_call(tool_call_name(name, "release", self.sample)):
+                    await self._tools[name].release(task.result())
             except RunAborted:
                 raise
             except Exception as exc:  # noqa: BLE001 - a user's release hook; reported, not raised
                 warnings.warn(
-                    f"tool {name}: release failed: {type(exc).__name__}: {exc}", stacklevel=1
+                    f"tool {name}: release failed: {describe_user_exception(exc)}", stacklevel=1
                 )
 
 
@@ -292,6 +309,7 @@ class ToolAgentLoop(AgentLoop):
         self.renderer = ChatRenderer(tokenizer, schemas, tool_format=settings.tool_format)
         self._schemas = {name: tool.tool_schema for name, tool in self.tools.items()}
         self._warned_prefix = False
+        self._warned_tools: set[str] = set()
 
     def prompt_ids(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
         """The prompt with the tools described (by the template, or in the system message)."""
@@ -307,7 +325,7 @@ class ToolAgentLoop(AgentLoop):
             )
         traj = Trajectory(sample.prompt_ids, ctx.max_response_tokens)
         history: list[dict[str, Any]] = list(messages)
-        states = _ToolStates(self.tools, sample.row)
+        states = _ToolStates(self.tools, sample.row, sample.index)
         try:
             while True:
                 room = traj.remaining
@@ -368,7 +386,7 @@ class ToolAgentLoop(AgentLoop):
                 for item in parsed.items
             )
         )
-        return [_Answer(self._truncate(a.text), a.failed) for a in answers]
+        return [self._bounded(answer) for answer in answers]
 
     async def _call(self, call: ToolCall, states: _ToolStates) -> _Answer:
         """One well-formed call run under the timeout (its tool state's creation, on the first
@@ -383,25 +401,58 @@ class ToolAgentLoop(AgentLoop):
         except RunAborted:  # a stop (SIGTERM/SIGINT) while the tool ran: the run ends, not the tool
             raise
         except Exception as exc:  # noqa: BLE001 - a tool's bug: the model's error, not a crash
-            return _Answer(f"Error: {call.name} failed: {type(exc).__name__}: {exc}", failed=True)
+            self._warn_tool_failure(call.name, exc)
+            described = describe_user_exception(exc, location=False)
+            return _Answer(f"Error: {call.name} failed: {described}", failed=True)
         if not isinstance(result, str):
             kind = type(result).__name__
+            self._warn_tool_failure(call.name, TypeError(f"execute returned a {kind}, not a str"))
             return _Answer(f"Error: {call.name} returned a {kind}, not text", failed=True)
         return _Answer(result, failed=False)
 
     async def _execute(self, call: ToolCall, states: _ToolStates) -> Any:
         state = await states.get(call.name)
-        return await self.tools[call.name].execute(dict(call.arguments), state)
+        with user_call(tool_call_name(call.name, "execute", states.sample)):
+            return await self.tools[call.name].execute(dict(call.arguments), state)
 
-    def _truncate(self, text: str) -> str:
+    def _warn_tool_failure(self, name: str, exc: BaseException) -> None:
+        """Say once per tool where its code failed (the model reads the error without it)."""
+        if name in self._warned_tools:
+            return
+        self._warned_tools.add(name)
+        warnings.warn(
+            f"tool {name} failed: {describe_user_exception(exc)}; the model reads it as an "
+            "error observation (agent/tool_errors counts them)",
+            stacklevel=1,
+        )
+
+    def _bounded(self, answer: _Answer) -> _Answer:
+        """``answer`` cut to ``max_tool_response_tokens`` (:meth:`_truncate`); a cut answer is
+        an error observation (counted in ``agent/tool_errors``), as the docs say."""
+        text, cut = self._truncate(answer.text)
+        return _Answer(text, answer.failed or cut)
+
+    def _truncate(self, text: str) -> tuple[str, bool]:
         """``text`` cut to ``max_tool_response_tokens`` tokens, saying so (the head is kept:
-        a traceback's or a print's start is where the model looks first)."""
+        a traceback's or a print's start is where the model looks first). Only the first
+        :data:`CHARS_PER_TOKEN` characters per token are tokenized: a tool that prints
+        megabytes costs what the kept head costs, not a tokenization of the whole. Returns the
+        text the model reads and whether it was cut."""
         limit = self.settings.max_tool_response_tokens
-        ids = self.renderer.encode(text)
-        if len(ids) <= limit:
-            return text
-        kept = self.renderer.decode(ids[:limit])
-        return f"{kept}\n... (truncated: the first {limit} of {len(ids)} tokens shown)"
+        char_limit = limit * CHARS_PER_TOKEN
+        head = text[:char_limit]
+        ids = self.renderer.encode(head)
+        if len(ids) > limit:
+            kept = self.renderer.decode(ids[:limit])
+            if len(head) < len(text):
+                total = f"an answer of {len(text)} characters"
+            else:
+                total = f"{len(ids)} tokens"
+            return f"{kept}\n... (truncated: the first {limit} tokens of {total} shown)", True
+        if len(head) < len(text):
+            note = f"(truncated: the first {char_limit} of {len(text)} characters shown)"
+            return f"{head}\n... {note}", True
+        return text, False
 
 
 async def _immediate(answer: _Answer) -> _Answer:
@@ -457,12 +508,15 @@ def resolve_loop(name: str, key: str = LOOP_KEY) -> type[AgentLoop]:
 
 def _import_attribute(module_name: str, attribute: str, where: str) -> object:
     try:
-        module = importlib.import_module(module_name)
+        with user_call(f"{where}: import {module_name}"):
+            module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
         raise AgentLoopError(f"{where}: module {exc.name or module_name!r} not found") from exc
+    except RunAborted:
+        raise
     except Exception as exc:  # whatever the user's module raised on import
         raise AgentLoopError(
-            f"{where}: importing {module_name!r} failed: {type(exc).__name__}: {exc}"
+            f"{where}: importing {module_name!r} failed: {describe_user_exception(exc)}"
         ) from exc
     if not hasattr(module, attribute):
         raise AgentLoopError(f"{where}: module {module_name!r} has no {attribute!r}")
@@ -476,9 +530,21 @@ def build_loop(
     tools: Mapping[str, Tool] | None = None,
     key: str = LOOP_KEY,
 ) -> AgentLoop:
-    """The loop ``name`` denotes, constructed with keywords (once per run)."""
+    """The loop ``name`` denotes, constructed with keywords (once per run). A user's class whose
+    constructor raises (an exit included) is a one-line :class:`AgentLoopError` naming ``key``."""
     cls = resolve_loop(name, key)
-    return cls(settings=settings, tokenizer=tokenizer, tools=tools)
+    if cls in BUILT_IN_LOOPS.values():
+        return cls(settings=settings, tokenizer=tokenizer, tools=tools)
+    try:
+        with user_call(f"{key}={name!r}: {cls.__name__}(...)"):
+            return cls(settings=settings, tokenizer=tokenizer, tools=tools)
+    except RunAborted:
+        raise
+    except Exception as exc:  # whatever the user's constructor raised
+        raise AgentLoopError(
+            f"{key}={name!r}: {cls.__name__}(settings=..., tokenizer=..., tools=...) failed: "
+            f"{describe_user_exception(exc)}"
+        ) from exc
 
 
 class LoopChooser:

@@ -34,7 +34,8 @@ from typing import Any
 import yaml
 
 from megarl.agent.tools.base import Tool
-from megarl.errors import BadInputError
+from megarl.errors import BadInputError, RunAborted
+from megarl.user_code import describe_user_exception, user_call
 
 ENTRY_KEYS = ("class_name", "config", "tool_schema")
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -102,11 +103,14 @@ def _build(entry: object, where: str) -> Tool:
     check_tool_schema(entry["tool_schema"], where)
     cls = _tool_class(entry["class_name"], where)
     try:
-        return cls(config, entry["tool_schema"])
+        with user_call(f"{where}: {entry['class_name']}(config, tool_schema)"):
+            return cls(config, entry["tool_schema"])
+    except RunAborted:
+        raise
     except Exception as exc:  # any failure of a user's constructor: reported as its config's
         raise ToolConfigError(
             f"{where}: {entry['class_name']}(config, tool_schema) failed: "
-            f"{type(exc).__name__}: {exc}"
+            f"{describe_user_exception(exc)}"
         ) from exc
 
 
@@ -118,16 +122,19 @@ def _tool_class(class_name: object, where: str) -> type[Tool]:
         )
     module_name, _, attribute = class_name.rpartition(".")
     try:
-        module = importlib.import_module(module_name)
+        with user_call(f"{where}: import {module_name}"):
+            module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
         missing = exc.name or module_name
         raise ToolConfigError(
             f"{where}: class_name={class_name!r}: module {missing!r} not found"
         ) from exc
+    except RunAborted:
+        raise
     except Exception as exc:  # whatever the user's module raised on import
         raise ToolConfigError(
             f"{where}: class_name={class_name!r}: importing {module_name!r} failed: "
-            f"{type(exc).__name__}: {exc}"
+            f"{describe_user_exception(exc)}"
         ) from exc
     cls = getattr(module, attribute, None)
     if cls is None:

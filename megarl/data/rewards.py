@@ -20,6 +20,8 @@ sample 0 for the whole run.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 import numbers
 import re
@@ -30,6 +32,7 @@ from typing import Any, cast
 
 from megarl.data.numbers import normalize_number, numbers_equal
 from megarl.errors import BadInputError, RunAborted
+from megarl.user_code import describe_user_exception, user_call
 
 RewardFn = Callable[[str, str], float]
 
@@ -301,9 +304,17 @@ def _import_reward_fn(path: str) -> RewardFn:
 
     module_name, _, attr = path.partition(":")
     try:
-        fn = getattr(importlib.import_module(module_name), attr)
+        with user_call(f"data.reward={path!r}: import"):
+            fn = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:
         raise ValueError(f"data.reward={path!r}: cannot import it ({exc})") from None
+    except RunAborted:
+        raise
+    except Exception as exc:  # noqa: BLE001 - whatever the user's module raised on import
+        raise ValueError(
+            f"data.reward={path!r}: importing {module_name!r} failed: "
+            f"{describe_user_exception(exc)}"
+        ) from None
     if not callable(fn):
         raise ValueError(f"data.reward={path!r} is not callable")
     _require_two_arguments(path, fn)
@@ -418,7 +429,8 @@ def call_bounded(fn: RewardFn, response: str, answer: str, timeout_s: float | No
         finally:
             done.set()
 
-    threading.Thread(target=call, name="megarl-reward", daemon=True).start()
+    context = contextvars.copy_context()  # the thread runs inside the caller's user call
+    threading.Thread(target=context.run, args=(call,), name="megarl-reward", daemon=True).start()
     if not done.wait(timeout_s):
         raise RewardTimeout(f"did not return within data.reward_timeout_s={timeout_s:g} s")
     if "error" in outcome:
@@ -434,12 +446,18 @@ def score_samples(
     policy: str = "raise",
     step: int | None = None,
     timeout_s: float | None = None,
+    first_index: int = 0,
 ) -> ScoredSamples:
     """Score each sample with its reward (``choice``, by the sample's ``data_source``) and
     check each value (see :func:`reward_value`). A user's function (not a built-in) that
     takes longer than ``timeout_s`` for one sample has failed on it (:func:`call_bounded`).
+    ``first_index``: the step's number of the first sample (a part of a step scored alone, as
+    the asynchronous rollout scores each group: messages number samples as the step does).
 
-    Messages name ``data.reward`` as the user set it. Under ``policy="raise"`` the first
+    Messages name ``data.reward`` as the user set it, and what the function raised with the
+    ``file:line`` it came from. Every call goes through :func:`megarl.user_code.user_call`: a
+    ``SystemExit`` (of any code) or a ``KeyboardInterrupt`` the function raises is its failure
+    like any exception, never the run's exit. Under ``policy="raise"`` the first
     failure raises :class:`RewardFunctionError`; under ``"zero"`` it scores 0.0 and is
     counted. A stop request or the launcher's watch (:class:`~megarl.errors.RunAborted`, raised
     wherever the main thread is, inside the function too) is never taken for the function's
@@ -448,23 +466,44 @@ def score_samples(
     if policy not in REWARD_ERROR_POLICIES:
         raise ValueError(f"reward error policy {policy!r}: must be one of raise, zero")
     sources = [""] * len(responses) if data_sources is None else data_sources
+    where = f" (step {step})" if step is not None else ""
+    users = choice.fixed is not None and choice.fixed.name not in BUILTIN_REWARDS
+    scoring = f"data.reward={choice.configured}: scoring {len(responses)} samples{where}"
+    with user_call(scoring) if users else contextlib.nullcontext():
+        return _score_each(
+            choice, responses, answers, sources, policy, where, timeout_s, first_index
+        )
+
+
+def _score_each(
+    choice: RewardChoice,
+    responses: Sequence[str],
+    answers: Sequence[str],
+    sources: Sequence[str],
+    policy: str,
+    where: str,
+    timeout_s: float | None,
+    first_index: int,
+) -> ScoredSamples:
+    """:func:`score_samples`' loop over the samples, each call its own user call."""
     rewards: list[float] = []
     failures: list[str] = []
-    where = f" (step {step})" if step is not None else ""
     for index, (response, answer, source) in enumerate(
-        zip(responses, answers, sources, strict=True)
+        zip(responses, answers, sources, strict=True), start=first_index
     ):
         reward = choice.for_source(source)
-        limit = None if reward.name in BUILTIN_REWARDS else timeout_s
+        users = reward.name not in BUILTIN_REWARDS
+        limit = timeout_s if users else None
+        call = f"{choice.label(reward)}: sample {index}{where}"
         try:
-            returned = call_bounded(reward.fn, response, answer, limit)
+            with user_call(call, publish=False) if users else contextlib.nullcontext():
+                returned = call_bounded(reward.fn, response, answer, limit)
         except RunAborted:
             raise
         except RewardTimeout as exc:
             problem = str(exc)
         except Exception as exc:  # noqa: BLE001 - the user's code: any failure is reported
-            detail = " ".join(str(exc).split())[:200]
-            problem = f"raised {type(exc).__name__}{': ' + detail if detail else ''}"
+            problem = f"raised {describe_user_exception(exc)}"
         else:
             try:
                 rewards.append(reward_value(returned))

@@ -39,6 +39,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from megarl import user_code
 from megarl.distributed import fault_injection
 
 WRITE_INTERVAL_S = 2.0
@@ -58,11 +59,18 @@ class Beat:
     """The phase the main loop last entered (``rollout``, ``update_actor``, ``save``, ...)."""
     progress_at: float
     """Wall-clock time the main loop last advanced (entered a phase or an optimizer step)."""
+    user_call: str = ""
+    """The user code running at the last report (:func:`megarl.user_code.calls_in_flight`,
+    newest first: ``tool python: execute (sample 3)``), published the moment a call starts and
+    ends; empty when none ran. A rank that dies inside user code (``os._exit``, a segfault in
+    an extension) raises nothing; this is what names the call."""
 
     @property
     def during(self) -> str:
-        """What the main loop was doing: ``update_actor of step 3``."""
-        return f"{self.phase} of step {self.step}" if self.step else self.phase
+        """What the main loop was doing: ``update_actor of step 3``, and the user code running
+        then (``rollout of step 3, while running tool python: execute (sample 3)``)."""
+        during = f"{self.phase} of step {self.step}" if self.step else self.phase
+        return f"{during}, while running {self.user_call}" if self.user_call else during
 
     def describe(self, now: float, with_pid: bool = True) -> str:
         """What went wrong, for the failure line (``with_pid=False`` where it names the pid)."""
@@ -89,9 +97,11 @@ class _Writer:
         self.host, self.pid = socket.gethostname(), os.getpid()
         self.step, self.phase, self.progress_at = 0, "start", time.time()
         self.stopped = threading.Event()
+        self._write_lock = threading.Lock()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.write()
         threading.Thread(target=self._loop, name="megarl-heartbeat", daemon=True).start()
+        user_code.set_listener(self.write)  # a user call's start and end, published at once
 
     def mark(self, phase: str, step: int | None) -> None:
         self.phase, self.progress_at = phase, time.time()
@@ -100,10 +110,17 @@ class _Writer:
         fault_injection.at_phase(self.rank, self.step, phase)  # tests only; else one lookup
 
     def write(self) -> None:
-        beat = Beat(self.rank, self.host, self.pid, self.step, self.phase, self.progress_at)
+        calls = list(user_code.calls_in_flight())
+        running = calls[-1] if calls else ""
+        if len(calls) > 1:
+            running += f" (and {len(calls) - 1} more)"
+        beat = Beat(
+            self.rank, self.host, self.pid, self.step, self.phase, self.progress_at, running
+        )
         tmp = self.path.with_name(f".{self.path.name}.{self.pid}.tmp")
-        tmp.write_text(json.dumps(beat.__dict__))
-        os.replace(tmp, self.path)
+        with self._write_lock:  # the main loop (a user call) and the thread both write
+            tmp.write_text(json.dumps(beat.__dict__))
+            os.replace(tmp, self.path)
 
     def _loop(self) -> None:
         while not self.stopped.wait(self.interval_s):
@@ -126,6 +143,7 @@ def stop() -> None:
     global _writer
     if _writer is not None:
         _writer.stopped.set()
+        user_code.set_listener(None)
         _writer = None
 
 

@@ -50,6 +50,7 @@ from megarl.distributed import heap, heartbeat, quiet
 from megarl.distributed.heartbeat import STALE_GRACE_S, Beat, HeartbeatWatch
 from megarl.distributed.processes import descendants, kill_all, process_lives
 from megarl.errors import MegarlError, RunAborted, RunStopped
+from megarl.user_code import describe_user_exception
 
 POLL_S = 0.2
 CAUSE_GRACE_S = 1.0  # how long a peer's error waits for a killed rank to be seen
@@ -308,8 +309,11 @@ def _worker_entry(
         # Plain pickle bytes: torch's queue reductions would pass tensors as shared-memory
         # handles, which vanish when this process exits before the parent reads them.
         error_queue.put((rank, "ok", pickle.dumps(result)))
-    except SystemExit as exc:  # a clean, already-reported error (e.g. bad config)
-        error_queue.put((rank, "exit", int(exc.code or 0)))
+    except SystemExit as exc:
+        if not is_reported_exit(exc):  # no rank's work ends in an exit: never a success
+            error_queue.put((rank, "error", (1, early_exit_line(exc))))
+            raise SystemExit(1) from None
+        error_queue.put((rank, "exit", exc.code))  # a clean, already-reported error
         raise
     except MegarlError as exc:  # explained in one line: no traceback
         error_queue.put((rank, "error", (exc.exit_code, str(exc))))
@@ -446,9 +450,36 @@ class InProcessWatch:
         os._exit(1)
 
 
+def is_reported_exit(exc: SystemExit) -> bool:
+    """A rank's ``SystemExit`` that ends the run with its own, non-zero code (an error already
+    reported); one of code 0, None or ``False``, or not a number, is a rank that stopped before
+    its work was done and must fail the run (exit 1), never end it as a success."""
+    code = exc.code
+    return isinstance(code, int) and not isinstance(code, bool) and code != 0
+
+
+def early_exit_line(exc: SystemExit) -> str:
+    """The line for a rank that raised :func:`is_reported_exit`'s other kind of exit."""
+    return (
+        f"the rank raised {describe_user_exception(exc)} before its work was done "
+        "(a SystemExit from code it called, outside the calls into user code that catch it)"
+    )
+
+
 def _run_in_process(fn: Callable[..., Any], args: tuple, watch: HeartbeatWatch | None) -> Any:
     """``fn`` as rank 0 of a world of one, here; with ``watch``, an :class:`InProcessWatch`."""
     ctx = WorkerContext(0, 1, "127.0.0.1", find_free_port(), watch.folder if watch else None)
+    try:
+        return _run_in_process_watched(fn, args, watch, ctx)
+    except SystemExit as exc:
+        if is_reported_exit(exc):
+            raise
+        raise WorkerFailed(0, None, early_exit_line(exc)) from exc
+
+
+def _run_in_process_watched(
+    fn: Callable[..., Any], args: tuple, watch: HeartbeatWatch | None, ctx: WorkerContext
+) -> Any:
     with _process_state_restored():
         if watch is None:
             return fn(ctx, *args)
@@ -550,12 +581,30 @@ def _drain(queue, results: dict[int, Any], errors: dict[int, Any]) -> None:
 
 
 def _silently_dead(procs, results, errors) -> list[tuple[int, int]]:
-    """Ranks that exited abnormally without reporting anything: killed or crashed natively."""
+    """Ranks that exited without reporting anything: killed or crashed natively, or ended by
+    ``os._exit`` -- with status 0 too (a rank that finished reports its result first)."""
     return [
         (r, p.exitcode)
         for r, p in enumerate(procs)
-        if p.exitcode not in (None, 0) and r not in results and r not in errors
+        if p.exitcode is not None and r not in results and r not in errors
     ]
+
+
+def _dead_rank_report(
+    rank: int, exitcode: int, pid: int, peers_failed: int, watch: HeartbeatWatch | None
+) -> WorkerFailed:
+    """The line for a rank that died without a Python error: its exit status, the phase its
+    heartbeat last named and the user code it was running then (a tool that called
+    ``os._exit``, an extension that segfaulted: nothing was raised to name it)."""
+    beat = watch.read({rank: pid}).get(rank) if watch is not None else None
+    how = (
+        "exited with status 0 before its work was done, without a Python error"
+        if exitcode == 0
+        else "killed or crashed without a Python error"
+    )
+    during = f" during {beat.during}" if beat is not None else ""
+    peers = f"; then {peers_failed} other rank(s) failed" if peers_failed else ""
+    return WorkerFailed(rank, exitcode, f"{how}{during}{peers}")
 
 
 def _raise_root_cause(procs, queue, results, errors, watch: HeartbeatWatch | None = None) -> None:
@@ -571,8 +620,9 @@ def _raise_root_cause(procs, queue, results, errors, watch: HeartbeatWatch | Non
         killed = [(r, code) for r, code in dead if r not in errors and r not in results]
         if killed:
             rank, code = killed[0]
-            peers = f"; then {len(errors)} other rank(s) failed" if errors else ""
-            raise WorkerFailed(rank, code, f"killed or crashed without a Python error{peers}")
+            raise _dead_rank_report(rank, code, procs[rank].pid, len(errors), watch)
+        if not errors:  # the rank seen dead had reported after all (it finished)
+            return
         if time.monotonic() >= grace_end:
             break
         time.sleep(POLL_S / 4)

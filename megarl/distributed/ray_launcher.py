@@ -42,13 +42,15 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from megarl.distributed import heap, quiet
+from megarl.distributed import heap, quiet, ray_reaper
 from megarl.distributed.heartbeat import STALE_GRACE_S, HeartbeatWatch
 from megarl.distributed.launcher import (
     WATCH_POLL_S,
     WorkerContext,
     WorkerFailed,
+    early_exit_line,
     is_collective_timeout,
+    is_reported_exit,
     raise_if_stuck,
     raised_error_report,
     role_of,
@@ -120,9 +122,12 @@ class SideActorFailed(RuntimeError):
     the report names the side actor and its node, not the rank that happened to notice.
     """
 
-    def __init__(self, where: str, detail: str, exit_code: int = 1):
-        super().__init__(where, detail, exit_code)  # all three survive pickling
+    def __init__(self, where: str, detail: str, exit_code: int = 1, traceback: str = ""):
+        super().__init__(where, detail, exit_code, traceback)  # all four survive pickling
         self.where, self.detail, self.exit_code = where, detail, exit_code
+        self.traceback = traceback
+        """The side actor's remote traceback, for an unexpected error (a bug, a user loop's
+        exception): the report keeps it off the line and writes it to the run's log."""
 
     def __str__(self) -> str:
         return f"{self.where} failed: {self.detail}"
@@ -144,7 +149,8 @@ def get_from_side_actor(ref, where: str, call: str = "", timeout_s: float | None
         cause = exc.cause if isinstance(exc.cause, BaseException) else exc
         if isinstance(cause, MegarlError):  # explained in one line, with its own exit code
             raise SideActorFailed(where, f"{cause}{during}", cause.exit_code) from None
-        raise SideActorFailed(where, f"{type(cause).__name__}: {cause}{during}") from None
+        detail = f"{type(cause).__name__}: {cause}".splitlines()[0]
+        raise SideActorFailed(where, f"{detail}{during}", traceback=str(exc)) from None
 
 
 @dataclass(frozen=True)
@@ -383,6 +389,7 @@ def connect() -> bool:
         try:
             with _keep_signal_handlers():
                 ray.init(address="local", **quiet)
+            ray_reaper.start()  # a private Ray's agents end with this driver, however it ends
             return True
         except Exception as exc:  # Ray waits a fixed 30 s for its raylet; an overloaded host
             ray.shutdown()  # can miss it once, so retry before giving up.
@@ -558,12 +565,18 @@ def _result_of(
     try:
         return ray.get(ref)
     except ray.exceptions.RayActorError as exc:
-        raise WorkerFailed(rank, None, _death_cause(exc), where=where) from None
+        during = _last_seen_during(watch, rank, placements)
+        raise WorkerFailed(rank, None, _death_cause(exc) + during, where=where) from None
     except ray.exceptions.RayTaskError as exc:
         cause = exc.cause if isinstance(exc.cause, BaseException) else exc
         if isinstance(cause, SideActorFailed):  # the rollout actor, not this rank
             raise WorkerFailed(
-                -1, None, cause.detail, where=cause.where, exit_code=cause.exit_code
+                -1,
+                None,
+                cause.detail,
+                where=cause.where,
+                exit_code=cause.exit_code,
+                traceback=getattr(cause, "traceback", ""),
             ) from None
         if isinstance(cause, MegarlError):  # e.g. a bad reward function: exit 2
             raise WorkerFailed(
@@ -571,6 +584,8 @@ def _result_of(
             ) from None
         _raise_if_a_rank_died(pending, placements)  # the cause, not this symptom
         if isinstance(cause, SystemExit):
+            if not is_reported_exit(cause):  # no rank's work ends in an exit of code 0
+                raise WorkerFailed(rank, None, early_exit_line(cause), where=where) from None
             raise SystemExit(cause.code) from None
         beat = None
         error = f"{type(cause).__name__}: {cause}"
@@ -612,6 +627,15 @@ def _raise_if_a_rank_died(pending: dict, placements: list[RankPlacement]) -> Non
             continue
 
 
+def _last_seen_during(
+    watch: HeartbeatWatch | None, rank: int, placements: list[RankPlacement]
+) -> str:
+    """`` during <phase>, while running <user call>`` from a dead rank's last heartbeat (a
+    tool's ``os._exit`` or a segfault raises nothing that could name the call), or ""."""
+    beat = watch.read(_pids([rank], placements)).get(rank) if watch is not None else None
+    return f" during {beat.during}" if beat is not None else ""
+
+
 def _death_cause(exc: BaseException) -> str:
     """Ray's actor-death text, cut to its exit type and detail (the rest is generic advice)."""
     text = " ".join(str(exc).split())
@@ -636,6 +660,7 @@ def release(actors: list, group, disconnect: bool = True) -> None:
     release_group(group)
     if disconnect:
         ray.shutdown(wait_for_processes=True)
+        ray_reaper.stop()  # Ray's processes are gone: nothing is left for it to end
 
 
 def _wait_until_dead(actors: list) -> None:

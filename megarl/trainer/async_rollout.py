@@ -389,6 +389,7 @@ class AsyncRollout:
         params = self.host.producer.sampling_params()
         problems = [self._problem(group) for group, _ in wave]
         agents = self.host.producer.agents
+        abandoned = 0.0
         if agents is not None and agents.applies(problems):
             # whole trajectories, the buffer holds them like responses; under partial rollouts
             # newer weights are loaded inside the wave and the tokens carry their versions
@@ -403,6 +404,7 @@ class AsyncRollout:
                 self.host.engine, problems, prompt_ids, seeds, params, partial
             )
             pieces = built.gens
+            abandoned = built.metrics.get("agent/abandoned_threads", 0.0)
             more = built.branch_trajectories or [[] for _ in wave]
             for (_, response), trajectory, branches in zip(
                 wave, built.trajectories, more, strict=True
@@ -417,7 +419,14 @@ class AsyncRollout:
             trajectory = response.trajectory
             response.add(piece, version, trajectory and trajectory.response_versions)
         finished = [g for g in groups if all(r.done for r in self._responses[g])]
-        scored = self._score(finished)
+        if finished:  # a reward that hangs is named as what the loop is stuck in
+            reward = f"data.reward={self.host.producer.reward.configured}"
+            with self._cv:
+                self._doing = (
+                    f"scoring {len(finished)} group(s) of {shown} ({reward})",
+                    time.time(),
+                )
+        scored = self._score(finished, abandoned)
         with self._cv:
             self._generating = False
             self._clock.gen += generated - started
@@ -428,8 +437,9 @@ class AsyncRollout:
             self._started().finish(list(scored))
             self._cv.notify_all()
 
-    def _score(self, groups: Sequence[int]) -> dict[int, ScoredGroups]:
-        """Each finished group, decoded and scored: the rewards a synchronous step gives."""
+    def _score(self, groups: Sequence[int], abandoned: float = 0.0) -> dict[int, ScoredGroups]:
+        """Each finished group, decoded and scored: the rewards a synchronous step gives;
+        ``abandoned``: the wave's ``agent/abandoned_threads``, counted with its first group."""
         scored: dict[int, ScoredGroups] = {}
         for group in groups:
             step = self.rule.step_of(group)
@@ -443,9 +453,13 @@ class AsyncRollout:
                 [t.reward for t in trajectories] if trajectories else None,
                 [t.answer_text for t in trajectories] if trajectories else None,
                 [[_branch(b, r) for b in r.branches] for r in responses],
+                first_group=group - self.rule.groups_of(step).start,
             )
             if trajectories:
-                part = dataclasses.replace(part, agent_metrics=trajectory_metrics(trajectories))
+                budget = self.host.producer.settings.max_new_tokens  # what trains of each
+                metrics = trajectory_metrics(trajectories, budget)
+                metrics["agent/abandoned_threads"] = abandoned if group == groups[0] else 0.0
+                part = dataclasses.replace(part, agent_metrics=metrics)
             scored[group] = part
         return scored
 

@@ -396,13 +396,16 @@ class RolloutProducer:
         own_rewards: Sequence[float | None] | None = None,
         own_texts: Sequence[str | None] | None = None,
         branches: Sequence[Sequence[ExtraBranch]] | None = None,
+        first_group: int = 0,
     ) -> ScoredGroups:
         """Whole groups (``rollout.n`` generations per problem, in order) decoded and scored,
         the overlong penalty included; ``versions``: each generation's tokens' versions;
         ``own_rewards``: a reward per generation that replaces the dataset's where not None
         (an agent loop's ``trajectory.reward``); ``own_texts``: what the dataset's reward
         reads instead of the decoded response, where not None (``trajectory.answer_text``);
-        ``branches``: each generation's further branches (:class:`ExtraBranch`)."""
+        ``branches``: each generation's further branches (:class:`ExtraBranch`);
+        ``first_group``: the step's number of the first group (groups scored apart from their
+        step's others are numbered as in it)."""
         n = self.settings.group_size
         texts = [self.tokenizer.decode(g.response_ids, skip_special_tokens=True) for g in gens]
         if own_texts is not None:
@@ -411,7 +414,7 @@ class RolloutProducer:
             ]
         answers = [p.answer for p in problems for _ in range(n)]
         sources = [p.data_source for p in problems for _ in range(n)]
-        scores, failures = self._score(texts, answers, sources, step)
+        scores, failures = self._score(texts, answers, sources, step, first_group * n)
         if own_rewards is not None:
             scores = tuple(
                 float(own) if own is not None else score
@@ -503,9 +506,15 @@ class RolloutProducer:
         return self._score(texts, answers, data_sources, step)[0]
 
     def _score(
-        self, texts: list[str], answers: list[str], data_sources: list[str], step: int
+        self,
+        texts: list[str],
+        answers: list[str],
+        data_sources: list[str],
+        step: int,
+        first_index: int = 0,
     ) -> tuple[tuple[float, ...], int]:
-        """:meth:`score`, and how many samples failed."""
+        """:meth:`score`, and how many samples failed (``first_index``: the step's number of
+        the first sample, for messages)."""
         scored = score_samples(
             self.reward,
             texts,
@@ -514,6 +523,7 @@ class RolloutProducer:
             self.settings.reward_error,
             step,
             self.settings.reward_timeout_s,
+            first_index,
         )
         if scored.first_failure and not self._warned_reward_failure:
             self._warned_reward_failure = True

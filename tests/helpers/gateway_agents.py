@@ -245,3 +245,10 @@ async def retry_second(row, llm):
     for _ in range(2):
         await client.chat.completions.create(model=llm.model, messages=messages, max_tokens=8)
     return
+
+
+def os_exiting(row, llm):
+    """``os._exit`` in an agent: the sample's failure, never the trainer process's end."""
+    import os
+
+    os._exit(0)

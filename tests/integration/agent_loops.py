@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from megarl.agent import AgentLoop, Trajectory
 
 
@@ -22,4 +24,51 @@ class OwnReward(TwoTurns):
     async def run(self, sample, ctx):
         traj = await super().run(sample, ctx)
         traj.reward = 0.75
+        return traj
+
+
+class ExitsZero(TwoTurns):
+    """A loop whose check of sample 2 ends in ``sys.exit(0)`` (as ``unittest.main()`` does)."""
+
+    async def run(self, sample, ctx):
+        import sys
+
+        traj = await super().run(sample, ctx)
+        if sample.index == 2:
+            sys.exit(0)
+        return traj
+
+
+class Interrupts(TwoTurns):
+    """A loop whose code raises ``KeyboardInterrupt`` itself on sample 2 (no Ctrl-C)."""
+
+    async def run(self, sample, ctx):
+        traj = await super().run(sample, ctx)
+        if sample.index == 2:
+            raise KeyboardInterrupt
+        return traj
+
+
+class AbandonsAThread(TwoTurns):
+    """Sample 0 gives up on a worker thread that goes on for 3 s (a tool call that timed out)."""
+
+    async def run(self, sample, ctx):
+        import asyncio
+        import time
+
+        if sample.index == 0:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.to_thread(time.sleep, 3), 0.05)
+        return await super().run(sample, ctx)
+
+
+class QuitsProcess(TwoTurns):
+    """A loop whose code calls ``os._exit(0)`` on sample 2 (a one-process run's own process)."""
+
+    async def run(self, sample, ctx):
+        import os
+
+        traj = await super().run(sample, ctx)
+        if sample.index == 2:
+            os._exit(0)
         return traj

@@ -46,3 +46,16 @@ def hangs_at_step_2(response: str, answer: str) -> float:
         while True:
             time.sleep(3600)
     return char_parity(response, answer)
+
+
+_slow_calls = 0
+
+
+def slow_for_3_s(response: str, answer: str) -> float:
+    """The first call takes 3 s (longer than a test's short collective timeout); then scores
+    as :func:`char_parity`."""
+    global _slow_calls
+    _slow_calls += 1
+    if _slow_calls == 1:
+        time.sleep(3)
+    return char_parity(response, answer)

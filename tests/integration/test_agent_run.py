@@ -150,3 +150,29 @@ def test_a_row_naming_a_loop_that_does_not_exist_is_named_by_file_and_row(tmp_pa
     assert str(refused.value).startswith(f"{data}:2: ")
     assert "agent_name='agent_loops:Nope': module 'agent_loops' has no 'Nope'" in str(refused.value)
     assert not run_dir.exists() or not any(run_dir.iterdir())
+
+
+@pytest.mark.parametrize(
+    ("loop", "raised"),
+    [
+        ("ExitsZero", "SystemExit(0)"),
+        ("Interrupts", "KeyboardInterrupt"),
+        ("QuitsProcess", "os._exit(0) called"),
+    ],
+)
+def test_a_loop_that_exits_or_interrupts_itself_fails_the_run_in_one_line(
+    train_cli, tmp_path, loop, raised
+):
+    """``sys.exit(0)``, ``os._exit(0)`` or a ``KeyboardInterrupt`` raised inside a user's loop
+    (no signal): exit 1, the line names the loop, the sample and where, the traceback goes to
+    the log; not exit 0 with "no steps ran" (or nothing at all), nor exit 130 as if Ctrl-C had
+    been pressed."""
+    run_dir = tmp_path / "run"
+    overrides = {"rollout.agent.loop": f"agent_loops:{loop}", "rollout.max_new_tokens": 40}
+    done = train_cli.run(*tiny_overrides(run_dir, 1, **overrides), cwd=tmp_path)
+    errors = [line for line in done.stderr.splitlines() if line.startswith("megarl-train: error")]
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert len(errors) == 1, done.stderr[-3000:]
+    assert f"agent loop {loop}: run (sample 2) raised {raised} (at " in errors[0]
+    assert "agent_loops.py:" in errors[0]
+    assert raised.split("(")[0] in (run_dir / "logs" / "error-rank0.txt").read_text()

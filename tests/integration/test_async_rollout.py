@@ -222,6 +222,19 @@ def test_agent_turns_interrupted_by_weight_syncs_resume_inside_the_trajectory(tm
     assert host.engine.calls >= 4  # turn 1, resumed twice, turn 2 (then step 2's, maybe)
 
 
+def test_fully_async_counts_the_worker_threads_its_agent_loops_left_behind(tmp_path):
+    loop = {"rollout.agent.loop": "agent_loops:AbandonsAThread", "rollout.max_new_tokens": 40}
+    mode = {"async_training.mode": "fully_async", **loop}
+    cfg, host, _ = _host(tmp_path, "async", **ASYNC, **mode)
+    stream = AsyncRollout(host, cfg)
+    try:
+        stream.start_rollout(1)
+        _, metrics, _, _ = stream.next_batch(1, timeout_s=120)
+    finally:
+        stream.close()
+    assert metrics["agent/abandoned_threads"] == 1.0
+
+
 def test_bound_holds_and_a_checkpoint_keeps_the_next_steps_prompts(tmp_path):
     """K = 2 with partial rollouts and a trainer slower than generation: the loop draws ahead,
     yet no token is older than the bound, and the saved stream position is the one before the
@@ -269,6 +282,21 @@ def test_a_stuck_loop_fails_the_wait_saying_what_it_was_doing(tmp_path, monkeypa
     message = str(stalled.value)
     assert "no batch for step 2 within trainer.collective_timeout_s=1.5 s" in message
     assert "generating 8 sequences of step 2 under weights version 0 since" in message
+
+
+def test_a_stuck_reward_is_named_as_what_the_loop_is_doing(tmp_path):
+    """Generation is done; the loop is inside the reward function: the line says so."""
+    reward = "synthetic_rewards:slow_for_3_s"
+    mode = {"async_training.mode": "fully_async", "data.reward": reward}
+    cfg, host, _ = _host(tmp_path, "async", **ASYNC, **mode)
+    stream = AsyncRollout(host, cfg)
+    try:
+        stream.start_rollout(1)
+        with pytest.raises(RolloutStalled) as stalled:
+            stream.next_batch(1, timeout_s=1.5)
+    finally:
+        stream.close()
+    assert f"scoring 2 group(s) of step 1 (data.reward={reward}) since" in str(stalled.value)
 
 
 def test_a_failing_reward_reaches_the_trainer_as_its_own_error(tmp_path):

@@ -327,6 +327,11 @@ def returns_nan(response, answer):
 
 def raises(response, answer):
     raise KeyError("no such answer key")
+
+
+def exits(response, answer):
+    import unittest  # a check through unittest.main(): SystemExit(False) when it passes
+    raise SystemExit(False)
 """
 """A user's reward module: written into tmp_path, which goes on the subprocess's PYTHONPATH."""
 
@@ -356,6 +361,11 @@ _TINY_RUN = (
             "raises",
             2,  # raised in rank 0 of two: reaches the launcher as the rank's one line
             "data.reward=user_rewards:raises: sample 0 (step 1) raised KeyError: 'no such answer",
+        ),
+        (
+            "exits",
+            1,  # never the run's exit 0
+            "data.reward=user_rewards:exits: sample 0 (step 1) raised SystemExit(False) (at ",
         ),
     ],
 )

@@ -207,6 +207,37 @@ def test_killed_rank_is_named_not_the_peer_that_noticed(tmp_path):
     assert "then 1 other rank(s) failed" in str(failed.value)
 
 
+def _tool_ends_rank_1(ctx, sync_dir: str) -> None:
+    """Rank 1's tool ends its process with status 0 from C (an extension's ``_exit(0)``, which
+    no guard of ``os._exit`` sees; nothing raised); rank 0 then fails in its next collective,
+    as a real peer would."""
+    import ctypes
+
+    from megarl.distributed import heartbeat
+    from megarl.user_code import user_call
+
+    heartbeat.start(ctx.heartbeat_dir, ctx.rank, interval_s=60)  # only the call publishes
+    heartbeat.mark("rollout", 2)
+    if ctx.rank == 1:
+        with user_call("tool crash: execute (sample 3)"):
+            ctypes.CDLL(None)._exit(0)
+    time.sleep(2)
+    raise RuntimeError("Connection closed by peer")
+
+
+def test_a_rank_ended_by_user_code_with_status_0_is_named_with_the_call(tmp_path):
+    from megarl.distributed.heartbeat import HeartbeatWatch
+    from megarl.distributed.launcher import WorkerFailed, launch
+
+    watch = HeartbeatWatch(str(tmp_path / ".heartbeat"), timeout_s=120)
+    with pytest.raises(WorkerFailed) as failed:
+        launch(_tool_ends_rank_1, 2, args=(str(tmp_path),), timeout_s=120, watch=watch)
+    message = str(failed.value)
+    assert failed.value.rank == 1 and failed.value.exitcode == 0, message
+    assert "exited with status 0 before its work was done, without a Python error" in message
+    assert "during rollout of step 2, while running tool crash: execute (sample 3)" in message
+
+
 def _bad_input_on_rank_0(ctx, sync_dir: str) -> None:
     """Rank 0 finds bad input (a reward function failing); rank 1 then fails in the next
     collective, as a real peer would."""

@@ -245,6 +245,34 @@ def test_ray_sigterm_stops_every_actor_with_one_line(tmp_path):
     assert exited_s < 15
 
 
+RAY_DRIVER = (
+    "import time\n"
+    "from megarl.distributed.ray_launcher import connect\n"
+    "connect()\n"
+    "print('READY', flush=True)\n"
+    "time.sleep(600)\n"
+)
+
+
+@pytest.mark.slow
+def test_no_process_of_a_private_ray_outlives_its_sigkilled_driver_by_10_s():
+    """Ray's own agents outlived a SIGKILLed driver by ~61 s; the driver's reaper ends them."""
+    driver = subprocess.Popen(
+        [sys.executable, "-c", RAY_DRIVER], stdout=subprocess.PIPE, env=run_env(), text=True
+    )
+    try:
+        assert driver.stdout is not None and driver.stdout.readline().strip() == "READY"
+        time.sleep(2)  # the agents have started
+        processes = psutil.Process(driver.pid).children(recursive=True)
+        assert any("Agent" in p.name() for p in processes), [p.name() for p in processes]
+        driver.kill()
+        driver.wait()
+        gone_s = _assert_gone(processes, 10.0)
+    finally:
+        driver.kill()
+    print(f"ray, driver SIGKILLed: {len(processes)} processes gone in {gone_s:.1f} s")
+
+
 @pytest.mark.slow
 def test_ray_frozen_rank_is_named_with_its_phase(tmp_path):
     """Rank 1's loop freezes at step 1 inside its Ray actor; rank 0's collective times out. The

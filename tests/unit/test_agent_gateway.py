@@ -318,16 +318,18 @@ def test_requests_that_cannot_be_honoured_are_http_errors_and_the_session_goes_o
     assert_only_sampled_ids_train(result, engine)
 
 
-@pytest.mark.parametrize("agent", ["crashing", "exiting"])
+@pytest.mark.parametrize("agent", ["crashing", "exiting", "os_exiting"])
 def test_a_failing_agent_stops_the_run_in_one_line_under_raise(tokenizer, agent):
-    with pytest.raises(AgentFailedError, match=r"sample 0 raised (ValueError|SystemExit)") as info:
+    with pytest.raises(
+        AgentFailedError, match=r"sample 0 raised (ValueError|SystemExit|os._exit)"
+    ) as info:
         run_agent(tokenizer, agent, count=1)
     assert isinstance(info.value, BadInputError)
     assert "gateway_agents.py:" in str(info.value)
 
 
 @pytest.mark.filterwarnings("ignore:.*made no request")
-@pytest.mark.parametrize("agent", ["crashing", "exiting", "hanging"])
+@pytest.mark.parametrize("agent", ["crashing", "exiting", "os_exiting", "hanging"])
 def test_a_failing_agent_scores_zero_under_zero_and_the_step_goes_on(tokenizer, agent):
     with pytest.warns(UserWarning, match="scored 0"):
         result, _, _ = run_agent(

@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import signal
+import sys
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -194,7 +196,10 @@ def test_two_turns_example_batches_turns_across_trajectories(tokenizer):
     ]
     assert result.metrics["agent/engine_calls"] == 2
     assert result.metrics["agent/num_turns/mean"] == 2 == result.metrics["agent/num_turns/max"]
-    assert result.metrics["agent/observation_tokens/mean"] == len(observation)
+    # 16 + observation + 16 tokens overrun the 16-token budget: trained cut to it, no
+    # observation token kept (the metrics describe what trains)
+    assert result.metrics["agent/observation_tokens/mean"] == 0
+    assert result.metrics["agent/truncated_frac"] == 1.0
     assert result.metrics["agent/requests_per_engine_call/mean"] == 2
     assert result.metrics["agent/timing_s/gen_per_call"] >= 0
 
@@ -578,6 +583,12 @@ class Fails(Tool):
             await asyncio.sleep(30)
         if arguments["how"] == "long":
             return " ".join(f"word{i}" for i in range(200))
+        if arguments["how"] == "huge":
+            return "ab" * 2_000_000
+        if arguments["how"] == "exit":
+            raise SystemExit(False)  # what unittest.main() raises when the tests pass
+        if arguments["how"] == "thread_exit":
+            await asyncio.to_thread(sys.exit, 0)
         return 42  # not text
 
 
@@ -689,6 +700,8 @@ def test_two_calls_in_one_turn_run_concurrently_and_answer_in_order(tokenizer):
         ("bug", "Error: fails failed: RuntimeError: the tool has a bug"),
         ("hang", "Error: fails timed out after 0.05 s"),
         ("int", "Error: fails returned a int, not text"),
+        ("exit", "Error: fails failed: SystemExit(False)"),
+        ("thread_exit", "Error: fails failed: SystemExit(0)"),
     ],
 )
 def test_a_failing_tool_is_an_error_observation(tokenizer, how, expected):
@@ -756,7 +769,32 @@ def test_a_long_tool_output_is_truncated_and_says_so(tokenizer):
     )
     (observation,) = observations(loop, result.trajectories[0])
     assert "word0 word1" in observation and "word150" not in observation
-    assert "(truncated: the first 8 of" in observation
+    assert "(truncated: the first 8 tokens of an answer of 1489 characters shown)" in observation
+    assert result.metrics["agent/tool_errors"] == 1  # a cut answer is an error observation
+
+
+def test_a_huge_tool_answer_is_cut_by_characters_before_it_is_tokenized(tokenizer, monkeypatch):
+    """A tool that returns 4 MB: only the head the token limit can keep is tokenized."""
+    from megarl.agent.render import ChatRenderer
+
+    encoded: list[int] = []
+    encode = ChatRenderer.encode
+
+    def spy(self, text):
+        encoded.append(len(text))
+        return encode(self, text)
+
+    monkeypatch.setattr(ChatRenderer, "encode", spy)
+    settings = AgentSettings(loop="tool", max_tool_response_tokens=8)
+    result, loop, _ = tool_run(
+        tokenizer, [[call("fails", how="huge"), "Ok."]], [Fails()], settings=settings
+    )
+    assert max(encoded) <= 8 * 16 + 1000  # the cut head (and the turns' own short texts)
+    (observation,) = observations(loop, result.trajectories[0])
+    assert "(truncated: the first 8 tokens of an answer of 4000000 characters shown)" in (
+        observation
+    )
+    assert result.metrics["agent/tool_errors"] == 1
 
 
 def test_a_turn_cut_by_its_budget_runs_no_tool(tokenizer):
@@ -898,3 +936,164 @@ def test_a_stop_request_inside_a_tool_stops_the_step_instead_of_becoming_an_obse
 
     with pytest.raises(RunStopped):
         tool_run(tokenizer, [[call("stop", why="now"), "done"]], [Stopped()])
+
+
+def test_a_tool_that_exits_or_interrupts_itself_is_an_error_observation_not_the_runs_end(
+    tokenizer, monkeypatch
+):
+    """Under megarl-train SIGINT raises RunStopped, so a KeyboardInterrupt is the tool's own;
+    a SystemExit from ``create`` or ``execute`` is that call's failure, warned with where."""
+    monkeypatch.setattr(signal, "getsignal", lambda sig: lambda *args: None)
+
+    class Exits(Tool):
+        def __init__(self, name: str, hook: str, exc: BaseException) -> None:
+            super().__init__({}, schema(name, x="integer"))
+            self.hook, self.exc = hook, exc
+
+        async def create(self, tools_kwargs):
+            if self.hook == "create":
+                raise self.exc
+            return {}
+
+        async def execute(self, arguments, state):
+            raise self.exc
+
+    tools = [
+        Exits("interrupts", "execute", KeyboardInterrupt()),
+        Exits("exits_early", "create", SystemExit(0)),
+    ]
+    turn = call("interrupts", x=1) + "\n" + call("exits_early", x=2)
+    with pytest.warns(UserWarning, match=r"tool exits_early failed: SystemExit\(0\) \(at "):
+        result, loop, _ = tool_run(tokenizer, [[turn, "Sorry."]], tools)
+    (traj,) = result.trajectories
+    assert traj.num_turns == 2 and traj.tool_errors == 2
+    (observation,) = observations(loop, traj)
+    assert "Error: interrupts failed: KeyboardInterrupt\n" in observation
+    assert "Error: exits_early failed: SystemExit(0)\n" in observation
+
+
+def test_a_loop_that_raises_system_exit_fails_its_step_naming_loop_and_sample():
+    from megarl.user_code import UserCodeExit
+
+    class ExitsOnTwo(AgentLoop):
+        async def run(self, sample, ctx):
+            traj = Trajectory(sample.prompt_ids, ctx.max_response_tokens)
+            traj.add_generated(await ctx.generate(traj.token_ids))
+            if sample.index == 2:
+                sys.exit(0)
+            return traj
+
+    with pytest.raises(UserCodeExit) as failed:
+        run(FakeEngine(), ExitsOnTwo(), count=3)
+    message = str(failed.value)
+    assert message.startswith("agent loop ExitsOnTwo: run (sample 2) raised SystemExit(0) (at ")
+    assert "test_agent_loop.py:" in message
+
+
+def test_a_tool_whose_worker_thread_never_returns_times_out_without_holding_the_step(
+    tokenizer,
+):
+    """The blocking work runs in ``asyncio.to_thread`` as advised, and never returns: the
+    call is a timeout error on time, and the step ends without waiting for the thread."""
+    release = threading.Event()
+
+    class Stuck(Tool):
+        def __init__(self) -> None:
+            super().__init__({}, schema("stuck", x="integer"))
+
+        async def execute(self, arguments, state):
+            await asyncio.to_thread(release.wait, 20)
+            return "never"
+
+    settings = AgentSettings(loop="tool", tool_timeout_s=0.2)
+    started = time.perf_counter()
+    try:
+        with pytest.warns(UserWarning, match=r"tool stuck: execute \(sample 0\)"):
+            result, loop, _ = tool_run(
+                tokenizer, [[call("stuck", x=1), "Hm."]], [Stuck()], settings=settings
+            )
+        elapsed = time.perf_counter() - started
+    finally:
+        release.set()
+    assert elapsed < 5
+    (observation,) = observations(loop, result.trajectories[0])
+    assert "Error: stuck timed out after 0.2 s" in observation
+    assert result.metrics["agent/abandoned_threads"] == 1
+    assert result.metrics["agent/tool_errors"] == 1
+
+
+def test_the_metrics_describe_a_trajectory_as_trained_cut_to_the_budget():
+    """A loop that builds its trajectory without the budget (16 tokens here) overruns it; the
+    response is cut to 16 before training, so the metrics count it truncated and count only
+    the observation tokens that were kept."""
+
+    class NoBudget(AgentLoop):
+        async def run(self, sample, ctx):
+            traj = Trajectory(sample.prompt_ids)  # no ctx.max_response_tokens
+            traj.add_generated(await ctx.generate(traj.token_ids, max_new_tokens=10))
+            traj.add_observation([7] * 10)
+            traj.add_generated(await ctx.generate(traj.token_ids, max_new_tokens=10))
+            return traj
+
+    result, _ = run(FakeEngine(), NoBudget(), count=1)
+    assert len(result.trajectories[0].response_ids) == 30
+    assert result.metrics["agent/truncated_frac"] == 1.0
+    assert result.metrics["agent/observation_tokens/mean"] == 6.0
+
+
+class ExitsInInit(SingleTurnLoop):
+    """A user loop whose constructor checks its environment and exits."""
+
+    def __init__(self, **kwargs) -> None:
+        raise SystemExit(0)
+
+
+def test_a_user_loop_whose_constructor_exits_is_one_bad_input_line():
+    from megarl.agent.loop import build_loop
+
+    name = f"{__name__}:ExitsInInit"
+    with pytest.raises(AgentLoopError) as refused:
+        build_loop(name, AgentSettings(), None)
+    message = str(refused.value)
+    assert message.startswith(f"rollout.agent.loop={name!r}: ExitsInInit(settings=..., ")
+    assert "failed: SystemExit(0) (at " in message and refused.value.exit_code == 2
+
+
+def test_engine_calls_run_outside_every_user_call(tokenizer):
+    """The engine's worker thread is the rollout's, not the loop's whose turn started the
+    batch: a stuck engine call is never reported as a user call (nor published as one)."""
+    from megarl.user_code import current_user_call
+
+    seen: list[str | None] = []
+
+    class Recording(FakeEngine):
+        def generate_requests(self, requests, params, interrupt=None):
+            seen.append(current_user_call())
+            return super().generate_requests(requests, params, interrupt)
+
+    run(Recording(), TwoTurns(), count=2, tokenizer=tokenizer)
+    assert seen == [None, None]
+
+
+def test_where_tokens_are_longer_than_the_character_bound_the_note_says_characters(
+    tokenizer, monkeypatch
+):
+    """A tokenizer whose tokens hold 100 characters: the character cut keeps fewer than the
+    token limit, and the note names characters, not a token count it never made."""
+    from megarl.agent.render import ChatRenderer
+
+    encode = ChatRenderer.encode
+    monkeypatch.setattr(
+        ChatRenderer,
+        "encode",
+        lambda self, text: (
+            [1] * (len(text) // 100) if text.startswith("ab") else encode(self, text)
+        ),
+    )
+    settings = AgentSettings(loop="tool", max_tool_response_tokens=8)
+    loop = ToolAgentLoop(settings, tokenizer, {})
+    text, cut = loop._truncate("ab" * 2_000_000)
+    assert (
+        cut and text == "ab" * 64 + "\n... (truncated: the first 128 of 4000000 characters shown)"
+    )
+    assert loop._truncate("short") == ("short", False)

@@ -177,9 +177,16 @@ def test_duplicate_tool_names_name_both_entries(tmp_path, tool_module):
     assert _refusal(path) == "tools[1]: duplicate tool name 'echo' (also tools[0])"
 
 
-def test_a_module_that_fails_to_import_is_reported(tmp_path, tool_module):
-    (tmp_path / f"{tool_module}_broken.py").write_text("raise ImportError('needs docker')\n")
+@pytest.mark.parametrize(
+    ("body", "raised"),
+    [
+        ("raise ImportError('needs docker')", "ImportError: needs docker"),
+        ("raise SystemExit(0)", "SystemExit(0)"),  # an exit at import is a bad config, not exit 0
+    ],
+)
+def test_a_module_that_fails_to_import_is_reported(tmp_path, tool_module, body, raised):
+    (tmp_path / f"{tool_module}_broken.py").write_text(body + "\n")
     path = _write(tmp_path, {"tools": [_entry(f"{tool_module}_broken")]})
-    assert _refusal(path).endswith(
-        f"importing '{tool_module}_broken' failed: ImportError: needs docker"
-    )
+    refusal = _refusal(path)
+    assert f"importing '{tool_module}_broken' failed: {raised} (at " in refusal
+    assert refusal.endswith(f"{tool_module}_broken.py:1)")

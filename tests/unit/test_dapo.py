@@ -145,3 +145,21 @@ def test_overlong_shaping_lowers_the_reward_of_long_responses():
     assert batch.rewards.tolist() == pytest.approx([1.0, 0.0, 0.0, 0.0])
     assert metrics["critic/rewards/overlong_penalty"] == pytest.approx(-0.25)
     assert metrics["critic/rewards/overlong_frac"] == pytest.approx(0.25)
+
+
+def test_a_group_scored_alone_numbers_its_samples_as_its_step_does():
+    """The asynchronous rollout scores each group as it finishes: a failing reward on group
+    2's second sample is sample 5 of the step, as the synchronous step names it."""
+    from megarl.data.rewards import RewardFunctionError
+
+    def fails_on_no(response: str, answer: str) -> float:
+        if response == "no":
+            raise KeyError("no")
+        return 1.0
+
+    producer, _ = _producer(GROUPS)
+    producer.reward = RewardChoice("m:f", Reward("m:f", fails_on_no))
+    gen = [Generation((1,), tuple(ord(c) for c in t), (0.0,) * len(t), True) for t in ("y", "no")]
+    problem = Problem(prompt="p2", answer="yes", source="p2")
+    with pytest.raises(RewardFunctionError, match=r"sample 5 \(step 3\) raised KeyError"):
+        producer.score_groups([problem], gen, [[0], [0, 0]], 3, first_group=2)

@@ -242,6 +242,26 @@ def test_ctrl_c_in_a_reward_function_is_not_swallowed() -> None:
         score_samples(_fixed(interrupted), ["a"], ["1"], None, "zero")
 
 
+def _exits(response: str, answer: str) -> float:
+    if response == "bad":
+        raise SystemExit(False)  # what unittest.main() raises when the checks pass
+    return 1.0
+
+
+@pytest.mark.parametrize("timeout_s", [None, 5.0])
+def test_a_reward_function_that_exits_fails_its_sample_never_the_run(timeout_s) -> None:
+    """``SystemExit`` (any code) is the function's failure under both policies, in the caller's
+    thread and in the timed one, named with where it was raised."""
+    with pytest.raises(RewardFunctionError) as info:
+        score_samples(_fixed(_exits), ["ok", "bad"], ["1", "1"], None, "raise", 3, timeout_s)
+    message = str(info.value)
+    assert "sample 1 (step 3) raised SystemExit(False) (at tests/unit/test_data_rewards.py:" in (
+        message
+    )
+    scored = score_samples(_fixed(_exits), ["bad", "ok"], ["1", "1"], None, "zero", 3, timeout_s)
+    assert scored.rewards == (0.0, 1.0) and scored.failures == 1
+
+
 @pytest.mark.parametrize("policy", ["raise", "zero"])
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_a_stop_request_during_a_reward_function_stops_the_run(policy, sig) -> None:
@@ -316,6 +336,29 @@ def test_a_reward_function_that_cannot_take_response_and_answer_is_refused_on_im
     assert message.startswith("data.reward='sig_rewards:one': must be callable as fn(response,")
     assert "one(response) cannot (too many positional arguments)" in message
     assert get_reward_fn("sig_rewards:extra")("x", "1") == 1.0
+
+
+@pytest.mark.parametrize(
+    ("body", "raised"),
+    [
+        ("import os\nKEY = os.environ['MEGARL_NO_SUCH_KEY']\n", "KeyError: 'MEGARL_NO_SUCH_KEY'"),
+        ("raise SystemExit(0)\n", "SystemExit(0)"),
+        ("1 / 0\n", "ZeroDivisionError: division by zero"),
+    ],
+)
+def test_a_reward_module_whose_import_raises_anything_is_one_bad_input_line(
+    tmp_path, monkeypatch, body, raised
+) -> None:
+    """An API key read at import, an exit, a bug: ``data.reward``'s one line (a ValueError,
+    which start-up turns into exit 2), naming what was raised and where."""
+    name = f"import_fails_{abs(hash(body))}"
+    (tmp_path / f"{name}.py").write_text(body)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError) as info:
+        get_reward_fn(f"{name}:score")
+    message = str(info.value)
+    assert message.startswith(f"data.reward='{name}:score': importing '{name}' failed: {raised}")
+    assert f"{name}.py:" in message and "\n" not in message
 
 
 def _fixed(fn, name: str = "m:f") -> RewardChoice:
@@ -403,3 +446,31 @@ def test_auto_failure_messages_name_the_reward_it_chose() -> None:
     choice = RewardChoice("auto", None)
     with pytest.raises(RewardFunctionError, match=r"^data\.reward=auto \(gsm8k\): sample 0"):
         score_samples(choice, ["7"], ["seven"], ["openai/gsm8k"])
+
+
+QUITS = """
+from megarl.data.rewards import Reward, RewardChoice, score_samples
+
+def quits(response, answer):
+    import os
+    os._exit(0)
+
+choice = RewardChoice("m:quits", Reward("m:quits", quits))
+for timeout_s in (None, 5.0):  # in the caller's thread, and in the timed one
+    scored = score_samples(choice, ["a"], ["1"], None, "zero", 1, timeout_s)
+    print(scored.failures, scored.first_failure, flush=True)
+"""
+
+
+def test_a_reward_function_calling_os_exit_fails_its_sample_in_either_thread() -> None:
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", QUITS], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert len(lines) == 2, done.stdout
+    assert all(
+        line.startswith("1 data.reward=m:quits: sample 0 (step 1) raised os._exit(0)")
+        for line in lines
+    )

@@ -125,3 +125,22 @@ def test_a_peer_whose_collective_timed_out_waited_for_the_stuck_rank_whenever_it
     assert is_collective_timeout(gloo)
     assert is_collective_timeout("DistBackendError: Watchdog caught collective operation timeout")
     assert not is_collective_timeout("KeyError: 'x'\n... timeout in the traceback")
+
+
+def test_a_user_call_is_published_the_moment_it_starts_and_ends(tmp_path):
+    """A process that dies inside user code raises nothing: the beat written as the call
+    started is what names it, so it cannot wait for the thread's next write."""
+    from megarl.user_code import user_call
+
+    heartbeat.start(str(tmp_path), rank=0, interval_s=60)
+    try:
+        heartbeat.mark("rollout", step=3)
+        watch = HeartbeatWatch(str(tmp_path), timeout_s=60)
+        with user_call("tool a: execute (sample 1)"), user_call("tool b: execute (sample 2)"):
+            [beat] = watch.read({0: os.getpid()}).values()
+        [after] = watch.read({0: os.getpid()}).values()
+    finally:
+        heartbeat.stop()
+    assert beat.user_call == "tool b: execute (sample 2) (and 1 more)"
+    assert beat.during == "rollout of step 3, while running tool b: execute (sample 2) (and 1 more)"
+    assert after.user_call == "" and after.during == "rollout of step 3"

@@ -16,6 +16,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "megarl"
 
 LAYERS = (
     "errors",
+    "user_code",
     "batch",
     "algo",
     "planner",

@@ -102,3 +102,20 @@ def test_a_main_thread_that_cannot_be_interrupted_is_ended_with_the_line(tmp_pat
     [line] = [x for x in done.stderr.splitlines() if x.startswith("megarl-train: error:")]
     assert "during update_actor of step 3" in line
     assert line.endswith("(its main thread did not respond; the process was ended)")
+
+
+def exits_quietly(ctx: WorkerContext) -> None:
+    raise SystemExit(False)  # what unittest.main() raises when every test passed
+
+
+def test_a_rank_that_raises_system_exit_zero_fails_the_run_instead_of_ending_it_well():
+    """No rank's work ends in ``SystemExit``; of code 0 it would be the run's exit 0."""
+    with pytest.raises(WorkerFailed) as failed:
+        launch(exits_quietly, 1)
+    message = str(failed.value)
+    assert "the rank raised SystemExit(False) (at tests/unit/test_in_process_watch.py:" in message
+    assert "before its work was done" in message
+    assert failed.value.exit_code == 1
+    assert launcher.is_reported_exit(SystemExit(2)) and not launcher.is_reported_exit(
+        SystemExit("bye")
+    )

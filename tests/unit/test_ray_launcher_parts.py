@@ -315,3 +315,72 @@ def test_a_driver_or_a_process_without_ray_is_no_ray_actor():
     from megarl.distributed.ray_launcher import in_ray_actor
 
     assert not in_ray_actor()
+
+
+def test_an_unexpected_error_in_the_rollout_actor_keeps_its_traceback(monkeypatch):
+    """A user agent loop raising in the split rollout actor (fully_async): the one line names
+    the actor, and the remote traceback travels to the report (written to the run's log)."""
+    import pickle
+
+    import ray
+    import ray.exceptions
+
+    from megarl.distributed import ray_launcher
+    from megarl.distributed.ray_launcher import SideActorFailed, get_from_side_actor
+
+    def raising_get(ref, timeout=None):
+        raise ray.exceptions.RayTaskError("call", "Traceback: loops.py line 9", KeyError("x"))
+
+    monkeypatch.setattr(ray, "get", raising_get)
+    with pytest.raises(SideActorFailed) as info:
+        get_from_side_actor(object(), "rollout actor on node n", "rollout")
+    failure = pickle.loads(pickle.dumps(info.value))
+    assert failure.detail == "KeyError: 'x' during rollout"
+    assert "loops.py line 9" in failure.traceback
+
+    def rank_task_raising(ref, timeout=None):
+        raise ray.exceptions.RayTaskError("rank", "tb", failure)
+
+    class Here:
+        def describe(self):
+            return "actor+rollout rank 0 on node n"
+
+    monkeypatch.setattr(ray, "get", rank_task_raising)
+    with pytest.raises(WorkerFailed) as report:
+        ray_launcher._result_of(object(), 0, {}, [Here()], None)  # type: ignore[list-item]
+    assert str(report.value) == "rollout actor on node n failed: KeyError: 'x' during rollout"
+    assert "loops.py line 9" in report.value.traceback
+
+
+def test_a_ray_rank_that_died_in_user_code_is_named_with_the_call(tmp_path, monkeypatch):
+    """A tool's ``os._exit`` in a Ray rank: the actor's death is named with the phase and the
+    user call its heartbeat last published."""
+    import json
+    import time
+
+    import ray
+    import ray.exceptions
+
+    from megarl.distributed import ray_launcher
+    from megarl.distributed.heartbeat import Beat, HeartbeatWatch, beat_path
+
+    class Placement:
+        pid = 4242
+
+        def describe(self):
+            return "actor+rollout rank 0 on node n (pid 4242)"
+
+    beat = Beat(0, "n", 4242, 2, "rollout", time.time(), "tool crash: execute (sample 3)")
+    beat_path(tmp_path, 0).write_text(json.dumps(beat.__dict__))
+
+    def dead(ref, timeout=None):
+        raise ray.exceptions.RayActorError()
+
+    monkeypatch.setattr(ray, "get", dead)
+    watch = HeartbeatWatch(str(tmp_path), timeout_s=60)
+    with pytest.raises(WorkerFailed) as report:
+        ray_launcher._result_of(object(), 0, {}, [Placement()], watch)  # type: ignore[list-item]
+    assert str(report.value).endswith(
+        "the process died (killed, OOM or crashed: no Python error) during rollout of step 2, "
+        "while running tool crash: execute (sample 3)"
+    )

@@ -138,3 +138,18 @@ def test_wandb_missing_is_one_line_exit_2_before_anything_is_written(tmp_path, m
         "wandb (or leave wandb out of trainer.logger)\n"
     )
     assert not run_dir.exists()
+
+
+def test_the_rollout_actors_traceback_is_logged_under_its_own_name(tmp_path):
+    """The split rollout actor (rank -1 in reports): ``logs/error-rollout.txt``."""
+    from megarl.distributed.launcher import WorkerFailed
+    from megarl.train import _tracebacks_to_log
+
+    trace = 'Traceback (most recent call last):\n  File "loops.py", line 9\nKeyError: x\n'
+    with pytest.raises(WorkerFailed) as failed, _tracebacks_to_log(_cfg_for_logs(tmp_path)):
+        raise WorkerFailed(-1, None, "KeyError: 'x' during rollout", where="rollout actor on n")
+    assert "(traceback:" not in str(failed.value)  # nothing to keep without a traceback
+    with pytest.raises(WorkerFailed) as failed, _tracebacks_to_log(_cfg_for_logs(tmp_path)):
+        raise WorkerFailed(-1, None, "KeyError: 'x'", where="rollout actor on n", traceback=trace)
+    log = tmp_path / "logs" / "error-rollout.txt"
+    assert log.read_text() == trace and str(failed.value).endswith(f"(traceback: {log})")

@@ -39,7 +39,6 @@ import importlib.util
 import inspect
 import sys
 import threading
-import traceback
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
@@ -57,6 +56,7 @@ from megarl.agent.tools.base import Tool
 from megarl.agent.trajectory import GenerateOutput, Trajectory
 from megarl.data.rewards import reward_value
 from megarl.errors import BadInputError, RunAborted
+from megarl.user_code import UserCodeExit, describe_user_exception, user_call
 
 if TYPE_CHECKING:
     from megarl.agent.driver import AgentContext
@@ -138,31 +138,25 @@ def _import_module_or_file(name: str) -> ModuleType:
     return module
 
 
-def describe_failure(exc: BaseException) -> str:
-    """``Type: message (file:line)`` of the innermost frame of the user's traceback."""
-    detail = " ".join(str(exc).split())[:200]
-    frames = traceback.extract_tb(exc.__traceback__)
-    where = f" ({frames[-1].filename}:{frames[-1].lineno})" if frames else ""
-    return f"{type(exc).__name__}{': ' + detail if detail else ''}{where}"
-
-
 def _run_in_thread(
-    solve: Callable[..., Any], row: Mapping[str, Any], llm: LLMEndpoint, name: str
+    solve: Callable[..., Any], row: Mapping[str, Any], llm: LLMEndpoint, what: str
 ) -> concurrent.futures.Future[Any]:
-    """``solve(row, llm)`` on a daemon thread (its own event loop for a coroutine); every
-    outcome, ``SystemExit`` included, lands in the future."""
+    """``solve(row, llm)`` on a daemon thread (its own event loop for a coroutine), as a call
+    into user code (:func:`megarl.user_code.user_call`: ``SystemExit`` and ``os._exit`` are its
+    failure, not the process's); every outcome lands in the future."""
     future: concurrent.futures.Future[Any] = concurrent.futures.Future()
 
     def target() -> None:
         try:
-            result = solve(row, llm)
-            if inspect.isawaitable(result):
-                result = asyncio.run(_awaited(result))
+            with user_call(what, record=False):  # it mostly waits on the engine: not listed
+                result = solve(row, llm)
+                if inspect.isawaitable(result):
+                    result = asyncio.run(_awaited(result))
             future.set_result(result)
-        except BaseException as exc:  # noqa: BLE001 - the agent's failure, whatever it is
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
             future.set_exception(exc)
 
-    threading.Thread(target=target, name=name, daemon=True).start()
+    threading.Thread(target=target, name="megarl-agent", daemon=True).start()
     return future
 
 
@@ -259,7 +253,8 @@ class GatewayLoop(AgentLoop):
         self, row: Mapping[str, Any], llm: LLMEndpoint, index: int
     ) -> tuple[float | None, str | None]:
         """The agent's reward (None: the dataset's) and its failure in words (None: none)."""
-        future = _run_in_thread(self.solve, row, llm, f"megarl-agent-{index}")
+        what = f"{ENTRYPOINT_KEY}={self.settings.entrypoint} (sample {index})"
+        future = _run_in_thread(self.solve, row, llm, what)
         timeout = self.settings.gateway.session_timeout_s
         try:
             returned = await asyncio.wait_for(asyncio.wrap_future(future), timeout)
@@ -269,8 +264,9 @@ class GatewayLoop(AgentLoop):
             )
         except (RunAborted, KeyboardInterrupt):
             raise
-        except BaseException as exc:  # noqa: BLE001 - SystemExit too: the sample's failure
-            return None, f"raised {describe_failure(exc)}"
+        except Exception as exc:  # noqa: BLE001 - the agent's failure (SystemExit arrives wrapped)
+            cause = exc.cause if isinstance(exc, UserCodeExit) else exc
+            return None, f"raised {describe_user_exception(cause)}"
         if returned is None:
             return None, None
         try:
