@@ -8,7 +8,8 @@
 Each question of ``data/rl_val.parquet`` is one greedy trajectory of the built-in tool loop with
 the calculator (``examples/tools/calculator.yaml``, at most 3 model turns), on the ``hf``
 engine. Reported per model: ``tool_call_rate``, the share of trajectories with at least one
-well-formed call of the tool (parsed, a known tool, arguments that fit its schema), and
+well-formed call of the tool (it parses, names the tool, its arguments fit the schema; what the
+expression says is the accuracy's business), and
 ``accuracy``, the share the dataset's reward scores 1 (the number after the last ``####`` is
 the answer), with its standard error. ``--model`` is an HF folder, or a megarl run folder or
 checkpoint (its newest checkpoint, converted next to it); none: SmolLM2-135M-Instruct.
@@ -53,6 +54,7 @@ def evaluate(model: str | None, data: Path, max_new_tokens: int) -> dict[str, fl
     from megarl.engines.hf import HFEngine
     from megarl.models.hf_io import load_hf_model
     from megarl.trainer.agent_rollout import problem_row
+    from megarl.trainer.rollout import mask_runs
 
     hf_model, tokenizer = load_hf_model(model_folder(model))
     engine = HFEngine(hf_model, tokenizer)
@@ -70,8 +72,14 @@ def evaluate(model: str | None, data: Path, max_new_tokens: int) -> dict[str, fl
     result = run_agent_loops(engine, loop, samples, params, tokenizer)
     reward = choose_reward("auto", "files")
     called = correct = 0
+    schemas = {name: tool.tool_schema for name, tool in loop.tools.items()}
     for problem, traj in zip(problems, result.trajectories, strict=True):
-        called += traj.tool_calls - traj.tool_errors > 0
+        turns = [
+            tokenizer.decode(ids, skip_special_tokens=True)
+            for ids, trained in mask_runs(traj.response_ids, traj.response_mask)
+            if trained
+        ]
+        called += any(loop.renderer.tool_format.parse(turn, schemas).calls for turn in turns)
         text = tokenizer.decode(traj.response_ids, skip_special_tokens=True)
         correct += reward.for_source(problem.data_source).fn(text, problem.answer) == 1.0
     n = len(problems)

@@ -10,8 +10,10 @@ the traces never show.
   a 135M model cannot do in its head, so the tool is the way to the answer.
 * ``data/rl_train.parquet``, ``data/rl_val.parquet``: verl's RL rows (``prompt``,
   ``reward_model.ground_truth``, ``data_source: openai/gsm8k``: the reward reads the number
-  after the last ``####``) with *two* operations (``What is (23 + 58) * 17?``) phrased as word
-  problems the traces never show, so RL has something to improve over SFT.
+  after the last ``####``): the same arithmetic worded as problems the traces never show
+  (``A shop sells 347 apples a day. How many apples does it sell in 28 days?``). The model must
+  turn the wording into the calculator's expression, which SFT did not teach: RL has
+  something to improve.
 
 The tool schema is the one of ``examples/tools/calculator.yaml`` (what the tool loop describes
 to the model), so SFT and RL show the model the same system message. Deterministic (seeded).
@@ -65,24 +67,25 @@ def sft_row(rng: random.Random, tools: list[dict]) -> dict:
 
 
 WORDINGS = (
-    (
-        "A shop sells {a} apples in the morning and {b} in the afternoon, and does that for "
-        "{c} days. How many apples does it sell? "
-    ),
-    "Compute ({a} + {b}) * {c}. ",
-    "Add {a} and {b}, then multiply the sum by {c}. What do you get? ",
-    "There are {c} boxes, each holding {a} red and {b} blue marbles. How many marbles in all? ",
+    ("A shop sells {a} apples a day. How many apples does it sell in {b} days? ", "*"),
+    ("Each of {b} boxes holds {a} pencils. How many pencils are there in all? ", "*"),
+    ("Tom had {a} stamps and was given {b} more. How many stamps does he have now? ", "+"),
+    ("{a} people are at a concert and {b} more arrive. How many people are there? ", "+"),
+    ("A tank holds {a} liters and {b} liters leak out. How many liters are left? ", "-"),
+    ("A library had {a} books and lent out {b}. How many books are still there? ", "-"),
 )
 
 
 def rl_row(rng: random.Random, split: str, index: int) -> dict:
-    a, b, c = rng.randint(10, 99), rng.randint(10, 99), rng.randint(3, 19)
-    question = rng.choice(WORDINGS).format(a=a, b=b, c=c) + INSTRUCTION
+    wording, op = rng.choice(WORDINGS)
+    a = rng.randint(100, 999)
+    b = rng.randint(10, 99) if op == "*" else rng.randint(100, a if op == "-" else 999)
+    question = wording.format(a=a, b=b) + INSTRUCTION
     return {
         "data_source": "openai/gsm8k",
         "prompt": [{"role": "user", "content": question}],
         "ability": "math",
-        "reward_model": {"style": "rule", "ground_truth": str((a + b) * c)},
+        "reward_model": {"style": "rule", "ground_truth": str(OPS[op](a, b))},
         "extra_info": {"split": split, "index": index},
     }
 
