@@ -60,7 +60,9 @@ def reverse_kl_mean(student_logp_BT: Tensor, teacher_logp_BT: Tensor, mask_BT: T
     return float(diff[on].mean())
 
 
-def sequence_summaries(advantages_BT: Tensor, mask_BT: Tensor) -> Tensor:
+def sequence_summaries(
+    advantages_BT: Tensor, mask_BT: Tensor, dtype: torch.dtype = torch.float64
+) -> Tensor:
     """One number per sequence for the planner: the token mean of its mask-1 advantages, or,
     where that mean is 0 although a token's advantage is not, that token's (the largest in
     magnitude).
@@ -74,7 +76,10 @@ def sequence_summaries(advantages_BT: Tensor, mask_BT: Tensor) -> Tensor:
     counts = on.sum(dim=-1).clamp(min=1)
     means = masked.sum(dim=-1) / counts
     largest = masked.gather(-1, masked.abs().argmax(dim=-1, keepdim=True)).squeeze(-1)
-    return torch.where(means != 0, means, largest)
+    summaries = torch.where(means != 0, means, largest)
+    cast = summaries.to(dtype)
+    tiny = torch.sign(summaries).to(dtype) * torch.finfo(dtype).tiny
+    return torch.where((cast == 0) & (summaries != 0), tiny, cast)
 
 
 def tokenizer_mismatch(student_vocab: Mapping[str, int], teacher_vocab: Mapping[str, int]) -> str:

@@ -79,6 +79,8 @@ def test_a_sequence_whose_token_advantages_cancel_is_not_summarised_as_zero():
     assert summary[0] != 0
     assert summary[1] == 0
     assert summary[2] == pytest.approx(0.5)  # the mean, the off-mask 9.0 left out
+    tiny = torch.tensor([[1e-300, 0.0]], dtype=torch.float64)  # 0 in float32, yet not zero
+    assert sequence_summaries(tiny, torch.ones(1, 2), torch.float32)[0] > 0
 
 
 def test_shapes_must_agree():
