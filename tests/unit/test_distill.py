@@ -157,3 +157,33 @@ def test_forced_never_is_refused_with_a_teacher():
     validate_gate_config(run)
     with pytest.raises(GateConfigError, match="algo.distill"):
         validate_gate_config(RunFacts(**{**run.__dict__, "distill": True}))
+
+
+def test_recipe_opd_without_a_teacher_stops_in_one_line_before_anything_is_written(
+    tmp_path, capsys
+):
+    from megarl.train import main
+
+    run_dir = tmp_path / "run"
+    assert main(["recipe=opd", f"trainer.run_dir={run_dir}"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1
+    assert "algo.distill.reward_coef=0 (recipe=opd) needs a teacher" in lines[0]
+    assert "algo.distill.teacher_path=" in lines[0]
+    assert not run_dir.exists()
+
+
+def test_recipe_opd_with_a_teacher_composes_to_pure_distillation():
+    cfg = compose_config(["recipe=opd", "algo.distill.teacher_path=/some/teacher"])
+    assert cfg.algo.distill.enabled and cfg.algo.distill.reward_coef == 0.0
+    assert cfg.actor.kl_coef == 0.0
+
+
+def test_a_teacher_path_that_does_not_exist_is_named_by_its_key(tmp_path):
+    from megarl.train import StartupError, resolve_teacher_dir
+
+    missing = tmp_path / "no_teacher"
+    cfg = compose_config(["algo.distill.teacher_path=" + str(missing), "rollout.n=2"])
+    with pytest.raises(StartupError, match=r"^algo.distill.teacher_path=.*no_teacher: no such"):
+        resolve_teacher_dir(cfg)
+    assert resolve_teacher_dir(compose_config([])) is None
