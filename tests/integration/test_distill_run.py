@@ -4,6 +4,7 @@ different teacher gives a positive reverse KL that moves the weights."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -102,3 +103,22 @@ def test_a_teacher_with_another_tokenizer_stops_the_start(tmp_path):
     tokenizer.save_pretrained(teacher)
     with pytest.raises(StartupError, match="its tokenizer differs from the model's"):
         run(_distill_overrides(tmp_path / "run", student, teacher, 1))
+
+
+def test_a_megarl_run_folder_is_a_teacher_as_it_is_a_model_path(tmp_path):
+    """The teacher resolved from a run folder's newest checkpoint (converted once into
+    ``<run_dir>/teacher_model``), as ``model.path`` is: the student started from the same run
+    folder is its own teacher, so the step is exact again."""
+    first = tmp_path / "first"
+    run(tiny_overrides(first, 1, **{"trainer.save_interval": 1}))
+    run_dir = tmp_path / "run"
+    extra = {"algo.distill.reward_coef": 0, "planner.prune_zero_adv": "off"}
+    result = run(_distill_overrides(run_dir, first, first, 1, **extra), return_final_state=True)
+    [row] = result.history
+    assert row["distill/reverse_kl/mean"] == 0.0
+    source = json.loads((run_dir / "teacher_model" / "megarl_source.json").read_text())
+    assert source["step"] == 1 and "step_000001" in source["source"]
+    initial = load_hf_state_dict(run_dir / "init_model")
+    assert result.final_state is not None
+    for name, tensor in result.final_state.items():
+        assert torch.equal(tensor, initial[name]), name

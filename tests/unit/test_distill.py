@@ -187,3 +187,32 @@ def test_a_teacher_path_that_does_not_exist_is_named_by_its_key(tmp_path):
     with pytest.raises(StartupError, match=r"^algo.distill.teacher_path=.*no_teacher: no such"):
         resolve_teacher_dir(cfg)
     assert resolve_teacher_dir(compose_config([])) is None
+
+
+def test_a_multi_turn_batch_scores_only_its_sampled_tokens():
+    """``distill_targets`` on a batch of two trajectories, one with a tool result (3 tokens
+    off the mask) between its turns: those tokens get advantage 0 and no say in the metric
+    or in the planner's summary, however unlikely the teacher finds them."""
+    from megarl.batch import RolloutBatch
+    from megarl.trainer.distill_step import REVERSE_KL_METRIC, distill_targets
+
+    masks = (torch.tensor([1.0, 1.0, 0.0, 0.0, 0.0, 1.0]), torch.tensor([1.0, 1.0]))
+    batch = RolloutBatch(
+        tokens=(torch.arange(10, 18), torch.arange(20, 25)),
+        prompt_lens=(2, 3),
+        group_ids=torch.tensor([0, 0]),
+        rewards=torch.tensor([1.0, 0.0]),
+        advantages=torch.tensor([0.5, -0.5]),
+        engine_logprobs=(torch.zeros(6), torch.zeros(2)),
+        response_masks=masks,
+    )
+    student = (torch.tensor([-1.0, -2.0, -1.0, -1.0, -1.0, -0.5]), torch.tensor([-0.25, -0.75]))
+    teacher = (torch.tensor([-1.5, -2.0, -40.0, -40.0, -40.0, -0.5]), torch.tensor([-0.25, -0.5]))
+    merged = {i: (student[i], None, teacher[i]) for i in range(2)}
+    cfg = compose_config(["algo.distill.teacher_path=/t", "algo.distill.reward_coef=0"])
+    token_advantages, summary_B, metrics = distill_targets(cfg, batch, merged)
+    assert token_advantages[0].tolist() == [-0.5, 0.0, 0.0, 0.0, 0.0, 0.0]
+    assert token_advantages[1].tolist() == [0.0, 0.25]
+    assert metrics[REVERSE_KL_METRIC] == pytest.approx((0.5 - 0.25) / 5)
+    assert summary_B.tolist() == pytest.approx([-0.5 / 3, 0.25 / 2])
+    assert metrics["critic/advantages/zero_adv_ratio"] == pytest.approx(3 / 5)
