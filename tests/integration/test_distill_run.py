@@ -122,3 +122,17 @@ def test_a_megarl_run_folder_is_a_teacher_as_it_is_a_model_path(tmp_path):
     assert result.final_state is not None
     for name, tensor in result.final_state.items():
         assert torch.equal(tensor, initial[name]), name
+
+
+def test_a_teacher_of_another_shape_scores_the_students_tokens(tmp_path):
+    """The teacher is built from its own folder's shape (here half the width and depth), on
+    the actor's ranks: only the tokenizer must be shared."""
+    from megarl.models.random_init import save_random_hf_model
+
+    student = _tiny_folder(tmp_path / "student", seed=0)
+    narrow = {**TINY, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2}
+    teacher = Path(save_random_hf_model(narrow, 3, tmp_path / "teacher"))
+    result = run(_distill_overrides(tmp_path / "run", student, teacher, 1))
+    [row] = result.history
+    assert row["distill/reverse_kl/mean"] != 0.0
+    assert row["timing_s/teacher"] > 0
