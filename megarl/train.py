@@ -132,6 +132,69 @@ def resolve_model_dir(cfg, staging: Path | None = None) -> str:
         raise StartupError(str(exc)) from None
 
 
+def resolve_teacher_dir(cfg) -> str | None:
+    """``algo.distill.teacher_path`` as an HF folder (None without a teacher), resolved as
+    ``model.path`` is: a megarl run folder's newest checkpoint, or a checkpoint, is converted
+    once into ``<run_dir>/teacher_model``. Called once the run directory is this run's."""
+    from megarl.models.hf_io import resolve_model_path
+    from megarl.models.validate import ModelPathError
+
+    path = cfg.algo.distill.teacher_path
+    if path is None:
+        return None
+    key = f"algo.distill.teacher_path={path}"
+    try:
+        checkpoint = _megarl_checkpoint_of(path, key="algo.distill.teacher_path")
+        if checkpoint is None:
+            return str(resolve_model_path(path))
+        from megarl.checkpoint.convert import ConvertError, hf_folder_for_training
+
+        try:
+            out = Path(cfg.trainer.run_dir) / "teacher_model"
+            return str(resolve_model_path(hf_folder_for_training(checkpoint, out)))
+        except ConvertError as exc:
+            raise StartupError(f"{key}: {exc}") from None
+    except ModelPathError as exc:  # its message names model.path: name the teacher's key
+        message = str(exc).splitlines()[0]
+        if message.startswith("model.path="):
+            message = message.split(": ", 1)[-1]
+        raise StartupError(f"{key}: {message}") from None
+
+
+def check_teacher(cfg, model_dir: str, teacher_dir: str) -> None:
+    """The teacher scores the student's token ids as they are: it must share the model's
+    tokenizer, and its own shape must split over the actor's TP/PP (it runs with them)."""
+    from megarl.algo.distill import tokenizer_mismatch
+    from megarl.models.hf_io import load_hf_config, load_hf_tokenizer
+    from megarl.models.spec import ModelSpecError, spec_from_hf_config
+
+    key = f"algo.distill.teacher_path={cfg.algo.distill.teacher_path}"
+    student, teacher = load_hf_tokenizer(model_dir), load_hf_tokenizer(teacher_dir)
+    problem = tokenizer_mismatch(student.get_vocab(), teacher.get_vocab())
+    if problem:
+        raise StartupError(
+            f"{key}: its tokenizer differs from the model's ({problem}); on-policy distillation "
+            "needs one tokenizer for both"
+        )
+    try:
+        spec = spec_from_hf_config(load_hf_config(teacher_dir))
+        spec.check_parallelism(cfg.actor.tp, cfg.actor.pp, cfg.actor.vpp, cfg.actor.ep)
+    except (ModelSpecError, ValueError) as exc:
+        raise StartupError(f"{key}: {str(exc).splitlines()[0]}") from None
+
+
+def distill_problem(cfg) -> str | None:
+    """Pure distillation (``algo.distill.reward_coef=0``, ``recipe=opd``) without a teacher
+    would train on nothing: the teacher must be named on the command line."""
+    distill = cfg.algo.distill
+    if distill.reward_coef == 0 and not distill.enabled:
+        return (
+            "algo.distill.reward_coef=0 (recipe=opd) needs a teacher: add "
+            "algo.distill.teacher_path=<a Hugging Face folder or a megarl run folder>"
+        )
+    return None
+
+
 def place_model_dir(cfg, model_dir: str, staging: Path) -> str:
     """Move a folder :func:`resolve_model_dir` wrote to ``staging`` into ``<run_dir>/init_model``;
     any other folder is used where it is. An ``init_model`` an earlier run left there is kept when
@@ -172,7 +235,7 @@ def _is_megarl_checkpoint(path: str) -> bool:
     return (Path(path).expanduser() / MARKER).is_file()
 
 
-def _megarl_checkpoint_of(path: str) -> str | None:
+def _megarl_checkpoint_of(path: str, key: str = "model.path") -> str | None:
     """``model.path`` as a megarl checkpoint: the folder itself, or a run folder's newest
     complete checkpoint (e.g. an SFT run's, to continue with RL); None for anything else. A
     run folder whose newest checkpoint is damaged stops the start rather than fall back."""
@@ -185,9 +248,9 @@ def _megarl_checkpoint_of(path: str) -> str | None:
     try:
         newest = latest_checkpoint(Path(path).expanduser())
     except DamagedCheckpointError as exc:
-        raise StartupError(f"model.path={path}: the newest checkpoint is damaged: {exc}") from None
+        raise StartupError(f"{key}={path}: the newest checkpoint is damaged: {exc}") from None
     if newest is None:
-        raise StartupError(f"model.path={path}: a run folder without a complete checkpoint")
+        raise StartupError(f"{key}={path}: a run folder without a complete checkpoint")
     return str(newest.path)
 
 
@@ -496,6 +559,8 @@ def run(overrides: list[str], return_final_state: bool = False):
     from megarl.trainer.rank_loop import RunInputs, run_rank
 
     cfg = compose_config(overrides)
+    if problem := distill_problem(cfg):
+        raise StartupError(problem)
     check_run_dir(cfg.trainer.run_dir)
     check_engine_installed(cfg.rollout.engine)
     check_loggers_installed(cfg.trainer.logger)
@@ -512,9 +577,13 @@ def run(overrides: list[str], return_final_state: bool = False):
             held.enter_context(_hold_run_dir(cfg.trainer.run_dir))
             resume_from = resolve_resume(cfg, model_dir)
             model_dir = place_model_dir(cfg, model_dir, staging)
+            teacher_dir = resolve_teacher_dir(cfg)
+            if teacher_dir is not None:
+                check_teacher(cfg, model_dir, teacher_dir)
         inputs = RunInputs(
             cfg=cfg,
             model_dir=model_dir,
+            teacher_dir=teacher_dir,
             device=device,
             return_final_state=return_final_state,
             resume_from=resume_from,

@@ -1,7 +1,7 @@
 """The ``algo`` section (verl's ``algorithm``): the advantage estimator and what shapes the
 advantages, with its subsections ``algo.kl_ctrl`` (the KL penalty in the reward),
-``algo.rollout_correction`` (the engine's and the trainer's policies reconciled) and
-``algo.filter_groups`` (DAPO's dynamic sampling).
+``algo.rollout_correction`` (the engine's and the trainer's policies reconciled),
+``algo.filter_groups`` (DAPO's dynamic sampling) and ``algo.distill`` (on-policy distillation).
 
 ``algo.rollout_correction.rollout_is=auto`` depends on ``async_training``; it is resolved by
 :class:`megarl.config.schema.RunConfig`, which sees both sections.
@@ -190,6 +190,37 @@ class FilterGroupsConfig:
         )
 
 
+@dataclass(frozen=True)
+class DistillConfig:
+    """``algo.distill``: on-policy distillation (:mod:`megarl.algo.distill`). With a teacher,
+    each sampled token's advantage is minus its reverse-KL estimate ``log pi_s - log pi_t``
+    plus ``reward_coef`` times its sequence's outcome advantage."""
+
+    teacher_path: str | None = None
+    """The teacher: a Hugging Face folder, or a megarl run folder (its newest checkpoint) or
+    checkpoint, as ``model.path`` takes; it must share the model's tokenizer (checked at
+    start-up). null (default): no distillation. The teacher is a frozen Megatron model with
+    the actor's TP/PP, run on every sequence before the advantages."""
+    reward_coef: float = 1.0
+    """The weight of the task reward's advantage added to the distillation advantage, >= 0;
+    0 = pure distillation (``recipe=opd``)."""
+
+    def __post_init__(self) -> None:
+        _require(
+            self.teacher_path is None
+            or (isinstance(self.teacher_path, str) and self.teacher_path != ""),
+            f"algo.distill.teacher_path={self.teacher_path!r}: a folder, or null (no teacher)",
+        )
+        _require(
+            self.reward_coef >= 0, f"algo.distill.reward_coef={self.reward_coef}: must be >= 0"
+        )
+
+    @property
+    def enabled(self) -> bool:
+        """A teacher is set: the advantages are distillation advantages."""
+        return self.teacher_path is not None
+
+
 OBJECTIVES: tuple[str, ...] = ("rl", "sft")
 """The values of ``algo.objective``."""
 
@@ -217,6 +248,8 @@ class AlgoConfig:
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     """Truncated IS and rejection between the engine's and the trainer's log-probs."""
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
+    """On-policy distillation from a teacher model (off by default)."""
     gamma: float = 1.0
     """verl's key: GAE's discount (``adv_estimator=gae`` only), in [0, 1]; 1 for outcome
     rewards."""

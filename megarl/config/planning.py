@@ -51,6 +51,7 @@ def run_facts(cfg: RunConfig) -> RunFacts:
         rollout_correction=cfg.algo.rollout_correction.enabled,
         router_replay_r2=cfg.actor.router_replay.mode == "R2",
         rollout_engine=not cfg.algo.is_sft,
+        distill=cfg.algo.distill.enabled,
     )
 
 

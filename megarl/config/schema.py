@@ -110,6 +110,7 @@ class RunConfig:
         self._check_async_training()
         self._check_agent_loops()
         self._check_sft()
+        self._check_distill()
         num_seqs = self.num_seqs_per_step
         _require(
             num_seqs % self.actor.ppo_mini_batches == 0,
@@ -209,6 +210,28 @@ class RunConfig:
         _require(
             self.rollout.temperature == 1.0,
             f"{key} scores tokens at temperature 1: set rollout.temperature=1.0",
+        )
+
+    def _check_distill(self) -> None:
+        """``algo.distill.teacher_path``: the distillation advantages replace the estimator's
+        per token, before the plan; what else would rewrite them is refused by name."""
+        if not self.algo.distill.enabled:
+            return
+        key = "algo.distill.teacher_path"
+        _require(not self.algo.is_sft, f"{key} distils on the student's samples: not with sft")
+        _require(
+            not self.algo.uses_critic,
+            f"{key} gives per-token advantages itself: not with algo.adv_estimator=gae",
+        )
+        _require(
+            not self.algo.use_kl_in_reward,
+            f"{key} with algo.use_kl_in_reward=true: the teacher's KL is the reward already; "
+            "use actor.kl_coef for a reference KL",
+        )
+        _require(
+            self.planner.old_log_prob != "never",
+            f"{key} needs the student's logprobs of every sequence before the advantages: "
+            "planner.old_log_prob=never cannot give them; use auto",
         )
 
     def _check_agent_loops(self) -> None:

@@ -88,6 +88,9 @@ class StepGates:
     base_weight_sync: PassGate
     """Sync of base (or, without LoRA, full) weights to the rollout engine."""
     adapter_sync: PassGate
+    teacher_log_prob: PassGate = PassGate(run=False, reason="no algo.distill.teacher_path")
+    """The distillation teacher's forward (it runs before the plan, where the advantages are
+    made); shown in the reasons and the summary only when it runs."""
 
     def metrics(self) -> dict[str, float | str]:
         """Per-step metrics, exactly the four ``gates/*`` keys."""
@@ -96,6 +99,8 @@ class StepGates:
             f"ref: {self.ref_log_prob.reason}",
             f"sync: {self.base_weight_sync.reason}",
         ]
+        if self.teacher_log_prob.run:
+            reasons.insert(2, f"teacher: {self.teacher_log_prob.reason}")
         return {
             "gates/old_log_prob_frac": len(self.old_log_prob.seq_indices) / self.num_sequences,
             "gates/ref_log_prob": float(self.ref_log_prob.run),
@@ -123,13 +128,14 @@ class StepGates:
         else:
             sync_action = "base + adapter" if self.base_weight_sync.run else "adapter only"
         ref_action = "run" if self.ref_log_prob.run else "skip"
-        return " | ".join(
-            [
-                f"old_lp: {old_action} ({self.old_log_prob.reason})",
-                f"ref: {ref_action} ({self.ref_log_prob.reason})",
-                f"sync: {sync_action} ({self.base_weight_sync.reason})",
-            ]
-        )
+        parts = [
+            f"old_lp: {old_action} ({self.old_log_prob.reason})",
+            f"ref: {ref_action} ({self.ref_log_prob.reason})",
+            f"sync: {sync_action} ({self.base_weight_sync.reason})",
+        ]
+        if self.teacher_log_prob.run:
+            parts.insert(2, f"teacher: run ({self.teacher_log_prob.reason})")
+        return " | ".join(parts)
 
 
 @dataclass(frozen=True)

@@ -51,6 +51,11 @@ reason. Workers only execute the gates; no skip decision lives inline in GPU cod
   ``KL(old || ref)`` of *every* sequence before the advantages exist, and the plan (which
   prunes by advantage) comes after them. Both gates then name every sequence; the old
   logprobs are recomputed (or, under ``planner.old_log_prob=rollout``, the engine's).
+* **Teacher forward** (on-policy distillation, ``algo.distill.teacher_path``): every step, on
+  every sequence, before the advantages, which it makes: each sampled token's advantage is
+  minus ``log pi_old - log pi_teacher``. Like the KL in the reward it also moves the
+  old-logprob forward before the plan, on every sequence (or takes the engine's logprobs under
+  ``planner.old_log_prob=rollout``): the student's logprobs of the advantage are the old ones.
 * **Weight sync to the rollout engine**: without LoRA the full weights; with LoRA the adapter,
   plus the base weights only when the engine *reports* it freed them (never inferred from
   config: a sleep level that keeps weights is the engine's business, not ours).
@@ -117,6 +122,9 @@ class RunFacts:
     rollout_engine: bool = True
     """Whether the run has a rollout engine to send weights to (``algo.objective=sft`` has
     none: its batches come from a dataset)."""
+    distill: bool = False
+    """``algo.distill.teacher_path`` is set: the advantages need the teacher's and the old
+    logprobs of every sequence, before the plan."""
 
 
 @dataclass(frozen=True)
@@ -217,6 +225,7 @@ def decide_gates(facts: StepFacts) -> StepGates:
         num_sequences=len(facts.all_sequences),
         old_log_prob=decide_old_log_prob(facts),
         ref_log_prob=decide_ref_log_prob(facts),
+        teacher_log_prob=decide_teacher_log_prob(facts.run, facts.all_sequences),
         base_weight_sync=base_weight_sync,
         adapter_sync=adapter_sync,
     )
@@ -241,6 +250,8 @@ def decide_old_log_prob(facts: StepFacts) -> PassGate:
         return PassGate.recompute(facts.all_sequences, "planner.old_log_prob=always")
     if facts.run.kl_in_reward:
         return PassGate.recompute(facts.all_sequences, f"{KL_IN_REWARD}: all, before advantages")
+    if facts.run.distill:
+        return PassGate.recompute(facts.all_sequences, f"{DISTILL}: all, before advantages")
     if facts.run.router_replay_r2:
         return PassGate.recompute(facts.all_sequences, ROUTER_REPLAY_R2)
     # Only the first slice of a single epoch trains on the weights the step starts from.
@@ -272,6 +283,14 @@ def decide_ref_log_prob(facts: StepFacts) -> PassGate:
         reason = (KL_IN_REWARD if facts.run.kl_in_reward else _kl_term(kl_coef)) + source
         return PassGate(run=True, seq_indices=facts.all_sequences, reason=reason)
     return PassGate(run=False, reason=_kl_term(0.0))
+
+
+def decide_teacher_log_prob(run: RunFacts, sequences: tuple[int, ...]) -> PassGate:
+    """Teacher forward: on every sequence whenever a teacher is set, since its logprobs are
+    the advantages (no setting skips it); never without one."""
+    if run.distill:
+        return PassGate(run=True, seq_indices=sequences, reason=DISTILL)
+    return PassGate(run=False, reason="no algo.distill.teacher_path")
 
 
 def decide_weight_sync(
@@ -326,12 +345,19 @@ def _check_forced_modes(run: RunFacts, num_slices: int, step: int) -> None:
             f"planner.old_log_prob=never contradicts {KL_IN_REWARD}: the reward's KL needs old "
             "logprobs before the update; use 'auto' or 'rollout'"
         )
+    if run.old_log_prob is OldLogProbMode.NEVER and run.distill:
+        problems.append(
+            f"planner.old_log_prob=never contradicts {DISTILL}: the distillation advantage needs "
+            "the student's old logprobs before the update; use 'auto' or 'rollout'"
+        )
     if problems:
         raise GateConfigError("; ".join(problems))
 
 
 KL_IN_REWARD = "algo.use_kl_in_reward=true"
 """The gates' reason when the KL in the reward is what runs a pass."""
+DISTILL = "algo.distill"
+"""The gates' reason when on-policy distillation is what runs a pass."""
 _CORRECTION_OLD = "the train forward is pi_old for algo.rollout_correction"
 
 

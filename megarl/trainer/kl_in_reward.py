@@ -120,8 +120,10 @@ def penalise_rewards(
 
 
 def scatter_logprobs(rt: Runtime, merged: dict | None, plan: StepPlan) -> Precomputed:
-    """Rank 0 sends every rank the precomputed logprobs of the sequences it runs in ``plan``
-    (which may put a sequence on another DP rank than the unpruned split did)."""
+    """Rank 0 sends every rank the precomputed ``(old, ref)`` logprobs (the KL in the reward's,
+    or distillation's, whose ``ref`` is None where the reference pass did not run) of the
+    sequences it runs in ``plan`` (which may put a sequence on another DP rank than the
+    unpruned split did)."""
     parts = None
     if merged is not None:
         by_dp = {
@@ -134,5 +136,5 @@ def scatter_logprobs(rt: Runtime, merged: dict | None, plan: StepPlan) -> Precom
     recompute = planning.old_log_prob_mode(rt.cfg).value != "rollout"
     return Precomputed(
         old={i: old for i, (old, _) in mine.items()} if recompute else {},
-        ref={i: ref for i, (_, ref) in mine.items()},
+        ref={i: ref for i, (_, ref) in mine.items() if ref is not None},
     )

@@ -34,6 +34,7 @@ class Precomputed:
     old: dict[int, torch.Tensor]
     """Recomputed old logprobs (empty when the engine's stand in, or off the last stage)."""
     ref: dict[int, torch.Tensor]
+    """Reference logprobs, where the gates ran the reference pass (empty otherwise)."""
 
 
 @dataclass(frozen=True)
@@ -118,19 +119,21 @@ def _reuse_logprobs(
     gates: StepGates,
     pre: Precomputed,
 ) -> StepLogprobs:
-    """The step's logprob passes when the KL in the reward already ran them on every sequence
-    (the gates then name every sequence; a mismatch would mean the two disagree)."""
+    """The step's logprob passes when the KL in the reward or distillation already ran them on
+    every sequence (the gates then name every sequence; a mismatch would mean the two
+    disagree)."""
     if gates.old_log_prob.source == "rollout":
         old = {i: batch.engine_logprobs[i] for i in mine}
         recomputed: dict[int, torch.Tensor] = {}
     else:
         recomputed = {i: pre.old[i] for i in mine if i in pre.old}
         old = recomputed
-    ref = {i: pre.ref[i] for i in mine if i in pre.ref}
-    complete = len(old) == len(ref) == len(mine)
-    if rt.actor.is_last_stage and not (complete and gates.ref_log_prob.run):
+    ref = {i: pre.ref[i] for i in mine if i in pre.ref} if gates.ref_log_prob.run else None
+    complete = len(old) == len(mine) and (ref is None or len(ref) == len(mine))
+    unused = ref is None and bool(pre.ref)
+    if rt.actor.is_last_stage and (unused or not complete):
         raise RuntimeError(
-            f"KL in the reward precomputed logprobs of {len(ref)}/{len(mine)} sequences, "
+            f"precomputed logprobs of {len(old)}/{len(mine)} sequences, "
             f"or ones the gates do not use ({gates.summary()})"
         )
     return StepLogprobs(old, recomputed, ref, {})

@@ -7,8 +7,9 @@ or, in split placement, a proxy to the rollout actor. A step (:func:`_train_step
 1. **rollout** -- the step's scored batch from the rollout source
    (:mod:`megarl.trainer.rollout_source`): generated now (``async_training.mode=sync``) or
    taken from the rollout side's stream; every rank gets its metadata and the engine's report;
-2. **KL in the reward** (``algo.use_kl_in_reward``, :mod:`megarl.trainer.kl_in_reward`) and
-   **values and GAE** (a critic, :mod:`megarl.trainer.critic_step`) replace the advantages;
+2. **KL in the reward** (``algo.use_kl_in_reward``, :mod:`megarl.trainer.kl_in_reward`),
+   **distillation** (a teacher, :mod:`megarl.trainer.distill_step`) and **values and GAE** (a
+   critic, :mod:`megarl.trainer.critic_step`) replace the advantages;
 3. **plan and gates** -- every rank computes the same :class:`StepPlan` (batch planner) and
    :class:`StepGates` (pass gates) from broadcast data, and rank 0 scatters to each rank only
    the sequences its DP rank runs (:mod:`megarl.trainer.scatter`);
@@ -79,6 +80,8 @@ class RunInputs:
     result: for tests and tools."""
     resume_from: str | None = None
     """A complete training checkpoint to continue from (checked against the config already)."""
+    teacher_dir: str | None = None
+    """``algo.distill.teacher_path`` resolved to an HF folder (its tokenizer checked)."""
     rollout_actor: object | None = None
     """Split placement: the Ray handle of the RolloutActor rank 0 talks to instead of
     building its own RolloutHost; None = colocated."""
@@ -222,6 +225,11 @@ def _setup(ctx: WorkerContext, inputs: RunInputs) -> Runtime:
         heartbeat.mark("build_reference")
         with clock.phase("reference"):
             reference = build(trainable=False)
+    teacher = None
+    if inputs.teacher_dir is not None:
+        heartbeat.mark("build_teacher")
+        with clock.phase("teacher"):
+            teacher = _build_teacher(inputs, pad_id, execution, dtype)
     critic = None
     if cfg.algo.uses_critic:
         heartbeat.mark("build_critic")
@@ -241,6 +249,7 @@ def _setup(ctx: WorkerContext, inputs: RunInputs) -> Runtime:
         actor=actor,
         reference=reference,
         reference_source=reference_plan.source,
+        teacher=teacher,
         host=host,
         spec=spec,
         model_dir=inputs.model_dir,
@@ -253,6 +262,27 @@ def _setup(ctx: WorkerContext, inputs: RunInputs) -> Runtime:
         progress=_progress_hook(host),
         startup=clock,
         sft_validation=_sft_validation_examples(cfg, tokenizer, spec),
+    )
+
+
+def _build_teacher(inputs: RunInputs, pad_id: int, execution, dtype) -> MegatronActor:
+    """The distillation teacher: a frozen Megatron model built as the reference is, from its
+    own HF folder and shape, on the actor's TP/PP ranks (start-up checked that it splits)."""
+    from megarl.models.hf_io import load_hf_config, open_hf_tensors
+    from megarl.models.spec import spec_from_hf_config
+
+    assert inputs.teacher_dir is not None
+    if dist.get_rank() == 0 and "console" in inputs.cfg.trainer.logger:
+        print(f"teacher: {inputs.teacher_dir} (algo.distill)", flush=True)
+    return MegatronActor(
+        spec_from_hf_config(load_hf_config(inputs.teacher_dir)),
+        inputs.cfg.actor,
+        inputs.device,
+        dtype,
+        open_hf_tensors(inputs.teacher_dir),
+        pad_id,
+        execution=execution,
+        trainable=False,
     )
 
 
@@ -384,6 +414,11 @@ def _train_step(rt: Runtime, step: int) -> None:
     reward_kl = RewardKL(logprobs=None, token_rewards=None)
     if rt.kl_ctrl is not None:
         rollout, reward_kl = kl_in_reward(rt, step, rollout, timer)
+    distillation = None
+    if rt.teacher is not None:
+        from megarl.trainer.distill_step import distill_advantages
+
+        rollout, distillation = distill_advantages(rt, step, rollout, timer)
     all_targets = None
     if rt.critic is not None:
         from megarl.trainer.critic_step import values_and_gae
@@ -392,7 +427,11 @@ def _train_step(rt: Runtime, step: int) -> None:
     plan, critic_plan = _plans(rt, rollout.header)
     heartbeat.mark("scatter")
     batch = scatter_sequences(rt, rollout.batch, rollout.header, plan, critic_plan)
-    precomputed = None if rt.kl_ctrl is None else scatter_logprobs(rt, reward_kl.logprobs, plan)
+    precomputed = None
+    if rt.kl_ctrl is not None:
+        precomputed = scatter_logprobs(rt, reward_kl.logprobs, plan)
+    elif distillation is not None:
+        precomputed = scatter_logprobs(rt, distillation.logprobs, plan)
     facts = planning.step_facts(
         rt.cfg,
         step,
@@ -405,6 +444,10 @@ def _train_step(rt: Runtime, step: int) -> None:
     logprobs = logprob_passes(rt, batch, plan, gates, timer, precomputed, record_routing=True)
     metrics = dict(rollout.metrics)
     token_advantages = None
+    if distillation is not None:
+        from megarl.trainer.distill_step import scatter_token_advantages
+
+        token_advantages = scatter_token_advantages(rt, distillation.token_advantages, plan)
     if critic_plan is not None:
         from megarl.trainer.critic_step import critic_update, scatter_targets
 

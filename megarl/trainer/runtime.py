@@ -32,6 +32,8 @@ class Runtime:
     actor: MegatronActor
     reference: MegatronActor | None  # built only for ReferenceSource.MODEL
     reference_source: ReferenceSource
+    teacher: MegatronActor | None = field(default=None, kw_only=True)
+    """``algo.distill.teacher_path``: the frozen teacher whose logprobs make the advantages."""
     rank_to_dp: tuple[int, ...]
     """The data-parallel rank of every global rank (what the rollout scatter sends where)."""
     host: RolloutHost | None
