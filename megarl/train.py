@@ -132,10 +132,12 @@ def resolve_model_dir(cfg, staging: Path | None = None) -> str:
         raise StartupError(str(exc)) from None
 
 
-def resolve_teacher_dir(cfg) -> str | None:
+def resolve_teacher_dir(cfg, staging: Path) -> str | None:
     """``algo.distill.teacher_path`` as an HF folder (None without a teacher), resolved as
     ``model.path`` is: a megarl run folder's newest checkpoint, or a checkpoint, is converted
-    once into ``<run_dir>/teacher_model``. Called once the run directory is this run's."""
+    once, into ``staging`` unless ``<run_dir>/teacher_model`` already holds it; the caller
+    moves it there once every check has passed (:func:`place_model_dir`), so a refused start
+    writes nothing into the run directory."""
     from megarl.models.hf_io import resolve_model_path
     from megarl.models.validate import ModelPathError
 
@@ -147,10 +149,15 @@ def resolve_teacher_dir(cfg) -> str | None:
         checkpoint = _megarl_checkpoint_of(path, key="algo.distill.teacher_path")
         if checkpoint is None:
             return str(resolve_model_path(path))
-        from megarl.checkpoint.convert import ConvertError, hf_folder_for_training
+        from megarl.checkpoint.convert import (
+            ConvertError,
+            hf_folder_for_training,
+            is_training_folder_current,
+        )
 
         try:
-            out = Path(cfg.trainer.run_dir) / "teacher_model"
+            final = Path(cfg.trainer.run_dir) / TEACHER_FOLDER
+            out = final if is_training_folder_current(checkpoint, final) else staging
             return str(resolve_model_path(hf_folder_for_training(checkpoint, out)))
         except ConvertError as exc:
             raise StartupError(f"{key}: {exc}") from None
@@ -195,19 +202,23 @@ def distill_problem(cfg) -> str | None:
     return None
 
 
-def place_model_dir(cfg, model_dir: str, staging: Path) -> str:
-    """Move a folder :func:`resolve_model_dir` wrote to ``staging`` into ``<run_dir>/init_model``;
-    any other folder is used where it is. An ``init_model`` an earlier run left there is kept when
-    it holds the same bytes (a resume writes the same model again), and otherwise renamed aside
-    (``replaced-<time>-init_model``, said on the console), never deleted: a run may have started
-    from it."""
+TEACHER_FOLDER = "teacher_model"
+"""Where a converted teacher checkpoint is placed in the run directory."""
+
+
+def place_model_dir(cfg, model_dir: str, staging: Path, name: str = "init_model") -> str:
+    """Move a folder :func:`resolve_model_dir` (or :func:`resolve_teacher_dir`) wrote to
+    ``staging`` into ``<run_dir>/<name>``; any other folder is used where it is. A folder of
+    that name an earlier run left there is kept when it holds the same bytes (a resume writes
+    the same model again), and otherwise renamed aside (``replaced-<time>-<name>``, said on the
+    console), never deleted: a run may have started from it."""
     import shutil
 
     from megarl.checkpoint.layout import set_aside
 
     if Path(model_dir) != staging:
         return model_dir
-    final = Path(cfg.trainer.run_dir) / "init_model"
+    final = Path(cfg.trainer.run_dir) / name
     final.parent.mkdir(parents=True, exist_ok=True)
     if final.exists() and _same_files(final, staging):
         shutil.rmtree(staging)  # this run's own copy of what is already there
@@ -573,13 +584,16 @@ def run(overrides: list[str], return_final_state: bool = False):
             staging = Path(tmp) / "init_model"
             model_dir = resolve_model_dir(cfg, staging)
             validate_against_model(cfg, model_dir, device)
+            teacher_staging = Path(tmp) / TEACHER_FOLDER
+            teacher_dir = resolve_teacher_dir(cfg, teacher_staging)
+            if teacher_dir is not None:
+                check_teacher(cfg, model_dir, teacher_dir)
             check_dump_dirs(cfg)
             held.enter_context(_hold_run_dir(cfg.trainer.run_dir))
             resume_from = resolve_resume(cfg, model_dir)
             model_dir = place_model_dir(cfg, model_dir, staging)
-            teacher_dir = resolve_teacher_dir(cfg)
             if teacher_dir is not None:
-                check_teacher(cfg, model_dir, teacher_dir)
+                teacher_dir = place_model_dir(cfg, teacher_dir, teacher_staging, TEACHER_FOLDER)
         inputs = RunInputs(
             cfg=cfg,
             model_dir=model_dir,

@@ -103,6 +103,7 @@ def test_a_teacher_with_another_tokenizer_stops_the_start(tmp_path):
     tokenizer.save_pretrained(teacher)
     with pytest.raises(StartupError, match="its tokenizer differs from the model's"):
         run(_distill_overrides(tmp_path / "run", student, teacher, 1))
+    assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())
 
 
 def test_a_megarl_run_folder_is_a_teacher_as_it_is_a_model_path(tmp_path):

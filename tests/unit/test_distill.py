@@ -185,8 +185,8 @@ def test_a_teacher_path_that_does_not_exist_is_named_by_its_key(tmp_path):
     missing = tmp_path / "no_teacher"
     cfg = compose_config(["algo.distill.teacher_path=" + str(missing), "rollout.n=2"])
     with pytest.raises(StartupError, match=r"^algo.distill.teacher_path=.*no_teacher: no such"):
-        resolve_teacher_dir(cfg)
-    assert resolve_teacher_dir(compose_config([])) is None
+        resolve_teacher_dir(cfg, tmp_path / "staging")
+    assert resolve_teacher_dir(compose_config([]), tmp_path / "staging") is None
 
 
 def test_a_multi_turn_batch_scores_only_its_sampled_tokens():
