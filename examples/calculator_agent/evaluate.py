@@ -106,7 +106,7 @@ def main() -> None:
     parser.add_argument("--label", default=None)
     parser.add_argument("--data", default=str(DATA))
     parser.add_argument("--out", default="runs/calculator_agent/results.json")
-    parser.add_argument("--max-new-tokens", type=int, default=160)
+    parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--table", default=None, help="print the table of a results.json")
     args = parser.parse_args()
     if args.table:

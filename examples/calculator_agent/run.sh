@@ -14,7 +14,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 make --no-print-directory install
 OUT=${OUT:-runs/calculator_agent}
-SFT_STEPS=${SFT_STEPS:-12}
+SFT_STEPS=${SFT_STEPS:-5}
 RL_STEPS=${RL_STEPS:-10}
 PY=.venv/bin/python
 EVAL="$PY examples/calculator_agent/evaluate.py --out $OUT/results.json"
@@ -23,7 +23,7 @@ mkdir -p "$OUT"
 $EVAL --label base
 .venv/bin/megarl-train recipe=sft \
     trainer.run_dir="$OUT/sft" trainer.total_steps="$SFT_STEPS" trainer.save_interval="$SFT_STEPS" \
-    data.prompts_per_step=8 actor.lr=1e-4 trainer.val_interval="$SFT_STEPS"
+    data.prompts_per_step=8 actor.lr=5e-5 trainer.val_interval="$SFT_STEPS"
 $EVAL --label sft --model "$OUT/sft"
 .venv/bin/megarl-train model.path="$OUT/sft" \
     data.train_files=[examples/calculator_agent/data/rl_train.parquet] \
