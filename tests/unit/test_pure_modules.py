@@ -26,6 +26,10 @@ PURE_MODULES = sorted(
         *(PACKAGE / "data").glob("*.py"),
         *(PACKAGE / "planner").glob("*.py"),
         PACKAGE / "agent" / "driver.py",
+        PACKAGE / "agent" / "gateway" / "agent_loop.py",
+        PACKAGE / "agent" / "gateway" / "protocol.py",
+        PACKAGE / "agent" / "gateway" / "sessions.py",
+        PACKAGE / "agent" / "gateway" / "settings.py",
         PACKAGE / "agent" / "loop.py",
         PACKAGE / "agent" / "render.py",
         PACKAGE / "agent" / "tool_calls.py",
@@ -38,6 +42,7 @@ PURE_MODULES = sorted(
         PACKAGE / "engines" / "vllm_settings.py",
         PACKAGE / "models" / "mapping.py",
         PACKAGE / "models" / "spec.py",
+        PACKAGE / "sft" / "conversations.py",
         PACKAGE / "user_code.py",
     ]
 )
