@@ -115,3 +115,15 @@ def test_a_bad_row_stops_the_start_naming_file_and_row_or_is_skipped(tmp_path):
     assert not run_dir.exists() or not any(run_dir.iterdir())
     [row] = run(tiny_overrides(run_dir, 1, **overrides, **{"data.skip_bad_rows": "true"})).history
     assert row["sft/trained_tokens"] > 0
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [{"actor.lora.rank": 8, "actor.lora.alpha": 16}, {"actor.tp": 2, "trainer.n_gpus_per_node": 2}],
+    ids=["lora", "tp2"],
+)
+def test_sft_trains_with_lora_and_tensor_parallel(tmp_path, layout):
+    history = run(tiny_overrides(tmp_path / "run", 2, **SFT, **layout)).history
+    assert history[-1]["sft/loss"] < history[0]["sft/loss"]
+    assert all(row["actor/grad_norm"] > 0 for row in history)
+    assert all("sync: no rollout engine" in row["gates/reasons"] for row in history)
