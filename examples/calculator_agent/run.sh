@@ -6,7 +6,7 @@
 # measured on the same 64 held-out questions (evaluate.py: greedy, the tool loop): the share of
 # trajectories with a well-formed tool call, and the accuracy.
 #
-#   examples/calculator_agent/run.sh          # installs .venv on first use (~4 min), ~20 min more
+#   examples/calculator_agent/run.sh          # installs .venv on first use (~4 min), ~17 min more
 #
 # Writes runs/calculator_agent/{sft,rl}/ (metrics.jsonl, checkpoints) and results.json, and
 # prints the table at the end. SFT_STEPS / RL_STEPS override the stages' lengths.
