@@ -208,7 +208,7 @@ async def slow_starter(row, llm):
     import openai
 
     if row.get("extra_info", {}).get("slow"):
-        await asyncio.sleep(0.6)
+        await asyncio.sleep(1.0)
     client = openai.AsyncOpenAI(base_url=llm.base_url, api_key=llm.api_key)
     await client.chat.completions.create(model=llm.model, messages=row["prompt"], max_tokens=4)
     return

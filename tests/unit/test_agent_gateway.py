@@ -255,12 +255,13 @@ def test_a_slow_first_request_holds_back_the_others_only_for_the_first_request_w
     samples = make_samples([loop.prompt_ids(QUESTION)] * 3, rows, PARAMS.seed, [QUESTION] * 3)
     try:
         shared = run_agent_loops(engine, loop, samples, PARAMS, tokenizer)
-        monkeypatch.setattr(agent_loop, "FIRST_REQUEST_WAIT_S", 0.1)
+        monkeypatch.setattr(agent_loop, "FIRST_REQUEST_WAIT_S", 0.3)
         split = run_agent_loops(engine, loop, samples, PARAMS, tokenizer)
     finally:
         loop.close()
     assert shared.metrics["agent/engine_calls"] == 1  # all first turns in one call
-    assert split.metrics["agent/engine_calls"] == 2  # the slow one did not hold the others
+    # the slow one did not hold the others (a loaded machine may split the rest further)
+    assert split.metrics["agent/engine_calls"] >= 2
 
 
 def test_a_fork_mid_conversation_gets_what_is_left_of_the_context(tokenizer):
