@@ -311,6 +311,19 @@ def decide_weight_sync(
     return PassGate(run=True, reason="engine freed base"), adapter
 
 
+def decide_restore_sync(run: RunFacts) -> tuple[PassGate, PassGate]:
+    """(base-weight sync, adapter sync) after a resume restored the trainer's weights: the
+    engine serves the restored ones from the first rollout on, so both are sent (the adapter
+    with LoRA), unless the run has no engine."""
+    if not run.rollout_engine:
+        reason = "no rollout engine (algo.objective=sft)"
+        return PassGate(run=False, reason=reason), PassGate(run=False, reason=reason)
+    adapter = PassGate(
+        run=run.lora_enabled, reason="restored adapter" if run.lora_enabled else "no LoRA"
+    )
+    return PassGate(run=True, reason="restored weights"), adapter
+
+
 def _check_forced_modes(run: RunFacts, num_slices: int, step: int) -> None:
     """Old "never" is safe only when the rollout is one slice trained once (nothing is trained
     after an optimizer step); reference "never" only while no KL term needs it."""

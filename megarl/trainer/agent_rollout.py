@@ -80,10 +80,9 @@ class GeneratedBatch:
     answer_texts: list[str | None] = field(default_factory=list)
     """What the dataset's reward reads of each sample, where a loop chose it
     (``trajectory.answer_text``); None or empty: the decoded response."""
-    branches: list[list[Generation]] = field(default_factory=list)
-    """Each sample's further branches (a gateway session that forked), as generations; each
-    trains with the sample's reward and advantage. Empty: none."""
-    branch_trajectories: list[list[Trajectory]] = field(default_factory=list)
+    branches: list[list[Trajectory]] = field(default_factory=list)
+    """Each sample's further branches (a gateway session that forked); each trains with the
+    sample's reward and advantage. Empty: none."""
 
 
 class AgentRollout:
@@ -167,8 +166,7 @@ class AgentRollout:
             metrics=result.metrics,
             trajectories=result.trajectories,
             answer_texts=[t.answer_text for t in result.trajectories],
-            branches=[[trajectory_generation(t, limit) for t in more] for more in result.branches],
-            branch_trajectories=result.branches,
+            branches=result.branches,
         )
 
 

@@ -114,7 +114,7 @@ def _branch(trajectory: Trajectory, response: _Response) -> ExtraBranch:
     gen = trajectory_generation(trajectory)
     versions = trajectory.response_versions
     if versions is None:
-        versions = [response.versions[0] if response.versions else 0] * len(gen.response_ids)
+        return ExtraBranch.of(gen, response.versions[0] if response.versions else 0)
     return ExtraBranch(gen, list(versions))
 
 
@@ -405,7 +405,7 @@ class AsyncRollout:
             )
             pieces = built.gens
             abandoned = built.metrics.get("agent/abandoned_threads", 0.0)
-            more = built.branch_trajectories or [[] for _ in wave]
+            more = built.branches or [[] for _ in wave]
             for (_, response), trajectory, branches in zip(
                 wave, built.trajectories, more, strict=True
             ):

@@ -23,18 +23,15 @@ from torch.nn.utils.rnn import pad_sequence
 
 from megarl.algo.distill import distill_token_advantages, reverse_kl_mean, sequence_summaries
 from megarl.batch import RolloutBatch, RolloutShard
-from megarl.config import planning
 from megarl.config.schema import RunConfig
 from megarl.distributed import heartbeat
-from megarl.planner.batch_planner import plan_step
 from megarl.planner.gate_results import StepGates
-from megarl.planner.gates import decide_gates
 from megarl.planner.micro_batches import plan_forward_micro_batches
 from megarl.planner.step_plan import StepPlan
-from megarl.trainer.logprob_passes import StepLogprobs, logprob_passes
+from megarl.trainer.logprob_passes import StepLogprobs, passes_on_every_sequence
 from megarl.trainer.progress import reported
 from megarl.trainer.rollout import advantage_metrics
-from megarl.trainer.scatter import scatter_by_dp_rank, scatter_sequences
+from megarl.trainer.scatter import scatter_by_dp_rank
 
 if TYPE_CHECKING:
     from megarl.trainer.metrics import PhaseTimer
@@ -59,22 +56,11 @@ def distill_advantages(
 ) -> tuple[StepRollout, Distillation]:
     """Old, reference (where gated) and teacher logprobs of every sequence; then (rank 0) the
     distillation advantages, on every rank their per-sequence summary."""
-    cfg, header = rt.cfg, rollout.header
-    unpruned = plan_step(planning.every_sequence_inputs(cfg, header))
-    gates = decide_gates(
-        planning.step_facts(
-            cfg,
-            step,
-            header.num_seqs,
-            engine_base_weights_resident=rollout.engine_state.base_weights_resident,
-            behaviour_versions=header.oldest_versions,
-        )
-    )
-    batch = scatter_sequences(rt, rollout.batch, header, unpruned)
-    passes = logprob_passes(rt, batch, unpruned, gates, timer)
-    teacher = teacher_logprobs(rt, batch, unpruned, gates, timer)
+    cfg = rt.cfg
+    every = passes_on_every_sequence(rt, step, rollout, timer)
+    teacher = teacher_logprobs(rt, every.batch, every.plan, every.gates, timer)
     gathered: list | None = [None] * dist.get_world_size() if rt.host is not None else None
-    dist.gather_object(_local_triples(rt, passes, teacher), gathered, dst=0)
+    dist.gather_object(_local_triples(rt, every.logprobs, teacher), gathered, dst=0)
     payload: list = [None]
     merged, token_advantages, metrics = None, None, {}
     if rollout.batch is not None and gathered is not None:

@@ -21,11 +21,8 @@ from megarl.algo.kl_reward import KLController, apply_kl_penalty
 from megarl.batch import RolloutBatch
 from megarl.config import planning
 from megarl.config.schema import RunConfig
-from megarl.planner.batch_planner import plan_step
-from megarl.planner.gates import decide_gates
 from megarl.planner.step_plan import StepPlan
-from megarl.trainer.logprob_passes import Precomputed, logprob_passes
-from megarl.trainer.scatter import scatter_sequences
+from megarl.trainer.logprob_passes import Precomputed, passes_on_every_sequence
 
 if TYPE_CHECKING:
     from megarl.trainer.metrics import PhaseTimer
@@ -50,19 +47,7 @@ def kl_in_reward(
     their KL and the advantages recomputed from the penalised scores, on every rank; the
     ``critic/kl*`` metrics join the rollout's (rank 0)."""
     cfg = rt.cfg
-    header = rollout.header
-    unpruned = plan_step(planning.every_sequence_inputs(cfg, header))
-    gates = decide_gates(
-        planning.step_facts(
-            cfg,
-            step,
-            header.num_seqs,
-            engine_base_weights_resident=rollout.engine_state.base_weights_resident,
-            behaviour_versions=header.oldest_versions,
-        )
-    )
-    batch = scatter_sequences(rt, rollout.batch, header, unpruned)
-    passes = logprob_passes(rt, batch, unpruned, gates, timer)
+    passes = passes_on_every_sequence(rt, step, rollout, timer).logprobs
     local = {}
     if rt.actor.is_last_stage and passes.ref is not None:
         local = {i: (passes.old[i].float(), passes.ref[i].float()) for i in passes.ref}

@@ -13,16 +13,21 @@ from typing import TYPE_CHECKING
 import torch
 
 from megarl.algo.router_replay import replay_plan
+from megarl.config import planning
 from megarl.distributed import heartbeat
+from megarl.planner.batch_planner import plan_step
 from megarl.planner.gate_results import ReferenceSource, StepGates
+from megarl.planner.gates import decide_gates
 from megarl.planner.micro_batches import plan_forward_micro_batches
 from megarl.planner.step_plan import StepPlan
 from megarl.trainer import moe_routing
 from megarl.trainer.progress import reported
+from megarl.trainer.scatter import scatter_sequences
 
 if TYPE_CHECKING:
     from megarl.batch import RolloutShard
     from megarl.trainer.metrics import PhaseTimer
+    from megarl.trainer.rollout_source import StepRollout
     from megarl.trainer.runtime import Runtime
 
 
@@ -51,6 +56,38 @@ class StepLogprobs:
     routing: dict[int, torch.Tensor]
     """The actor's experts of every input position of the recomputed sequences (recorded for
     router replay R2 and the routing check), empty otherwise."""
+
+
+@dataclass(frozen=True)
+class EverySequence:
+    """A step's passes on every sequence, run before its plan (the KL in the reward and
+    distillation rewrite the advantages the plan is made from): the unpruned plan and its
+    gates, this rank's scattered sequences, their old and reference logprobs."""
+
+    plan: StepPlan
+    gates: StepGates
+    batch: RolloutShard
+    logprobs: StepLogprobs
+
+
+def passes_on_every_sequence(
+    rt: Runtime, step: int, rollout: StepRollout, timer: PhaseTimer
+) -> EverySequence:
+    """Collective: plan every sequence (nothing pruned: the advantages are not final), gate,
+    scatter, and run the old and reference passes the gates ask for."""
+    cfg, header = rt.cfg, rollout.header
+    unpruned = plan_step(planning.every_sequence_inputs(cfg, header))
+    gates = decide_gates(
+        planning.step_facts(
+            cfg,
+            step,
+            header.num_seqs,
+            engine_base_weights_resident=rollout.engine_state.base_weights_resident,
+            behaviour_versions=header.oldest_versions,
+        )
+    )
+    batch = scatter_sequences(rt, rollout.batch, header, unpruned)
+    return EverySequence(unpruned, gates, batch, logprob_passes(rt, batch, unpruned, gates, timer))
 
 
 def logprob_passes(

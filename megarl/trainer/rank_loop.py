@@ -49,7 +49,7 @@ from megarl.distributed.launcher import WorkerContext
 from megarl.errors import storage_error
 from megarl.planner.batch_planner import plan_step
 from megarl.planner.gate_results import ReferenceSource
-from megarl.planner.gates import decide_gates, decide_reference
+from megarl.planner.gates import decide_gates, decide_reference, decide_restore_sync
 from megarl.planner.staleness import staleness_stats, trainer_version
 from megarl.planner.step_plan import StepPlan
 from megarl.trainer import moe_routing
@@ -529,8 +529,8 @@ def _maybe_restore(rt: Runtime) -> int:
         saved = read_algo_state(rt.resume_from).get("kl_ctrl")
         if saved is not None:  # else the run had no KL in the reward: start afresh
             rt.kl_ctrl.load_state_dict(saved)
-    if not rt.cfg.algo.is_sft:  # the engine serves the restored weights (SFT has none)
-        push_weights(rt, base=True, adapter=rt.cfg.actor.lora.enabled)
+    base, adapter = decide_restore_sync(planning.run_facts(rt.cfg))
+    push_weights(rt, base=base.run, adapter=adapter.run)
     rt.source.weights_synced(step)  # the weights after step s are policy version s
     return step
 

@@ -44,7 +44,12 @@ from megarl.engines.base import (
 )
 from megarl.errors import MegarlError
 from megarl.planner.pruning import CRITIC_ESTIMATORS
-from megarl.trainer.agent_rollout import AgentRollout, GeneratedBatch, join_agent_metrics
+from megarl.trainer.agent_rollout import (
+    AgentRollout,
+    GeneratedBatch,
+    join_agent_metrics,
+    trajectory_generation,
+)
 from megarl.trainer.progress import PhaseHook, no_progress
 
 NONFINITE_SAMPLING = "probability tensor contains"
@@ -184,6 +189,11 @@ class ExtraBranch:
     gen: Generation
     versions: list[int]
     """The policy version that sampled each response token."""
+
+    @classmethod
+    def of(cls, gen: Generation, version: int) -> ExtraBranch:
+        """A branch every token of which policy ``version`` sampled."""
+        return cls(gen, [version] * len(gen.response_ids))
 
 
 @dataclass(frozen=True)
@@ -369,8 +379,9 @@ class RolloutProducer:
         gens = generated.gens
         t_generated = time.perf_counter()
         versions = [[version] * len(g.response_ids) for g in gens]
+        limit = self.settings.max_new_tokens
         branches = [
-            [ExtraBranch(b, [version] * len(b.response_ids)) for b in more]
+            [ExtraBranch.of(trajectory_generation(t, limit), version) for t in more]
             for more in generated.branches
         ]
         scored = self.score_groups(

@@ -303,7 +303,7 @@ class RolloutHost:
         metrics.update(validation or {})
         metrics.update(stats.metrics())
         if self.cfg.algo.is_sft:  # the sft loss is the NLL; nothing was sampled to compare
-            metrics.update(loss_metrics(metrics["actor/pg_loss"], 1.0))
+            metrics.update(loss_metrics(metrics["actor/pg_loss"]))
             for key in [k for k in metrics if k.startswith(NO_ENGINE_METRICS)]:
                 del metrics[key]
         metrics.update(plan.metrics)

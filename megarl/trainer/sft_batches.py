@@ -124,10 +124,9 @@ class SFTProducer:
         return self.texts.pop(step, StepTexts(samples=[], texts=[]))
 
 
-def loss_metrics(nll_sum: float, tokens: float, prefix: str = "sft") -> dict[str, float]:
-    """The token-mean loss and its perplexity."""
-    loss = nll_sum / max(tokens, 1.0)
-    return {f"{prefix}/loss": loss, f"{prefix}/ppl": math.exp(min(loss, 50.0))}
+def loss_metrics(loss: float, name: str = "") -> dict[str, float]:
+    """``sft/<name>loss`` and its perplexity ``sft/<name>ppl`` (``name``: "" or "val_")."""
+    return {f"sft/{name}loss": loss, f"sft/{name}ppl": math.exp(min(loss, 50.0))}
 
 
 # --- loading (start-up and every rank) --------------------------------------------------------
@@ -193,9 +192,6 @@ def sft_validation(rt: Runtime, examples: Sequence[SFTExample]) -> dict[str, flo
             totals[0] -= float((values.double() * mask).sum())
             totals[1] += float(mask.sum())
     dist.all_reduce(totals)
-    metrics = loss_metrics(float(totals[0]), float(totals[1]), "sft")
-    return {
-        "sft/val_loss": metrics["sft/loss"],
-        "sft/val_ppl": metrics["sft/ppl"],
-        "timing_s/testing": time.perf_counter() - started,
-    }
+    metrics = loss_metrics(float(totals[0]) / max(float(totals[1]), 1.0), "val_")
+    metrics["timing_s/testing"] = time.perf_counter() - started
+    return metrics

@@ -364,3 +364,14 @@ def test_summary_names_which_logprobs_are_old(recomputed_slices: int, action: st
     mini_batches = 1 if recomputed_slices == 0 else 2
     gates = decide_gates(_facts(mini_batches, old_log_prob=mode[recomputed_slices]))
     assert gates.summary().startswith(f"old_lp: {action} (")
+
+
+def test_a_resume_sends_the_restored_weights_unless_there_is_no_engine():
+    from megarl.planner.gates import decide_restore_sync
+
+    base, adapter = decide_restore_sync(RunFacts(1, 1, 3, lora_enabled=True))
+    assert base.run and adapter.run
+    base, adapter = decide_restore_sync(RunFacts(1, 1, 3))
+    assert base.run and not adapter.run
+    base, adapter = decide_restore_sync(RunFacts(1, 1, 3, lora_enabled=True, rollout_engine=False))
+    assert not base.run and not adapter.run and "no rollout engine" in base.reason

@@ -19,13 +19,23 @@ sleep 60
 """
 
 
+NAMES = {"ray::FakeDashboardAgent", "not-ray-helper"}
+
+
+def _name(pid: int) -> str:
+    words = command_line(pid).split()
+    return words[0] if words else ""
+
+
 def test_the_drivers_ray_processes_end_with_it_and_only_they(tmp_path):
     driver = subprocess.Popen(["bash", "-c", DRIVER])
     try:
         deadline = time.monotonic() + 10
-        while len(descendants(driver.pid)) < 2 and time.monotonic() < deadline:
+        below: dict[str, int] = {}
+        # until both have exec'd (a forked subshell still reads "bash" before its exec)
+        while len(below.keys() & NAMES) < 2 and time.monotonic() < deadline:
             time.sleep(0.02)
-        below = {command_line(pid).split()[0]: pid for pid in descendants(driver.pid)}
+            below = {_name(pid): pid for pid in descendants(driver.pid)}
         agent, helper = below["ray::FakeDashboardAgent"], below["not-ray-helper"]
         killed: list[int] = []
         watcher = threading.Thread(

@@ -80,6 +80,4 @@ def serve(
     from megarl.agent.gateway.standalone import StandaloneSessions
 
     sessions = StandaloneSessions(engine, tokenizer, max_new_tokens, temperature, tool_format)
-    server = GatewayServer(host, port, api_key, session_factory=sessions.new_session)
-    server.sessions_by_id = sessions.by_id  # type: ignore[attr-defined]
-    return server.start()
+    return GatewayServer(host, port, api_key, session_factory=sessions.new_session).start()

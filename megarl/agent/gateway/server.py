@@ -162,6 +162,12 @@ class GatewayServer:
             self._sessions[session_id] = _Registered(session, loop)
         return session_id
 
+    @property
+    def sessions_by_id(self) -> dict[str, Session]:
+        """The sessions reachable now, by id (a standalone gateway's: every one used)."""
+        with self._lock:
+            return {sid: found.session for sid, found in self._sessions.items()}
+
     def unregister(self, session_id: str) -> None:
         with self._lock:
             self._sessions.pop(session_id, None)

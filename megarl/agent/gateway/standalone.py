@@ -35,7 +35,6 @@ class StandaloneSessions:
     ) -> None:
         self.engine, self.tokenizer, self.tool_format = engine, tokenizer, tool_format
         self.params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens)
-        self.by_id: dict[str, Session] = {}
         self._renderers: dict[str, ChatRenderer] = {}
         self._engine_lock = asyncio.Lock()
 
@@ -46,9 +45,7 @@ class StandaloneSessions:
         return self._renderers[key]
 
     def new_session(self, session_id: str) -> Session:
-        session = Session(self.generate, self.renderer_for, self.params.max_new_tokens)
-        self.by_id[session_id] = session
-        return session
+        return Session(self.generate, self.renderer_for, self.params.max_new_tokens)
 
     async def generate(
         self, ids: Sequence[int], limit: int, request: ChatRequest
