@@ -86,6 +86,7 @@ from megarl.engines.base import (
     RolloutEngine,
     SamplingParams,
     SleepState,
+    default_eos_token_ids,
     merge_token_ids,
     token_seed,
 )
@@ -469,14 +470,9 @@ class VLLMEngine(RolloutEngine):
 
     def _default_eos_ids(self) -> tuple[int, ...]:
         """Tokenizer EOS plus the model's generation-config EOS (vLLM stops on both too)."""
-        tokenizer = self._llm.get_tokenizer()
-        text_config = self._llm.llm_engine.model_config.hf_text_config
-        ids = merge_token_ids(
-            getattr(tokenizer, "eos_token_id", None), getattr(text_config, "eos_token_id", None)
+        return default_eos_token_ids(
+            self._llm.get_tokenizer(), self._llm.llm_engine.model_config.hf_text_config
         )
-        if not ids:
-            raise ValueError("no EOS token id known for this model: pass eos_token_ids")
-        return ids
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:

@@ -39,6 +39,8 @@ PURE_MODULES = sorted(
         PACKAGE / "agent" / "tools" / "calculator.py",
         PACKAGE / "critic" / "model_source.py",
         PACKAGE / "distributed" / "execution.py",
+        PACKAGE / "engines" / "base.py",
+        PACKAGE / "engines" / "sampling.py",
         PACKAGE / "engines" / "vllm_settings.py",
         PACKAGE / "models" / "mapping.py",
         PACKAGE / "models" / "spec.py",
