@@ -42,6 +42,7 @@ PURE_MODULES = sorted(
         PACKAGE / "engines" / "base.py",
         PACKAGE / "engines" / "sampling.py",
         PACKAGE / "engines" / "vllm_settings.py",
+        PACKAGE / "engines" / "vllm_weights.py",
         PACKAGE / "models" / "mapping.py",
         PACKAGE / "models" / "spec.py",
         PACKAGE / "sft" / "conversations.py",
