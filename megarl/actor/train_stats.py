@@ -14,8 +14,9 @@ mini-batches and epochs, while the gradient norm was averaged: the two disagreed
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from megarl.algo.summable import SummableStats
 
@@ -40,6 +41,18 @@ class OptimizerStepStats(SummableStats):
     """Tokens with a non-zero loss weight (what clip fraction and PPO-KL are averaged over)."""
     clipfrac_lower_sum: float = 0.0
     """Tokens on which vanilla's dual clip (negative advantages) is active."""
+
+
+Stats = TypeVar("Stats", bound=SummableStats)
+
+
+def sum_micro_batches(stats: type[Stats], per_micro_batch: Iterable[Mapping[str, Any]]) -> Stats:
+    """One rank's statistics of an optimizer step (the actor's, the critic's): the sum of its
+    micro-batches' entries (numbers or 0-d tensors, by field name), zero when it ran none."""
+    total = stats()
+    for entry in per_micro_batch:
+        total = total + stats(**{k: float(v) for k, v in entry.items()})
+    return total
 
 
 @dataclass(frozen=True)
