@@ -27,9 +27,9 @@ import torch
 from megarl.actor.megatron_actor import MegatronActor
 from megarl.actor.train_stats import sum_micro_batches
 from megarl.algo.gae import value_loss
-from megarl.algo.summable import SummableStats
 from megarl.batch import MicroBatchTensors, Rollouts, per_token_to_response, response_values_to_BL
 from megarl.config.actor import ActorConfig
+from megarl.critic.value_stats import CriticStepStats
 from megarl.distributed.execution import ExecutionPlan
 from megarl.models.megatron_gpt import ValueHeadInit
 from megarl.models.spec import TransformerSpec
@@ -43,18 +43,6 @@ class ValueLossSettings:
     cliprange_value: float = 0.5
     agg: str = "token-mean"
     loss_scale_factor: float | None = None
-
-
-@dataclass(frozen=True)
-class CriticStepStats(SummableStats):
-    """Sums over one optimizer step's micro-batches on this rank (0 off the last stage); one
-    :meth:`~megarl.algo.summable.SummableStats.to_row` per step is summed over the ranks."""
-
-    vf_loss: float = 0.0
-    """The step's loss; its micro-batches share the step's normaliser, so they add up."""
-    vf_clipfrac_sum: float = 0.0
-    vpred_sum: float = 0.0
-    num_tokens: float = 0.0
 
 
 @dataclass(frozen=True)
