@@ -64,14 +64,13 @@ from megarl.engines.base import (
 )
 from megarl.engines.sampling import ResponseState, sample_step
 from megarl.export.checksum import tensor_checksum
+from megarl.export.lora import PEFT_PREFIX
 
 if TYPE_CHECKING:
     import threading
 
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-PEFT_PREFIX = "base_model.model."
-"""Prefix PEFT puts in front of the wrapped model's module names."""
 ADAPTER_NAME = "default"
 """The one adapter slot this engine uses inside PEFT layers."""
 

@@ -34,6 +34,7 @@ from megarl.models.lora import LoraSettings, hf_target_modules, iter_adapters
 from megarl.models.spec import TransformerSpec
 
 PEFT_PREFIX = "base_model.model."
+"""What PEFT puts in front of the wrapped model's module names in its adapter tensor names."""
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
 ADAPTER_CONFIG_FILE = "adapter_config.json"
 
