@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.ranks import start_rank
 from test_gpu_path import TINY, require_cuda
 
 DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
@@ -53,19 +54,7 @@ def _round_trip_worker(ctx, device: str, distributed: bool, folder: str):
     from megarl.models.random_init import build_random_hf_model
     from megarl.models.spec import spec_from_hf_config
 
-    if device == "cpu":
-        from megarl.distributed.platform import enter_cpu_shims
-
-        enter_cpu_shims()
-    parallel.init_process_group(
-        device,
-        ctx.rank,
-        ctx.world_size,
-        ctx.master_addr,
-        ctx.master_port,
-        store_hosted=ctx.store_hosted,
-    )
-    parallel.init_model_parallel(1, 1)
+    start_rank(ctx, device)
     spec = spec_from_hf_config(TINY)
     state = {k: v.clone() for k, v in build_random_hf_model(TINY, 3).state_dict().items()}
     trained = _actor(spec, state, distributed, device)

@@ -13,6 +13,7 @@ import pytest
 import torch
 from helpers.batches import random_batch
 from helpers.models import TINY_HF_CONFIG
+from helpers.ranks import start_rank
 
 pytestmark = pytest.mark.gpu
 
@@ -57,20 +58,6 @@ def _plan(packed: bool, te: bool, dtype: str):
     )
 
 
-def _init(ctx):
-    from megarl.distributed import parallel
-
-    parallel.init_process_group(
-        "cuda",
-        ctx.rank,
-        ctx.world_size,
-        ctx.master_addr,
-        ctx.master_port,
-        store_hosted=ctx.store_hosted,
-    )
-    parallel.init_model_parallel(1, 1)
-
-
 def _batch(vocab: int):
     prompts = tuple(max(1, n // 3) for n in SEQ_LENS)
     return random_batch(SEQ_LENS, prompts, vocab, torch.linspace(-1, 1, len(SEQ_LENS)), seed=0)
@@ -94,7 +81,7 @@ def _megatron_vs_hf_worker(ctx, te: bool):
     from megarl.models.hf_io import load_hf_model
     from megarl.models.spec import spec_from_hf_config
 
-    _init(ctx)
+    start_rank(ctx, "cuda")
     hf, _ = load_hf_model(None)
     hf = hf.to("cuda", torch.bfloat16).eval()
     spec = spec_from_hf_config(hf.config.to_dict())
@@ -139,7 +126,7 @@ def _tiny_qwen3_vs_hf_worker(ctx, te: bool):
     from megarl.models.random_init import build_random_hf_model
     from megarl.models.spec import spec_from_hf_config
 
-    _init(ctx)
+    start_rank(ctx, "cuda")
     config = dict(TINY, model_type="qwen3", head_dim=128)
     hf = build_random_hf_model(config, 3)
     with torch.no_grad():  # norms start at ones: make them differ, so a mis-mapped norm shows
@@ -172,7 +159,7 @@ def _packing_worker(ctx, te: bool, dtype: str):
     from megarl.models.random_init import build_random_hf_model
     from megarl.models.spec import spec_from_hf_config
 
-    _init(ctx)
+    start_rank(ctx, "cuda")
     spec = spec_from_hf_config(TINY)
     state = {k: v.clone() for k, v in build_random_hf_model(TINY, 3).state_dict().items()}
     batch = _batch(spec.vocab_size)

@@ -7,14 +7,23 @@ from typing import Any
 
 
 def start_cpu_rank(ctx, tp: int, pp: int = 1, vpp: int | None = None, ep: int = 1) -> None:
-    """Join the launcher's gloo group as ``ctx.rank`` (CPU shims on) and build Megatron's
-    TP/PP(/VPP)/EP groups."""
-    from megarl.distributed import parallel
-    from megarl.distributed.platform import enter_cpu_shims
+    """:func:`start_rank` on the CPU."""
+    start_rank(ctx, "cpu", tp, pp, vpp, ep)
 
-    enter_cpu_shims()
+
+def start_rank(
+    ctx, device: str, tp: int = 1, pp: int = 1, vpp: int | None = None, ep: int = 1
+) -> None:
+    """Join the launcher's process group as ``ctx.rank`` (gloo with the CPU shims on ``cpu``,
+    NCCL on ``cuda``) and build Megatron's TP/PP(/VPP)/EP groups."""
+    from megarl.distributed import parallel
+
+    if device == "cpu":
+        from megarl.distributed.platform import enter_cpu_shims
+
+        enter_cpu_shims()
     parallel.init_process_group(
-        "cpu",
+        device,
         ctx.rank,
         ctx.world_size,
         ctx.master_addr,
