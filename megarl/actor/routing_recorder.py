@@ -29,6 +29,7 @@ from megarl.actor.router_stats import find_routers, router_layers
 from megarl.algo.router_replay import layout_of, sequence_ids
 from megarl.algo.routing_mismatch import expert_id_dtype, expert_ids_from_routing_map
 from megarl.batch import MicroBatchTensors
+from megarl.models.hooks import forward_hooks
 
 
 class RoutingRecorder:
@@ -62,12 +63,10 @@ class RoutingRecorder:
             raise RuntimeError("routing recording is already armed")
         recorded: dict[int, torch.Tensor] = {}
         self._recorded = recorded
-        handles = [router.register_forward_hook(self._hook) for router in self.routers]
         try:
-            yield recorded
+            with forward_hooks(self.routers, self._hook):
+                yield recorded
         finally:
-            for handle in handles:
-                handle.remove()
             self._recorded = None
 
     @contextmanager

@@ -65,6 +65,7 @@ from megarl.engines.base import (
 from megarl.engines.sampling import ResponseState, sample_step
 from megarl.export.checksum import tensor_checksum
 from megarl.export.lora import PEFT_PREFIX
+from megarl.models.hooks import forward_hooks
 
 if TYPE_CHECKING:
     import threading
@@ -226,12 +227,10 @@ class RouterTap:
     def attached(self) -> Iterator[RouterTap]:
         """Hook every router while the block runs."""
         self._seen = []
-        handles = [r.register_forward_hook(self._hook) for r in self.routers]
         try:
-            yield self
+            with forward_hooks(self.routers, self._hook):
+                yield self
         finally:
-            for handle in handles:
-                handle.remove()
             self._seen = []
 
     def _hook(self, _router: torch.nn.Module, _inputs: tuple, output: tuple) -> None:
