@@ -89,6 +89,7 @@ from megarl.engines.base import (
     default_eos_token_ids,
     merge_token_ids,
     token_seed,
+    validate_requests,
 )
 from megarl.engines.tensor_transport import SharedTensorFile
 from megarl.engines.vllm_liveness import EngineCoreWatch
@@ -306,6 +307,7 @@ class VLLMEngine(RolloutEngine):
         with self._liveness.named("start-up"):
             facts = self._llm.collective_rpc("megarl_model_facts")[0]
         self._tied_embeddings = bool(facts["tied_embeddings"])
+        self._vocab_size = int(self._llm.llm_engine.model_config.get_vocab_size())
         check_load_method(self._load_method, facts)
         self._batcher = FusedGroupBatcher(facts["packed_modules_mapping"], self.weight_bucket_bytes)
         self._all_names = set(self._expected_shapes or ()) - (
@@ -357,6 +359,7 @@ class VLLMEngine(RolloutEngine):
         self._sleep.require_ready_to_generate()
         self._require_no_pending_weights()
         self._check_logprob_mode(params)
+        validate_requests(requests, params, self._eos_token_ids, self._vocab_size)
         if not requests:
             return []
         with self._liveness.named(f"generation of {len(requests)} requests"):

@@ -402,6 +402,16 @@ def test_greedy_interrupted_and_resumed_gives_the_uninterrupted_tokens(engine):
     ]
 
 
+def test_requests_no_engine_can_continue_are_refused_as_the_other_engines_refuse_them(engine):
+    ended = Request((5, 6), seed=1, generated_ids=(9, EOS))
+    with pytest.raises(ValueError, match="request 1 already ended: EOS among its generated_ids"):
+        engine.generate_requests([Request((5, 6), seed=0), ended], GREEDY)
+    with pytest.raises(ValueError, match=f"request 0 has token ids outside \\[0, {VOCAB}\\)"):
+        engine.generate_requests([Request((5, VOCAB), seed=0)], GREEDY)
+    with pytest.raises(ValueError, match="request 0 has no budget left"):
+        engine.generate_requests([Request((5,), seed=0, max_new_tokens=0)], GREEDY)
+
+
 def test_an_interrupt_set_before_the_call_returns_every_response_empty(engine):
     before = engine.generate(PROMPTS, GREEDY)
     interrupt = threading.Event()
@@ -425,13 +435,18 @@ def test_an_interrupt_never_set_samples_what_a_call_without_one_samples(engine):
     assert_idle(engine)
 
 
-def test_a_failing_interruptible_call_leaves_no_request_behind(engine):
-    from vllm.exceptions import VLLMValidationError
-
+def test_a_failing_interruptible_call_leaves_no_request_behind(engine, monkeypatch):
     fresh = requests(PROMPTS, GREEDY)
-    exhausted = Request(fresh[1].prompt_ids, fresh[1].seed, generated_ids=(3,) * 8)
-    with pytest.raises(VLLMValidationError, match="max_tokens"):  # once fresh[0] is added
-        engine.generate_requests([fresh[0], exhausted], GREEDY, threading.Event())
+    build = engine._vllm_sampling_params
+
+    def failing_for_the_second(params, request):  # as vLLM refusing its sampling parameters
+        if request is fresh[1]:
+            raise RuntimeError("refused by vLLM")
+        return build(params, request)
+
+    monkeypatch.setattr(engine, "_vllm_sampling_params", failing_for_the_second)
+    with pytest.raises(RuntimeError, match="refused by vLLM"):  # once fresh[0] is added
+        engine.generate_requests(fresh[:2], GREEDY, threading.Event())
     assert_idle(engine)
 
 
