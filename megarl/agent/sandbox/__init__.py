@@ -40,7 +40,7 @@ launcher and init, which imports only the standard library (it is the launcher s
 holds the definitions both sides share.
 """
 
-from megarl.agent.sandbox.confine import REQUIREMENTS, SandboxReport
+from megarl.agent.sandbox.confine import LAYERS, REQUIREMENTS, SandboxReport
 from megarl.agent.sandbox.run import (
     SandboxError,
     SandboxLimits,
@@ -51,6 +51,7 @@ from megarl.agent.sandbox.run import (
 )
 
 __all__ = [
+    "LAYERS",
     "REQUIREMENTS",
     "SandboxError",
     "SandboxLimits",

@@ -21,7 +21,7 @@ from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from megarl.agent.sandbox.confine import _LAYERS, REQUIREMENTS, SandboxReport
+from megarl.agent.sandbox.confine import LAYERS, REQUIREMENTS, SandboxReport
 from megarl.distributed.processes import process_lives, processes_of_uid
 
 # ----------------------------------------------------------------------------------------------
@@ -138,7 +138,7 @@ async def run_python(
     python = python or sys.executable
     if not python:
         raise SandboxError("no Python interpreter to run the code with (sys.executable is empty)")
-    unknown = [r for r in require if r not in REQUIREMENTS and r not in _LAYERS]
+    unknown = [r for r in require if r not in REQUIREMENTS and r not in LAYERS]
     if unknown:
         raise ValueError(f"unknown sandbox requirements {unknown}; known: {sorted(REQUIREMENTS)}")
     run = _Run.create(python, limits, read_paths, require, work_root)
@@ -357,6 +357,7 @@ class _Run:
             for task in tasks:
                 task.cancel()
             self.kill(None)
+            _close_pipes(proc)
         return bytes(control)
 
     @staticmethod
@@ -367,10 +368,13 @@ class _Run:
         stdin.close()
 
     async def _pump(self, stream: asyncio.StreamReader, buf: _CappedBuffer) -> None:
+        """Keep the stream's first bytes; past the cap, stop the run and read on to EOF,
+        discarding: a reader that stops pauses its pipe with data in it, its EOF is never
+        seen, and Python 3.11's ``Process.wait()`` waits for EOF on every pipe (the call would
+        last until the timeout plus grace, the pipe left open in the trainer)."""
         while chunk := await stream.read(1 << 16):
-            if not buf.add(chunk):
+            if not buf.add(chunk) and self.killed_by is None:
                 self.kill("output_limit")
-                return
 
     def kill(self, reason: str | None) -> None:
         """Ask the launcher to end the run (SIGTERM): it SIGKILLs init, whose death takes the
@@ -440,6 +444,18 @@ def _wait_gone(pid: int, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and process_lives(pid):
         time.sleep(0.01)
+
+
+def _close_pipes(proc: asyncio.subprocess.Process) -> None:
+    """Close the launcher's pipes in the trainer: a no-op when each reached EOF, as each does
+    unless the run was abandoned. No fd of a run outlives its call."""
+    transport = getattr(proc, "_transport", None)  # asyncio has no public handle on the pipes
+    if transport is None:
+        return
+    for fd in (0, 1, 2):
+        pipe = transport.get_pipe_transport(fd)
+        if pipe is not None and not pipe.is_closing():
+            pipe.close()
 
 
 async def _read_fd(fd: int, into: bytearray) -> None:
