@@ -730,3 +730,47 @@ def test_require_syscalls(work_root: str, report: SandboxReport) -> None:
         "syscalls",
         "ipc-limits",
     )
+
+
+def test_folders_of_a_killed_trainer_are_swept_and_nothing_else(work_root: str) -> None:
+    """A trainer SIGKILLed mid-call leaves its run folder; the next process's first run in that
+    work root removes it, and only it: not a folder of the same name without an owner file,
+    not one whose owner (this process) runs, not any other file."""
+    import subprocess
+    import time
+
+    code = (
+        "import asyncio\nfrom megarl.agent.sandbox import SandboxLimits, run_python\n"
+        "asyncio.run(run_python('import time\\ntime.sleep(60)', SandboxLimits(timeout_s=60), "
+        f"work_root={work_root!r}))"
+    )
+    trainer = subprocess.Popen([sys.executable, "-c", code], env={**os.environ})
+    try:
+        deadline = time.monotonic() + 30
+        while not list(Path(work_root).glob("megarl-sandbox-*/owner.json")):
+            assert time.monotonic() < deadline and trainer.poll() is None
+            time.sleep(0.05)
+        time.sleep(0.5)  # the launcher started: its mounts are in its own namespace
+    finally:
+        trainer.kill()
+        trainer.wait()
+    [left] = Path(work_root).glob("megarl-sandbox-*")
+    foreign = Path(work_root, "megarl-sandbox-not-ours")
+    foreign.mkdir()
+    (foreign / "data.txt").write_text("keep")
+    live = Path(work_root, "megarl-sandbox-live")
+    live.mkdir()
+    from megarl.distributed.processes import process_start
+
+    start = process_start(os.getpid())
+    (live / "owner.json").write_text(f'{{"pid": {os.getpid()}, "start": {start}}}')
+    (Path(work_root) / "megarl-sandbox-file").write_text("keep")
+    try:
+        assert run("print(1)", work_root).stdout == "1\n"
+        assert not left.exists()
+        assert (foreign / "data.txt").read_text() == "keep" and (live / "owner.json").exists()
+        assert (Path(work_root) / "megarl-sandbox-file").exists()
+    finally:
+        shutil.rmtree(foreign)
+        shutil.rmtree(live)
+        (Path(work_root) / "megarl-sandbox-file").unlink()

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megarl.agent.sandbox.confine import LAYERS, REQUIREMENTS, SandboxReport
-from megarl.distributed.processes import process_lives, processes_of_uid
+from megarl.distributed.processes import process_lives, process_start, processes_of_uid
 
 # ----------------------------------------------------------------------------------------------
 # Public types
@@ -113,6 +113,9 @@ _SWEEP_ROUNDS = 50
 _UID_BASE = 0x6000_0000
 _UID_SPAN = 1 << 24
 _SYSTEM_READ_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/etc/ld.so.cache")
+# A run's folder: its name's prefix, and the file in it naming the trainer that made it.
+_FOLDER_PREFIX = "megarl-sandbox-"
+_OWNER_FILE = "owner.json"
 # The launcher script, run by path (not as a module: it must not import megarl).
 _LAUNCHER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "confine.py")
 
@@ -141,7 +144,11 @@ async def run_python(
     unknown = [r for r in require if r not in REQUIREMENTS and r not in LAYERS]
     if unknown:
         raise ValueError(f"unknown sandbox requirements {unknown}; known: {sorted(REQUIREMENTS)}")
-    run = _Run.create(python, limits, read_paths, require, work_root)
+    root = os.path.abspath(work_root or tempfile.gettempdir())
+    if root not in _SWEPT:
+        _SWEPT.add(root)
+        await asyncio.to_thread(sweep_leftovers, root)
+    run = _Run.create(python, limits, read_paths, require, root)
     try:
         return await run.execute(code.encode("utf-8", errors="replace"))
     finally:
@@ -149,6 +156,37 @@ async def run_python(
 
 
 _PROBES: dict[str, SandboxReport] = {}
+_SWEPT: set[str] = set()  # work roots swept of dead trainers' folders by this process
+
+
+def sweep_leftovers(work_root: str) -> list[str]:
+    """Remove the run folders in ``work_root`` that a dead trainer left (a SIGKILL gives no
+    clean-up), once per process and work root, before its first run. Only folders this code
+    made: named ``megarl-sandbox-*``, owned by this user, holding an owner file (written by
+    the trainer, not the program) that names a process which no longer runs (pid and start
+    time: a recycled pid is another process). Anything else is never touched. Returns the
+    removed paths."""
+    removed = []
+    with contextlib.suppress(OSError), os.scandir(work_root) as entries:
+        for entry in entries:
+            if entry.name.startswith(_FOLDER_PREFIX) and _left_by_dead_trainer(entry.path):
+                _remove_tree(entry.path)
+                removed.append(entry.path)
+    return removed
+
+
+def _left_by_dead_trainer(path: str) -> bool:
+    try:
+        folder = os.lstat(path)
+        fd = os.open(os.path.join(path, _OWNER_FILE), os.O_RDONLY | os.O_NOFOLLOW)
+        with os.fdopen(fd, encoding="utf-8") as f:
+            owner_uid = os.fstat(f.fileno()).st_uid
+            owner = json.loads(f.read(4096))
+        pid, start = int(owner["pid"]), int(owner["start"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    ours = folder.st_uid == owner_uid == os.geteuid() and stat.S_ISDIR(folder.st_mode)
+    return ours and process_start(pid) != start
 
 
 async def probe(python: str | None = None) -> SandboxReport:
@@ -253,13 +291,16 @@ class _Run:
         work_root: str | None,
     ) -> _Run:
         """Make ``<tmp>/megarl-sandbox-*/{work,root}``: ``work`` is the program's empty cwd,
-        ``root`` the mount point of its private root. The base is 0711 (traversable, not
+        ``root`` the mount point of its private root; ``owner.json`` names this trainer (pid
+        and start time) for :func:`sweep_leftovers`. The base is 0711 (traversable, not
         listable) so that a fresh uid can reach ``work`` even without a private root."""
-        base = tempfile.mkdtemp(prefix="megarl-sandbox-", dir=work_root)
+        base = tempfile.mkdtemp(prefix=_FOLDER_PREFIX, dir=work_root)
         workdir = os.path.join(base, "work")
         newroot = os.path.join(base, "root")
         uid = _UID_BASE + secrets.randbelow(_UID_SPAN) if os.geteuid() == 0 else None
         try:
+            with open(os.path.join(base, _OWNER_FILE), "x", encoding="utf-8") as f:
+                json.dump({"pid": os.getpid(), "start": process_start(os.getpid())}, f)
             os.chmod(base, 0o711)
             os.mkdir(workdir, 0o700)
             os.mkdir(newroot, 0o700)
