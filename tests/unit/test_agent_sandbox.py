@@ -475,6 +475,8 @@ def test_python_tool_config() -> None:
 # ---------------------------------------------------------------------------------------------
 # Hostile programs: kernel state, memory outside the address space, privilege, liveness
 
+# The probes below end by themselves: a timeout that a loaded machine's start-up cannot reach.
+PATIENT = SandboxLimits(timeout_s=20, cpu_s=2, memory_mb=256, max_processes=8)
 # ctypes glue the probes share: a raw system call that reports its errno.
 SYSCALL = (
     "import ctypes, errno, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
@@ -529,7 +531,7 @@ def test_trainer_session_keyring_is_out_of_reach(work_root: str) -> None:
             "print('clear', sys_call(250, 7, -3))\n"  # KEYCTL_CLEAR the session keyring
             f"print('revoke', sys_call(250, 3, {key}))\n"
         )
-        result = run(code, work_root)
+        result = run(code, work_root, PATIENT)
         assert result.ok, result.stderr
         assert "hunter2" not in result.stdout
         assert "'OK'" not in result.stdout, result.stdout
@@ -556,7 +558,7 @@ def test_keys_a_program_adds_do_not_outlive_it(work_root: str, report: SandboxRe
         "for ring in (-4, -5, -3):\n"  # user, user-session, session keyrings
         "    print(sys_call(248, b'user', b'leftover', b'x' * 100, 100, ring))\n"
     )
-    result = run(code, work_root)
+    result = run(code, work_root, PATIENT)
     assert result.ok, result.stderr
     assert "'OK'" not in result.stdout, result.stdout
     assert result.report.uid not in key_users()
@@ -591,7 +593,7 @@ def test_namespaces_mounts_and_kernel_interfaces_refused(
         "memfd_create": (319, 0, 0),
     }
     code = SYSCALL + f"for name, args in {calls!r}.items():\n    print(name, sys_call(*args)[1])\n"
-    result = run(code, work_root)
+    result = run(code, work_root, PATIENT)
     assert result.ok, result.stderr
     answers = dict(line.rsplit(" ", 1) for line in result.stdout.splitlines())
     assert answers == dict.fromkeys(calls, "EPERM")
@@ -611,7 +613,7 @@ def test_address_families_outside_the_network_namespace_refused(work_root: str) 
         "socket.socket(socket.AF_INET6).close()\na, b = socket.socketpair()\na.sendall(b'ok')\n"
         "print(b.recv(2).decode())\nimport asyncio\nprint(asyncio.run(asyncio.sleep(0, 'loop')))"
     )
-    result = run(code, work_root)
+    result = run(code, work_root, PATIENT)
     assert result.ok, result.stderr
     assert "OPEN" not in result.stdout, result.stdout
     assert result.stdout.endswith("ok\nloop\n")
@@ -633,7 +635,7 @@ def test_unix_socket_in_a_read_path_unreachable(work_root: str) -> None:
                 f"        s.connect({str(path)!r})\n        print('CONNECTED')\n"
                 "    except OSError as e:\n        print('BLOCKED', type(e).__name__)"
             )
-            result = run(code, work_root, read_paths=[str(folder)])
+            result = run(code, work_root, PATIENT, read_paths=[str(folder)])
             server.setblocking(False)
             with pytest.raises(BlockingIOError):
                 server.accept()  # nobody knocked
@@ -722,10 +724,10 @@ def test_seccomp_filter_is_claimed_only_where_it_is_written_for() -> None:
 
 def test_require_syscalls(work_root: str, report: SandboxReport) -> None:
     if report.satisfies("syscalls"):
-        assert run("print(1)", work_root, require=("syscalls", "seccomp")).ok
+        assert run("print(1)", work_root, PATIENT, require=("syscalls", "seccomp")).ok
     else:
         with pytest.raises(SandboxUnavailable, match="seccomp"):
-            run("print(1)", work_root, require=("syscalls",))
+            run("print(1)", work_root, PATIENT, require=("syscalls",))
     assert PythonExecTool({"require": ["syscalls", "ipc-limits"]}).require == (
         "syscalls",
         "ipc-limits",
@@ -766,7 +768,7 @@ def test_folders_of_a_killed_trainer_are_swept_and_nothing_else(work_root: str) 
     (live / "owner.json").write_text(f'{{"pid": {os.getpid()}, "start": {start}}}')
     (Path(work_root) / "megarl-sandbox-file").write_text("keep")
     try:
-        assert run("print(1)", work_root).stdout == "1\n"
+        assert run("print(1)", work_root, PATIENT).stdout == "1\n"
         assert not left.exists()
         assert (foreign / "data.txt").read_text() == "keep" and (live / "owner.json").exists()
         assert (Path(work_root) / "megarl-sandbox-file").exists()
@@ -774,3 +776,26 @@ def test_folders_of_a_killed_trainer_are_swept_and_nothing_else(work_root: str) 
         shutil.rmtree(foreign)
         shutil.rmtree(live)
         (Path(work_root) / "megarl-sandbox-file").unlink()
+
+
+def test_cgroup_bounds_the_program_as_a_whole(work_root: str, report: SandboxReport) -> None:
+    """Four processes of 32 MiB each, each within its ``RLIMIT_AS`` of 64 MiB: twice
+    ``memory_mb`` for the program. A cgroup counts them together and kills the program; where
+    none can be made, the report says why."""
+    if not report.satisfies("cgroup"):
+        assert [m for m in report.missing if m.startswith("cgroup: ")], report.missing
+        pytest.skip(f"no cgroup here: {report.missing}")
+    code = (
+        "import os, time\nfor _ in range(3):\n    if os.fork() == 0:\n        break\n"
+        "held = b'x' * (32 << 20)\ntime.sleep(2)\nprint('held', flush=True)"
+    )
+    result = run(code, work_root, MEMORY_64)
+    assert "held" not in result.stdout and result.killed_by == "SIGKILL", result
+
+
+def test_cgroup_parent_that_cannot_serve_is_reported(work_root: str) -> None:
+    result = run("print(1)", work_root, PATIENT, cgroup_parent=work_root)  # a folder, not a cgroup
+    assert result.ok and "cgroup" not in result.report.applied
+    assert any(f"cgroup_parent {work_root}" in m for m in result.report.missing)
+    with pytest.raises(SandboxUnavailable, match="cgroup"):
+        run("print(1)", work_root, PATIENT, cgroup_parent=work_root, require=("cgroup",))

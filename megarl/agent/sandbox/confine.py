@@ -389,6 +389,7 @@ def _init_main(spec: dict[str, Any], libc: ctypes.CDLL, layers: _Layers, flags: 
     workdir = spec["workdir"]
     seccomp = _load_seccomp()  # now: the private root does not hold this file
     _join_session_keyring(libc, layers)
+    _join_cgroup(spec, layers)
     if flags & _CLONE_NEWIPC:
         _limit_ipc(spec, layers)
     else:
@@ -442,6 +443,22 @@ def _join_session_keyring(libc: ctypes.CDLL, layers: _Layers) -> None:
         layers.lack(f"session-keyring: keyctl refused ({os.strerror(ctypes.get_errno())})")
         return
     layers.add("session-keyring")
+
+
+def _join_cgroup(spec: dict[str, Any], layers: _Layers) -> None:
+    """Move init (and so every process it starts) into the run's cgroup, which the parent made
+    with the run's limits (:mod:`megarl.agent.sandbox.cgroup`)."""
+    folder = spec.get("cgroup")
+    if folder is None:
+        layers.lack(f"cgroup: {spec.get('cgroup_missing') or 'none made'}")
+        return
+    try:
+        with open(os.path.join(folder, "cgroup.procs"), "w") as f:
+            f.write("0")  # the writer itself
+    except OSError as e:
+        layers.lack(f"cgroup: cannot join {folder} ({e.strerror})")
+        return
+    layers.add("cgroup")
 
 
 def _limit_ipc(spec: dict[str, Any], layers: _Layers) -> None:

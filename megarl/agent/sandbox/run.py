@@ -21,6 +21,7 @@ from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from megarl.agent.sandbox import cgroup
 from megarl.agent.sandbox.confine import LAYERS, REQUIREMENTS, SandboxReport
 from megarl.distributed.processes import process_lives, process_start, processes_of_uid
 
@@ -128,6 +129,7 @@ async def run_python(
     read_paths: Iterable[str] = (),
     require: Collection[str] = (),
     work_root: str | None = None,
+    cgroup_parent: str | None = None,
 ) -> SandboxResult:
     """Run ``code`` as a Python program in a fresh sandbox; never raises for what the program
     does (it is all in the result), only :class:`SandboxError` when the sandbox cannot start.
@@ -136,6 +138,8 @@ async def run_python(
     packages, read-only). ``read_paths``: more folders it may read. ``require``: names of
     :data:`REQUIREMENTS` (or layers) that must be applied, else :class:`SandboxUnavailable`.
     ``work_root``: where the temporary folder is made (default: the system's temp dir).
+    ``cgroup_parent``: a delegated cgroup v2 folder for the run's cgroup (default: the
+    trainer's own cgroup where it can serve; see :mod:`megarl.agent.sandbox.cgroup`).
     """
     limits = limits or SandboxLimits()
     python = python or sys.executable
@@ -148,7 +152,7 @@ async def run_python(
     if root not in _SWEPT:
         _SWEPT.add(root)
         await asyncio.to_thread(sweep_leftovers, root)
-    run = _Run.create(python, limits, read_paths, require, root)
+    run = _Run.create(python, limits, read_paths, require, root, cgroup_parent)
     try:
         return await run.execute(code.encode("utf-8", errors="replace"))
     finally:
@@ -278,6 +282,7 @@ class _Run:
     base: str
     uid: int | None
     spec: dict[str, Any]
+    cgroup: str | None = None
     proc: asyncio.subprocess.Process | None = None
     killed_by: str | None = None
 
@@ -289,6 +294,7 @@ class _Run:
         read_paths: Iterable[str],
         require: Collection[str],
         work_root: str | None,
+        cgroup_parent: str | None = None,
     ) -> _Run:
         """Make ``<tmp>/megarl-sandbox-*/{work,root}``: ``work`` is the program's empty cwd,
         ``root`` the mount point of its private root; ``owner.json`` names this trainer (pid
@@ -309,6 +315,9 @@ class _Run:
         except OSError:
             _remove_tree(base)
             raise
+        cgroup_folder, cgroup_missing = cgroup.create(
+            limits.memory_mb, limits.max_processes, cgroup_parent
+        )
         spec = {
             "python": os.path.abspath(python),
             "read_paths": _read_path_list(python, read_paths),
@@ -319,8 +328,10 @@ class _Run:
             "env": _minimal_env(python, workdir),
             "require": list(require),
             "parent_pid": os.getpid(),
+            "cgroup": cgroup_folder,
+            "cgroup_missing": cgroup_missing,
         }
-        return cls(limits=limits, base=base, uid=uid, spec=spec)
+        return cls(limits=limits, base=base, uid=uid, spec=spec, cgroup=cgroup_folder)
 
     async def execute(self, code: bytes) -> SandboxResult:
         start = time.monotonic()
@@ -472,11 +483,13 @@ class _Run:
 
     def cleanup(self) -> None:
         """Blocking (run in a thread, also when the caller was cancelled): make sure no process
-        of the run is left, then remove its folder."""
+        of the run is left, then remove its cgroup and folder."""
         if self.proc is not None and self.proc.returncode is None:
             self.kill(None)
             _wait_gone(self.proc.pid, _KILL_GRACE_S)
         self.kill_hard()
+        if self.cgroup is not None:
+            cgroup.remove(self.cgroup)
         _remove_tree(self.base)
 
 

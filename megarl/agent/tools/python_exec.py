@@ -22,6 +22,7 @@ Tool YAML (verl's shape)::
           python: /usr/bin/python3
           read_paths: []
           require: [network, filesystem, processes, syscalls]
+          cgroup_parent: null   # a delegated cgroup v2 folder (default: the trainer's own)
         tool_schema: ...   # default: PYTHON_EXEC_SCHEMA
 """
 
@@ -67,6 +68,7 @@ PYTHON_EXEC_SCHEMA: dict[str, Any] = {
 
 # Config keys besides the limits; ``type`` is verl's tool-type tag, accepted and unused.
 _OTHER_KEYS = (
+    "cgroup_parent",
     "max_code_bytes",
     "max_concurrency",
     "python",
@@ -108,6 +110,7 @@ class PythonExecTool(Tool):
         self.python: str | None = self.config.get("python")
         self.read_paths = _names(self.config.get("read_paths", ()))
         self.require = _names(self.config.get("require", ()))
+        self.cgroup_parent: str | None = self.config.get("cgroup_parent")
         bad = [r for r in self.require if r not in REQUIREMENTS and r not in LAYERS]
         if bad:
             known = [*REQUIREMENTS, *LAYERS]
@@ -136,6 +139,7 @@ class PythonExecTool(Tool):
                 python=self.python,
                 read_paths=self.read_paths,
                 require=self.require,
+                cgroup_parent=self.cgroup_parent,
             )
         return format_observation(result, self.limits)
 
