@@ -491,8 +491,10 @@ def _install_seccomp(libc: ctypes.CDLL, seccomp: ModuleType, layers: _Layers) ->
     if why_not is not None:
         layers.lack(f"seccomp: {why_not}")
         return
+    # Without limits of its own, the IPC namespace's SysV memory is bounded by nothing small.
+    also_refused = seccomp.SYSV_IPC if "ipc-limits" not in layers.applied else {}
     try:
-        seccomp.install(libc, seccomp.program())
+        seccomp.install(libc, seccomp.program(also_refused))
     except OSError as e:
         layers.lack(f"seccomp: the kernel refused the filter ({e.strerror})")
         return

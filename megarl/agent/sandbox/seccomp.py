@@ -97,6 +97,10 @@ REFUSED: Mapping[str, int] = {
     "memfd_create": 319,
     "memfd_secret": 447,
 }
+# Refused where the run's IPC namespace has no limits of its own (``ipc-limits`` missing: an
+# unprivileged run), else their segments and queues hold memory up to the kernel's defaults.
+# CPython's stdlib never calls them (``multiprocessing.shared_memory`` is POSIX shm: files).
+SYSV_IPC: Mapping[str, int] = {"shmget": 29, "msgget": 68}
 _CLONE = 56
 _UNSHARE = 272
 _CLONE3 = 435
@@ -148,12 +152,13 @@ def supported(machine: str | None = None) -> str | None:
     return None
 
 
-def program() -> bytes:
-    """The filter as ``struct sock_filter[]`` bytes."""
-    return assemble(_instructions())
+def program(also_refused: Mapping[str, int] | None = None) -> bytes:
+    """The filter as ``struct sock_filter[]`` bytes; ``also_refused``: more calls (name ->
+    x86-64 number) answered ``EPERM``, e.g. :data:`SYSV_IPC`."""
+    return assemble(_instructions({**REFUSED, **(also_refused or {})}))
 
 
-def _instructions() -> list[Instruction]:
+def _instructions(refused: Mapping[str, int]) -> list[Instruction]:
     """The filter in order; jump targets are labels (``str``) resolved by :func:`assemble`."""
     code: list[Instruction] = [
         (_LD_W_ABS, 0, 0, _ARCH),
@@ -161,7 +166,7 @@ def _instructions() -> list[Instruction]:
         (_LD_W_ABS, 0, 0, _NR),
         (_JGE_K, "enosys", 0, _X32_SYSCALL_BIT),
     ]
-    code += [(_JEQ_K, "eperm", 0, nr) for nr in REFUSED.values()]
+    code += [(_JEQ_K, "eperm", 0, nr) for nr in refused.values()]
     code += [
         (_JEQ_K, "enosys", 0, _CLONE3),
         (_JEQ_K, "namespaces", 0, _UNSHARE),
