@@ -800,3 +800,22 @@ def test_cgroup_parent_that_cannot_serve_is_reported(work_root: str) -> None:
     assert any(f"cgroup_parent {work_root}" in m for m in result.report.missing)
     with pytest.raises(SandboxUnavailable, match="cgroup"):
         run("print(1)", work_root, PATIENT, cgroup_parent=work_root, require=("cgroup",))
+
+
+def test_what_programs_use_still_works_under_the_filter(work_root: str) -> None:
+    """The filter is a deny list of what Python programs never call: threads, subprocesses
+    (glibc tries clone3 first), a fork-based multiprocessing pool (pipes, POSIX semaphores in
+    /dev/shm), asyncio (a socket pair) and temporary files all still work."""
+    code = (
+        "import asyncio, multiprocessing, subprocess, tempfile, threading\n"
+        "out = []\nt = threading.Thread(target=out.append, args=('thread',))\nt.start()\nt.join()\n"
+        "out.append(subprocess.run(['echo', 'child'], capture_output=True, text=True).stdout.strip())\n"
+        "with multiprocessing.get_context('fork').Pool(2) as pool:\n"
+        "    out.append(sum(pool.map(abs, [-1, -2, 3])))\n"
+        "out.append(asyncio.run(asyncio.sleep(0, 'loop')))\n"
+        "with tempfile.TemporaryFile() as f:\n    f.write(b'tmp')\n    f.seek(0)\n"
+        "    out.append(f.read().decode())\nprint(out)"
+    )
+    result = run(code, work_root, PATIENT)
+    assert result.ok, result.stderr
+    assert result.stdout == "['thread', 'child', 6, 'loop', 'tmp']\n"
