@@ -819,3 +819,16 @@ def test_what_programs_use_still_works_under_the_filter(work_root: str) -> None:
     result = run(code, work_root, PATIENT)
     assert result.ok, result.stderr
     assert result.stdout == "['thread', 'child', 6, 'loop', 'tmp']\n"
+
+
+def test_cgroup_parent_is_used_only_where_it_gives_children_memory_and_pids(
+    tmp_path: Path,
+) -> None:
+    from megarl.agent.sandbox import cgroup
+
+    (tmp_path / "cgroup.controllers").write_text("cpu memory pids\n")
+    (tmp_path / "cgroup.subtree_control").write_text("cpu memory\n")
+    folder, why_not = cgroup.delegated_parent(str(tmp_path))
+    assert folder is None and "memory and pids" in why_not and "['cpu', 'memory']" in why_not
+    (tmp_path / "cgroup.subtree_control").write_text("cpu memory pids\n")
+    assert cgroup.delegated_parent(str(tmp_path)) == (str(tmp_path), "")
