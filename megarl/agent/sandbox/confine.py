@@ -412,9 +412,8 @@ def _init_main(spec: dict[str, Any], libc: ctypes.CDLL, layers: _Layers, flags: 
     libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)  # the program, even with init's uid, cannot ptrace it
     libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)  # a uid change cleared it
     limits = _rlimits(spec, layers)
-    _install_seccomp(
-        libc, seccomp, layers
-    )  # last: init's own set-up above needed mount, unshare...
+    # Last: init's own set-up above needed mount, unshare, keyctl... that the filter refuses.
+    _install_seccomp(libc, seccomp, layers)
     report = SandboxReport.from_json(layers.as_json())
     _send(control, {"report": layers.as_json()})
     missing = [r for r in spec["require"] if not report.satisfies(r)]

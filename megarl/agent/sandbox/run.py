@@ -37,8 +37,9 @@ class SandboxLimits:
     ``memory_mb`` and ``cpu_s`` bind each process; ``max_processes`` (processes and threads,
     the program included) bounds how many there are, so the worst case is about
     ``max_processes * memory_mb`` of memory; with a ``cgroup`` layer ``memory_mb`` bounds all
-    of them together. ``memory_mb`` also bounds the run's SysV shared memory in all. ``max_file_mb`` bounds each file and, with a
-    private root, all of the work folder together (an in-memory tmpfs of that size).
+    of them together. ``memory_mb`` also bounds the run's SysV shared memory in all.
+    ``max_file_mb`` bounds each file and, with a private root, all of the work folder together
+    (an in-memory tmpfs of that size).
     ``max_output_bytes`` caps each of stdout and stderr: a program that prints more is stopped,
     its output cut there and marked truncated.
     """
