@@ -29,6 +29,7 @@ import torch
 from megarl.algo.advantages import get_advantage_estimator
 from megarl.algo.dapo import FilterDecision, groups_with_signal, overlong_penalty
 from megarl.algo.divergence import DivergenceError, nonfinite_sampling_message
+from megarl.algo.length_penalty import LengthWeights, count_turns, linear_length_penalty
 from megarl.algo.router_replay import input_routing
 from megarl.batch import RolloutBatch
 from megarl.data.loader import PromptStream
@@ -134,6 +135,9 @@ class RolloutSettings:
     overlong_buffer_len: int | None = None
     """DAPO's overlong shaping: the buffer in tokens, None = off."""
     overlong_penalty_factor: float = 1.0
+    length_penalty: LengthWeights | None = None
+    """``algo.length_penalty``: prime-rl's linear penalty on output tokens, context and turns;
+    None = off."""
     filter_groups: bool = False
     """DAPO's dynamic sampling: keep only groups whose scores differ, generate more to refill."""
     max_num_gen_batches: int = 10
@@ -206,6 +210,8 @@ class ScoredGroups:
     rewards: torch.Tensor
     overlong: torch.Tensor
     """The overlong penalty included in ``rewards`` (0 where shaping is off)."""
+    length_penalty: torch.Tensor
+    """The length penalty subtracted from ``rewards`` (0 where it is off)."""
     versions: list[list[int]]
     """Per sequence, the policy version that sampled each response token."""
     failures: int = 0
@@ -229,6 +235,7 @@ class ScoredGroups:
             texts=[self.texts[i] for i in seqs],
             rewards=self.rewards[seqs],
             overlong=self.overlong[seqs],
+            length_penalty=self.length_penalty[seqs],
             versions=[self.versions[i] for i in seqs],
             failures=self.failures,
             agent_metrics=self.agent_metrics,
@@ -247,6 +254,7 @@ class ScoredGroups:
             texts=[t for part in parts for t in part.texts][: num_groups * n],
             rewards=torch.cat([part.rewards for part in parts])[: num_groups * n],
             overlong=torch.cat([part.overlong for part in parts])[: num_groups * n],
+            length_penalty=torch.cat([p.length_penalty for p in parts])[: num_groups * n],
             versions=[v for part in parts for v in part.versions][: num_groups * n],
             failures=sum(part.failures for part in parts),
             agent_metrics=join_agent_metrics([p.agent_metrics for p in parts if p.agent_metrics]),
@@ -440,16 +448,36 @@ class RolloutProducer:
                 self.settings.overlong_buffer_len,
                 self.settings.overlong_penalty_factor,
             )
+        length = self._length_penalty(gens, rewards)
         return ScoredGroups(
             list(problems),
             list(gens),
             texts,
-            rewards + overlong,
+            rewards + overlong - length,
             overlong,
+            length,
             [list(v) for v in versions],
             failures,
             branches=[list(b) for b in branches] if branches and any(branches) else [],
         )
+
+    def _length_penalty(self, gens: Sequence[Generation], rewards: torch.Tensor) -> torch.Tensor:
+        """``algo.length_penalty`` of each generation (whole groups, in order), from its task
+        reward: generated tokens, the rest of its context, its generated turns; zeros when off."""
+        weights = self.settings.length_penalty
+        if weights is None:
+            return torch.zeros_like(rewards)
+        output = [sum(g.response_mask) if g.response_mask else len(g.response_ids) for g in gens]
+        total = [len(g.prompt_ids) + len(g.response_ids) for g in gens]
+        group_ids = torch.arange(len(gens)) // self.settings.group_size
+        return linear_length_penalty(
+            rewards,
+            group_ids,
+            torch.tensor(output),
+            torch.tensor([t - o for t, o in zip(total, output, strict=True)]),
+            torch.tensor([count_turns(g.response_mask) for g in gens]),
+            weights,
+        ).to(rewards.dtype)
 
     def assemble(self, step: int, scored: ScoredGroups) -> tuple[RolloutBatch, dict[str, float]]:
         """A step's batch from its scored groups (in prompt order): advantages over the step,
@@ -495,6 +523,11 @@ class RolloutProducer:
         if settings.overlong_buffer_len is not None:
             metrics["critic/rewards/overlong_penalty"] = float(scored.overlong.mean())
             metrics["critic/rewards/overlong_frac"] = float((scored.overlong < 0).float().mean())
+        if settings.length_penalty is not None:
+            metrics["critic/rewards/length_penalty"] = float(-scored.length_penalty.mean())
+            metrics["critic/rewards/length_penalty_frac"] = float(
+                (scored.length_penalty > 0).float().mean()
+            )
         return batch, metrics
 
     def _turns(self, gen: Generation) -> list[tuple[str, bool]]:
