@@ -26,7 +26,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megarl.algo.advantages import get_advantage_estimator
+from megarl.algo.advantages import (
+    MULTI_REWARD_ESTIMATORS,
+    gdpo_advantages,
+    get_advantage_estimator,
+)
 from megarl.algo.dapo import FilterDecision, groups_with_signal, overlong_penalty
 from megarl.algo.divergence import DivergenceError, nonfinite_sampling_message
 from megarl.algo.length_penalty import LengthWeights, count_turns, linear_length_penalty
@@ -34,7 +38,7 @@ from megarl.algo.router_replay import input_routing
 from megarl.batch import RolloutBatch
 from megarl.data.loader import PromptStream
 from megarl.data.problems import Problem
-from megarl.data.rewards import RewardChoice, score_samples
+from megarl.data.rewards import RewardChoice, ScoredSamples, WeightedReward, score_samples
 from megarl.engines.base import (
     Generation,
     NonFiniteLogitsError,
@@ -43,7 +47,7 @@ from megarl.engines.base import (
     SamplingParams,
     request_seed,
 )
-from megarl.errors import MegarlError
+from megarl.errors import BadInputError, MegarlError
 from megarl.planner.pruning import CRITIC_ESTIMATORS
 from megarl.trainer.agent_rollout import (
     AgentRollout,
@@ -147,6 +151,10 @@ class RolloutSettings:
     position (:attr:`RolloutBatch.engine_input_routing`), not only of the response tokens."""
 
 
+class RewardMixError(BadInputError):
+    """An agent loop's own reward met an estimator that reads several reward functions apart."""
+
+
 class FilterGroupsExhausted(MegarlError):
     """Dynamic sampling found too few groups with differing scores within its limit."""
 
@@ -221,6 +229,9 @@ class ScoredGroups:
     branches: list[list[ExtraBranch]] = field(default_factory=list)
     """Per sequence, its further branches (empty: none anywhere); the group statistics and
     advantages are the samples', each branch takes its sample's."""
+    components: torch.Tensor | None = None
+    """``[B, K]``: each of several ``data.reward`` functions' score (``rewards`` holds their
+    weighted sum, shaped); None with one function."""
 
     def branches_of(self, seq: int) -> list[ExtraBranch]:
         return self.branches[seq] if self.branches else []
@@ -240,6 +251,7 @@ class ScoredGroups:
             failures=self.failures,
             agent_metrics=self.agent_metrics,
             branches=[self.branches[i] for i in seqs] if self.branches else [],
+            components=None if self.components is None else self.components[seqs],
         )
 
     @staticmethod
@@ -259,6 +271,13 @@ class ScoredGroups:
             failures=sum(part.failures for part in parts),
             agent_metrics=join_agent_metrics([p.agent_metrics for p in parts if p.agent_metrics]),
             branches=branches[: num_groups * n] if branched else [],
+            components=(
+                None
+                if parts[0].components is None
+                else torch.cat([p.components for p in parts if p.components is not None])[
+                    : num_groups * n
+                ]
+            ),
         )
 
 
@@ -275,8 +294,11 @@ class RolloutProducer:
         run_seed: int,
         progress: PhaseHook = no_progress,
         agents: AgentRollout | None = None,
+        components: Sequence[WeightedReward] | None = None,
     ):
         self.engine, self.tokenizer, self.stream = engine, tokenizer, stream
+        self.components = tuple(components) if components else None
+        """``data.reward``'s several functions; None: ``reward`` alone scores."""
         self.agents = agents
         """The run's agent loops; None: every rollout is one engine generation."""
         self.reward, self.settings, self.run_seed = reward, settings, run_seed
@@ -433,8 +455,9 @@ class RolloutProducer:
             ]
         answers = [p.answer for p in problems for _ in range(n)]
         sources = [p.data_source for p in problems for _ in range(n)]
-        scores, failures = self._score(texts, answers, sources, step, first_group * n)
+        scores, failures, components = self._score(texts, answers, sources, step, first_group * n)
         if own_rewards is not None:
+            self._check_own_rewards(own_rewards, components is not None, step)
             scores = tuple(
                 float(own) if own is not None else score
                 for own, score in zip(own_rewards, scores, strict=True)
@@ -459,7 +482,24 @@ class RolloutProducer:
             [list(v) for v in versions],
             failures,
             branches=[list(b) for b in branches] if branches and any(branches) else [],
+            components=components,
         )
+
+    def _check_own_rewards(
+        self, own_rewards: Sequence[float | None], several: bool, step: int
+    ) -> None:
+        """An agent loop's own ``trajectory.reward`` replaces the weighted sum of several reward
+        functions; GDPO, which reads each function's score, cannot take it."""
+        if not several or self.settings.adv_estimator not in MULTI_REWARD_ESTIMATORS:
+            return
+        own = [i for i, r in enumerate(own_rewards) if r is not None]
+        if own:
+            raise RewardMixError(
+                f"step {step}: the agent loop set trajectory.reward for sample {own[0]}, but "
+                f"algo.adv_estimator={self.settings.adv_estimator} reads each of the several "
+                "data.reward functions' scores; let the dataset's functions score, or use one "
+                "data.reward or another estimator"
+            )
 
     def _length_penalty(self, gens: Sequence[Generation], rewards: torch.Tensor) -> torch.Tensor:
         """``algo.length_penalty`` of each generation (whole groups, in order), from its task
@@ -484,7 +524,7 @@ class RolloutProducer:
         the rollout metrics, and the step's texts kept for its record."""
         settings, n = self.settings, self.settings.group_size
         group_ids = torch.arange(len(scored.problems)).repeat_interleave(n)
-        advantages = self.advantage_fn(scored.rewards, group_ids)
+        advantages = self._advantages(scored, group_ids)
         gens, versions, owner = _with_branches(scored)
         masked = any(g.response_mask is not None for g in gens)
         batch = RolloutBatch(
@@ -523,12 +563,34 @@ class RolloutProducer:
         if settings.overlong_buffer_len is not None:
             metrics["critic/rewards/overlong_penalty"] = float(scored.overlong.mean())
             metrics["critic/rewards/overlong_frac"] = float((scored.overlong < 0).float().mean())
+        if self.components is not None and scored.components is not None:
+            for k, component in enumerate(self.components):
+                metrics[f"reward/{component.name}/mean"] = float(scored.components[:, k].mean())
         if settings.length_penalty is not None:
             metrics["critic/rewards/length_penalty"] = float(-scored.length_penalty.mean())
             metrics["critic/rewards/length_penalty_frac"] = float(
                 (scored.length_penalty > 0).float().mean()
             )
         return batch, metrics
+
+    def _advantages(self, scored: ScoredGroups, group_ids: torch.Tensor) -> torch.Tensor:
+        """The estimator's advantages of the samples: of their (shaped) rewards, or, for GDPO
+        with several reward functions, of each function's scores, the shaping (overlong and
+        length penalties) as one more reward of weight 1 when there is any."""
+        components = self.components
+        if (
+            self.settings.adv_estimator not in MULTI_REWARD_ESTIMATORS
+            or components is None
+            or scored.components is None
+        ):
+            return self.advantage_fn(scored.rewards, group_ids)
+        columns_BK = scored.components
+        weights = [c.weight for c in components]
+        shaping_B = scored.overlong - scored.length_penalty
+        if bool((shaping_B != 0).any()):
+            columns_BK = torch.cat([columns_BK, shaping_B[:, None]], dim=1)
+            weights.append(1.0)
+        return gdpo_advantages(columns_BK, group_ids, torch.tensor(weights, dtype=torch.float64))
 
     def _turns(self, gen: Generation) -> list[tuple[str, bool]]:
         """The response as (text, trained) pieces: what the generations dump shows."""
@@ -556,11 +618,37 @@ class RolloutProducer:
         data_sources: list[str],
         step: int,
         first_index: int = 0,
-    ) -> tuple[tuple[float, ...], int]:
-        """:meth:`score`, and how many samples failed (``first_index``: the step's number of
-        the first sample, for messages)."""
+    ) -> tuple[tuple[float, ...], int, torch.Tensor | None]:
+        """:meth:`score`, how many calls failed (``first_index``: the step's number of the first
+        sample, for messages), and with several reward functions each one's scores ``[B, K]``
+        (the rewards are then their weighted sum)."""
+        if self.components is None:
+            scored = self._score_with(self.reward, texts, answers, data_sources, step, first_index)
+            return scored.rewards, scored.failures, None
+        columns, failures = [], 0
+        for component in self.components:
+            scored = self._score_with(
+                component.choice, texts, answers, data_sources, step, first_index
+            )
+            columns.append(scored.rewards)
+            failures += scored.failures
+        scores_BK = torch.tensor(columns, dtype=torch.float64).T.reshape(len(texts), -1)
+        weights_K = torch.tensor([c.weight for c in self.components], dtype=torch.float64)
+        return tuple((scores_BK @ weights_K).tolist()), failures, scores_BK.float()
+
+    def _score_with(
+        self,
+        choice: RewardChoice,
+        texts: list[str],
+        answers: list[str],
+        data_sources: list[str],
+        step: int,
+        first_index: int,
+    ) -> ScoredSamples:
+        """Every sample scored by ``choice``; the first failure under ``data.reward_error=zero``
+        is warned about once a run."""
         scored = score_samples(
-            self.reward,
+            choice,
             texts,
             answers,
             data_sources,
@@ -577,7 +665,7 @@ class RolloutProducer:
                 file=sys.stderr,
                 flush=True,
             )
-        return scored.rewards, scored.failures
+        return scored
 
 
 def _with_branches(

@@ -147,6 +147,7 @@ class RolloutHost:
                 cfg.data.system_prompt,
                 agent_run_facts(cfg, self.spec.max_position_embeddings),
             ),
+            components=cfg.data.weighted_rewards,
         )
 
     def wait_for_engine(self) -> None:
