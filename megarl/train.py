@@ -320,6 +320,7 @@ def validate_against_model(cfg, model_dir: str, device: str = "cpu") -> None:
             cfg.planner.allow_approx,
             cfg.algo.adv_estimator,
             cfg.actor.moe_aux_loss_coef,
+            cfg.actor.echo_coef,
         )
         if cfg.algo.is_sft:
             check_sft_data(cfg, model_dir, spec.max_position_embeddings)
