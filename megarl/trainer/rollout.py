@@ -333,7 +333,7 @@ class RolloutProducer:
             gen_batches += 1
             if settings.filter_groups:
                 group_ids = torch.arange(len(part.problems)).repeat_interleave(n)
-                keep = groups_with_signal(part.rewards, group_ids)
+                keep = self._groups_with_signal(part, group_ids)
                 dropped += int((~keep).sum())
                 part = part.groups(keep, n)
             parts.append(part)
@@ -573,16 +573,33 @@ class RolloutProducer:
             )
         return batch, metrics
 
+    def _groups_with_signal(self, scored: ScoredGroups, group_ids: torch.Tensor) -> torch.Tensor:
+        """DAPO's filter: the groups whose rewards differ; for GDPO with several reward
+        functions, the groups where its advantage is not 0 everywhere (GDPO weighs each
+        function's normalised scores, so equal weighted sums can still differ, and differing
+        scores can cancel): exactly the groups that are not all zero-advantage."""
+        if not self._reads_components(scored):
+            return groups_with_signal(scored.rewards, group_ids)
+        nonzero_B = self._advantages(scored, group_ids) != 0
+        num_groups = int(group_ids.max()) + 1 if group_ids.numel() else 0
+        return torch.zeros(num_groups, dtype=torch.bool).index_put_(
+            (group_ids,), nonzero_B, accumulate=True
+        )
+
+    def _reads_components(self, scored: ScoredGroups) -> bool:
+        """The estimator reads each of several reward functions' scores apart (GDPO)."""
+        return (
+            self.settings.adv_estimator in MULTI_REWARD_ESTIMATORS
+            and self.components is not None
+            and scored.components is not None
+        )
+
     def _advantages(self, scored: ScoredGroups, group_ids: torch.Tensor) -> torch.Tensor:
         """The estimator's advantages of the samples: of their (shaped) rewards, or, for GDPO
         with several reward functions, of each function's scores, the shaping (overlong and
         length penalties) as one more reward of weight 1 when there is any."""
         components = self.components
-        if (
-            self.settings.adv_estimator not in MULTI_REWARD_ESTIMATORS
-            or components is None
-            or scored.components is None
-        ):
+        if not self._reads_components(scored) or components is None or scored.components is None:
             return self.advantage_fn(scored.rewards, group_ids)
         columns_BK = scored.components
         weights = [c.weight for c in components]

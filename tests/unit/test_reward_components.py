@@ -188,3 +188,60 @@ def test_the_command_line_takes_the_list_form() -> None:
         ("a", "gsm8k", 1.0),
         ("exact_match", "exact_match", 0.5),
     ]
+
+
+def test_dynamic_sampling_keeps_exactly_the_groups_gdpo_has_a_signal_for() -> None:
+    """Weights 1 and 0.5: prompt 0 scores (1, 0) and (0, 2), equal weighted sums, which DAPO's
+    filter on the sum would drop, but GDPO's advantages differ (+-0.35), so it is kept; prompt
+    1 scores (0, 0) twice and is dropped; the second generation batch's first prompt fills the
+    step."""
+    short = WeightedReward("short", _fn_reward("m:s", lambda r, a: 2.0 * (len(r) <= 2)), 0.5)
+    texts = ["yes...", "ok", "no...", "no...", "yes", "nope...", "yes", "nope..."]
+    problems = [Problem(prompt=f"p{k}", answer="yes", source=f"p{k}") for k in range(4)]
+    producer = RolloutProducer(
+        _Engine(texts),  # type: ignore[arg-type]  (only generate_requests() is used)
+        _Tokenizer(),
+        PromptStream(problems, 2, seed=0, shuffle=False),
+        CORRECT.choice,
+        RolloutSettings(
+            group_size=2,
+            max_new_tokens=16,
+            temperature=1.0,
+            top_p=1.0,
+            adv_estimator="gdpo",
+            filter_groups=True,
+        ),
+        run_seed=1,
+        components=(CORRECT, short),
+    )
+    batch, metrics, _ = producer.produce(step=1)
+    assert metrics["train/filtered_groups"] == 1.0  # only prompt 1
+    assert batch.rewards[:2].tolist() == [1.0, 1.0]  # equal sums, kept for GDPO
+    assert batch.advantages[0] > 0 > batch.advantages[1]
+    assert (batch.advantages != 0).all()
+
+
+def test_gdpo_filter_drops_a_group_whose_scores_differ_but_cancel() -> None:
+    """Equal weights: (1, 0) and (0, 1) normalise to +-a and -+a, which cancel: GDPO has no
+    signal there, and the filter drops it though each function's scores differ."""
+    short = WeightedReward("short", _fn_reward("m:s", lambda r, a: float(len(r) <= 2)), 1.0)
+    problems = [Problem(prompt=f"p{k}", answer="yes", source=f"p{k}") for k in range(2)]
+    producer = RolloutProducer(
+        _Engine(["yes...", "ok", "yes", "nope..."]),  # type: ignore[arg-type]
+        _Tokenizer(),
+        PromptStream(problems, 1, seed=0, shuffle=False),
+        CORRECT.choice,
+        RolloutSettings(
+            group_size=2,
+            max_new_tokens=16,
+            temperature=1.0,
+            top_p=1.0,
+            adv_estimator="gdpo",
+            filter_groups=True,
+        ),
+        run_seed=1,
+        components=(CORRECT, short),
+    )
+    batch, metrics, _ = producer.produce(step=1)
+    assert metrics["train/filtered_groups"] == 1.0 and batch.num_seqs == 2
+    assert batch.rewards.tolist() == [1.0, 0.0]  # prompt 1: "yes" and "nope..."
