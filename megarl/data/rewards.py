@@ -368,8 +368,19 @@ class WeightedReward:
 
 
 def choose_rewards(components: Sequence[RewardComponent], task: str) -> tuple[WeightedReward, ...]:
-    """Each component's :class:`RewardChoice` (:func:`choose_reward`), with its name and weight."""
-    return tuple(WeightedReward(c.name, choose_reward(c.fn, task), c.weight) for c in components)
+    """Each component's :class:`RewardChoice` (:func:`choose_reward`), with its name and weight.
+
+    Raises:
+        ValueError: a function that cannot be used, named by its entry (``data.reward[1].fn``).
+    """
+    chosen = []
+    for index, c in enumerate(components):
+        try:
+            chosen.append(WeightedReward(c.name, choose_reward(c.fn, task), c.weight))
+        except ValueError as exc:
+            message = str(exc).replace("data.reward=", f"data.reward[{index}].fn=", 1)
+            raise ValueError(message) from None
+    return tuple(chosen)
 
 
 def get_reward_fn(name: str) -> RewardFn:

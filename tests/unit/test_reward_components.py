@@ -67,7 +67,7 @@ def test_a_reward_function_that_cannot_be_imported_stops_the_start_in_one_line()
     from megarl.data.rewards import choose_rewards, parse_reward_components
 
     components = parse_reward_components([{"fn": "gsm8k"}, {"fn": "no_such_module:f"}])
-    with pytest.raises(ValueError, match=r"data.reward='no_such_module:f': cannot import it"):
+    with pytest.raises(ValueError, match=r"data.reward\[1\].fn='no_such_module:f': cannot import"):
         choose_rewards(components, "files")
 
 
