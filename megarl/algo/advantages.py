@@ -245,9 +245,12 @@ def maxrl_advantages(rewards_B: Tensor, group_ids_B: Tensor, eps: float = 1e-6) 
 
         A_i = (r_i - mean_j r_j) / (mean_j r_j + eps)
 
-    Dividing by the group mean (the empirical pass rate ``p`` for 0/1 rewards) instead of
-    GRPO's std makes the gradient an unbiased estimate of the order-``n`` truncation of the
-    maximum-likelihood objective ``log p``: a prompt solved once in ``n`` weighs ~``1/p``, so
+    The paper expands the maximum-likelihood objective in failure events,
+    ``log p = -sum_k (1 - p)^k / k`` (``(1 - p)^k`` = fail@k), so that
+    ``grad log p = sum_k grad pass@k / k``, of which REINFORCE keeps only ``k = 1``. Dividing
+    by the group mean (the empirical pass rate ``p`` for 0/1 rewards) instead of GRPO's std
+    makes the gradient an unbiased estimate of that series truncated at order ``n`` (the group
+    size): a prompt solved once in ``n`` weighs ~``1/p``, so
     hard prompts are not drowned by easy ones; the group size ``n`` interpolates from
     REINFORCE (1) to maximum likelihood (infinite). ``eps`` is SkyRL's (prime-rl has none).
 
