@@ -1,8 +1,8 @@
 """ECHO through the Megatron actor (``actor.echo_coef``): real ranks on CPU/gloo, tiny random
 Llama, fp32. With the coefficient at 0 an update is bitwise the update without the key; with it
 on, ``actor/echo_loss`` is the observation tokens' negative log-likelihood (transcribed from
-the actor's own logprobs) over the step's normaliser, a different micro-batch split gives the
-same weights, and a zero-advantage agent trajectory (which the policy loss leaves alone) still
+the actor's own logprobs) over the step's normaliser, a different micro-batch split and packed
+micro-batches give the same weights, and a zero-advantage agent trajectory (which the policy loss leaves alone) still
 moves the weights through its observation tokens."""
 
 from __future__ import annotations
@@ -40,12 +40,19 @@ def _batch(rows=None):
     return dataclasses.replace(batch, response_masks=masks)
 
 
-def _actor(spec, state):
+def _actor(spec, state, packed: bool = False):
     from megarl.actor.megatron_actor import MegatronActor
     from megarl.config.actor import ActorConfig
+    from megarl.distributed.execution import Environment, ExecutionRequest, decide_execution
 
-    cfg = ActorConfig(tp=1, lr=1e-4, logprob_chunk_tokens=16)
-    return MegatronActor(spec, cfg, "cpu", torch.float32, state, pad_id=0, init_seed=0)
+    plan = decide_execution(
+        ExecutionRequest(device="cpu", pack_sequences=packed),
+        Environment(cuda_available=False, transformer_engine=False),
+    )
+    cfg = ActorConfig(tp=1, lr=1e-4, logprob_chunk_tokens=16, pack_sequences=packed)
+    return MegatronActor(
+        spec, cfg, "cpu", torch.float32, state, pad_id=0, init_seed=0, execution=plan
+    )
 
 
 def _params(actor) -> list[torch.Tensor]:
@@ -106,6 +113,10 @@ def _worker(ctx, hf_config: dict, state):
     out["expected_echo_tokens"] = float(sum(m == 0 for mask in MASKS.values() for m in mask))
     out["split_diff"] = _max_diff(_params(c), _params(d))
     out["split_grad_norms"] = (on_c.grad_norm, on_d.grad_norm)
+    g = _actor(spec, state, packed=True)  # one packed row per micro-batch: the same update
+    on_g = g.train_step(batch, split_a, 0, None, None, echo)
+    out["packed_diff"] = _max_diff(_params(c), _params(g))
+    out["packed_echo_loss"] = on_g.stats.echo_loss
     out["pg_equal"] = abs(on_c.stats.pg_loss - zero.stats.pg_loss) <= 1e-7
     out["echo_moved_vs_coef0"] = _max_diff(_params(c), _params(a))
 
@@ -136,6 +147,8 @@ def test_echo_in_the_actor_is_exact_and_off_at_zero():
     assert r["pg_equal"], r  # the policy loss itself is untouched
     assert r["split_diff"] <= 1e-6, r
     assert r["split_grad_norms"][0] == pytest.approx(r["split_grad_norms"][1], rel=1e-6), r
+    assert r["packed_diff"] <= 1e-6, r
+    assert r["packed_echo_loss"] == pytest.approx(r["echo_loss"], rel=1e-6), r
     assert r["echo_moved_vs_coef0"] > 1e-5, r
     assert r["zero_adv_plain_moved"] == 0.0, r
     assert r["zero_adv_echo_moved"] > 1e-5, r
