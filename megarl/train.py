@@ -270,6 +270,7 @@ def validate_against_model(cfg, model_dir: str, device: str = "cpu") -> None:
     from megarl.algo.router_replay import dense_model_problem
     from megarl.config.planning import prune_mode, run_facts
     from megarl.data.errors import DatasetError
+    from megarl.data.rewards import choose_rewards
     from megarl.models.hf_io import load_hf_config
     from megarl.models.spec import ModelSpecError, spec_from_hf_config, vpp_training_problem
     from megarl.planner.gates import GateConfigError, validate_gate_config
@@ -319,10 +320,13 @@ def validate_against_model(cfg, model_dir: str, device: str = "cpu") -> None:
             cfg.planner.allow_approx,
             cfg.algo.adv_estimator,
             cfg.actor.moe_aux_loss_coef,
+            cfg.actor.echo_coef,
         )
         if cfg.algo.is_sft:
             check_sft_data(cfg, model_dir, spec.max_position_embeddings)
             return
+        if cfg.data.reward_components is not None:  # each function imports, or the start stops
+            choose_rewards(cfg.data.reward_components, cfg.data.task)
         source, dropped = training_source(cfg, model_dir, spec.max_position_embeddings)
         if dropped and isinstance(source, list):
             if not source:

@@ -21,13 +21,14 @@ import torch.distributed as dist
 from megarl.actor.router_stats import find_routers
 from megarl.actor.routing_recorder import RoutingRecorder
 from megarl.actor.train_stats import OptimizerStepStats, sum_micro_batches
-from megarl.algo.losses import aggregate, kl_penalty, policy_loss
+from megarl.algo.losses import aggregate, echo_loss, kl_penalty, policy_loss
 from megarl.algo.rollout_correction import CorrectionSettings, compute_correction
 from megarl.batch import (
     MicroBatchTensors,
     Rollouts,
     build_micro_batch,
     per_token_to_response,
+    response_mask,
     response_values_to_BL,
 )
 from megarl.config.actor import ActorConfig
@@ -72,6 +73,8 @@ class LossSettings:
     only matters to a loss computed without one."""
     rollout_correction: CorrectionSettings = field(default_factory=CorrectionSettings)
     """``algo.rollout_correction``: IS weights and rejection from old vs engine logprobs."""
+    echo_coef: float = 0.0
+    """``actor.echo_coef``: ECHO's cross-entropy on observation tokens; 0 = none."""
 
 
 class MegatronActor:
@@ -487,6 +490,15 @@ class MegatronActor:
         entropy_value = aggregate(entropy_BL, mask_BL, loss.agg, denom=denom)
         if loss.entropy_coef > 0:
             total = total - loss.entropy_coef * entropy_value
+        echo_stats = {}
+        if loss.echo_coef > 0:
+            observation_BL = self._observation_mask_BL(mb, batch)
+            echo_value = echo_loss(logp_BL, observation_BL, loss.agg, denom=denom)
+            total = total + loss.echo_coef * echo_value
+            echo_stats = {
+                "echo_loss": echo_value.detach(),
+                "echo_tokens": observation_BL.gt(0).sum(),
+            }
         num_tokens = mask_BL.gt(0).sum()
         stats: dict[str, Any] = {
             "pg_loss": pg.loss.detach(),
@@ -497,6 +509,7 @@ class MegatronActor:
             "ppo_kl_sum": pg.ppo_kl * num_tokens,
             "num_tokens": num_tokens.float(),
             "response_tokens": mb.response_mask_BL.sum(),
+            **echo_stats,
         }
         if capture:
             trained = [
@@ -507,6 +520,18 @@ class MegatronActor:
             captured = per_token_to_response(logp_BL, mb, batch)
             stats["train_logprobs"] = {i: captured[i] for i in trained}
         return total, num_tokens, stats
+
+    @staticmethod
+    def _observation_mask_BL(mb, batch) -> torch.Tensor:
+        """1 on each observation token (a response token of an agent trajectory whose mask is
+        0) times its row's loss weight (a filler row's is 0), 0 elsewhere."""
+        observations = {}
+        for i in mb.seq_indices:
+            mask = response_mask(batch, i)
+            length = len(batch.tokens[i]) - batch.prompt_lens[i]
+            observations[i] = torch.zeros(length) if mask is None else 1.0 - mask.float()
+        row_weight_B1 = mb.loss_mask_BL.amax(dim=1, keepdim=True)
+        return response_values_to_BL(observations, mb, batch) * row_weight_B1
 
     @staticmethod
     def _correction_weights_BL(old_BL, mb, batch, loss: LossSettings) -> torch.Tensor | None:

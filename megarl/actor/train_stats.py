@@ -41,6 +41,11 @@ class OptimizerStepStats(SummableStats):
     """Tokens with a non-zero loss weight (what clip fraction and PPO-KL are averaged over)."""
     clipfrac_lower_sum: float = 0.0
     """Tokens on which vanilla's dual clip (negative advantages) is active."""
+    echo_loss: float = 0.0
+    """ECHO's cross-entropy on observation tokens (``actor.echo_coef`` > 0), divided by the
+    step's normaliser like ``pg_loss``, before the coefficient."""
+    echo_tokens: float = 0.0
+    """Observation tokens ECHO trained (with a non-zero loss weight)."""
 
 
 Stats = TypeVar("Stats", bound=SummableStats)
@@ -78,6 +83,10 @@ class UpdateStats:
     skipped_nonfinite_updates: int = 0
     """Optimizer steps whose gradient norm was not finite, skipped
     (``trainer.skip_nonfinite_updates``); the statistics above are of the applied ones."""
+    echo_loss: float | None = None
+    """``actor.echo_coef`` > 0: ECHO's term before its coefficient (None: off, not reported)."""
+    echo_tokens: float | None = None
+    """``actor.echo_coef`` > 0: observation tokens trained per optimizer step."""
 
     def metrics(self) -> dict[str, float]:
         """verl's metric names."""
@@ -94,7 +103,14 @@ class UpdateStats:
             "actor/skipped_nonfinite_updates": float(self.skipped_nonfinite_updates),
             **self.rollout_corr,
             **self.routing_mismatch,
+            **self._echo_metrics(),
         }
+
+    def _echo_metrics(self) -> dict[str, float]:
+        """ECHO's ``actor/echo_*``, only in runs that have it on."""
+        if self.echo_loss is None or self.echo_tokens is None:
+            return {}
+        return {"actor/echo_loss": self.echo_loss, "actor/echo_tokens": self.echo_tokens}
 
 
 def summarise_update(
@@ -104,6 +120,7 @@ def summarise_update(
     lp_diff_count: float = 0.0,
     rollout_corr: Mapping[str, float] | None = None,
     routing_mismatch: Mapping[str, float] | None = None,
+    echo: bool = False,
 ) -> UpdateStats:
     """Mean over optimizer steps of each step's value.
 
@@ -136,6 +153,8 @@ def summarise_update(
         rollout_corr=dict(rollout_corr or {}),
         routing_mismatch=dict(routing_mismatch or {}),
         skipped_nonfinite_updates=n - len(applied),
+        echo_loss=mean_over_steps([s.echo_loss for s in global_steps]) if echo else None,
+        echo_tokens=mean_over_steps([s.echo_tokens for s in global_steps]) if echo else None,
     )
 
 

@@ -239,18 +239,123 @@ def reinforce_plus_plus_baseline_advantages(rewards_B: Tensor, group_ids_B: Tens
     return _whiten_over_batch(centred_B, shift_mean=False).to(out_dtype)
 
 
+def maxrl_advantages(rewards_B: Tensor, group_ids_B: Tensor, eps: float = 1e-6) -> Tensor:
+    """MaxRL ("Maximum Likelihood Reinforcement Learning",
+    arXiv:2602.02710): the group's reward minus its mean, divided by the *mean*::
+
+        A_i = (r_i - mean_j r_j) / (mean_j r_j + eps)
+
+    The paper expands the maximum-likelihood objective in failure events,
+    ``log p = -sum_k (1 - p)^k / k`` (``(1 - p)^k`` = fail@k), so that
+    ``grad log p = sum_k grad pass@k / k``, of which REINFORCE keeps only ``k = 1``. Dividing
+    by the group mean (the empirical pass rate ``p`` for 0/1 rewards) instead of GRPO's std
+    makes the gradient an unbiased estimate of that series truncated at order ``n`` (the group
+    size): a prompt solved once in ``n`` weighs ~``1/p``, so
+    hard prompts are not drowned by easy ones; the group size ``n`` interpolates from
+    REINFORCE (1) to maximum likelihood (infinite). ``eps`` is SkyRL's (prime-rl has none).
+
+    For non-negative (canonically 0/1) rewards. A group whose mean is <= 0 has no success to
+    raise the likelihood of and gets exactly 0 (as prime-rl); so do constant groups and a
+    group of one (SkyRL leaves a singleton its raw reward).
+    """
+    out_dtype = _check_inputs(rewards_B, group_ids_B)
+    if rewards_B.numel() == 0:
+        return torch.zeros(0, dtype=out_dtype, device=rewards_B.device)
+    stats = _group_stats(rewards_B, group_ids_B)
+    adv_B = (rewards_B.to(torch.float64) - stats.mean_B) / (stats.mean_B + eps)
+    silent_B = stats.is_constant_B | (stats.mean_B <= 0)
+    adv_B = torch.where(silent_B, torch.zeros_like(adv_B), adv_B)
+    return adv_B.to(out_dtype)
+
+
+def gdpo_advantages(
+    rewards_BK: Tensor,
+    group_ids_B: Tensor,
+    weights_K: Tensor | None = None,
+    eps: float = 1e-6,
+) -> Tensor:
+    """GDPO ("Group reward-Decoupled Normalization Policy Optimization",
+    arXiv:2601.05242): each of the ``K`` rewards is normalised within its group on its own,
+    the normalised rewards are summed with their weights, and the sum is normalised over the
+    batch::
+
+        A_k,i = (r_k,i - mean_group(r_k)) / (std_group(r_k) + eps)
+        A_i   = sum_k w_k * A_k,i
+        Â_i   = (A_i - mean_batch(A)) / (std_batch(A) + eps)
+
+    Normalising the sum of the rewards instead (GRPO on the weighted sum) maps different
+    reward combinations with the same total (``(1, 0)`` and ``(0, 1)``) to one advantage:
+    the "reward advantage collapse" the paper names. With one reward (``K == 1``) GDPO is GRPO
+    followed by a division by the batch's std.
+
+    Exact zeros, as for GRPO: a reward that is constant within a group (a group of one
+    included) contributes exactly 0 to that group's sum, so a group where every reward is
+    constant has advantage exactly 0 and is pruned. The batch mean of ``A`` is 0 by
+    construction (each group's centred rewards sum to 0), so, as for
+    REINFORCE++-baseline, only the division is applied: subtracting its float residue would
+    give constant groups a nonzero advantage. Std's are unbiased (NeMo-RL's ``torch.std``).
+
+    Args:
+        rewards_BK: ``K`` rewards per sequence (``[B]`` is taken as ``K == 1``).
+        group_ids_B: integer group id per sequence.
+        weights_K: the weights ``w_k``; None = all 1 (NeMo-RL's default).
+        eps: added to each std (the paper's and NeMo-RL's 1e-6).
+    """
+    if rewards_BK.ndim == 1:
+        rewards_BK = rewards_BK[:, None]
+    if rewards_BK.ndim != 2:
+        raise ValueError(f"rewards_BK must be [B, K], got shape {tuple(rewards_BK.shape)}")
+    num_rewards = rewards_BK.shape[1]
+    out_dtype = _check_inputs(rewards_BK[:, 0], group_ids_B)
+    if weights_K is None:
+        weights_K = torch.ones(num_rewards, dtype=torch.float64)
+    if weights_K.shape != (num_rewards,):
+        raise ValueError(f"weights_K must have {num_rewards} entries, got {tuple(weights_K.shape)}")
+    if rewards_BK.shape[0] == 0:
+        return torch.zeros(0, dtype=out_dtype, device=rewards_BK.device)
+    summed_B = torch.zeros(rewards_BK.shape[0], dtype=torch.float64, device=rewards_BK.device)
+    for k in range(num_rewards):
+        normalised_B = group_relative_advantages(
+            rewards_BK[:, k].to(torch.float64), group_ids_B, norm_by_std=True, eps=eps
+        )
+        summed_B = summed_B + float(weights_K[k]) * normalised_B
+    if bool((summed_B == 0).all()):
+        return summed_B.to(out_dtype)
+    std = summed_B.std() if summed_B.numel() > 1 else summed_B.new_zeros(())
+    return (summed_B / (std + eps)).to(out_dtype)
+
+
+def _gdpo_one_reward(rewards_B: Tensor, group_ids_B: Tensor) -> Tensor:
+    """``gdpo`` as a registry estimator on the one (weighted-sum) reward of each sequence;
+    with several reward functions the rollout calls :func:`gdpo_advantages` on them."""
+    return gdpo_advantages(rewards_B, group_ids_B)
+
+
 ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
     "grpo": grpo_advantages,
     "grpo_no_std": grpo_no_std_advantages,
     "rloo": rloo_advantages,
     "reinforce_plus_plus": reinforce_plus_plus_advantages,
     "reinforce_plus_plus_baseline": reinforce_plus_plus_baseline_advantages,
+    "maxrl": maxrl_advantages,
+    "gdpo": _gdpo_one_reward,
 }
 """The one list of estimators: the config schema validates ``algo.adv_estimator`` against it."""
 
+MULTI_REWARD_ESTIMATORS: tuple[str, ...] = ("gdpo",)
+"""The estimators that read each reward function's score apart (several ``data.reward``
+functions); every other estimator reads their weighted sum."""
+
 ADVANTAGE_ESTIMATOR_NAMES: tuple[str, ...] = tuple(ADVANTAGE_ESTIMATORS)
 
-GROUP_ESTIMATORS: tuple[str, ...] = ("grpo", "grpo_no_std", "rloo", "reinforce_plus_plus_baseline")
+GROUP_ESTIMATORS: tuple[str, ...] = (
+    "grpo",
+    "grpo_no_std",
+    "rloo",
+    "reinforce_plus_plus_baseline",
+    "maxrl",
+    "gdpo",
+)
 """The estimators whose baseline is the other samples of the prompt's group: with one sample
 per prompt (``rollout.n=1``) every advantage would be 0. REINFORCE++ (a batch baseline) and a
 critic's GAE take one sample per prompt."""

@@ -188,6 +188,30 @@ def policy_loss(
     )
 
 
+def echo_loss(
+    logp_BT: Tensor,
+    observation_mask_BT: Tensor,
+    agg: str = "token-mean",
+    denom: float | Tensor | None = None,
+    loss_scale_factor: float | None = None,
+) -> Tensor:
+    """ECHO's term (prime-rl's ``echo``): the negative log-likelihood of the observation tokens
+    of agent trajectories (tool output, which the policy loss never trains), aggregated as the
+    policy loss is (``agg``) and divided by the same ``denom``, the planner's normaliser of the
+    policy loss (the mini-batch's trained tokens for ``token-mean``).
+
+    Sharing the policy loss's normaliser keeps every DP / micro-batch split exact without a
+    count of its own (a row's weights depend on that row only, as in :func:`aggregate`); the
+    weight ``actor.echo_coef`` is therefore relative to the policy loss's scale. prime-rl
+    divides its cross-entropy component by its own global token count instead, so the same
+    ``alpha`` weighs observations by (observation tokens / trained tokens) more here.
+    ``observation_mask_BT`` is 1 (times the row's loss weight) on observation tokens, 0
+    elsewhere; the advantage plays no part, so a sequence with advantage 0 still contributes.
+    """
+    _check_same_shape(logp_BT=logp_BT, observation_mask_BT=observation_mask_BT)
+    return aggregate(-logp_BT, observation_mask_BT, agg, denom, loss_scale_factor)
+
+
 def kl_penalty(logp_BT: Tensor, ref_logp_BT: Tensor, kind: str) -> Tensor:
     """Per-token estimate of KL(policy || reference) from sampled-token log-probs.
 

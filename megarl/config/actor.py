@@ -145,6 +145,14 @@ class ActorConfig:
     entropy_coef: float = 0.0
     """Weight of the entropy bonus (subtracted from the loss); 0 = none. > 0 makes
     zero-advantage pruning approximate (``planner.allow_approx``)."""
+    echo_coef: float = 0.0
+    """ECHO (prime-rl's ``echo`` algorithm, its ``alpha``; prime-rl's vetted setting is 0.1): the
+    weight of a cross-entropy (negative log-likelihood) term on the observation tokens (tool
+    output) of agent trajectories, which the policy loss never trains: the model also learns to
+    predict what its tools return. 0 (the default) = observation tokens never train, and the
+    loss is bitwise what it is without this key. > 0 turns zero-advantage pruning off (a
+    sequence with advantage 0 still has observation tokens to learn); see
+    :func:`megarl.algo.losses.echo_loss` for its normalisation."""
     moe_aux_loss_coef: float = 0.0
     """Mixture-of-experts only: weight of the router's load-balancing loss in the gradient
     (Megatron's ``moe_aux_loss_coeff`` with ``moe_router_load_balancing_type=aux_loss``, the
@@ -213,6 +221,7 @@ class ActorConfig:
         _optional_positive("actor.loss_scale_factor", self.loss_scale_factor)
         _require(self.kl_coef >= 0, f"actor.kl_coef={self.kl_coef}: must be >= 0")
         _require(self.entropy_coef >= 0, f"actor.entropy_coef={self.entropy_coef}: must be >= 0")
+        _require(self.echo_coef >= 0, f"actor.echo_coef={self.echo_coef}: must be >= 0 (0 = off)")
         _require(
             0 <= self.moe_aux_loss_coef < float("inf"),
             f"actor.moe_aux_loss_coef={self.moe_aux_loss_coef}: must be a finite number >= 0 "

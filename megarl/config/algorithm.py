@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from megarl.algo.advantages import ADVANTAGE_ESTIMATOR_NAMES, resolve_estimator_name
 from megarl.algo.dapo import FILTER_GROUP_METRICS
 from megarl.algo.kl_reward import KL_CTRL_TYPES
+from megarl.algo.length_penalty import LENGTH_PENALTY_TYPES, LengthWeights
 from megarl.algo.losses import KL_PENALTY_KINDS
 from megarl.algo.rollout_correction import (
     DEFAULT_IS_THRESHOLD,
@@ -221,6 +222,43 @@ class DistillConfig:
         return self.teacher_path is not None
 
 
+@dataclass(frozen=True)
+class LengthPenaltyConfig:
+    """``algo.length_penalty``: prime-rl's linear length penalty, subtracted from each reward
+    before the advantages (:mod:`megarl.algo.length_penalty`): the group's pass rate times a
+    weighted sum of the response's output tokens, input (context) tokens and turns, each as a
+    fraction of its group's largest. Off by default."""
+
+    type: str | None = None
+    """null (off) | linear."""
+    num_output_tokens_weight: float = 0.25
+    """prime-rl's key and default: the weight of the generated tokens' fraction of the group's
+    most; 0 = no such term."""
+    num_input_tokens_weight: float = 0.1
+    """prime-rl's key and default: the weight of the context tokens the model read but did not
+    generate (prompt, tool observations), as a fraction of the group's most; 0 = no such term."""
+    num_turns_weight: float = 0.1
+    """prime-rl's key and default: the weight of the generated turns (1 for a single-turn
+    response) as a fraction of the group's most; 0 = no such term."""
+
+    def __post_init__(self) -> None:
+        _optional_choice("algo.length_penalty.type", self.type, LENGTH_PENALTY_TYPES)
+        for name in ("num_output_tokens_weight", "num_input_tokens_weight", "num_turns_weight"):
+            value = getattr(self, name)
+            _require(value >= 0, f"algo.length_penalty.{name}={value}: must be >= 0")
+
+    @property
+    def weights(self) -> LengthWeights | None:
+        """The penalty's weights; None when it is off."""
+        if self.type is None:
+            return None
+        return LengthWeights(
+            float(self.num_output_tokens_weight),
+            float(self.num_input_tokens_weight),
+            float(self.num_turns_weight),
+        )
+
+
 OBJECTIVES: tuple[str, ...] = ("rl", "sft")
 """The values of ``algo.objective``."""
 
@@ -250,6 +288,8 @@ class AlgoConfig:
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
     """On-policy distillation from a teacher model (off by default)."""
+    length_penalty: LengthPenaltyConfig = field(default_factory=LengthPenaltyConfig)
+    """prime-rl's linear length penalty on the rewards (off by default)."""
     gamma: float = 1.0
     """verl's key: GAE's discount (``adv_estimator=gae`` only), in [0, 1]; 1 for outcome
     rewards."""

@@ -7,14 +7,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import cast
 
-from megarl.config.checks import _choice, _optional_positive, _positive, _require
+from megarl.config.checks import ConfigError, _choice, _optional_positive, _positive, _require
 from megarl.data.arithmetic import SUPPORTED_OPS
 from megarl.data.loader import PROMPT_TASKS
 from megarl.data.rewards import (
     BUILTIN_REWARDS,
     REWARD_ERROR_POLICIES,
     RewardChoice,
+    RewardComponent,
+    WeightedReward,
     choose_reward,
+    choose_rewards,
+    parse_reward_components,
 )
 
 
@@ -69,13 +73,18 @@ class DataConfig:
     """The built-in arithmetic task: operands are drawn from 1 to this."""
     ops: tuple[str, ...] = ("+",)
     """The built-in arithmetic task: the operators its problems use."""
-    reward: str = "auto"
+    reward: str | tuple[RewardComponent, ...] = "auto"
     """auto (exact_last_number for arithmetic; for a dataset, each row's ``data_source``
     picks: GSM8K sources gsm8k, MATH sources math, rows without one gsm8k; see
     :data:`megarl.data.rewards.DATA_SOURCE_REWARDS`) | exact_last_number | gsm8k (the number
     after the last ``####``, else the last number) | math (the last ``\\boxed{}``, compared by
     math-verify) | exact_match | package.module:function (your own
-    ``(response, answer) -> float``; it gets the dataset's answer text as it is)."""
+    ``(response, answer) -> float``; it gets the dataset's answer text as it is) | a list of
+    several, each ``{name, fn, weight}`` (``fn`` one of the above; ``name`` default ``fn``,
+    ``weight`` default 1): every function scores every sample, the reward is their weighted
+    sum (``algo.adv_estimator=gdpo`` normalises each apart), each logged as
+    ``reward/<name>/mean``; the first is the primary one, which validation reports and whose
+    needs (numeric answers) the dataset's rows are read with."""
     reward_error: str = "raise"
     """One of :data:`megarl.data.rewards.REWARD_ERROR_POLICIES`. A reward function that raises
     or returns anything but one finite number (None, NaN, a string, a list): raise (stop the
@@ -129,16 +138,36 @@ class DataConfig:
         _require(bool(self.ops), f"data.ops: empty; choose from {', '.join(SUPPORTED_OPS)}")
         for op in self.ops:
             _choice("data.ops", op, SUPPORTED_OPS)
-        if ":" not in self.reward:
-            _choice("data.reward", self.reward, ("auto", *BUILTIN_REWARDS))
+        if isinstance(self.reward, str):
+            if ":" not in self.reward:
+                _choice("data.reward", self.reward, ("auto", *BUILTIN_REWARDS))
+        else:
+            try:
+                components = parse_reward_components(self.reward)
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
+            object.__setattr__(self, "reward", components)
         _choice("data.reward_error", self.reward_error, REWARD_ERROR_POLICIES)
         _optional_positive("data.reward_timeout_s", self.reward_timeout_s)
         _optional_positive("data.max_length", self.max_length)
 
     @property
+    def reward_components(self) -> tuple[RewardComponent, ...] | None:
+        """``data.reward``'s functions in its list form; None for the one-function form."""
+        return None if isinstance(self.reward, str) else self.reward
+
+    @property
     def reward_choice(self) -> RewardChoice:
-        """``data.reward`` resolved (``auto``: by each row's ``data_source``)."""
-        return choose_reward(self.reward, self.task)
+        """``data.reward`` resolved (``auto``: by each row's ``data_source``); of a list, the
+        first (primary) function."""
+        reward = self.reward
+        return choose_reward(reward if isinstance(reward, str) else reward[0].fn, self.task)
+
+    @property
+    def weighted_rewards(self) -> tuple[WeightedReward, ...] | None:
+        """The list form resolved (each function, name and weight); None for one function."""
+        components = self.reward_components
+        return None if components is None else choose_rewards(components, self.task)
 
 
 @dataclass(frozen=True)

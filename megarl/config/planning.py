@@ -33,6 +33,7 @@ def prune_mode(cfg: RunConfig) -> tuple[str, str]:
         cfg.actor.entropy_coef,
         cfg.algo.adv_estimator,
         cfg.actor.moe_aux_loss_coef,
+        cfg.actor.echo_coef,
     )
 
 
@@ -141,6 +142,7 @@ def planner_inputs(
         allow_approx=cfg.planner.allow_approx,
         adv_estimator=cfg.algo.adv_estimator,
         moe_aux_loss_coef=a.moe_aux_loss_coef,
+        echo_coef=a.echo_coef,
         micro_batch_multiple=a.micro_batch_multiple,
     )
 
@@ -170,6 +172,7 @@ def critic_planner_inputs(
         kl_coef=0.0,
         entropy_coef=0.0,
         moe_aux_loss_coef=0.0,  # a value model has no router
+        echo_coef=0.0,  # nor an observation loss
         ppo_mini_batches=cfg.critic_ppo_mini_batches,
         ppo_epochs=cfg.critic_ppo_epochs,
         mode="off",

@@ -381,6 +381,9 @@ ONE_OR_A_LIST = ("trainer.logger",)
 AUTO_OR_BOOL = ("trainer.progress",)
 """Keys that take ``auto`` or a boolean (checked by their section)."""
 
+NAME_OR_LIST = ("data.reward",)
+"""Keys that take a name or a list of mappings (checked by their section)."""
+
 
 def _null_allowed(fld: dataclasses.Field, value: Any) -> bool:
     """``value`` is null and the key's type admits null (``str | None`` with a string default)."""
@@ -389,7 +392,7 @@ def _null_allowed(fld: dataclasses.Field, value: Any) -> bool:
 
 def _convert_leaf(fld: dataclasses.Field, key: str, value: Any) -> Any:
     default = fld.default if fld.default is not dataclasses.MISSING else None
-    if key in AUTO_OR_BOOL or _null_allowed(fld, value):
+    if key in AUTO_OR_BOOL or key in NAME_OR_LIST or _null_allowed(fld, value):
         return value
     if isinstance(default, bool):
         _require(isinstance(value, bool), f"{key}={value!r}: expected true or false")

@@ -291,6 +291,98 @@ def choose_reward(configured: str, task: str) -> RewardChoice:
     return RewardChoice(configured, BUILTIN_REWARDS[configured])
 
 
+@dataclass(frozen=True)
+class RewardComponent:
+    """One of several reward functions of ``data.reward`` (its list form): each scores every
+    sample; the estimators read the weighted sum, GDPO each score apart."""
+
+    name: str
+    """How metrics (``reward/<name>/mean``) and messages name it; default its ``fn``."""
+    fn: str
+    """What ``data.reward`` takes alone: auto, a built-in name, or package.module:function."""
+    weight: float = 1.0
+    """Its weight in the sum (GDPO: in the sum of the normalised scores)."""
+
+
+REWARD_COMPONENT_KEYS: tuple[str, ...] = ("name", "fn", "weight")
+
+
+def parse_reward_components(value: object) -> tuple[RewardComponent, ...]:
+    """``data.reward`` in its list form, each entry a mapping ``{name, fn, weight}`` (``fn``
+    required; ``name`` defaults to ``fn``, ``weight`` to 1), checked; TRL's ``reward_funcs`` with
+    ``reward_weights``, NeMo-RL's ``reward/<name>`` components, as one list.
+
+    Raises:
+        ValueError: one line naming the entry (``data.reward[1].weight``) and what is wrong.
+    """
+    if not isinstance(value, list | tuple) or not value:
+        raise ValueError(
+            f"data.reward={value!r}: expected a name, package.module:function, or a non-empty "
+            "list of {name, fn, weight}"
+        )
+    components: list[RewardComponent] = []
+    for index, entry in enumerate(value):
+        key = f"data.reward[{index}]"
+        if isinstance(entry, RewardComponent):
+            entry = {"name": entry.name, "fn": entry.fn, "weight": entry.weight}
+        if not isinstance(entry, Mapping):
+            raise ValueError(f"{key}={entry!r}: expected a mapping {{name, fn, weight}}")
+        unknown = sorted(set(entry) - set(REWARD_COMPONENT_KEYS))
+        if unknown:
+            raise ValueError(
+                f"{key}: unknown key {unknown[0]!r} (valid: {', '.join(REWARD_COMPONENT_KEYS)})"
+            )
+        fn = entry.get("fn")
+        if not isinstance(fn, str) or not fn:
+            raise ValueError(f"{key}.fn={fn!r}: a reward function is required (as data.reward)")
+        if ":" not in fn and fn not in ("auto", *BUILTIN_REWARDS):
+            valid = ", ".join(["auto", *BUILTIN_REWARDS])
+            raise ValueError(
+                f"{key}.fn={fn!r}: unknown reward function; valid names: {valid}, or "
+                "package.module:function"
+            )
+        name = entry.get("name", fn)
+        if not isinstance(name, str) or not re.fullmatch(r"[\w.:-]+", name):
+            raise ValueError(
+                f"{key}.name={name!r}: a non-empty name of letters, digits, _ . : - (it names "
+                "the metric reward/<name>/mean)"
+            )
+        weight = entry.get("weight", 1.0)
+        if isinstance(weight, bool) or not isinstance(weight, numbers.Real):
+            raise ValueError(f"{key}.weight={weight!r}: expected a number")
+        if not math.isfinite(float(weight)):
+            raise ValueError(f"{key}.weight={weight!r}: must be a finite number")
+        if any(c.name == name for c in components):
+            raise ValueError(f"{key}.name={name!r}: two reward functions have that name")
+        components.append(RewardComponent(name, fn, float(weight)))
+    return tuple(components)
+
+
+@dataclass(frozen=True)
+class WeightedReward:
+    """A :class:`RewardComponent` resolved: its :class:`RewardChoice` and its weight."""
+
+    name: str
+    choice: RewardChoice
+    weight: float
+
+
+def choose_rewards(components: Sequence[RewardComponent], task: str) -> tuple[WeightedReward, ...]:
+    """Each component's :class:`RewardChoice` (:func:`choose_reward`), with its name and weight.
+
+    Raises:
+        ValueError: a function that cannot be used, named by its entry (``data.reward[1].fn``).
+    """
+    chosen = []
+    for index, c in enumerate(components):
+        try:
+            chosen.append(WeightedReward(c.name, choose_reward(c.fn, task), c.weight))
+        except ValueError as exc:
+            message = str(exc).replace("data.reward=", f"data.reward[{index}].fn=", 1)
+            raise ValueError(message) from None
+    return tuple(chosen)
+
+
 def get_reward_fn(name: str) -> RewardFn:
     """The function ``data.reward=name`` names (a built-in or ``package.module:function``)."""
     choice = choose_reward(name, task="files")

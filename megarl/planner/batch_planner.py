@@ -58,6 +58,7 @@ def plan_step(inputs: PlannerInputs) -> StepPlan:
         inputs.allow_approx,
         inputs.adv_estimator,
         inputs.moe_aux_loss_coef,
+        inputs.echo_coef,
     )
     batch = BatchArrays.of(inputs)
     runs = optimizer_runs(inputs, batch)
@@ -76,7 +77,9 @@ def plan_step(inputs: PlannerInputs) -> StepPlan:
         num_kept_sequences=int(batch.kept.sum()),
         num_tokens=int(batch.seq_tokens.sum()),
         num_kept_tokens=kept_tokens,
-        pruning_refused=pruning_refusal(inputs.adv_estimator, inputs.moe_aux_loss_coef),
+        pruning_refused=pruning_refusal(
+            inputs.adv_estimator, inputs.moe_aux_loss_coef, inputs.echo_coef
+        ),
     )
 
 

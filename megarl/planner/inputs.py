@@ -83,6 +83,9 @@ class PlannerInputs:
     moe_aux_loss_coef: float = 0.0
     """``actor.moe_aux_loss_coef``; > 0 (a router load-balancing loss) is never pruned
     (:func:`~megarl.planner.pruning.pruning_refusal`)."""
+    echo_coef: float = 0.0
+    """``actor.echo_coef``; > 0 (ECHO trains observation tokens whatever the advantage) is
+    never pruned (:func:`~megarl.planner.pruning.pruning_refusal`)."""
     attention_cost_coef: float = DEFAULT_ATTENTION_COST_COEF
     """Cost model ``t + coef * t**2``; ``1 / (12 * hidden)`` fits a transformer, 0 = tokens."""
     micro_batch_multiple: int = 1
@@ -132,6 +135,7 @@ class PlannerInputs:
             "kl_coef",
             "entropy_coef",
             "moe_aux_loss_coef",
+            "echo_coef",
             "attention_cost_coef",
             "loss_scale_factor",
         ):

@@ -43,7 +43,9 @@ CRITIC_ESTIMATORS: tuple[str, ...] = ("gae",)
 """``algo.adv_estimator`` values whose advantages come per token from a learned critic."""
 
 
-def pruning_refusal(adv_estimator: str, moe_aux_loss_coef: float = 0.0) -> str | None:
+def pruning_refusal(
+    adv_estimator: str, moe_aux_loss_coef: float = 0.0, echo_coef: float = 0.0
+) -> str | None:
     """Why zero-advantage pruning can never be exact for this run, or None if it can be.
 
     With a critic (``gae``) a sequence's advantages are per token, from a learned value
@@ -55,6 +57,9 @@ def pruning_refusal(adv_estimator: str, moe_aux_loss_coef: float = 0.0) -> str |
     probability, so a pruned sequence's tokens change both factors, and with them the gradient
     the kept sequences get. No setting, ``allow_approx`` included, prunes then (an
     approximation of a term that is not a sum over sequences has no error bound to report).
+    With ECHO (``echo_coef > 0``) a sequence's observation tokens train whatever its advantage,
+    so a zero-advantage agent trajectory still has a gradient: pruning it would drop that
+    term, and ECHO's purpose is exactly those tokens, so it is never pruned either.
     """
     if adv_estimator in CRITIC_ESTIMATORS:
         return (
@@ -66,6 +71,11 @@ def pruning_refusal(adv_estimator: str, moe_aux_loss_coef: float = 0.0) -> str |
             f"actor.moe_aux_loss_coef={moe_aux_loss_coef} trains the router's load-balancing "
             "loss on every routed token, zero-advantage sequences included"
         )
+    if echo_coef > 0:
+        return (
+            f"actor.echo_coef={echo_coef} trains the observation tokens of every agent "
+            "trajectory, zero-advantage ones included"
+        )
     return None
 
 
@@ -75,6 +85,7 @@ def resolve_prune_mode(
     entropy_coef: float,
     adv_estimator: str = "grpo",
     moe_aux_loss_coef: float = 0.0,
+    echo_coef: float = 0.0,
 ) -> tuple[str, str]:
     """``(mode, reason)`` for ``planner.prune_zero_adv``.
 
@@ -91,7 +102,7 @@ def resolve_prune_mode(
         )
     if setting != "auto":
         return setting, f"planner.prune_zero_adv={setting}"
-    refusal = pruning_refusal(adv_estimator, moe_aux_loss_coef)
+    refusal = pruning_refusal(adv_estimator, moe_aux_loss_coef, echo_coef)
     if refusal is not None:
         return "off", f"auto: no pruning, {refusal}"
     if kl_coef == 0 and entropy_coef == 0:
@@ -109,6 +120,7 @@ def check_pruning_config(
     allow_approx: bool,
     adv_estimator: str = "grpo",
     moe_aux_loss_coef: float = 0.0,
+    echo_coef: float = 0.0,
 ) -> str | None:
     """Fail fast when pruning zero-advantage sequences would silently change the loss.
 
@@ -120,7 +132,7 @@ def check_pruning_config(
     """
     if mode not in PLANNER_MODES:
         raise PlannerError(f"planner.prune_zero_adv must be one of {PLANNER_MODES}, got {mode!r}")
-    refusal = pruning_refusal(adv_estimator, moe_aux_loss_coef)
+    refusal = pruning_refusal(adv_estimator, moe_aux_loss_coef, echo_coef)
     if mode != "off" and refusal is not None:
         raise PlannerError(
             f"planner.prune_zero_adv={mode} cannot prune: {refusal}. "
@@ -146,7 +158,7 @@ def pruning_reasons(
     plan is approximate, and how many steps ``fast`` merged each epoch into."""
     num_sequences = inputs.num_sequences
     if inputs.mode == "off":
-        refusal = pruning_refusal(inputs.adv_estimator, inputs.moe_aux_loss_coef)
+        refusal = pruning_refusal(inputs.adv_estimator, inputs.moe_aux_loss_coef, inputs.echo_coef)
         because = f" ({refusal})" if refusal else ""
         return [f"planner off: training all {num_sequences} seqs{because}"]
     _, group_of_seq = np.unique(np.asarray(inputs.group_ids), return_inverse=True)

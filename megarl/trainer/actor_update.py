@@ -56,6 +56,7 @@ def loss_settings(cfg: RunConfig) -> LossSettings:
         clip_ratio_c=a.clip_ratio_c,
         loss_scale_factor=cfg.loss_scale_factor,
         rollout_correction=cfg.algo.rollout_correction.settings,
+        echo_coef=a.echo_coef,
     )
 
 
@@ -168,6 +169,7 @@ def _reduce_update_stats(
         lp_diff_count,
         mismatch.metrics(),
         RoutingMismatch.from_row(routing_sums).metrics(),
+        echo=rt.cfg.actor.echo_coef > 0,
     )
 
 

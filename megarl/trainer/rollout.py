@@ -26,14 +26,19 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megarl.algo.advantages import get_advantage_estimator
+from megarl.algo.advantages import (
+    MULTI_REWARD_ESTIMATORS,
+    gdpo_advantages,
+    get_advantage_estimator,
+)
 from megarl.algo.dapo import FilterDecision, groups_with_signal, overlong_penalty
 from megarl.algo.divergence import DivergenceError, nonfinite_sampling_message
+from megarl.algo.length_penalty import LengthWeights, count_turns, linear_length_penalty
 from megarl.algo.router_replay import input_routing
 from megarl.batch import RolloutBatch
 from megarl.data.loader import PromptStream
 from megarl.data.problems import Problem
-from megarl.data.rewards import RewardChoice, score_samples
+from megarl.data.rewards import RewardChoice, ScoredSamples, WeightedReward, score_samples
 from megarl.engines.base import (
     Generation,
     NonFiniteLogitsError,
@@ -42,7 +47,7 @@ from megarl.engines.base import (
     SamplingParams,
     request_seed,
 )
-from megarl.errors import MegarlError
+from megarl.errors import BadInputError, MegarlError
 from megarl.planner.pruning import CRITIC_ESTIMATORS
 from megarl.trainer.agent_rollout import (
     AgentRollout,
@@ -134,6 +139,9 @@ class RolloutSettings:
     overlong_buffer_len: int | None = None
     """DAPO's overlong shaping: the buffer in tokens, None = off."""
     overlong_penalty_factor: float = 1.0
+    length_penalty: LengthWeights | None = None
+    """``algo.length_penalty``: prime-rl's linear penalty on output tokens, context and turns;
+    None = off."""
     filter_groups: bool = False
     """DAPO's dynamic sampling: keep only groups whose scores differ, generate more to refill."""
     max_num_gen_batches: int = 10
@@ -141,6 +149,10 @@ class RolloutSettings:
     input_routing: bool = False
     """``actor.router_replay.mode=R3``: the batch carries the engine's experts of every input
     position (:attr:`RolloutBatch.engine_input_routing`), not only of the response tokens."""
+
+
+class RewardMixError(BadInputError):
+    """An agent loop's own reward met an estimator that reads several reward functions apart."""
 
 
 class FilterGroupsExhausted(MegarlError):
@@ -206,6 +218,8 @@ class ScoredGroups:
     rewards: torch.Tensor
     overlong: torch.Tensor
     """The overlong penalty included in ``rewards`` (0 where shaping is off)."""
+    length_penalty: torch.Tensor
+    """The length penalty subtracted from ``rewards`` (0 where it is off)."""
     versions: list[list[int]]
     """Per sequence, the policy version that sampled each response token."""
     failures: int = 0
@@ -215,6 +229,9 @@ class ScoredGroups:
     branches: list[list[ExtraBranch]] = field(default_factory=list)
     """Per sequence, its further branches (empty: none anywhere); the group statistics and
     advantages are the samples', each branch takes its sample's."""
+    components: torch.Tensor | None = None
+    """``[B, K]``: each of several ``data.reward`` functions' score (``rewards`` holds their
+    weighted sum, shaped); None with one function."""
 
     def branches_of(self, seq: int) -> list[ExtraBranch]:
         return self.branches[seq] if self.branches else []
@@ -229,10 +246,12 @@ class ScoredGroups:
             texts=[self.texts[i] for i in seqs],
             rewards=self.rewards[seqs],
             overlong=self.overlong[seqs],
+            length_penalty=self.length_penalty[seqs],
             versions=[self.versions[i] for i in seqs],
             failures=self.failures,
             agent_metrics=self.agent_metrics,
             branches=[self.branches[i] for i in seqs] if self.branches else [],
+            components=None if self.components is None else self.components[seqs],
         )
 
     @staticmethod
@@ -247,10 +266,18 @@ class ScoredGroups:
             texts=[t for part in parts for t in part.texts][: num_groups * n],
             rewards=torch.cat([part.rewards for part in parts])[: num_groups * n],
             overlong=torch.cat([part.overlong for part in parts])[: num_groups * n],
+            length_penalty=torch.cat([p.length_penalty for p in parts])[: num_groups * n],
             versions=[v for part in parts for v in part.versions][: num_groups * n],
             failures=sum(part.failures for part in parts),
             agent_metrics=join_agent_metrics([p.agent_metrics for p in parts if p.agent_metrics]),
             branches=branches[: num_groups * n] if branched else [],
+            components=(
+                None
+                if parts[0].components is None
+                else torch.cat([p.components for p in parts if p.components is not None])[
+                    : num_groups * n
+                ]
+            ),
         )
 
 
@@ -267,8 +294,11 @@ class RolloutProducer:
         run_seed: int,
         progress: PhaseHook = no_progress,
         agents: AgentRollout | None = None,
+        components: Sequence[WeightedReward] | None = None,
     ):
         self.engine, self.tokenizer, self.stream = engine, tokenizer, stream
+        self.components = tuple(components) if components else None
+        """``data.reward``'s several functions; None: ``reward`` alone scores."""
         self.agents = agents
         """The run's agent loops; None: every rollout is one engine generation."""
         self.reward, self.settings, self.run_seed = reward, settings, run_seed
@@ -303,7 +333,7 @@ class RolloutProducer:
             gen_batches += 1
             if settings.filter_groups:
                 group_ids = torch.arange(len(part.problems)).repeat_interleave(n)
-                keep = groups_with_signal(part.rewards, group_ids)
+                keep = self._groups_with_signal(part, group_ids)
                 dropped += int((~keep).sum())
                 part = part.groups(keep, n)
             parts.append(part)
@@ -425,8 +455,9 @@ class RolloutProducer:
             ]
         answers = [p.answer for p in problems for _ in range(n)]
         sources = [p.data_source for p in problems for _ in range(n)]
-        scores, failures = self._score(texts, answers, sources, step, first_group * n)
+        scores, failures, components = self._score(texts, answers, sources, step, first_group * n)
         if own_rewards is not None:
+            self._check_own_rewards(own_rewards, components is not None, step)
             scores = tuple(
                 float(own) if own is not None else score
                 for own, score in zip(own_rewards, scores, strict=True)
@@ -440,23 +471,60 @@ class RolloutProducer:
                 self.settings.overlong_buffer_len,
                 self.settings.overlong_penalty_factor,
             )
+        length = self._length_penalty(gens, rewards)
         return ScoredGroups(
             list(problems),
             list(gens),
             texts,
-            rewards + overlong,
+            rewards + overlong - length,
             overlong,
+            length,
             [list(v) for v in versions],
             failures,
             branches=[list(b) for b in branches] if branches and any(branches) else [],
+            components=components,
         )
+
+    def _check_own_rewards(
+        self, own_rewards: Sequence[float | None], several: bool, step: int
+    ) -> None:
+        """An agent loop's own ``trajectory.reward`` replaces the weighted sum of several reward
+        functions; GDPO, which reads each function's score, cannot take it."""
+        if not several or self.settings.adv_estimator not in MULTI_REWARD_ESTIMATORS:
+            return
+        own = [i for i, r in enumerate(own_rewards) if r is not None]
+        if own:
+            raise RewardMixError(
+                f"step {step}: the agent loop set trajectory.reward for sample {own[0]}, but "
+                f"algo.adv_estimator={self.settings.adv_estimator} reads each of the several "
+                "data.reward functions' scores; let the dataset's functions score, or use one "
+                "data.reward or another estimator"
+            )
+
+    def _length_penalty(self, gens: Sequence[Generation], rewards: torch.Tensor) -> torch.Tensor:
+        """``algo.length_penalty`` of each generation (whole groups, in order), from its task
+        reward: generated tokens, the rest of its context, its generated turns; zeros when off."""
+        weights = self.settings.length_penalty
+        if weights is None:
+            return torch.zeros_like(rewards)
+        output = [sum(g.response_mask) if g.response_mask else len(g.response_ids) for g in gens]
+        total = [len(g.prompt_ids) + len(g.response_ids) for g in gens]
+        group_ids = torch.arange(len(gens)) // self.settings.group_size
+        return linear_length_penalty(
+            rewards,
+            group_ids,
+            torch.tensor(output),
+            torch.tensor([t - o for t, o in zip(total, output, strict=True)]),
+            torch.tensor([count_turns(g.response_mask) for g in gens]),
+            weights,
+        ).to(rewards.dtype)
 
     def assemble(self, step: int, scored: ScoredGroups) -> tuple[RolloutBatch, dict[str, float]]:
         """A step's batch from its scored groups (in prompt order): advantages over the step,
         the rollout metrics, and the step's texts kept for its record."""
         settings, n = self.settings, self.settings.group_size
         group_ids = torch.arange(len(scored.problems)).repeat_interleave(n)
-        advantages = self.advantage_fn(scored.rewards, group_ids)
+        advantages = self._advantages(scored, group_ids)
         gens, versions, owner = _with_branches(scored)
         masked = any(g.response_mask is not None for g in gens)
         batch = RolloutBatch(
@@ -495,7 +563,51 @@ class RolloutProducer:
         if settings.overlong_buffer_len is not None:
             metrics["critic/rewards/overlong_penalty"] = float(scored.overlong.mean())
             metrics["critic/rewards/overlong_frac"] = float((scored.overlong < 0).float().mean())
+        if self.components is not None and scored.components is not None:
+            for k, component in enumerate(self.components):
+                metrics[f"reward/{component.name}/mean"] = float(scored.components[:, k].mean())
+        if settings.length_penalty is not None:
+            metrics["critic/rewards/length_penalty"] = float(-scored.length_penalty.mean())
+            metrics["critic/rewards/length_penalty_frac"] = float(
+                (scored.length_penalty > 0).float().mean()
+            )
         return batch, metrics
+
+    def _groups_with_signal(self, scored: ScoredGroups, group_ids: torch.Tensor) -> torch.Tensor:
+        """DAPO's filter: the groups whose rewards differ; for GDPO with several reward
+        functions, the groups where its advantage is not 0 everywhere (GDPO weighs each
+        function's normalised scores, so equal weighted sums can still differ, and differing
+        scores can cancel): exactly the groups that are not all zero-advantage."""
+        if not self._reads_components(scored):
+            return groups_with_signal(scored.rewards, group_ids)
+        nonzero_B = self._advantages(scored, group_ids) != 0
+        num_groups = int(group_ids.max()) + 1 if group_ids.numel() else 0
+        return torch.zeros(num_groups, dtype=torch.bool).index_put_(
+            (group_ids,), nonzero_B, accumulate=True
+        )
+
+    def _reads_components(self, scored: ScoredGroups) -> bool:
+        """The estimator reads each of several reward functions' scores apart (GDPO)."""
+        return (
+            self.settings.adv_estimator in MULTI_REWARD_ESTIMATORS
+            and self.components is not None
+            and scored.components is not None
+        )
+
+    def _advantages(self, scored: ScoredGroups, group_ids: torch.Tensor) -> torch.Tensor:
+        """The estimator's advantages of the samples: of their (shaped) rewards, or, for GDPO
+        with several reward functions, of each function's scores, the shaping (overlong and
+        length penalties) as one more reward of weight 1 when there is any."""
+        components = self.components
+        if not self._reads_components(scored) or components is None or scored.components is None:
+            return self.advantage_fn(scored.rewards, group_ids)
+        columns_BK = scored.components
+        weights = [c.weight for c in components]
+        shaping_B = scored.overlong - scored.length_penalty
+        if bool((shaping_B != 0).any()):
+            columns_BK = torch.cat([columns_BK, shaping_B[:, None]], dim=1)
+            weights.append(1.0)
+        return gdpo_advantages(columns_BK, group_ids, torch.tensor(weights, dtype=torch.float64))
 
     def _turns(self, gen: Generation) -> list[tuple[str, bool]]:
         """The response as (text, trained) pieces: what the generations dump shows."""
@@ -523,11 +635,37 @@ class RolloutProducer:
         data_sources: list[str],
         step: int,
         first_index: int = 0,
-    ) -> tuple[tuple[float, ...], int]:
-        """:meth:`score`, and how many samples failed (``first_index``: the step's number of
-        the first sample, for messages)."""
+    ) -> tuple[tuple[float, ...], int, torch.Tensor | None]:
+        """:meth:`score`, how many calls failed (``first_index``: the step's number of the first
+        sample, for messages), and with several reward functions each one's scores ``[B, K]``
+        (the rewards are then their weighted sum)."""
+        if self.components is None:
+            scored = self._score_with(self.reward, texts, answers, data_sources, step, first_index)
+            return scored.rewards, scored.failures, None
+        columns, failures = [], 0
+        for component in self.components:
+            scored = self._score_with(
+                component.choice, texts, answers, data_sources, step, first_index
+            )
+            columns.append(scored.rewards)
+            failures += scored.failures
+        scores_BK = torch.tensor(columns, dtype=torch.float64).T.reshape(len(texts), -1)
+        weights_K = torch.tensor([c.weight for c in self.components], dtype=torch.float64)
+        return tuple((scores_BK @ weights_K).tolist()), failures, scores_BK.float()
+
+    def _score_with(
+        self,
+        choice: RewardChoice,
+        texts: list[str],
+        answers: list[str],
+        data_sources: list[str],
+        step: int,
+        first_index: int,
+    ) -> ScoredSamples:
+        """Every sample scored by ``choice``; the first failure under ``data.reward_error=zero``
+        is warned about once a run."""
         scored = score_samples(
-            self.reward,
+            choice,
             texts,
             answers,
             data_sources,
@@ -544,7 +682,7 @@ class RolloutProducer:
                 file=sys.stderr,
                 flush=True,
             )
-        return scored.rewards, scored.failures
+        return scored
 
 
 def _with_branches(

@@ -128,6 +128,7 @@ class RolloutHost:
             reward_timeout_s=cfg.data.reward_timeout_s,
             overlong_buffer_len=cfg.overlong_buffer_len,
             overlong_penalty_factor=cfg.reward.overlong_buffer.penalty_factor,
+            length_penalty=cfg.algo.length_penalty.weights,
             filter_groups=cfg.algo.filter_groups.enable,
             max_num_gen_batches=cfg.algo.filter_groups.max_num_gen_batches,
             input_routing=cfg.actor.router_replay.mode == "R3",
@@ -146,6 +147,7 @@ class RolloutHost:
                 cfg.data.system_prompt,
                 agent_run_facts(cfg, self.spec.max_position_embeddings),
             ),
+            components=cfg.data.weighted_rewards,
         )
 
     def wait_for_engine(self) -> None:

@@ -142,6 +142,8 @@ def test_registry_estimators_differ_by_std_normalisation() -> None:
         "rloo",
         "reinforce_plus_plus",
         "reinforce_plus_plus_baseline",
+        "maxrl",
+        "gdpo",
     }
     torch.testing.assert_close(
         get_advantage_estimator("grpo")(rewards_B, group_ids_B),
@@ -262,7 +264,9 @@ def test_reinforce_plus_plus_baseline_matches_verl_formula() -> None:
     torch.testing.assert_close(adv_B / adv_B[0], centred_B / centred_B[0])
 
 
-@pytest.mark.parametrize("name", ["grpo", "grpo_no_std", "rloo", "reinforce_plus_plus_baseline"])
+@pytest.mark.parametrize(
+    "name", ["grpo", "grpo_no_std", "rloo", "reinforce_plus_plus_baseline", "maxrl", "gdpo"]
+)
 @pytest.mark.parametrize(("value", "size"), [(0.1, 3), (0.1, 7), (0.9, 3), (0.7, 7), (-2.5, 5)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_group_baselined_estimators_give_constant_groups_exactly_zero(
@@ -300,7 +304,7 @@ def test_constant_batch_case_is_not_trivially_satisfied_by_naive_whitening() -> 
     assert naive_B.abs().max() > 0
 
 
-@pytest.mark.parametrize("name", ["rloo", "reinforce_plus_plus_baseline"])
+@pytest.mark.parametrize("name", ["rloo", "reinforce_plus_plus_baseline", "maxrl", "gdpo"])
 def test_singleton_group_gets_zero_for_group_baselines(name: str) -> None:
     adv_B = get_advantage_estimator(name)(_rewards(0.7, 1, 0), _ids(3, 8, 8))
     assert adv_B[0].item() == 0.0
@@ -368,7 +372,7 @@ def test_config_accepts_every_registered_estimator(name: str) -> None:
             {"adv_estimator": "ppo"},
             (
                 "algo.adv_estimator='ppo': must be one of grpo, grpo_no_std, rloo, "
-                "reinforce_plus_plus, reinforce_plus_plus_baseline, gae"
+                "reinforce_plus_plus, reinforce_plus_plus_baseline, maxrl, gdpo, gae"
             ),
         ),
         ({"adv_estimator": "RLOO"}, "algo.adv_estimator='RLOO': must be one of"),
@@ -389,3 +393,120 @@ def test_bad_algo_config_is_one_line_naming_the_key(algo: dict, needle: str) -> 
         build_run_config({"algo": algo})
     assert needle in str(info.value)
     assert "\n" not in str(info.value)
+
+
+# --- MaxRL and GDPO against direct transcriptions of their papers' equations -----------------
+
+
+def _random_groups(
+    seed: int, groups: int = 9, size: int = 6
+) -> tuple[torch.Tensor, torch.Generator]:
+    """Shuffled group ids with arbitrary values: ``groups`` groups of ``size``."""
+    gen = torch.Generator().manual_seed(seed)
+    ids_B = torch.randint(0, 10_000, (groups,), generator=gen).repeat_interleave(size)
+    return ids_B[torch.randperm(groups * size, generator=gen)], gen
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_maxrl_matches_the_papers_mean_normalised_advantage(seed: int) -> None:
+    """arXiv:2602.02710: A_i = (r_i - mean_G r) / mean_G r, transcribed group by group (eps as
+    SkyRL); 0/1 rewards as the paper trains with, plus a group with no success (mean 0)."""
+    ids_B, gen = _random_groups(seed)
+    rewards_B = (torch.rand(ids_B.numel(), generator=gen) < 0.4).double()
+    rewards_B[ids_B == ids_B[0]] = 0.0  # a group with no success: no signal
+    adv_B = get_advantage_estimator("maxrl")(rewards_B, ids_B)
+
+    expected_B = torch.zeros_like(rewards_B)
+    for group_id in ids_B.unique().tolist():
+        members = (ids_B == group_id).nonzero().flatten().tolist()
+        mean = sum(rewards_B[i].item() for i in members) / len(members)
+        for i in members:
+            expected_B[i] = 0.0 if mean <= 0 else (rewards_B[i].item() - mean) / (mean + 1e-6)
+    torch.testing.assert_close(adv_B, expected_B)
+    assert torch.equal(adv_B[ids_B == ids_B[0]], torch.zeros(6, dtype=torch.float64))
+    assert (adv_B != 0).any()
+
+
+def test_maxrl_weighs_a_rare_success_by_one_over_the_pass_rate() -> None:
+    """One success in 4 (p = 1/4) gets (1 - p) / p = 3; one failure in 4 (p = 3/4) gets -1."""
+    adv_B = get_advantage_estimator("maxrl")(
+        torch.tensor([1.0, 0, 0, 0, 0, 1, 1, 1], dtype=torch.float64), _ids(0, 0, 0, 0, 1, 1, 1, 1)
+    )
+    torch.testing.assert_close(
+        adv_B,
+        torch.tensor([3.0, -1, -1, -1, -1, 1 / 3, 1 / 3, 1 / 3], dtype=torch.float64),
+        atol=1e-5,
+        rtol=1e-5,
+    )
+
+
+def _gdpo_transcribed(rewards_BK: torch.Tensor, ids_B: torch.Tensor, weights: list[float]):
+    """arXiv:2601.05242 as NeMo-RL's guide writes it: per reward, (r - group mean) / (group
+    std + eps); the weighted sum; (A - batch mean) / (batch std + eps). Plain Python loops."""
+    eps = 1e-6
+    num, num_rewards = rewards_BK.shape
+    summed = [0.0] * num
+    for k in range(num_rewards):
+        for group_id in ids_B.unique().tolist():
+            members = (ids_B == group_id).nonzero().flatten().tolist()
+            values = [rewards_BK[i, k].item() for i in members]
+            mean = sum(values) / len(values)
+            std = (sum((v - mean) ** 2 for v in values) / (len(values) - 1)) ** 0.5
+            for i, v in zip(members, values, strict=True):
+                summed[i] += weights[k] * (v - mean) / (std + eps)
+    batch_mean = sum(summed) / num
+    batch_std = (sum((a - batch_mean) ** 2 for a in summed) / (num - 1)) ** 0.5
+    return torch.tensor([(a - batch_mean) / (batch_std + eps) for a in summed], dtype=torch.float64)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("weights", [[1.0, 1.0, 1.0], [1.0, 0.5, 0.25]])
+def test_gdpo_matches_the_papers_equations_on_random_rewards(
+    seed: int, weights: list[float]
+) -> None:
+    from megarl.algo.advantages import gdpo_advantages
+
+    ids_B, gen = _random_groups(seed)
+    rewards_BK = torch.stack(
+        [
+            (torch.rand(ids_B.numel(), generator=gen) < 0.5).double(),  # correctness
+            torch.rand(ids_B.numel(), generator=gen, dtype=torch.float64),  # a graded score
+            (torch.rand(ids_B.numel(), generator=gen) < 0.8).double(),  # format
+        ],
+        dim=1,
+    )
+    adv_B = gdpo_advantages(rewards_BK, ids_B, torch.tensor(weights, dtype=torch.float64))
+    torch.testing.assert_close(adv_B, _gdpo_transcribed(rewards_BK, ids_B, weights))
+
+
+def test_gdpo_separates_reward_combinations_grpo_collapses() -> None:
+    """The paper's motivating case: (1, 0) and (0, 1) have the same total, so GRPO on the sum
+    gives them one advantage; GDPO gives them different ones (reward 1 is rarer in the group)."""
+    from megarl.algo.advantages import gdpo_advantages
+
+    rewards_BK = torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.0, 1.0], [0.0, 0.0]])
+    ids_B = _ids(0, 0, 0, 0)
+    grpo_B = get_advantage_estimator("grpo")(rewards_BK.sum(dim=1), ids_B)
+    gdpo_B = gdpo_advantages(rewards_BK, ids_B)
+    assert grpo_B[0] == grpo_B[1]
+    assert gdpo_B[0] > gdpo_B[1] > gdpo_B[3]
+
+
+def test_gdpo_keeps_constant_groups_exactly_zero_with_several_rewards() -> None:
+    """Group 0's two rewards are each constant (0.1 and 0.7, whose float means leave residue):
+    its advantage is exactly 0, so the planner prunes it; group 1 keeps a signal."""
+    from megarl.algo.advantages import gdpo_advantages
+
+    rewards_BK = torch.tensor(
+        [[0.1, 0.7]] * 7 + [[1.0, 0.0], [0.0, 0.5], [1.0, 1.0]], dtype=torch.float64
+    )
+    ids_B = torch.tensor([0] * 7 + [1] * 3)
+    adv_B = gdpo_advantages(rewards_BK, ids_B, torch.tensor([1.0, 2.0], dtype=torch.float64))
+    assert zero_advantage_mask(adv_B).tolist() == [True] * 7 + [False] * 3
+
+
+def test_gdpo_refuses_a_weight_count_that_does_not_match_the_rewards() -> None:
+    from megarl.algo.advantages import gdpo_advantages
+
+    with pytest.raises(ValueError, match="2 entries"):
+        gdpo_advantages(torch.zeros(4, 2), _ids(0, 0, 1, 1), torch.ones(3))

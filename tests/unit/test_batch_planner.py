@@ -771,3 +771,21 @@ def test_a_critic_refusal_is_named_first():
     both = pruning_refusal("gae", 0.01)
     assert both is not None and "algo.adv_estimator=gae" in both
     assert pruning_refusal("grpo", 0.0) is None
+
+
+def test_echo_turns_pruning_off_and_every_reason_names_it():
+    """ECHO trains a zero-advantage agent trajectory's observation tokens: auto does not
+    prune, a named mode is refused (allow_approx too), and the plan says why."""
+    from megarl.planner.pruning import resolve_prune_mode
+
+    resolved, reason = resolve_prune_mode("auto", 0.0, 0.0, echo_coef=0.1)
+    assert resolved == "off" and "actor.echo_coef=0.1" in reason and "observation" in reason
+    assert resolve_prune_mode("auto", 0.0, 0.0, echo_coef=0.0)[0] == "match_loss_curve"
+    for allow_approx in (False, True):
+        with pytest.raises(PlannerError, match="actor.echo_coef=0.1 trains the observation"):
+            check_pruning_config("fast", 0.0, 0.0, allow_approx=allow_approx, echo_coef=0.1)
+    advantages = [0.0] * 4 + [0.5, -0.5, 0.0, 0.0]
+    plan = plan_step(make_inputs([10] * 8, advantages, echo_coef=0.1, dp_size=2))
+    assert plan.num_kept_sequences == 8
+    assert "actor.echo_coef=0.1" in plan.reasons[0]
+    assert "no pruning: actor.echo_coef=0.1" in plan.summary()

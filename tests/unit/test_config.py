@@ -10,6 +10,7 @@ from helpers.config import config_refusal
 from megarl.algo.advantages import ADVANTAGE_ESTIMATOR_NAMES
 from megarl.algo.dapo import FILTER_GROUP_METRICS
 from megarl.algo.kl_reward import KL_CTRL_TYPES
+from megarl.algo.length_penalty import LENGTH_PENALTY_TYPES
 from megarl.algo.losses import AGG_MODES, KL_PENALTY_KINDS
 from megarl.algo.policy_losses import POLICY_LOSS_NAMES
 from megarl.algo.rollout_correction import ROLLOUT_IS_LEVELS, ROLLOUT_RS_LEVELS, CorrectionSettings
@@ -111,6 +112,7 @@ def _main_keys_row(key: str) -> str:
         ("actor.kl_estimator", KL_PENALTY_KINDS),
         ("algo.kl_penalty", KL_PENALTY_KINDS),
         ("algo.kl_ctrl.type", KL_CTRL_TYPES),
+        ("algo.length_penalty.type", LENGTH_PENALTY_TYPES),
         ("planner.prune_zero_adv", PRUNE_SETTINGS),
         ("actor.policy_loss", POLICY_LOSS_NAMES),
         ("algo.filter_groups.enable", FILTER_GROUP_METRICS),

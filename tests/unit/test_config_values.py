@@ -41,6 +41,14 @@ from megarl.config.schema import ConfigError, RunConfig, build_run_config
         ),
         ({"reward": {"overlong_buffer": {"len": 0}}}, "reward.overlong_buffer.len=0"),
         (
+            {"algo": {"length_penalty": {"type": "quadratic"}}},
+            "algo.length_penalty.type='quadratic': must be one of linear",
+        ),
+        (
+            {"algo": {"length_penalty": {"type": "linear", "num_turns_weight": -0.1}}},
+            "algo.length_penalty.num_turns_weight=-0.1: must be >= 0",
+        ),
+        (
             {"reward": {"overlong_buffer": {"penalty_factor": -1.0}}},
             "reward.overlong_buffer.penalty_factor=-1.0: must be >= 0",
         ),

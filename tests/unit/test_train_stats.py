@@ -98,7 +98,7 @@ def test_rows_round_trip_and_add() -> None:
     a, b = _four_steps()[:2]
     assert OptimizerStepStats.from_row(a.to_row()) == a
     assert (a + b).num_tokens == 40.0
-    with pytest.raises(ValueError, match="expected 8 statistics"):
+    with pytest.raises(ValueError, match="expected 10 statistics"):
         OptimizerStepStats.from_row([1.0])
     with pytest.raises(ValueError, match="grad norms"):
         summarise_update([a], grad_norms=[])

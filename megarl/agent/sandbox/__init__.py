@@ -25,10 +25,16 @@ How (each layer is documented in ``docs/sandbox.md``):
   UNIX sockets out of the sandbox (ABI >= 6);
 * ``no_new_privs`` (no set-uid binary can give privileges back) and **resource limits** (CPU
   seconds, address space, processes, file size, open files, no core dumps);
+* kernel state that namespaces do not cover: a fresh **session keyring**, SysV **IPC limits**
+  of the IPC namespace from ``memory_mb``, a **cgroup** v2 per program where a delegated
+  folder serves (:mod:`~megarl.agent.sandbox.cgroup`), and last a **seccomp** filter
+  (:mod:`~megarl.agent.sandbox.seccomp`: keyrings, namespaces, mounts, ptrace, bpf, io_uring,
+  memfds, socket families outside the network namespace... refused);
 * the **wall-clock timeout**, the output cap and the program's own exit all end the same
   way: the launcher SIGKILLs init's process group and init (whose death empties the PID
   namespace), kills orphans that come to it as subreaper and reaps everything; the parent then
-  sweeps the run's uid and removes the folder.
+  sweeps the run's uid and removes the cgroup and the folder (and, at its first call, the
+  folders a killed trainer left).
 
 A layer the machine does not allow is skipped and said so: every result carries a
 :class:`SandboxReport` of what was applied and what was not, and ``require=`` turns a missing
@@ -40,7 +46,7 @@ launcher and init, which imports only the standard library (it is the launcher s
 holds the definitions both sides share.
 """
 
-from megarl.agent.sandbox.confine import REQUIREMENTS, SandboxReport
+from megarl.agent.sandbox.confine import LAYERS, REQUIREMENTS, SandboxReport
 from megarl.agent.sandbox.run import (
     SandboxError,
     SandboxLimits,
@@ -51,6 +57,7 @@ from megarl.agent.sandbox.run import (
 )
 
 __all__ = [
+    "LAYERS",
     "REQUIREMENTS",
     "SandboxError",
     "SandboxLimits",

@@ -18,7 +18,26 @@ import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
+
+
+def _load_seccomp() -> ModuleType:
+    """The filter module: imported as part of the package on the parent side; loaded by path
+    in the launcher, which runs this file as a script (``-I -S``: megarl is not importable)."""
+    if __package__:
+        from megarl.agent.sandbox import seccomp
+
+        return seccomp
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "seccomp.py")
+    spec = importlib.util.spec_from_file_location("_megarl_sandbox_seccomp", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
 
 # ----------------------------------------------------------------------------------------------
 # Shared with the parent side
@@ -28,6 +47,7 @@ REQUIREMENTS: Mapping[str, tuple[str, ...]] = {
     "network": ("net-namespace",),
     "filesystem": ("private-root", "landlock-fs"),
     "processes": ("pid-namespace", "private-uid"),
+    "syscalls": ("seccomp",),
 }
 
 
@@ -38,7 +58,8 @@ class SandboxReport:
     ``applied`` holds layer names (``net-namespace``, ``pid-namespace``, ``mount-namespace``,
     ``private-root``, ``ipc-namespace``, ``uts-namespace``, ``user-namespace``,
     ``private-uid``, ``landlock-fs``, ``landlock-net``, ``landlock-scope``, ``no-new-privs``,
-    ``rlimits``, ``rlimit-nproc``, ``clean-env``, ``isolated-python``, ``new-session``);
+    ``rlimits``, ``rlimit-nproc``, ``clean-env``, ``isolated-python``, ``new-session``,
+    ``session-keyring``, ``ipc-limits``, ``cgroup``, ``seccomp``);
     ``missing`` says, in words, what was not applied and why. Nothing is claimed that the
     kernel did not accept.
     """
@@ -79,7 +100,7 @@ class SandboxReport:
 
 
 # Every layer name a report can hold; ``require=`` accepts these as well as REQUIREMENTS' keys.
-_LAYERS = (
+LAYERS = (
     "new-session",
     "clean-env",
     "isolated-python",
@@ -97,6 +118,10 @@ _LAYERS = (
     "landlock-scope",
     "rlimits",
     "rlimit-nproc",
+    "session-keyring",
+    "ipc-limits",
+    "cgroup",
+    "seccomp",
 )
 
 # The device files the program gets (bound into a private root, allowed by Landlock).
@@ -136,6 +161,16 @@ _PR_SET_PDEATHSIG = 1
 _PR_SET_DUMPABLE = 4
 _PR_SET_NO_NEW_PRIVS = 38
 _PR_SET_CHILD_SUBREAPER = 36
+
+# keyctl(2): its number by architecture (glibc has no wrapper), and the operation used.
+_SYS_KEYCTL = {"x86_64": 250, "aarch64": 219}
+_KEYCTL_JOIN_SESSION_KEYRING = 1
+
+# SysV IPC limits of the run's IPC namespace: segments and message queues hold memory that no
+# process maps (attach, fill, detach, repeat), which RLIMIT_AS does not count.
+_IPC_SYSCTLS = ("shmmax", "shmall", "shmmni", "msgmni")
+_SHM_SEGMENTS = 64
+_MSG_QUEUES = 16
 
 # Landlock: syscall numbers (>= 424: the same on every architecture) and access rights by ABI.
 _SYS_LANDLOCK_CREATE_RULESET = 444
@@ -352,6 +387,13 @@ def _init_main(spec: dict[str, Any], libc: ctypes.CDLL, layers: _Layers, flags: 
     os.setpgid(0, 0)  # a group of its own, which the program inherits: killed at once
     libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)  # the launcher gone: so are we
     workdir = spec["workdir"]
+    seccomp = _load_seccomp()  # now: the private root does not hold this file
+    _join_session_keyring(libc, layers)
+    _join_cgroup(spec, layers)
+    if flags & _CLONE_NEWIPC:
+        _limit_ipc(spec, layers)
+    else:
+        layers.lack("ipc-limits: no IPC namespace; the host's SysV limits apply")
     private_root = False
     if flags & _CLONE_NEWNS:
         _build_private_root(libc, spec)
@@ -370,6 +412,8 @@ def _init_main(spec: dict[str, Any], libc: ctypes.CDLL, layers: _Layers, flags: 
     libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)  # the program, even with init's uid, cannot ptrace it
     libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)  # a uid change cleared it
     limits = _rlimits(spec, layers)
+    # Last: init's own set-up above needed mount, unshare, keyctl... that the filter refuses.
+    _install_seccomp(libc, seccomp, layers)
     report = SandboxReport.from_json(layers.as_json())
     _send(control, {"report": layers.as_json()})
     missing = [r for r in spec["require"] if not report.satisfies(r)]
@@ -384,6 +428,76 @@ def _init_main(spec: dict[str, Any], libc: ctypes.CDLL, layers: _Layers, flags: 
         os.close(fd)
     _send(control, {"exit": _wait_program(pid)})
     os._exit(0)
+
+
+def _join_session_keyring(libc: ctypes.CDLL, layers: _Layers) -> None:
+    """A new anonymous session keyring, owned by init's (not the program's) uid: the kernel's
+    keyrings are not namespaced, and the one inherited from the trainer (a PAM login's, a
+    systemd service's) may hold its keys. Freed when the run's last process is gone."""
+    number = _SYS_KEYCTL.get(os.uname().machine)
+    if number is None:
+        layers.lack(f"session-keyring: no keyctl number known for {os.uname().machine}")
+        return
+    if libc.syscall(number, _KEYCTL_JOIN_SESSION_KEYRING, None) < 0:
+        layers.lack(f"session-keyring: keyctl refused ({os.strerror(ctypes.get_errno())})")
+        return
+    layers.add("session-keyring")
+
+
+def _join_cgroup(spec: dict[str, Any], layers: _Layers) -> None:
+    """Move init (and so every process it starts) into the run's cgroup, which the parent made
+    with the run's limits (:mod:`megarl.agent.sandbox.cgroup`)."""
+    folder = spec.get("cgroup")
+    if folder is None:
+        layers.lack(f"cgroup: {spec.get('cgroup_missing') or 'none made'}")
+        return
+    try:
+        with open(os.path.join(folder, "cgroup.procs"), "w") as f:
+            f.write("0")  # the writer itself
+    except OSError as e:
+        layers.lack(f"cgroup: cannot join {folder} ({e.strerror})")
+        return
+    layers.add("cgroup")
+
+
+def _limit_ipc(spec: dict[str, Any], layers: _Layers) -> None:
+    """The run's IPC namespace gets SysV limits from ``memory_mb``: all shared-memory segments
+    together at most ``memory_mb`` (``shmall``; ``shmmax`` per segment), at most
+    ``_SHM_SEGMENTS`` segments and ``_MSG_QUEUES`` message queues (16 KiB each by default).
+    Written through the host's /proc before the private root hides it: these sysctls are
+    per IPC namespace, the writer's."""
+    memory = spec["limits"]["memory_mb"] << 20
+    values = {
+        "shmmax": memory,
+        "shmall": memory // os.sysconf("SC_PAGE_SIZE"),
+        "shmmni": _SHM_SEGMENTS,
+        "msgmni": _MSG_QUEUES,
+    }
+    try:
+        for name in _IPC_SYSCTLS:
+            with open(f"/proc/sys/kernel/{name}", "w") as f:
+                f.write(str(values[name]))
+    except OSError as e:
+        layers.lack(f"ipc-limits: cannot set kernel.{name} in the IPC namespace ({e.strerror})")
+        return
+    layers.add("ipc-limits")
+
+
+def _install_seccomp(libc: ctypes.CDLL, seccomp: ModuleType, layers: _Layers) -> None:
+    """The system-call filter (:mod:`megarl.agent.sandbox.seccomp`) on init, which the program
+    inherits across fork and exec. Needs ``no_new_privs`` (set before)."""
+    why_not = seccomp.supported()
+    if why_not is not None:
+        layers.lack(f"seccomp: {why_not}")
+        return
+    # Without limits of its own, the IPC namespace's SysV memory is bounded by nothing small.
+    also_refused = seccomp.SYSV_IPC if "ipc-limits" not in layers.applied else {}
+    try:
+        seccomp.install(libc, seccomp.program(also_refused))
+    except OSError as e:
+        layers.lack(f"seccomp: the kernel refused the filter ({e.strerror})")
+        return
+    layers.add("seccomp")
 
 
 def _build_private_root(libc: ctypes.CDLL, spec: dict[str, Any]) -> None:

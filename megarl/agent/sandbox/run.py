@@ -21,8 +21,9 @@ from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from megarl.agent.sandbox.confine import _LAYERS, REQUIREMENTS, SandboxReport
-from megarl.distributed.processes import process_lives, processes_of_uid
+from megarl.agent.sandbox import cgroup
+from megarl.agent.sandbox.confine import LAYERS, REQUIREMENTS, SandboxReport
+from megarl.distributed.processes import process_lives, process_start, processes_of_uid
 
 # ----------------------------------------------------------------------------------------------
 # Public types
@@ -35,8 +36,10 @@ class SandboxLimits:
 
     ``memory_mb`` and ``cpu_s`` bind each process; ``max_processes`` (processes and threads,
     the program included) bounds how many there are, so the worst case is about
-    ``max_processes * memory_mb`` of memory. ``max_file_mb`` bounds each file and, with a
-    private root, all of the work folder together (an in-memory tmpfs of that size).
+    ``max_processes * memory_mb`` of memory; with a ``cgroup`` layer ``memory_mb`` bounds all
+    of them together. ``memory_mb`` also bounds the run's SysV shared memory in all.
+    ``max_file_mb`` bounds each file and, with a private root, all of the work folder together
+    (an in-memory tmpfs of that size).
     ``max_output_bytes`` caps each of stdout and stderr: a program that prints more is stopped,
     its output cut there and marked truncated.
     """
@@ -113,6 +116,9 @@ _SWEEP_ROUNDS = 50
 _UID_BASE = 0x6000_0000
 _UID_SPAN = 1 << 24
 _SYSTEM_READ_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/etc/ld.so.cache")
+# A run's folder: its name's prefix, and the file in it naming the trainer that made it.
+_FOLDER_PREFIX = "megarl-sandbox-"
+_OWNER_FILE = "owner.json"
 # The launcher script, run by path (not as a module: it must not import megarl).
 _LAUNCHER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "confine.py")
 
@@ -125,6 +131,7 @@ async def run_python(
     read_paths: Iterable[str] = (),
     require: Collection[str] = (),
     work_root: str | None = None,
+    cgroup_parent: str | None = None,
 ) -> SandboxResult:
     """Run ``code`` as a Python program in a fresh sandbox; never raises for what the program
     does (it is all in the result), only :class:`SandboxError` when the sandbox cannot start.
@@ -133,15 +140,21 @@ async def run_python(
     packages, read-only). ``read_paths``: more folders it may read. ``require``: names of
     :data:`REQUIREMENTS` (or layers) that must be applied, else :class:`SandboxUnavailable`.
     ``work_root``: where the temporary folder is made (default: the system's temp dir).
+    ``cgroup_parent``: a delegated cgroup v2 folder for the run's cgroup (default: the
+    trainer's own cgroup where it can serve; see :mod:`megarl.agent.sandbox.cgroup`).
     """
     limits = limits or SandboxLimits()
     python = python or sys.executable
     if not python:
         raise SandboxError("no Python interpreter to run the code with (sys.executable is empty)")
-    unknown = [r for r in require if r not in REQUIREMENTS and r not in _LAYERS]
+    unknown = [r for r in require if r not in REQUIREMENTS and r not in LAYERS]
     if unknown:
         raise ValueError(f"unknown sandbox requirements {unknown}; known: {sorted(REQUIREMENTS)}")
-    run = _Run.create(python, limits, read_paths, require, work_root)
+    root = os.path.abspath(work_root or tempfile.gettempdir())
+    if root not in _SWEPT:
+        _SWEPT.add(root)
+        await asyncio.to_thread(sweep_leftovers, root)
+    run = _Run.create(python, limits, read_paths, require, root, cgroup_parent)
     try:
         return await run.execute(code.encode("utf-8", errors="replace"))
     finally:
@@ -149,6 +162,37 @@ async def run_python(
 
 
 _PROBES: dict[str, SandboxReport] = {}
+_SWEPT: set[str] = set()  # work roots swept of dead trainers' folders by this process
+
+
+def sweep_leftovers(work_root: str) -> list[str]:
+    """Remove the run folders in ``work_root`` that a dead trainer left (a SIGKILL gives no
+    clean-up), once per process and work root, before its first run. Only folders this code
+    made: named ``megarl-sandbox-*``, owned by this user, holding an owner file (written by
+    the trainer, not the program) that names a process which no longer runs (pid and start
+    time: a recycled pid is another process). Anything else is never touched. Returns the
+    removed paths."""
+    removed = []
+    with contextlib.suppress(OSError), os.scandir(work_root) as entries:
+        for entry in entries:
+            if entry.name.startswith(_FOLDER_PREFIX) and _left_by_dead_trainer(entry.path):
+                _remove_tree(entry.path)
+                removed.append(entry.path)
+    return removed
+
+
+def _left_by_dead_trainer(path: str) -> bool:
+    try:
+        folder = os.lstat(path)
+        fd = os.open(os.path.join(path, _OWNER_FILE), os.O_RDONLY | os.O_NOFOLLOW)
+        with os.fdopen(fd, encoding="utf-8") as f:
+            owner_uid = os.fstat(f.fileno()).st_uid
+            owner = json.loads(f.read(4096))
+        pid, start = int(owner["pid"]), int(owner["start"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    ours = folder.st_uid == owner_uid == os.geteuid() and stat.S_ISDIR(folder.st_mode)
+    return ours and process_start(pid) != start
 
 
 async def probe(python: str | None = None) -> SandboxReport:
@@ -240,6 +284,7 @@ class _Run:
     base: str
     uid: int | None
     spec: dict[str, Any]
+    cgroup: str | None = None
     proc: asyncio.subprocess.Process | None = None
     killed_by: str | None = None
 
@@ -251,15 +296,19 @@ class _Run:
         read_paths: Iterable[str],
         require: Collection[str],
         work_root: str | None,
+        cgroup_parent: str | None = None,
     ) -> _Run:
         """Make ``<tmp>/megarl-sandbox-*/{work,root}``: ``work`` is the program's empty cwd,
-        ``root`` the mount point of its private root. The base is 0711 (traversable, not
+        ``root`` the mount point of its private root; ``owner.json`` names this trainer (pid
+        and start time) for :func:`sweep_leftovers`. The base is 0711 (traversable, not
         listable) so that a fresh uid can reach ``work`` even without a private root."""
-        base = tempfile.mkdtemp(prefix="megarl-sandbox-", dir=work_root)
+        base = tempfile.mkdtemp(prefix=_FOLDER_PREFIX, dir=work_root)
         workdir = os.path.join(base, "work")
         newroot = os.path.join(base, "root")
         uid = _UID_BASE + secrets.randbelow(_UID_SPAN) if os.geteuid() == 0 else None
         try:
+            with open(os.path.join(base, _OWNER_FILE), "x", encoding="utf-8") as f:
+                json.dump({"pid": os.getpid(), "start": process_start(os.getpid())}, f)
             os.chmod(base, 0o711)
             os.mkdir(workdir, 0o700)
             os.mkdir(newroot, 0o700)
@@ -268,6 +317,9 @@ class _Run:
         except OSError:
             _remove_tree(base)
             raise
+        cgroup_folder, cgroup_missing = cgroup.create(
+            limits.memory_mb, limits.max_processes, cgroup_parent
+        )
         spec = {
             "python": os.path.abspath(python),
             "read_paths": _read_path_list(python, read_paths),
@@ -278,8 +330,10 @@ class _Run:
             "env": _minimal_env(python, workdir),
             "require": list(require),
             "parent_pid": os.getpid(),
+            "cgroup": cgroup_folder,
+            "cgroup_missing": cgroup_missing,
         }
-        return cls(limits=limits, base=base, uid=uid, spec=spec)
+        return cls(limits=limits, base=base, uid=uid, spec=spec, cgroup=cgroup_folder)
 
     async def execute(self, code: bytes) -> SandboxResult:
         start = time.monotonic()
@@ -357,6 +411,7 @@ class _Run:
             for task in tasks:
                 task.cancel()
             self.kill(None)
+            _close_pipes(proc)
         return bytes(control)
 
     @staticmethod
@@ -367,10 +422,13 @@ class _Run:
         stdin.close()
 
     async def _pump(self, stream: asyncio.StreamReader, buf: _CappedBuffer) -> None:
+        """Keep the stream's first bytes; past the cap, stop the run and read on to EOF,
+        discarding: a reader that stops pauses its pipe with data in it, its EOF is never
+        seen, and Python 3.11's ``Process.wait()`` waits for EOF on every pipe (the call would
+        last until the timeout plus grace, the pipe left open in the trainer)."""
         while chunk := await stream.read(1 << 16):
-            if not buf.add(chunk):
+            if not buf.add(chunk) and self.killed_by is None:
                 self.kill("output_limit")
-                return
 
     def kill(self, reason: str | None) -> None:
         """Ask the launcher to end the run (SIGTERM): it SIGKILLs init, whose death takes the
@@ -427,11 +485,13 @@ class _Run:
 
     def cleanup(self) -> None:
         """Blocking (run in a thread, also when the caller was cancelled): make sure no process
-        of the run is left, then remove its folder."""
+        of the run is left, then remove its cgroup and folder."""
         if self.proc is not None and self.proc.returncode is None:
             self.kill(None)
             _wait_gone(self.proc.pid, _KILL_GRACE_S)
         self.kill_hard()
+        if self.cgroup is not None:
+            cgroup.remove(self.cgroup)
         _remove_tree(self.base)
 
 
@@ -440,6 +500,18 @@ def _wait_gone(pid: int, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and process_lives(pid):
         time.sleep(0.01)
+
+
+def _close_pipes(proc: asyncio.subprocess.Process) -> None:
+    """Close the launcher's pipes in the trainer: a no-op when each reached EOF, as each does
+    unless the run was abandoned. No fd of a run outlives its call."""
+    transport = getattr(proc, "_transport", None)  # asyncio has no public handle on the pipes
+    if transport is None:
+        return
+    for fd in (0, 1, 2):
+        pipe = transport.get_pipe_transport(fd)
+        if pipe is not None and not pipe.is_closing():
+            pipe.close()
 
 
 async def _read_fd(fd: int, into: bytearray) -> None:

@@ -21,7 +21,8 @@ Tool YAML (verl's shape)::
           max_concurrency: 8
           python: /usr/bin/python3
           read_paths: []
-          require: [network, filesystem, processes]
+          require: [network, filesystem, processes, syscalls]
+          cgroup_parent: null   # a delegated cgroup v2 folder (default: the trainer's own)
         tool_schema: ...   # default: PYTHON_EXEC_SCHEMA
 """
 
@@ -29,11 +30,14 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import os
+import re
 import signal
 from typing import Any
 
 from megarl.agent.sandbox import (
+    LAYERS,
     REQUIREMENTS,
     SandboxLimits,
     SandboxResult,
@@ -64,6 +68,7 @@ PYTHON_EXEC_SCHEMA: dict[str, Any] = {
 
 # Config keys besides the limits; ``type`` is verl's tool-type tag, accepted and unused.
 _OTHER_KEYS = (
+    "cgroup_parent",
     "max_code_bytes",
     "max_concurrency",
     "python",
@@ -105,9 +110,11 @@ class PythonExecTool(Tool):
         self.python: str | None = self.config.get("python")
         self.read_paths = _names(self.config.get("read_paths", ()))
         self.require = _names(self.config.get("require", ()))
-        bad = [r for r in self.require if r not in REQUIREMENTS]
+        self.cgroup_parent: str | None = self.config.get("cgroup_parent")
+        bad = [r for r in self.require if r not in REQUIREMENTS and r not in LAYERS]
         if bad:
-            raise ValueError(f"{type(self).__name__}: require {bad}; known: {list(REQUIREMENTS)}")
+            known = [*REQUIREMENTS, *LAYERS]
+            raise ValueError(f"{type(self).__name__}: require {bad}; known: {known}")
         self._slots: asyncio.Semaphore | None = None
         self._slots_loop: asyncio.AbstractEventLoop | None = None
 
@@ -132,6 +139,7 @@ class PythonExecTool(Tool):
                 python=self.python,
                 read_paths=self.read_paths,
                 require=self.require,
+                cgroup_parent=self.cgroup_parent,
             )
         return format_observation(result, self.limits)
 
@@ -141,9 +149,24 @@ def _names(value: Any) -> tuple[str, ...]:
     return (value,) if isinstance(value, str) else tuple(str(v) for v in value)
 
 
+# C0 controls but tab and newline, DEL and C1 controls (U+009B is a one-character CSI).
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def escape_controls(text: str) -> str:
+    """``text`` with every control character but tab and newline shown as ``\\xNN``: a
+    program's output reaches the model's context, logs and terminals, where an escape
+    sequence would clear a screen, hide lines or retitle a window and a NUL cut a C string."""
+    return _CONTROL.sub(lambda match: f"\\x{ord(match.group()):02x}", text)
+
+
 def format_observation(result: SandboxResult, limits: SandboxLimits) -> str:
     """What the model reads: stdout alone when the program succeeded; otherwise also stderr
-    and how it ended, so that it can fix the program."""
+    and how it ended, so that it can fix the program. Control characters are shown escaped
+    (:func:`escape_controls`)."""
+    result = dataclasses.replace(
+        result, stdout=escape_controls(result.stdout), stderr=escape_controls(result.stderr)
+    )
     parts = [result.stdout] if result.stdout else []
     if result.truncated:
         parts.append(
