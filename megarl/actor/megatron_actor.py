@@ -21,6 +21,7 @@ import torch.distributed as dist
 from megarl.actor.router_stats import find_routers
 from megarl.actor.routing_recorder import RoutingRecorder
 from megarl.actor.train_stats import OptimizerStepStats
+from megarl.algo.covariance import CovarianceRule
 from megarl.algo.losses import aggregate, kl_penalty, policy_loss
 from megarl.algo.rollout_correction import CorrectionSettings, compute_correction
 from megarl.batch import (
@@ -28,6 +29,7 @@ from megarl.batch import (
     Rollouts,
     build_micro_batch,
     per_token_to_response,
+    response_mask,
     response_values_to_BL,
 )
 from megarl.config.actor import ActorConfig
@@ -72,6 +74,12 @@ class LossSettings:
     only matters to a loss computed without one."""
     rollout_correction: CorrectionSettings = field(default_factory=CorrectionSettings)
     """``algo.rollout_correction``: IS weights and rejection from old vs engine logprobs."""
+    loss_keys: Mapping[str, float] = field(default_factory=dict)
+    """The loss-specific ``actor.*`` keys (``ActorConfig.loss_keys``: SAPO's temperatures,
+    kl_cov's and prime_dppo's coefficients)."""
+    covariance: CovarianceRule | None = None
+    """clip_cov / kl_cov: the step's token rule, fitted over the whole batch before the split
+    (:mod:`megarl.algo.covariance`); None for every other loss."""
 
 
 class MegatronActor:
@@ -460,6 +468,8 @@ class MegatronActor:
             clip_ratio_c=loss.clip_ratio_c,
             loss_scale_factor=loss.loss_scale_factor,
             token_weights_BT=self._correction_weights_BL(old_BL, mb, batch, loss),
+            loss_keys=loss.loss_keys,
+            selected_BT=self._selected_BL(mb, batch, loss.covariance),
         )
         total = pg.loss
         kl_value = logp_BL.new_zeros(())
@@ -506,6 +516,21 @@ class MegatronActor:
             old_BL, rollout_BL, mb.loss_mask_BL, loss.rollout_correction
         )
         return correction.token_weights_BT
+
+    @staticmethod
+    def _selected_BL(mb, batch, rule: CovarianceRule | None) -> torch.Tensor | None:
+        """The tokens the step's covariance rule selects in this micro-batch's sequences, each
+        from its own engine logprobs, trained tokens and advantage (so any split agrees with
+        the whole batch); None without a rule."""
+        if rule is None:
+            return None
+        picked = {}
+        for i in mb.seq_indices:
+            engine = batch.engine_logprobs[i]
+            mask = response_mask(batch, i)
+            trained = torch.ones_like(engine, dtype=torch.bool) if mask is None else mask > 0
+            picked[i] = rule.select(i, engine, trained, float(batch.advantages[i])).to(engine.dtype)
+        return response_values_to_BL(picked, mb, batch) > 0
 
     @staticmethod
     def _old_logprobs_BL(logp_BL, mb, batch, old) -> torch.Tensor:

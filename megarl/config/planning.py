@@ -12,6 +12,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from megarl.algo.policy_losses import ClipSettings, zero_advantage_term
 from megarl.config.schema import RunConfig
 from megarl.planner.gates import OldLogProbMode, RefLogProbMode, RunFacts, StepFacts
 from megarl.planner.inputs import PlannerInputs
@@ -33,7 +34,20 @@ def prune_mode(cfg: RunConfig) -> tuple[str, str]:
         cfg.actor.entropy_coef,
         cfg.algo.adv_estimator,
         cfg.actor.moe_aux_loss_coef,
+        policy_loss_term(cfg),
     )
+
+
+def policy_loss_term(cfg: RunConfig) -> str | None:
+    """Why ``actor.policy_loss`` with its keys acts on zero-advantage tokens (None: it does
+    not, the usual case): see :func:`megarl.algo.policy_losses.zero_advantage_term`."""
+    settings = ClipSettings(
+        low=cfg.actor.clip_ratio_low,
+        high=cfg.actor.clip_ratio_high,
+        ratio_c=cfg.actor.clip_ratio_c,
+        **cfg.actor.loss_keys,
+    )
+    return zero_advantage_term(cfg.actor.policy_loss, settings)
 
 
 def run_facts(cfg: RunConfig) -> RunFacts:
@@ -141,6 +155,7 @@ def planner_inputs(
         allow_approx=cfg.planner.allow_approx,
         adv_estimator=cfg.algo.adv_estimator,
         moe_aux_loss_coef=a.moe_aux_loss_coef,
+        loss_term=policy_loss_term(cfg),
         micro_batch_multiple=a.micro_batch_multiple,
     )
 
@@ -170,6 +185,7 @@ def critic_planner_inputs(
         kl_coef=0.0,
         entropy_coef=0.0,
         moe_aux_loss_coef=0.0,  # a value model has no router
+        loss_term=None,
         ppo_mini_batches=cfg.critic_ppo_mini_batches,
         ppo_epochs=cfg.critic_ppo_epochs,
         mode="off",

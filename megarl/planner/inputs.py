@@ -83,6 +83,10 @@ class PlannerInputs:
     moe_aux_loss_coef: float = 0.0
     """``actor.moe_aux_loss_coef``; > 0 (a router load-balancing loss) is never pruned
     (:func:`~megarl.planner.pruning.pruning_refusal`)."""
+    loss_term: str | None = None
+    """Why the policy loss itself acts on zero-advantage tokens (e.g. prime_dppo's
+    ``(log r)^2`` penalty, :func:`megarl.algo.policy_losses.zero_advantage_term`), None when it
+    does not; like a KL/entropy term it makes pruning approximate."""
     attention_cost_coef: float = DEFAULT_ATTENTION_COST_COEF
     """Cost model ``t + coef * t**2``; ``1 / (12 * hidden)`` fits a transformer, 0 = tokens."""
     micro_batch_multiple: int = 1

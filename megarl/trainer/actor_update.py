@@ -12,12 +12,14 @@ and the correction weighs.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 import torch
 
 from megarl.actor.megatron_actor import LossSettings, reduce_max_to_all, reduce_sums_to_all
 from megarl.actor.train_stats import OptimizerStepStats, UpdateStats, summarise_update
+from megarl.algo.covariance import CovarianceRule
 from megarl.algo.divergence import (
     DivergenceError,
     DivergenceHints,
@@ -56,6 +58,7 @@ def loss_settings(cfg: RunConfig) -> LossSettings:
         clip_ratio_c=a.clip_ratio_c,
         loss_scale_factor=cfg.loss_scale_factor,
         rollout_correction=cfg.algo.rollout_correction.settings,
+        loss_keys=a.loss_keys,
     )
 
 
@@ -68,17 +71,19 @@ def update_actor(
     token_advantages: dict[int, torch.Tensor] | None = None,
     stale: frozenset[int] = frozenset(),
     step: int = 0,
+    covariance: CovarianceRule | None = None,
 ) -> UpdateStats:
     """Every optimizer step of the plan on this rank's micro-batches; the step's statistics,
     each the mean over optimizer steps. ``token_advantages``: a critic's, per token;
-    ``stale``: the sequences older weights sampled (left out of the engine check).
+    ``stale``: the sequences older weights sampled (left out of the engine check);
+    ``covariance``: clip_cov / kl_cov's rule of the step (fitted over the whole batch).
 
     The engine check (logprobs, ``rollout_corr/*``, MoE routing) compares the first forward of
     each trained sequence on the weights the step starts from: the old-logprob pass's where the
     gates ran it, else the first optimizer step's training forward, which also runs before any
     weight moves.
     """
-    loss = loss_settings(rt.cfg)
+    loss = dataclasses.replace(loss_settings(rt.cfg), covariance=covariance)
     per_step: list[OptimizerStepStats] = []
     grad_norms: list[float] = []
     lp_diff = [0.0, 0.0]  # |engine - trainer| summed, tokens compared
