@@ -405,8 +405,8 @@ def gpg(
 def _require_selection(name: str, selected_BT: Tensor | None, like_BT: Tensor) -> Tensor:
     if selected_BT is None:
         raise ValueError(
-            f"policy loss {name} needs the tokens its batch-level covariance rule selected "
-            "(megarl.algo.covariance.CovarianceRule, computed before the split)"
+            f"policy loss {name} needs the tokens its batch-level rule selected (computed "
+            "over the whole batch before the split: megarl.algo.covariance, megarl.algo.m2po)"
         )
     if selected_BT.shape != like_BT.shape:
         raise ValueError(
@@ -471,6 +471,34 @@ def kl_cov(
     )
 
 
+def m2po(
+    logp_BT: Tensor,
+    old_logp_BT: Tensor,
+    adv_BT: Tensor,
+    mask_BT: Tensor,
+    clip: ClipSettings,
+    selected_BT: Tensor | None = None,
+) -> TokenPolicyLoss:
+    """M2PO (Zheng et al. 2025, arXiv:2510.01161, as AReaL implements it): ``vanilla``'s
+    clipped surrogate against the proximal (old) policy, with the tokens the second-moment
+    trust region masked (``selected_BT``) contributing nothing.
+
+    The mask drops the tokens of largest ``(log pi_prox - log pi_behav)^2``, fewest first,
+    until the mean over the rest is below ``actor.m2_threshold``; it is fitted once over the
+    whole batch before the split (:mod:`megarl.algo.m2po`). The staleness itself is weighed
+    by the rollout correction (``algo.rollout_correction``, ``pi_prox / pi_behav``), as in
+    decoupled PPO. At staleness 0 nothing is masked and this is ``vanilla``.
+    ``pg_clipfrac`` counts the masked tokens with the clipped ones.
+    """
+    chosen_BT = _require_selection("m2po", selected_BT, logp_BT)
+    ppo = vanilla(logp_BT, old_logp_BT, adv_BT, mask_BT, clip)
+    return TokenPolicyLoss(
+        loss_BT=torch.where(chosen_BT, torch.zeros_like(ppo.loss_BT), ppo.loss_BT),
+        clipped_BT=ppo.clipped_BT | chosen_BT,
+        clipped_lower_BT=ppo.clipped_lower_BT & ~chosen_BT,
+    )
+
+
 @dataclass(frozen=True)
 class PolicyLoss:
     """One registered loss: its per-token function and the aggregation it is meant with."""
@@ -478,9 +506,10 @@ class PolicyLoss:
     per_token: PolicyLossFn
     default_agg: str = "token-mean"
     """What ``actor.loss_agg`` left unset (null) means with this loss (an ``AGG_MODES`` name)."""
-    covariance_rule: bool = False
-    """The loss reads ``selected_BT``: tokens a rule over the whole batch picked
-    (:mod:`megarl.algo.covariance`), decided once before the batch is split."""
+    batch_rule: str | None = None
+    """The loss reads ``selected_BT``: tokens a rule over the whole batch picked, decided once
+    before the batch is split: ``covariance`` (:mod:`megarl.algo.covariance`) or
+    ``second_moment`` (:mod:`megarl.algo.m2po`); None for a loss of each row alone."""
 
 
 POLICY_LOSSES: dict[str, PolicyLoss] = {
@@ -496,8 +525,9 @@ POLICY_LOSSES: dict[str, PolicyLoss] = {
     "geo_mean": PolicyLoss(geo_mean, default_agg="seq-mean-token-mean"),
     "sapo": PolicyLoss(sapo, default_agg="seq-mean-token-mean"),
     "gpg": PolicyLoss(gpg),
-    "clip_cov": PolicyLoss(clip_cov, covariance_rule=True),
-    "kl_cov": PolicyLoss(kl_cov, covariance_rule=True),
+    "clip_cov": PolicyLoss(clip_cov, batch_rule="covariance"),
+    "kl_cov": PolicyLoss(kl_cov, batch_rule="covariance"),
+    "m2po": PolicyLoss(m2po, batch_rule="second_moment"),
 }
 
 POLICY_LOSS_NAMES: tuple[str, ...] = tuple(POLICY_LOSSES)
@@ -513,8 +543,14 @@ def get_policy_loss(name: str) -> PolicyLoss:
     return POLICY_LOSSES[name]
 
 
-COVARIANCE_LOSSES: tuple[str, ...] = tuple(n for n, e in POLICY_LOSSES.items() if e.covariance_rule)
+COVARIANCE_LOSSES: tuple[str, ...] = tuple(
+    n for n, e in POLICY_LOSSES.items() if e.batch_rule == "covariance"
+)
 """The losses that select tokens by the batch's covariance (clip_cov, kl_cov)."""
+SECOND_MOMENT_LOSSES: tuple[str, ...] = tuple(
+    n for n, e in POLICY_LOSSES.items() if e.batch_rule == "second_moment"
+)
+"""The losses that mask tokens by the batch's second moment of the staleness (m2po)."""
 
 
 def zero_advantage_term(name: str, clip: ClipSettings) -> str | None:

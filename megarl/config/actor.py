@@ -161,8 +161,8 @@ class ActorConfig:
     dual-clip) | gspo (sequence ratio) | cispo (clipped IS-weight REINFORCE) | sft | dppo_tv /
     dppo_kl (divergence trust region) | prime_dppo (prime-rl's default: DPPO-TV + a
     ``(log r)^2`` penalty) | geo_mean (GMPO) | sapo (soft gate) | gpg (REINFORCE) | clip_cov /
-    kl_cov (covariance-selected tokens). verl's ``policy_loss.loss_mode``, flattened to one
-    string."""
+    kl_cov (covariance-selected tokens) | m2po (PPO with a second-moment mask for stale data).
+    verl's ``policy_loss.loss_mode``, flattened to one string."""
     clip_ratio_low: float = 0.2
     """The ratio (cispo: the IS weight) is clipped below at ``1 - clip_ratio_low``: in (0, 1);
     cispo also takes >= 1 (no lower bound, MiniMax-M1's setting)."""
@@ -196,6 +196,10 @@ class ActorConfig:
     ``loss.kl_tau``). > 0 acts on zero-advantage tokens, so pruning them is not exact."""
     adv_tau: float = 1.0
     """prime_dppo: the scale of its advantage term, >= 0 (prime-rl's ``loss.adv_tau``)."""
+    m2_threshold: float = 0.04
+    """m2po: the bound on the batch's second moment ``mean (log pi_prox - log pi_behav)^2``
+    of the tokens' staleness (AReaL's key), > 0; the tokens of largest value are masked until
+    the rest is below it."""
     loss_agg: str | None = None
     """One of :data:`megarl.algo.losses.AGG_MODES` (see :func:`~megarl.algo.losses.aggregate`);
     None (the default) = the policy loss's own: seq-mean-token-mean for gspo, as verl forces it,
@@ -275,6 +279,7 @@ class ActorConfig:
             f"actor.clip_cov_lb={self.clip_cov_lb}: must be below actor.clip_cov_ub="
             f"{self.clip_cov_ub}",
         )
+        _positive("actor.m2_threshold", self.m2_threshold)
         for key in ("ppo_kl_coef", "kl_tau", "adv_tau"):
             value = getattr(self, key)
             _require(

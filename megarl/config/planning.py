@@ -12,7 +12,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from megarl.algo.policy_losses import ClipSettings, zero_advantage_term
+from megarl.algo.policy_losses import SECOND_MOMENT_LOSSES, ClipSettings, zero_advantage_term
 from megarl.config.schema import RunConfig
 from megarl.planner.gates import OldLogProbMode, RefLogProbMode, RunFacts, StepFacts
 from megarl.planner.inputs import PlannerInputs
@@ -66,6 +66,7 @@ def run_facts(cfg: RunConfig) -> RunFacts:
         router_replay_r2=cfg.actor.router_replay.mode == "R2",
         rollout_engine=not cfg.algo.is_sft,
         distill=cfg.algo.distill.enabled,
+        proximal_before_split=cfg.actor.policy_loss in SECOND_MOMENT_LOSSES,
     )
 
 

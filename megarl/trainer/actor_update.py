@@ -27,6 +27,7 @@ from megarl.algo.divergence import (
     nonfinite_grad_message,
     nonfinite_weights_message,
 )
+from megarl.algo.m2po import SecondMomentRule
 from megarl.algo.rollout_correction import MismatchStats, mismatch_stats_of_sequences
 from megarl.algo.router_replay import replay_plan
 from megarl.algo.routing_mismatch import RoutingMismatch
@@ -71,19 +72,20 @@ def update_actor(
     token_advantages: dict[int, torch.Tensor] | None = None,
     stale: frozenset[int] = frozenset(),
     step: int = 0,
-    covariance: CovarianceRule | None = None,
+    token_rule: CovarianceRule | SecondMomentRule | None = None,
 ) -> UpdateStats:
     """Every optimizer step of the plan on this rank's micro-batches; the step's statistics,
     each the mean over optimizer steps. ``token_advantages``: a critic's, per token;
     ``stale``: the sequences older weights sampled (left out of the engine check);
-    ``covariance``: clip_cov / kl_cov's rule of the step (fitted over the whole batch).
+    ``token_rule``: clip_cov / kl_cov's or m2po's rule of the step (fitted over the whole
+    batch, :mod:`megarl.trainer.token_rules`).
 
     The engine check (logprobs, ``rollout_corr/*``, MoE routing) compares the first forward of
     each trained sequence on the weights the step starts from: the old-logprob pass's where the
     gates ran it, else the first optimizer step's training forward, which also runs before any
     weight moves.
     """
-    loss = dataclasses.replace(loss_settings(rt.cfg), covariance=covariance)
+    loss = dataclasses.replace(loss_settings(rt.cfg), token_rule=token_rule)
     per_step: list[OptimizerStepStats] = []
     grad_norms: list[float] = []
     lp_diff = [0.0, 0.0]  # |engine - trainer| summed, tokens compared

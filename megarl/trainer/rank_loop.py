@@ -61,7 +61,7 @@ from megarl.trainer.progress import PhaseHook, no_progress
 from megarl.trainer.rollout_source import InlineSource, RolloutSource, StepRollout, StreamSource
 from megarl.trainer.runtime import Runtime
 from megarl.trainer.scatter import scatter_sequences
-from megarl.trainer.token_rules import step_covariance_rule
+from megarl.trainer.token_rules import step_token_rule
 from megarl.trainer.weight_sync import push_weights, sync_weights
 
 if TYPE_CHECKING:
@@ -455,11 +455,11 @@ def _train_step(rt: Runtime, step: int) -> None:
         targets = scatter_targets(rt, all_targets, plan, critic_plan)
         metrics.update(critic_update(rt, batch, critic_plan, targets, timer))
         token_advantages = targets.advantages
-    covariance = step_covariance_rule(rt.cfg, rollout.batch, step)
+    token_rule = step_token_rule(rt, rollout.batch, batch, plan, logprobs.old, step)
     with rt.routers.watch() if rt.routers is not None else contextlib.nullcontext():
         stale = frozenset(facts.stale_sequences)
         stats = update_actor(
-            rt, batch, plan, logprobs, timer, token_advantages, stale, step, covariance
+            rt, batch, plan, logprobs, timer, token_advantages, stale, step, token_rule
         )
     if rt.routers is not None:
         replicas = rt.cfg.actor.tp // rt.actor.sequence_split

@@ -44,6 +44,7 @@ from megarl.config.schema import ConfigError, RunConfig, build_run_config
         ),
         ({"actor": {"ppo_kl_coef": -0.1}}, "actor.ppo_kl_coef=-0.1: must be a finite number >= 0"),
         ({"actor": {"kl_tau": -1}}, "actor.kl_tau=-1.0: must be a finite number >= 0"),
+        ({"actor": {"m2_threshold": 0}}, "actor.m2_threshold=0.0: must be > 0"),
         ({"actor": {"adv_tau": float("inf")}}, "actor.adv_tau=inf: must be a finite"),
         ({"algo": {"filter_groups": {"metric": "acc"}}}, "algo.filter_groups.metric='acc'"),
         (

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from megarl.algo import m2po
 from megarl.algo.covariance import CovarianceSettings, fit_rule
 from megarl.algo.losses import (
     AGG_MODES,
@@ -40,17 +41,32 @@ def _loss_extras(
     rows: list[int] | None = None,
 ) -> dict:
     """What a loss needs beyond the common arguments, for the batch rows ``rows`` (all if None):
-    clip_cov / kl_cov their tokens, chosen by a rule fitted once over the *whole* batch
-    (``engine_logp_BT`` stands in for the engine's log-probs) and applied row by row;
-    prime_dppo ``kl_tau=0``, without which its penalty breaks the zero-advantage rule (tested
-    apart)."""
+    clip_cov / kl_cov / m2po their tokens, chosen by a rule fitted once over the *whole* batch
+    (``engine_logp_BT`` stands in for the engine's log-probs; m2po's behaviour log-probs are
+    those moved by a fixed staleness) and applied row by row; prime_dppo ``kl_tau=0``, without
+    which its penalty breaks the zero-advantage rule (tested apart)."""
     if name == "prime_dppo":
         return {"loss_keys": {"kl_tau": 0.0}}
+    rows = list(range(len(adv_B))) if rows is None else rows
+    if name == "m2po":
+        staleness = 0.4 * torch.sin(torch.arange(engine_logp_BT.numel(), dtype=torch.float64))
+        behaviour_BT = engine_logp_BT + staleness.reshape(engine_logp_BT.shape)
+        trained = [row != 0 for row in mask_BT]
+        squared = [
+            m2po.squared_log_weight(behaviour_BT[b], engine_logp_BT[b])[trained[b]]
+            for b in range(len(adv_B))
+            if adv_B[b] != 0
+        ]
+        rule = m2po.fit_rule(squared, 0.02)
+        chosen = [
+            rule.select(behaviour_BT[b], engine_logp_BT[b], trained[b], float(adv_B[b]))
+            for b in rows
+        ]
+        return {"selected_BT": torch.stack(chosen)}
     if name not in COVARIANCE_LOSSES:
         return {}
     trained = [row != 0 for row in mask_BT]
     rule = fit_rule(name, list(engine_logp_BT), trained, adv_B.tolist(), TEST_COV, seed=5)
-    rows = list(range(len(adv_B))) if rows is None else rows
     selected = [rule.select(b, engine_logp_BT[b], trained[b], float(adv_B[b])) for b in rows]
     return {"selected_BT": torch.stack(selected)}
 
@@ -344,6 +360,7 @@ def test_registry_names_and_default_aggregations() -> None:
         "gpg",
         "clip_cov",
         "kl_cov",
+        "m2po",
     )
     assert COVARIANCE_LOSSES == ("clip_cov", "kl_cov")
     assert all(entry.default_agg in AGG_MODES for entry in POLICY_LOSSES.values())

@@ -10,13 +10,19 @@ import math
 import pytest
 import torch
 
+from megarl.algo import m2po
 from megarl.algo.covariance import CovarianceSettings, fit_rule, token_keys
 from megarl.algo.losses import policy_loss
 from megarl.algo.policy_losses import POLICY_LOSS_NAMES, ClipSettings, zero_advantage_term
 from megarl.config import planning
 from megarl.config.schema import ConfigError, build_run_config
 from megarl.planner.batch_planner import plan_step
-from megarl.planner.gates import decide_gates
+from megarl.planner.gates import (
+    M2PO_PROXIMAL,
+    GateConfigError,
+    decide_gates,
+    validate_gate_config,
+)
 from megarl.planner.inputs import PlannerError
 from megarl.planner.pruning import check_pruning_config
 
@@ -360,12 +366,12 @@ def test_a_named_pruning_mode_with_prime_dppo_needs_allow_approx() -> None:
         plan_step(inputs)
 
 
-@pytest.mark.parametrize("name", [n for n in POLICY_LOSS_NAMES if n != "sft"])
+@pytest.mark.parametrize("name", [n for n in POLICY_LOSS_NAMES if n not in ("sft", "m2po")])
 @pytest.mark.parametrize("versions", [None, [6, 6, 5, 6]])
 def test_the_gates_decide_the_same_passes_for_every_loss(
     name: str, versions: list[int] | None
 ) -> None:
-    """No loss needs old log-probs beyond what the gates already give: the first slice's
+    """No loss but m2po (below) needs old log-probs beyond what the gates already give: the first slice's
     training forward *is* the old (proximal) policy for every one of them, and clip_cov /
     kl_cov's selection reads the engine's log-probs, not an extra pass. So the gates (and
     their reasons) are vanilla's, on-policy and with a stale sequence alike."""
@@ -393,3 +399,117 @@ def test_covariance_losses_refuse_per_token_advantages(name: str, tree: dict) ->
     with pytest.raises(ConfigError, match=f"actor.policy_loss={name} selects tokens") as info:
         build_run_config({**tree, "actor": {"policy_loss": name}})
     assert "\n" not in str(info.value)
+
+
+# ----------------------------------------------------------------------------- M2PO
+
+
+def _areal_m2_mask(values: list[float], threshold: float) -> set[int]:
+    """AReaL's M2PO procedure as a loop: drop the largest squared log weights, one at a time,
+    until the mean of the rest is below the threshold (one always stays)."""
+    order = sorted(range(len(values)), key=lambda k: -values[k])
+    for dropped in range(len(values)):
+        rest = [values[k] for k in order[dropped:]]
+        if sum(rest) / len(rest) < threshold:
+            return set(order[:dropped])
+    return set(order[:-1])
+
+
+def _stale(seed: int, scale: float):
+    """A batch and behaviour log-probs ``scale``-stale around its old (proximal) ones."""
+    logp_BT, old_logp_BT, adv_B, mask_BT = _batch(seed)
+    gen = torch.Generator().manual_seed(seed + 100)
+    behaviour_BT = old_logp_BT + scale * torch.randn(B, T, generator=gen, dtype=torch.float64)
+    return logp_BT, old_logp_BT, adv_B, mask_BT, behaviour_BT
+
+
+def _m2po_selection(old_logp_BT, adv_B, mask_BT, behaviour_BT, threshold):
+    trained = list(mask_BT > 0)
+    squared = [
+        m2po.squared_log_weight(behaviour_BT[b], old_logp_BT[b])[trained[b]]
+        for b in range(B)
+        if adv_B[b] != 0
+    ]
+    rule = m2po.fit_rule(squared, threshold)
+    chosen = [
+        rule.select(behaviour_BT[b], old_logp_BT[b], trained[b], float(adv_B[b])) for b in range(B)
+    ]
+    return rule, torch.stack(chosen)
+
+
+def test_m2po_masks_what_areals_procedure_masks_and_trains_the_rest_with_ppo() -> None:
+    """M2PO (arXiv:2510.01161): the tokens of largest (log pi_prox - log pi_behav)^2 are masked
+    until the mean of the rest is below m2_threshold; the others get vanilla's surrogate."""
+    logp_BT, old_logp_BT, adv_B, mask_BT, behaviour_BT = _stale(seed=20, scale=0.3)
+    tokens = [(b, t) for b in range(B) if adv_B[b] != 0 for t in range(T) if mask_BT[b, t] > 0]
+    squared = [float((old_logp_BT[b, t] - behaviour_BT[b, t]) ** 2) for b, t in tokens]
+    expected_masked = {tokens[k] for k in _areal_m2_mask(squared, 0.03)}
+    assert 0 < len(expected_masked) < len(tokens)
+
+    rule, selected_BT = _m2po_selection(old_logp_BT, adv_B, mask_BT, behaviour_BT, 0.03)
+    assert set(map(tuple, selected_BT.nonzero().tolist())) == expected_masked
+    assert rule.num_masked == len(expected_masked)
+    assert rule.second_moment == pytest.approx(sum(squared) / len(squared))
+
+    vanilla_BT = logp_BT.clone().requires_grad_(True)
+    r = torch.exp(vanilla_BT - old_logp_BT)
+    a = adv_B[:, None]
+    ppo = torch.maximum(-a * r, -a * r.clamp(0.8, 1.2))
+    ppo = torch.where(a < 0, torch.minimum(ppo, -a * 3.0), ppo)
+    expected = (ppo * (~selected_BT) * mask_BT).sum() / mask_BT.sum()
+    expected.backward()
+    ours, grad = _ours("m2po", logp_BT, old_logp_BT, adv_B, mask_BT, selected_BT=selected_BT)
+    _check(ours, grad, expected, vanilla_BT.grad)
+    assert (grad[selected_BT] == 0).all()
+
+
+@pytest.mark.parametrize("mismatch", [0.0, 1e-5])
+def test_m2po_at_staleness_zero_is_the_on_policy_loss(mismatch: float) -> None:
+    """Staleness 0: the behaviour policy is the proximal one (up to the engine/trainer
+    mismatch), M2 ~ 0 is below the threshold, nothing is masked, and the loss and gradient
+    are vanilla PPO's, bit for bit."""
+    logp_BT, old_logp_BT, adv_B, mask_BT, behaviour_BT = _stale(seed=21, scale=mismatch)
+    rule, selected_BT = _m2po_selection(old_logp_BT, adv_B, mask_BT, behaviour_BT, 0.04)
+    assert rule.cut == math.inf and not selected_BT.any()
+    assert rule.second_moment < 1e-9
+    ours, ours_grad = _ours("m2po", logp_BT, old_logp_BT, adv_B, mask_BT, selected_BT=selected_BT)
+    on_policy, on_policy_grad = _ours("vanilla", logp_BT, old_logp_BT, adv_B, mask_BT)
+    assert ours.loss.item() == on_policy.loss.item()
+    assert torch.equal(ours_grad, on_policy_grad)
+    # the check can tell: stale behaviour log-probs do mask tokens and change the loss
+    stale_behaviour_BT = _stale(seed=21, scale=0.5)[4]
+    _, stale_BT = _m2po_selection(old_logp_BT, adv_B, mask_BT, stale_behaviour_BT, 0.04)
+    stale, _ = _ours("m2po", logp_BT, old_logp_BT, adv_B, mask_BT, selected_BT=stale_BT)
+    assert stale_BT.any() and stale.loss.item() != on_policy.loss.item()
+
+
+def test_m2po_leaves_zero_advantage_sequences_out_of_the_statistic() -> None:
+    """A zero-advantage sequence, however stale, neither counts in M2 nor is masked: the mask
+    is the same whether the planner prunes it or not."""
+    _, old_logp_BT, adv_B, mask_BT, behaviour_BT = _stale(seed=22, scale=0.2)
+    assert adv_B[2] == 0
+    very_stale_BT = behaviour_BT.clone()
+    very_stale_BT[2] += 5.0
+    rule, selected_BT = _m2po_selection(old_logp_BT, adv_B, mask_BT, behaviour_BT, 0.02)
+    moved_rule, moved_BT = _m2po_selection(old_logp_BT, adv_B, mask_BT, very_stale_BT, 0.02)
+    assert rule == moved_rule and torch.equal(selected_BT, moved_BT)
+    assert not selected_BT[2].any()
+
+
+def test_m2po_recomputes_every_sequence_and_refuses_engine_or_forward_logprobs() -> None:
+    """The gates' reason: m2po needs every token's proximal log-probs before the split, the
+    on-policy first slice's included; rollout (engine = proximal) or never are refused."""
+    cfg = build_run_config({"actor": {"policy_loss": "m2po"}})
+    gates = decide_gates(planning.step_facts(cfg, 1, 8))
+    assert gates.old_log_prob.seq_indices == tuple(range(8))
+    assert gates.old_log_prob.reason == M2PO_PROXIMAL
+    assert "m2po" in gates.summary()
+    for mode, needle in (("rollout", "would measure no staleness"), ("never", "contradicts")):
+        with pytest.raises(GateConfigError, match=needle):
+            validate_gate_config(
+                planning.run_facts(
+                    build_run_config(
+                        {"actor": {"policy_loss": "m2po"}, "planner": {"old_log_prob": mode}}
+                    )
+                )
+            )
