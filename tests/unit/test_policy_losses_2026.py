@@ -25,6 +25,7 @@ from megarl.planner.gates import (
 )
 from megarl.planner.inputs import PlannerError
 from megarl.planner.pruning import check_pruning_config
+from megarl.train import compose_config
 
 B, T = 6, 5
 
@@ -513,3 +514,28 @@ def test_m2po_recomputes_every_sequence_and_refuses_engine_or_forward_logprobs()
                     )
                 )
             )
+
+
+def test_every_loss_key_is_a_command_line_override() -> None:
+    """The keys are in configs/config.yaml, so ``actor.tau_pos=...`` works without a ``+``."""
+    values = {
+        "tau_pos": 1.5,
+        "tau_neg": 2.5,
+        "clip_cov_ratio": 0.01,
+        "clip_cov_lb": 0.5,
+        "clip_cov_ub": 4.0,
+        "kl_cov_ratio": 0.02,
+        "ppo_kl_coef": 0.3,
+        "kl_tau": 0.002,
+        "adv_tau": 0.5,
+        "m2_threshold": 0.08,
+    }
+    cfg = compose_config([f"actor.{key}={value}" for key, value in values.items()])
+    assert {key: getattr(cfg.actor, key) for key in values} == values
+    assert cfg.actor.loss_keys == {
+        "tau_pos": 1.5,
+        "tau_neg": 2.5,
+        "ppo_kl_coef": 0.3,
+        "kl_tau": 0.002,
+        "adv_tau": 0.5,
+    }
