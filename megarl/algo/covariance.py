@@ -27,7 +27,10 @@ for its sequences and rank 0 for the whole batch, so no extra forward and no gat
 They differ from the trainer's by the engine/trainer mismatch (``rollout/logprob_abs_diff``,
 ~1e-5 in fp32 here), and the selection is fixed for the whole step (verl re-selects in every
 micro-batch from the moving policy). Stale sequences (asynchronous training) use the
-behaviour policy's log-probs they were sampled with.
+behaviour policy's log-probs they were sampled with. verl also leaves out of clip_cov's
+candidates the tokens PPO's clip already holds; at the start of a step every ratio is 1 and
+none is clipped, so the rule has nothing to leave out (later in the step a selected token that
+PPO clips has no gradient either way).
 
 Random keys (clip_cov). Each trained token gets a key in [0, 1) from a generator seeded by
 (step seed, sequence index), drawn in the order of the sequence's trained tokens; the rule keeps
