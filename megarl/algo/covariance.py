@@ -1,9 +1,9 @@
 """Clip-Cov and KL-Cov's token selection, decided once over the whole batch.
 
 Both losses of Cui et al. 2025 (The Entropy Mechanism of RL for Reasoning LMs,
-arXiv:2505.22617, Sec. 4) act on the tokens whose *centred covariance* between log-prob and
-advantage is high, ``cov_t = (A_t - mean A) * (log pi(y_t) - mean log pi)``, the means taken
-over every trained token of the batch:
+arXiv:2505.22617v1, Sec. 4, eqs. 10-14) act on the tokens whose *centred covariance* between
+log-prob and advantage is high, ``cov_t = (A_t - mean A) * (log pi(y_t) - mean log pi)``, the
+means taken over every trained token of the batch:
 
 * **clip_cov** detaches ``max(1, int(clip_cov_ratio * N))`` tokens drawn at random among those
   with ``clip_cov_lb < cov_t < clip_cov_ub``;

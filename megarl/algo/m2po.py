@@ -1,13 +1,17 @@
 """M2PO's token mask: a trust region on the second moment of the staleness, fitted once per step.
 
 M2PO (Zheng et al. 2025, "Prosperity before Collapse: How Far Can Off-Policy RL Reach with
-Stale Data on LLMs?", arXiv:2510.01161; AReaL's ``m2_threshold``) trains on very stale data by
-bounding the second moment ``M2 = mean_t (log pi_prox(y_t) - log pi_behav(y_t))^2`` of the
+Stale Data on LLMs?", arXiv:2510.01161v2, Sec. 5: eq. 4 and Algorithm 1; AReaL's
+``m2_threshold``) trains on very stale data by bounding the second moment
+``M2 = mean_t (log pi_prox(y_t) - log pi_behav(y_t))^2`` of the
 tokens' log importance weights between the *proximal* policy (the trainer's weights the step
 starts from: the old log-probs) and the *behaviour* policy that sampled them (the engine's
 log-probs, of whatever version). The tokens of largest ``(log pi_prox - log pi_behav)^2`` are
-masked, fewest first, until the mean over the remaining ones is below ``m2_threshold``; the
-rest train with PPO's clipped surrogate as usual (``actor.policy_loss=m2po``). Unlike a clip
+masked, fewest first, until the mean over the remaining ones is below ``m2_threshold`` (the
+paper uses 0.04 in every experiment, the default here); the rest train with PPO's clipped
+surrogate as usual (``actor.policy_loss=m2po``). The paper's eq. 4 takes the ratio of the
+*current* policy to the behaviour one; at the start of a step that is the proximal policy, and
+AReaL (whose form this is) fixes it there, which is what lets the mask be fitted once. Unlike a clip
 on each token's weight, the budget is shared: a batch of mildly stale tokens keeps all of them,
 a few extreme ones are dropped.
 
@@ -17,16 +21,18 @@ after the old-logprob pass, from every rank's share) and shipped as one number, 
 ``(log pi_prox - log pi_behav)^2``; a sequence's masked tokens are then a function of its own
 tokens and that cut (:meth:`SecondMomentRule.select`), the same for any DP or micro-batch split.
 
-Three choices differ from AReaL's per-micro-batch mask, the first two for exactness:
+Where this differs from AReaL's per-micro-batch mask (the first two for exactness):
 
 * the statistic is taken over the tokens of sequences with a non-zero advantage only: a
   zero-advantage token contributes nothing to the gradient whose variance M2 bounds, and
   leaving it out makes the mask (and so the loss) the same whether the planner prunes those
   sequences or not;
-* a masked token keeps its place in the planner's normaliser (its loss is 0), where AReaL drops
-  it from the token count; the masked fraction is small by construction;
+* a masked token keeps its place in the planner's normaliser (its loss is 0), as the paper
+  averages (its footnote to eq. 5), where AReaL drops it from the token count;
 * tokens tied with the largest value kept stay (the cut is shipped as one number): with every
-  token equally stale AReaL would keep a single one, here all stay.
+  token equally stale AReaL would keep a single one, here all stay;
+* like AReaL, every counted token is subject to the mask; the paper constrains only the tokens
+  PPO's clip could act on (``A > 0, r > 1`` or ``A < 0, r < 1``).
 
 At staleness 0 the behaviour policy is the proximal one, every weight is 1 (up to the
 engine/trainer mismatch, ~1e-5 here), ``M2 ~ 0`` is below any threshold, nothing is masked and

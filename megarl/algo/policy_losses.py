@@ -237,7 +237,8 @@ def dppo_tv(
     selected_BT: Tensor | None = None,
 ) -> TokenPolicyLoss:
     """DPPO-Binary-TV (Qi et al. 2026, "Rethinking the Trust Region in LLM RL",
-    arXiv:2602.04879): the trust region is a bound on the policy's divergence, not its ratio.
+    arXiv:2602.04879v3, eq. 12 with the binary TV of eq. 13): the trust region is a bound on
+    the policy's divergence, not its ratio.
 
     The binary total variation of a sampled token is ``|pi(y) - pi_old(y)|``. A token leaves
     the region only when it moves *in the direction its advantage pushes it*: for ``A > 0`` when
@@ -246,6 +247,10 @@ def dppo_tv(
     ``-A * sg(min(r, clip_ratio_c)) * log pi`` (verl's form: the ratio truncated at
     ``clip_ratio_c`` and detached); outside, the token is masked. Unlike a ratio clip, a rare
     token (small ``pi_old``) may move far in ratio while its probability barely changes.
+    Eq. 12 weighs ``r A`` (gradient ``r A grad log pi``); verl's detached, truncated form has
+    the same gradient while ``r < clip_ratio_c``. The paper anchors the region at the
+    behaviour (engine) policy (its Sec. 5.2): ``planner.old_log_prob=rollout`` does that here;
+    by default the old log-probs are the trainer's, as in verl.
     """
     with torch.no_grad():
         moved_BT = torch.exp(logp_BT) - torch.exp(old_logp_BT)
@@ -270,8 +275,8 @@ def dppo_kl(
     clip: ClipSettings,
     selected_BT: Tensor | None = None,
 ) -> TokenPolicyLoss:
-    """DPPO-Binary-KL (arXiv:2602.04879): :func:`dppo_tv` with the binary KL
-    (:func:`binary_kl`) as the divergence. A token with ``A > 0`` leaves the region when its
+    """DPPO-Binary-KL (arXiv:2602.04879v3, eq. 12 with the binary KL of eq. 14):
+    :func:`dppo_tv` with the binary KL (:func:`binary_kl`) as the divergence. A token with ``A > 0`` leaves the region when its
     probability rose and its binary KL exceeds ``clip_ratio_high``; with ``A <= 0`` when it
     fell and the KL exceeds ``clip_ratio_low``."""
     with torch.no_grad():
@@ -291,8 +296,8 @@ def prime_dppo(
     clip: ClipSettings,
     selected_BT: Tensor | None = None,
 ) -> TokenPolicyLoss:
-    """prime-rl's default loss: DPPO-Binary-TV's mask (arXiv:2602.04879) plus the squared
-    log-ratio penalty of Kimi K2.5 (arXiv:2602.02276).
+    """prime-rl's default loss: DPPO-Binary-TV's mask (arXiv:2602.04879v3, eqs. 12-13) plus
+    the squared log-ratio penalty of Kimi K2.5 (arXiv:2602.02276).
 
     ``-m * adv_tau * A * r + kl_tau * (log r)^2`` with ``r = pi / pi_old`` (not detached, so
     the policy-gradient part is ``-A r grad log pi``) and ``m`` the binary-TV trust-region mask
@@ -327,8 +332,8 @@ def geo_mean(
     clip: ClipSettings,
     selected_BT: Tensor | None = None,
 ) -> TokenPolicyLoss:
-    """GMPO (Zhao et al. 2025, Geometric-Mean Policy Optimization, arXiv:2507.20673): the
-    geometric mean of the clipped token ratios of a sequence, times its advantage.
+    """GMPO (Zhao et al. 2025, Geometric-Mean Policy Optimization, arXiv:2507.20673v3, eq. 4):
+    the geometric mean of the clipped token ratios of a sequence, times its advantage.
 
     Per sequence ``i``: ``s_i = exp(1/|o_i| sum_t sgn(A) min(sgn(A) log r_t, sgn(A)
     clip(log r_t, -clip_ratio_low, clip_ratio_high)))`` -- the clip is in log space, the
@@ -363,8 +368,8 @@ def sapo(
     clip: ClipSettings,
     selected_BT: Tensor | None = None,
 ) -> TokenPolicyLoss:
-    """SAPO (Gao et al. 2025, Soft Adaptive Policy Optimization, arXiv:2511.20347): a smooth
-    gate instead of a hard clip.
+    """SAPO (Gao et al. 2025, Soft Adaptive Policy Optimization, arXiv:2511.20347, Sec. 3,
+    eqs. 5-6): a smooth gate instead of a hard clip.
 
     ``-f(r) A`` with ``f(r) = 4/tau * sigmoid(tau (r - 1))``, ``tau = tau_pos`` where ``A > 0``
     and ``tau_neg`` otherwise (verl's keys and defaults, 1.0 and 1.05: a negative advantage's
@@ -424,7 +429,8 @@ def clip_cov(
     selected_BT: Tensor | None = None,
 ) -> TokenPolicyLoss:
     """Clip-Cov (Cui et al. 2025, The Entropy Mechanism of RL for Reasoning LMs,
-    arXiv:2505.22617, Sec. 4): PPO's clipped surrogate, but a few tokens of high covariance
+    arXiv:2505.22617v1, Sec. 4, the covariance of eq. 10, Clip-Cov's eqs. 11-12): PPO's clipped
+    surrogate, but a few tokens of high covariance
     between log-prob and advantage are detached (their loss and gradient are 0), since those
     are the tokens whose updates collapse the policy's entropy.
 
@@ -454,7 +460,7 @@ def kl_cov(
     clip: ClipSettings,
     selected_BT: Tensor | None = None,
 ) -> TokenPolicyLoss:
-    """KL-Cov (arXiv:2505.22617, Sec. 4): the unclipped surrogate ``-A r`` on every token, plus
+    """KL-Cov (arXiv:2505.22617v1, Sec. 4, eqs. 13-14): the unclipped surrogate ``-A r`` on every token, plus
     ``ppo_kl_coef * |log r|`` on the ``kl_cov_ratio`` fraction of tokens with the largest
     covariance between log-prob and advantage (selected once over the whole batch by
     :mod:`megarl.algo.covariance`; ``selected_BT``). ``pg_clipfrac`` is the selected
@@ -479,9 +485,12 @@ def m2po(
     clip: ClipSettings,
     selected_BT: Tensor | None = None,
 ) -> TokenPolicyLoss:
-    """M2PO (Zheng et al. 2025, arXiv:2510.01161, as AReaL implements it): ``vanilla``'s
-    clipped surrogate against the proximal (old) policy, with the tokens the second-moment
-    trust region masked (``selected_BT``) contributing nothing.
+    """M2PO (Zheng et al. 2025, arXiv:2510.01161v2, Sec. 5: the second moment of eq. 4, the
+    masking of Algorithm 1), as AReaL implements it: ``vanilla``'s clipped surrogate against
+    the proximal (old) policy, with the tokens the second-moment trust region masked
+    (``selected_BT``) contributing nothing. The paper's eq. 5 instead weighs the unmasked
+    tokens by the unclipped ratio to the behaviour policy, which megarl's rollout correction
+    (``algo.rollout_correction``) and a wide clip approximate.
 
     The mask drops the tokens of largest ``(log pi_prox - log pi_behav)^2``, fewest first,
     until the mean over the rest is below ``actor.m2_threshold``; it is fitted once over the
