@@ -90,6 +90,15 @@ def test_dppo_matches_the_papers_masked_objective(name: str, divergence: str) ->
     expected_loss, expected_grad = _dppo_by_hand(*batch, low, high, c, divergence)
     _check(ours, grad, expected_loss, expected_grad)
     assert 0 < ours.clipfrac.item() < 1, "the example masks some tokens, not all"
+    # the paper's eq. 12 weighs r A (not detached): the same gradient wherever r < c
+    logp_BT, old_logp_BT, adv_B, mask_BT = batch
+    paper_BT = logp_BT.clone().requires_grad_(True)
+    inside_BT = (expected_grad != 0) | (adv_B[:, None] == 0)
+    objective = (torch.exp(paper_BT - old_logp_BT) * adv_B[:, None] * inside_BT * mask_BT).sum()
+    (-objective / mask_BT.sum()).backward()
+    below_c = (logp_BT - old_logp_BT).exp() < c
+    assert below_c[mask_BT.bool()].float().mean() > 0.9
+    torch.testing.assert_close(grad[below_c], paper_BT.grad[below_c])
 
 
 def test_prime_dppo_matches_prime_rls_default_loss() -> None:
