@@ -6,9 +6,8 @@ import math
 
 import pytest
 import torch
+from helpers.policy_losses import loss_extras
 
-from megarl.algo import m2po
-from megarl.algo.covariance import CovarianceSettings, fit_rule
 from megarl.algo.losses import (
     AGG_MODES,
     aggregate,
@@ -26,50 +25,6 @@ from megarl.algo.policy_losses import (
 from megarl.planner.batch_planner import plan_step
 from megarl.planner.inputs import LOSS_AGG_MODES, PlannerInputs
 from megarl.planner.optimizer_steps import normaliser_of
-
-# Selection keys that select several tokens of the small test batches (the defaults pick one).
-TEST_COV = CovarianceSettings(
-    clip_cov_ratio=0.25, clip_cov_lb=-10.0, clip_cov_ub=10.0, kl_cov_ratio=0.25
-)
-
-
-def _loss_extras(
-    name: str,
-    engine_logp_BT: torch.Tensor,
-    adv_B: torch.Tensor,
-    mask_BT: torch.Tensor,
-    rows: list[int] | None = None,
-) -> dict:
-    """What a loss needs beyond the common arguments, for the batch rows ``rows`` (all if None):
-    clip_cov / kl_cov / m2po their tokens, chosen by a rule fitted once over the *whole* batch
-    (``engine_logp_BT`` stands in for the engine's log-probs; m2po's behaviour log-probs are
-    those moved by a fixed staleness) and applied row by row; prime_dppo ``kl_tau=0``, without
-    which its penalty breaks the zero-advantage rule (tested apart)."""
-    if name == "prime_dppo":
-        return {"loss_keys": {"kl_tau": 0.0}}
-    rows = list(range(len(adv_B))) if rows is None else rows
-    if name == "m2po":
-        staleness = 0.4 * torch.sin(torch.arange(engine_logp_BT.numel(), dtype=torch.float64))
-        behaviour_BT = engine_logp_BT + staleness.reshape(engine_logp_BT.shape)
-        trained = [row != 0 for row in mask_BT]
-        squared = [
-            m2po.squared_log_weight(behaviour_BT[b], engine_logp_BT[b])[trained[b]]
-            for b in range(len(adv_B))
-            if adv_B[b] != 0
-        ]
-        rule = m2po.fit_rule(squared, 0.02)
-        chosen = [
-            rule.select(behaviour_BT[b], engine_logp_BT[b], trained[b], float(adv_B[b]))
-            for b in rows
-        ]
-        return {"selected_BT": torch.stack(chosen)}
-    if name not in COVARIANCE_LOSSES:
-        return {}
-    trained = [row != 0 for row in mask_BT]
-    rule = fit_rule(name, list(engine_logp_BT), trained, adv_B.tolist(), TEST_COV, seed=5)
-    selected = [rule.select(b, engine_logp_BT[b], trained[b], float(adv_B[b])) for b in rows]
-    return {"selected_BT": torch.stack(selected)}
-
 
 # ----------------------------------------------------------------------------- aggregate
 
@@ -304,7 +259,7 @@ def test_zero_advantage_tokens_contribute_exactly_zero(name: str, mode: str) -> 
     # within the trust region, so the non-zero-advantage sequence does get a gradient
     logp_BT = (old_logp_BT + 0.1 * torch.rand(2, 3, generator=gen) - 0.05).requires_grad_(True)
     mask_BT = torch.ones(2, 3)
-    extras = _loss_extras(name, old_logp_BT, torch.tensor([0.0, 1.0]), mask_BT)
+    extras = loss_extras(name, old_logp_BT, torch.tensor([0.0, 1.0]), mask_BT)
     kwargs = {"agg": mode, "denom": 6.0, "loss": name, **extras}
     out = policy_loss(logp_BT, old_logp_BT, torch.tensor([0.0, 1.0]), mask_BT, **kwargs)
     out.loss.backward()
@@ -320,7 +275,7 @@ def test_zero_advantage_tokens_contribute_exactly_zero(name: str, mode: str) -> 
         assert moved.loss.item() == out.loss.item()
 
     zeros = torch.zeros(2)
-    extras = _loss_extras(name, old_logp_BT, zeros, mask_BT)
+    extras = loss_extras(name, old_logp_BT, zeros, mask_BT)
     all_zero = policy_loss(logp_BT, old_logp_BT, zeros, mask_BT, agg=mode, loss=name, **extras)
     assert all_zero.loss.item() == 0.0
 
@@ -329,7 +284,7 @@ def test_zero_advantage_tokens_contribute_exactly_zero(name: str, mode: str) -> 
 def test_extreme_log_ratio_stays_finite(name: str) -> None:
     logp_BT = torch.tensor([[0.0, -1.0]], requires_grad=True)
     old_logp_BT = torch.tensor([[-200.0, -1.0]])
-    extras = _loss_extras(name, old_logp_BT, torch.tensor([-1.0]), torch.ones(1, 2))
+    extras = loss_extras(name, old_logp_BT, torch.tensor([-1.0]), torch.ones(1, 2))
     out = policy_loss(
         logp_BT, old_logp_BT, torch.tensor([-1.0]), torch.ones(1, 2), loss=name, **extras
     )
@@ -609,7 +564,7 @@ def _loss_and_grad(
             loss=name,
             clip_ratio_c=1.5,
             loss_scale_factor=6.0,
-            **_loss_extras(name, old_logp_BT, adv_B, mask_BT, rows),
+            **loss_extras(name, old_logp_BT, adv_B, mask_BT, rows),
         ).loss
         for rows in pieces
     )
@@ -690,7 +645,7 @@ def test_planned_steps_equal_the_unsplit_mini_batches(name: str, mode: str, dp_s
                         loss=name,
                         clip_ratio_c=1.5,
                         loss_scale_factor=6.0,
-                        **_loss_extras(name, old_logp_BT, adv_B, mask_BT, index),
+                        **loss_extras(name, old_logp_BT, adv_B, mask_BT, index),
                     ).loss
                 )
         torch.testing.assert_close(summed.detach(), whole)
