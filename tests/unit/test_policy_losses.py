@@ -1,7 +1,8 @@
-"""The 2026 policy losses against direct transcriptions of their papers' formulas, value and
-gradient, on random data; clip_cov / kl_cov's batch-level selection against a loop over the
-batch. (The two rules every loss keeps, and split == unsplit == pruned, are checked for every
-registered loss in ``test_losses.py``.)"""
+"""The DPPO, GMPO, SAPO, GPG, Clip-Cov, KL-Cov and M2PO losses against direct transcriptions of
+their papers' formulas, value and gradient, on random data; clip_cov / kl_cov's and m2po's
+batch-level selections against loops over the batch; what the planner's pruning and the gates
+decide for each. (The two rules every loss keeps, and split == unsplit == pruned, are checked
+for every registered loss in ``test_losses.py``.)"""
 
 from __future__ import annotations
 
