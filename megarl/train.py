@@ -268,7 +268,7 @@ def _megarl_checkpoint_of(path: str, key: str = "model.path") -> str | None:
 def validate_against_model(cfg, model_dir: str, device: str = "cpu") -> None:
     """Checks that need the model's shape or the data: parallel layout, gates, planner, dataset."""
     from megarl.algo.router_replay import dense_model_problem
-    from megarl.config.planning import prune_mode, run_facts
+    from megarl.config.planning import policy_loss_term, prune_mode, run_facts
     from megarl.data.errors import DatasetError
     from megarl.data.rewards import choose_rewards
     from megarl.models.hf_io import load_hf_config
@@ -321,6 +321,7 @@ def validate_against_model(cfg, model_dir: str, device: str = "cpu") -> None:
             cfg.algo.adv_estimator,
             cfg.actor.moe_aux_loss_coef,
             cfg.actor.echo_coef,
+            policy_loss_term(cfg),
         )
         if cfg.algo.is_sft:
             check_sft_data(cfg, model_dir, spec.max_position_embeddings)

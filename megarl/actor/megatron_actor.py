@@ -21,7 +21,9 @@ import torch.distributed as dist
 from megarl.actor.router_stats import find_routers
 from megarl.actor.routing_recorder import RoutingRecorder
 from megarl.actor.train_stats import OptimizerStepStats, sum_micro_batches
+from megarl.algo.covariance import CovarianceRule
 from megarl.algo.losses import aggregate, echo_loss, kl_penalty, policy_loss
+from megarl.algo.m2po import SecondMomentRule
 from megarl.algo.rollout_correction import CorrectionSettings, compute_correction
 from megarl.batch import (
     MicroBatchTensors,
@@ -75,6 +77,13 @@ class LossSettings:
     """``algo.rollout_correction``: IS weights and rejection from old vs engine logprobs."""
     echo_coef: float = 0.0
     """``actor.echo_coef``: ECHO's cross-entropy on observation tokens; 0 = none."""
+    loss_keys: Mapping[str, float] = field(default_factory=dict)
+    """The loss-specific ``actor.*`` keys (``ActorConfig.loss_keys``: SAPO's temperatures,
+    kl_cov's and prime_dppo's coefficients)."""
+    token_rule: CovarianceRule | SecondMomentRule | None = None
+    """The step's token rule of clip_cov / kl_cov (:mod:`megarl.algo.covariance`) or m2po
+    (:mod:`megarl.algo.m2po`), fitted over the whole batch before the split; None for every
+    other loss."""
 
 
 class MegatronActor:
@@ -478,6 +487,8 @@ class MegatronActor:
             clip_ratio_c=loss.clip_ratio_c,
             loss_scale_factor=loss.loss_scale_factor,
             token_weights_BT=self._correction_weights_BL(old_BL, mb, batch, loss),
+            loss_keys=loss.loss_keys,
+            selected_BT=self._selected_BL(mb, batch, loss.token_rule, old),
         )
         total = pg.loss
         kl_value = logp_BL.new_zeros(())
@@ -546,6 +557,28 @@ class MegatronActor:
             old_BL, rollout_BL, mb.loss_mask_BL, loss.rollout_correction
         )
         return correction.token_weights_BT
+
+    @staticmethod
+    def _selected_BL(
+        mb, batch, rule: CovarianceRule | SecondMomentRule | None, old
+    ) -> torch.Tensor | None:
+        """The tokens the step's token rule selects in this micro-batch's sequences, each from
+        its own engine logprobs (and, for m2po, its recomputed proximal ones), trained tokens
+        and advantage, so any split agrees with the whole batch; None without a rule."""
+        if rule is None:
+            return None
+        picked = {}
+        for i in mb.seq_indices:
+            engine = batch.engine_logprobs[i]
+            mask = response_mask(batch, i)
+            trained = torch.ones_like(engine, dtype=torch.bool) if mask is None else mask > 0
+            adv = float(batch.advantages[i])
+            if isinstance(rule, SecondMomentRule):  # the gates recomputed every sequence
+                chosen = rule.select(engine, old.get(i, engine), trained, adv)
+            else:
+                chosen = rule.select(i, engine, trained, adv)
+            picked[i] = chosen.to(engine.dtype)
+        return response_values_to_BL(picked, mb, batch) > 0
 
     @staticmethod
     def _old_logprobs_BL(logp_BL, mb, batch, old) -> torch.Tensor:

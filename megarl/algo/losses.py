@@ -10,6 +10,7 @@ unsplit loss.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -151,6 +152,8 @@ def policy_loss(
     clip_ratio_c: float = 3.0,
     loss_scale_factor: float | None = None,
     token_weights_BT: Tensor | None = None,
+    loss_keys: Mapping[str, float] | None = None,
+    selected_BT: Tensor | None = None,
 ) -> PolicyLossOutput:
     """The policy loss ``loss`` (see :mod:`megarl.algo.policy_losses`), aggregated.
 
@@ -165,11 +168,18 @@ def policy_loss(
     :mod:`megarl.algo.rollout_correction`) multiplies each token's loss in the numerator only:
     the mask, and so the row counts and the normaliser, stay as they are, which keeps every
     split exact and a zero-advantage token at exactly 0.
+
+    ``loss_keys`` are the loss-specific hyper-parameters of
+    :class:`~megarl.algo.policy_losses.ClipSettings` by field name (``tau_pos``, ``kl_tau``,
+    ...; unset ones keep their defaults). ``selected_BT`` is what clip_cov and kl_cov need: the
+    tokens :mod:`megarl.algo.covariance` selected over the whole batch before the split.
     """
     _check_same_shape(logp_BT=logp_BT, old_logp_BT=old_logp_BT, mask_BT=mask_BT)
     adv_BT = _per_token_advantages(adv_B_or_BT, logp_BT).to(logp_BT.dtype)
-    clip = ClipSettings(low=clip_low, high=clip_high, ratio_c=clip_ratio_c)
-    token_loss = get_policy_loss(loss).per_token(logp_BT, old_logp_BT, adv_BT, mask_BT, clip)
+    clip = ClipSettings(low=clip_low, high=clip_high, ratio_c=clip_ratio_c, **(loss_keys or {}))
+    token_loss = get_policy_loss(loss).per_token(
+        logp_BT, old_logp_BT, adv_BT, mask_BT, clip, selected_BT
+    )
     loss_BT = token_loss.loss_BT
     if token_weights_BT is not None:
         _check_same_shape(logp_BT=logp_BT, token_weights_BT=token_weights_BT)

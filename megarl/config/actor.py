@@ -166,8 +166,11 @@ class ActorConfig:
     """Passes over the rollout batch per step."""
     policy_loss: str = "vanilla"
     """One of :data:`megarl.algo.policy_losses.POLICY_LOSS_NAMES`: vanilla (PPO clip +
-    dual-clip) | gspo (sequence ratio) | cispo (clipped IS-weight REINFORCE). verl's
-    ``policy_loss.loss_mode``, flattened to one string."""
+    dual-clip) | gspo (sequence ratio) | cispo (clipped IS-weight REINFORCE) | sft | dppo_tv /
+    dppo_kl (divergence trust region) | prime_dppo (prime-rl's default: DPPO-TV + a
+    ``(log r)^2`` penalty) | geo_mean (GMPO) | sapo (soft gate) | gpg (REINFORCE) | clip_cov /
+    kl_cov (covariance-selected tokens) | m2po (PPO with a second-moment mask for stale data).
+    verl's ``policy_loss.loss_mode``, flattened to one string."""
     clip_ratio_low: float = 0.2
     """The ratio (cispo: the IS weight) is clipped below at ``1 - clip_ratio_low``: in (0, 1);
     cispo also takes >= 1 (no lower bound, MiniMax-M1's setting)."""
@@ -176,7 +179,35 @@ class ActorConfig:
     gspo's sequence ratio wants ranges like 3e-4 / 4e-4)."""
     clip_ratio_c: float = 3.0
     """vanilla's dual-clip for negative advantages: a token's loss is at most
-    ``-A * clip_ratio_c`` (> 1; verl's default 3.0)."""
+    ``-A * clip_ratio_c`` (> 1; verl's default 3.0); dppo_tv / dppo_kl truncate their detached
+    ratio at it."""
+    tau_pos: float = 1.0
+    """sapo: the gate's temperature for positive advantages, > 0 (verl's key and default)."""
+    tau_neg: float = 1.05
+    """sapo: the gate's temperature for other advantages, > 0 (verl: 1.05; above tau_pos, a
+    negative advantage's gate closes faster)."""
+    clip_cov_ratio: float = 0.0002
+    """clip_cov: the fraction of the batch's trained tokens it detaches, in (0, 1] (verl's
+    ``policy_loss.clip_cov_ratio``)."""
+    clip_cov_lb: float = 1.0
+    """clip_cov: a detached token's centred covariance of log-prob and advantage lies above
+    this ..."""
+    clip_cov_ub: float = 5.0
+    """... and below this (> clip_cov_lb)."""
+    kl_cov_ratio: float = 0.0002
+    """kl_cov: the fraction of the batch's trained tokens (those of largest covariance) that get
+    the ``ppo_kl_coef * |log r|`` penalty, in (0, 1]."""
+    ppo_kl_coef: float = 0.1
+    """kl_cov: the penalty's weight, >= 0 (verl's ``policy_loss.ppo_kl_coef``)."""
+    kl_tau: float = 1e-3
+    """prime_dppo: the weight of its ``(log r)^2`` penalty on every token, >= 0 (prime-rl's
+    ``loss.kl_tau``). > 0 acts on zero-advantage tokens, so pruning them is not exact."""
+    adv_tau: float = 1.0
+    """prime_dppo: the scale of its advantage term, >= 0 (prime-rl's ``loss.adv_tau``)."""
+    m2_threshold: float = 0.04
+    """m2po: the bound on the batch's second moment ``mean (log pi_prox - log pi_behav)^2``
+    of the tokens' staleness (AReaL's key), > 0; the tokens of largest value are masked until
+    the rest is below it."""
     loss_agg: str | None = None
     """One of :data:`megarl.algo.losses.AGG_MODES` (see :func:`~megarl.algo.losses.aggregate`);
     None (the default) = the policy loss's own: seq-mean-token-mean for gspo, as verl forces it,
@@ -218,6 +249,7 @@ class ActorConfig:
             f"actor.clip_ratio_c={self.clip_ratio_c}: must be > 1 "
             "(the dual-clip bound lies above the clipped ratio)",
         )
+        self._check_loss_keys()
         _optional_positive("actor.loss_scale_factor", self.loss_scale_factor)
         _require(self.kl_coef >= 0, f"actor.kl_coef={self.kl_coef}: must be >= 0")
         _require(self.entropy_coef >= 0, f"actor.entropy_coef={self.entropy_coef}: must be >= 0")
@@ -243,6 +275,32 @@ class ActorConfig:
             f"actor.vpp={self.vpp}: virtual pipeline stages need actor.pp > 1",
         )
         _choice("actor.recompute", self.recompute, ("none", "selective", "full"))
+
+    def _check_loss_keys(self) -> None:
+        """The 2026 losses' own keys (each read by one loss, checked whatever the loss)."""
+        _positive("actor.tau_pos", self.tau_pos)
+        _positive("actor.tau_neg", self.tau_neg)
+        for key in ("clip_cov_ratio", "kl_cov_ratio"):
+            value = getattr(self, key)
+            _require(0 < value <= 1, f"actor.{key}={value}: must be in (0, 1] (a token fraction)")
+        _require(
+            self.clip_cov_lb < self.clip_cov_ub,
+            f"actor.clip_cov_lb={self.clip_cov_lb}: must be below actor.clip_cov_ub="
+            f"{self.clip_cov_ub}",
+        )
+        _positive("actor.m2_threshold", self.m2_threshold)
+        for key in ("ppo_kl_coef", "kl_tau", "adv_tau"):
+            value = getattr(self, key)
+            _require(
+                0 <= value < float("inf"), f"actor.{key}={value}: must be a finite number >= 0"
+            )
+
+    @property
+    def loss_keys(self) -> dict[str, float]:
+        """The loss-specific keys, as :class:`megarl.algo.policy_losses.ClipSettings` names
+        them (``policy_loss``'s ``loss_keys``)."""
+        names = ("tau_pos", "tau_neg", "ppo_kl_coef", "kl_tau", "adv_tau")
+        return {name: float(getattr(self, name)) for name in names}
 
     @property
     def micro_batch_multiple(self) -> int:

@@ -12,6 +12,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from megarl.algo.policy_losses import SECOND_MOMENT_LOSSES, ClipSettings, zero_advantage_term
 from megarl.config.schema import RunConfig
 from megarl.planner.gates import OldLogProbMode, RefLogProbMode, RunFacts, StepFacts
 from megarl.planner.inputs import PlannerInputs
@@ -34,7 +35,20 @@ def prune_mode(cfg: RunConfig) -> tuple[str, str]:
         cfg.algo.adv_estimator,
         cfg.actor.moe_aux_loss_coef,
         cfg.actor.echo_coef,
+        policy_loss_term(cfg),
     )
+
+
+def policy_loss_term(cfg: RunConfig) -> str | None:
+    """Why ``actor.policy_loss`` with its keys acts on zero-advantage tokens (None: it does
+    not, the usual case): see :func:`megarl.algo.policy_losses.zero_advantage_term`."""
+    settings = ClipSettings(
+        low=cfg.actor.clip_ratio_low,
+        high=cfg.actor.clip_ratio_high,
+        ratio_c=cfg.actor.clip_ratio_c,
+        **cfg.actor.loss_keys,
+    )
+    return zero_advantage_term(cfg.actor.policy_loss, settings)
 
 
 def run_facts(cfg: RunConfig) -> RunFacts:
@@ -53,6 +67,7 @@ def run_facts(cfg: RunConfig) -> RunFacts:
         router_replay_r2=cfg.actor.router_replay.mode == "R2",
         rollout_engine=not cfg.algo.is_sft,
         distill=cfg.algo.distill.enabled,
+        proximal_before_split=cfg.actor.policy_loss in SECOND_MOMENT_LOSSES,
     )
 
 
@@ -143,6 +158,7 @@ def planner_inputs(
         adv_estimator=cfg.algo.adv_estimator,
         moe_aux_loss_coef=a.moe_aux_loss_coef,
         echo_coef=a.echo_coef,
+        loss_term=policy_loss_term(cfg),
         micro_batch_multiple=a.micro_batch_multiple,
     )
 
@@ -173,6 +189,7 @@ def critic_planner_inputs(
         entropy_coef=0.0,
         moe_aux_loss_coef=0.0,  # a value model has no router
         echo_coef=0.0,  # nor an observation loss
+        loss_term=None,
         ppo_mini_batches=cfg.critic_ppo_mini_batches,
         ppo_epochs=cfg.critic_ppo_epochs,
         mode="off",

@@ -32,6 +32,7 @@ from typing import Any
 
 from megarl.agent.loop import GATEWAY_NAMES
 from megarl.algo.advantages import GROUP_ESTIMATORS
+from megarl.algo.policy_losses import COVARIANCE_LOSSES
 from megarl.algo.router_replay import router_replay_problem
 from megarl.config.actor import ActorConfig
 from megarl.config.algorithm import AlgoConfig
@@ -111,6 +112,7 @@ class RunConfig:
         self._check_agent_loops()
         self._check_sft()
         self._check_distill()
+        self._check_covariance_loss()
         num_seqs = self.num_seqs_per_step
         _require(
             num_seqs % self.actor.ppo_mini_batches == 0,
@@ -232,6 +234,19 @@ class RunConfig:
             self.planner.old_log_prob != "never",
             f"{key} needs the student's logprobs of every sequence before the advantages: "
             "planner.old_log_prob=never cannot give them; use auto",
+        )
+
+    def _check_covariance_loss(self) -> None:
+        """clip_cov / kl_cov rank tokens by the covariance of log-prob and the sequence's
+        advantage, fitted over the whole batch before the plan: per-token advantages made
+        later (a critic's, a teacher's) are not what it ranks."""
+        if self.actor.policy_loss not in COVARIANCE_LOSSES:
+            return
+        key = f"actor.policy_loss={self.actor.policy_loss}"
+        _require(
+            not self.algo.uses_critic and not self.algo.distill.enabled,
+            f"{key} selects tokens by the covariance of log-prob and each sequence's advantage: "
+            "not with per-token advantages (algo.adv_estimator=gae, algo.distill)",
         )
 
     def _check_agent_loops(self) -> None:

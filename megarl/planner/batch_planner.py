@@ -59,6 +59,7 @@ def plan_step(inputs: PlannerInputs) -> StepPlan:
         inputs.adv_estimator,
         inputs.moe_aux_loss_coef,
         inputs.echo_coef,
+        inputs.loss_term,
     )
     batch = BatchArrays.of(inputs)
     runs = optimizer_runs(inputs, batch)

@@ -27,8 +27,8 @@ reason. Workers only execute the gates; no skip decision lives inline in GPU cod
   recomputed, or all the training forward's. That is what sequence-level quantities need:
   GSPO's ratio (``actor.policy_loss=gspo``) is the geometric mean of ``pi / pi_old`` over the
   whole response, and the sequence-level IS and rejection of the rollout correction use the
-  product over it. The policy loss is therefore no fact of the gate: every loss gets the same
-  decision (``tests/unit/test_gates_from_plan.py`` checks it for GSPO on packed plans).
+  product over it. The policy loss is therefore no fact of the gate (but for M2PO, below):
+  every loss gets the same decision (``tests/unit/test_gates_from_plan.py`` checks it for GSPO on packed plans).
 
   **Stale sequences** (asynchronous training, :mod:`megarl.planner.staleness`). A sequence with
   a token sampled by older weights than the trainer's (its oldest *behaviour version* below the
@@ -40,6 +40,12 @@ reason. Workers only execute the gates; no skip decision lives inline in GPU cod
   are recomputed: the rule above, unchanged. Versions change what the loss weighs, never which
   forwards run; the reason names them (``train forward (proximal; behaviour version 6 <
   trainer 7)``).
+
+  **M2PO** (``actor.policy_loss=m2po``) masks tokens by the second moment of
+  ``log(pi_prox / pi_behaviour)`` over the whole batch, fitted before the split
+  (:mod:`megarl.algo.m2po`), so under "auto" the pass runs on every sequence, the on-policy
+  first slice included, and says so. No other loss changes the decision: clip_cov and kl_cov
+  select their tokens from the engine's logprobs (:mod:`megarl.algo.covariance`).
 
   **Router replay R2** (``actor.router_replay.mode=R2``, mixture-of-experts) replays in every
   training forward the experts the trainer's router picked in the old-logprob pass, so under
@@ -70,6 +76,10 @@ from megarl.planner.gate_results import PassGate, ReferencePlan, ReferenceSource
 
 ROUTER_REPLAY_R2 = "actor.router_replay.mode=R2 records the routing to replay"
 """The old-logprob gate's reason under R2."""
+M2PO_PROXIMAL = (
+    "actor.policy_loss=m2po fits its mask on every token's proximal logprobs before the split"
+)
+"""The old-logprob gate's reason under m2po."""
 
 
 class GateConfigError(ValueError):
@@ -125,6 +135,10 @@ class RunFacts:
     distill: bool = False
     """``algo.distill.teacher_path`` is set: the advantages need the teacher's and the old
     logprobs of every sequence, before the plan."""
+    proximal_before_split: bool = False
+    """``actor.policy_loss=m2po``: its mask is fitted over the whole batch from every token's
+    proximal (old) and behaviour logprobs before the split, so the old-logprob pass runs on
+    every sequence, the on-policy first slice included."""
 
 
 @dataclass(frozen=True)
@@ -254,6 +268,8 @@ def decide_old_log_prob(facts: StepFacts) -> PassGate:
         return PassGate.recompute(facts.all_sequences, f"{DISTILL}: all, before advantages")
     if facts.run.router_replay_r2:
         return PassGate.recompute(facts.all_sequences, ROUTER_REPLAY_R2)
+    if facts.run.proximal_before_split:
+        return PassGate.recompute(facts.all_sequences, M2PO_PROXIMAL)
     # Only the first slice of a single epoch trains on the weights the step starts from.
     first_moved = 1 if facts.run.ppo_epochs == 1 else 0
     last = len(facts.slices) - 1
@@ -344,6 +360,13 @@ def _check_forced_modes(run: RunFacts, num_slices: int, step: int) -> None:
             "planner.old_log_prob=rollout makes the engine's logprobs the old ones, so "
             "algo.rollout_correction would compare them with themselves; use 'auto'"
         )
+    if run.old_log_prob is OldLogProbMode.ROLLOUT and run.proximal_before_split:
+        problems.append(
+            "planner.old_log_prob=rollout makes the engine's logprobs the proximal ones, so "
+            "actor.policy_loss=m2po would measure no staleness; use 'auto'"
+        )
+    if run.old_log_prob is OldLogProbMode.NEVER and run.proximal_before_split:
+        problems.append(f"planner.old_log_prob=never contradicts {M2PO_PROXIMAL}; use 'auto'")
     if run.ref_log_prob is RefLogProbMode.NEVER and run.kl_coef > 0:
         problems.append(
             f"planner.ref_log_prob=never is unsafe with {_kl_term(run.kl_coef)} at step {step}"

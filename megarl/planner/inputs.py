@@ -86,6 +86,10 @@ class PlannerInputs:
     echo_coef: float = 0.0
     """``actor.echo_coef``; > 0 (ECHO trains observation tokens whatever the advantage) is
     never pruned (:func:`~megarl.planner.pruning.pruning_refusal`)."""
+    loss_term: str | None = None
+    """Why the policy loss itself acts on zero-advantage tokens (e.g. prime_dppo's
+    ``(log r)^2`` penalty, :func:`megarl.algo.policy_losses.zero_advantage_term`), None when it
+    does not; like a KL/entropy term it makes pruning approximate."""
     attention_cost_coef: float = DEFAULT_ATTENTION_COST_COEF
     """Cost model ``t + coef * t**2``; ``1 / (12 * hidden)`` fits a transformer, 0 = tokens."""
     micro_batch_multiple: int = 1

@@ -86,6 +86,7 @@ def resolve_prune_mode(
     adv_estimator: str = "grpo",
     moe_aux_loss_coef: float = 0.0,
     echo_coef: float = 0.0,
+    loss_term: str | None = None,
 ) -> tuple[str, str]:
     """``(mode, reason)`` for ``planner.prune_zero_adv``.
 
@@ -105,6 +106,8 @@ def resolve_prune_mode(
     refusal = pruning_refusal(adv_estimator, moe_aux_loss_coef, echo_coef)
     if refusal is not None:
         return "off", f"auto: no pruning, {refusal}"
+    if loss_term is not None:
+        return "off", f"auto: no pruning, {loss_term}, zero-advantage ones included"
     if kl_coef == 0 and entropy_coef == 0:
         return "match_loss_curve", "auto: exact (kl_coef=0, entropy_coef=0)"
     return "off", (
@@ -121,6 +124,7 @@ def check_pruning_config(
     adv_estimator: str = "grpo",
     moe_aux_loss_coef: float = 0.0,
     echo_coef: float = 0.0,
+    loss_term: str | None = None,
 ) -> str | None:
     """Fail fast when pruning zero-advantage sequences would silently change the loss.
 
@@ -138,6 +142,14 @@ def check_pruning_config(
             f"planner.prune_zero_adv={mode} cannot prune: {refusal}. "
             "Set planner.prune_zero_adv=auto or off."
         )
+    if mode != "off" and loss_term is not None:
+        if not allow_approx:
+            raise PlannerError(
+                f"planner.prune_zero_adv={mode} is exact only when no loss term survives at "
+                f"advantage 0, but {loss_term}. Set planner.prune_zero_adv=off, or set "
+                "planner.allow_approx=true to prune anyway."
+            )
+        return f"approximate: pruned zero-adv seqs although {loss_term} (planner.allow_approx=true)"
     if mode == "off" or (kl_coef == 0 and entropy_coef == 0):
         return None
     terms = f"actor.kl_coef={kl_coef} and actor.entropy_coef={entropy_coef}"

@@ -12,12 +12,14 @@ and the correction weighs.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 import torch
 
 from megarl.actor.megatron_actor import LossSettings, reduce_max_to_all, reduce_sums_to_all
 from megarl.actor.train_stats import OptimizerStepStats, UpdateStats, summarise_update
+from megarl.algo.covariance import CovarianceRule
 from megarl.algo.divergence import (
     DivergenceError,
     DivergenceHints,
@@ -25,6 +27,7 @@ from megarl.algo.divergence import (
     nonfinite_grad_message,
     nonfinite_weights_message,
 )
+from megarl.algo.m2po import SecondMomentRule
 from megarl.algo.rollout_correction import MismatchStats, mismatch_stats_of_sequences
 from megarl.algo.router_replay import replay_plan
 from megarl.algo.routing_mismatch import RoutingMismatch
@@ -57,6 +60,7 @@ def loss_settings(cfg: RunConfig) -> LossSettings:
         loss_scale_factor=cfg.loss_scale_factor,
         rollout_correction=cfg.algo.rollout_correction.settings,
         echo_coef=a.echo_coef,
+        loss_keys=a.loss_keys,
     )
 
 
@@ -69,17 +73,20 @@ def update_actor(
     token_advantages: dict[int, torch.Tensor] | None = None,
     stale: frozenset[int] = frozenset(),
     step: int = 0,
+    token_rule: CovarianceRule | SecondMomentRule | None = None,
 ) -> UpdateStats:
     """Every optimizer step of the plan on this rank's micro-batches; the step's statistics,
     each the mean over optimizer steps. ``token_advantages``: a critic's, per token;
-    ``stale``: the sequences older weights sampled (left out of the engine check).
+    ``stale``: the sequences older weights sampled (left out of the engine check);
+    ``token_rule``: clip_cov / kl_cov's or m2po's rule of the step (fitted over the whole
+    batch, :mod:`megarl.trainer.token_rules`).
 
     The engine check (logprobs, ``rollout_corr/*``, MoE routing) compares the first forward of
     each trained sequence on the weights the step starts from: the old-logprob pass's where the
     gates ran it, else the first optimizer step's training forward, which also runs before any
     weight moves.
     """
-    loss = loss_settings(rt.cfg)
+    loss = dataclasses.replace(loss_settings(rt.cfg), token_rule=token_rule)
     per_step: list[OptimizerStepStats] = []
     grad_norms: list[float] = []
     lp_diff = [0.0, 0.0]  # |engine - trainer| summed, tokens compared

@@ -61,6 +61,7 @@ from megarl.trainer.progress import PhaseHook, no_progress
 from megarl.trainer.rollout_source import InlineSource, RolloutSource, StepRollout, StreamSource
 from megarl.trainer.runtime import Runtime
 from megarl.trainer.scatter import scatter_sequences
+from megarl.trainer.token_rules import step_token_rule
 from megarl.trainer.weight_sync import push_weights, sync_weights
 
 if TYPE_CHECKING:
@@ -454,9 +455,12 @@ def _train_step(rt: Runtime, step: int) -> None:
         targets = scatter_targets(rt, all_targets, plan, critic_plan)
         metrics.update(critic_update(rt, batch, critic_plan, targets, timer))
         token_advantages = targets.advantages
+    token_rule = step_token_rule(rt, rollout.batch, batch, plan, logprobs.old, step)
     with rt.routers.watch() if rt.routers is not None else contextlib.nullcontext():
         stale = frozenset(facts.stale_sequences)
-        stats = update_actor(rt, batch, plan, logprobs, timer, token_advantages, stale, step)
+        stats = update_actor(
+            rt, batch, plan, logprobs, timer, token_advantages, stale, step, token_rule
+        )
     if rt.routers is not None:
         replicas = rt.cfg.actor.tp // rt.actor.sequence_split
         metrics.update(moe_routing.router_statistics(rt.routers, rt.spec.num_layers, replicas))

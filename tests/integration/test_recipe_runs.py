@@ -75,3 +75,28 @@ def test_the_2026_estimators_and_shaping_train_two_steps(tmp_path, overrides, ow
             assert row["actor/echo_tokens"] == 64.0 and row["actor/echo_loss"] > 0, row
             assert "actor.echo_coef=0.1" in row["planner/summary"], row
     assert any(row["actor/grad_norm"] > 0 for row in history)
+
+
+@pytest.mark.parametrize(
+    "recipe",
+    # The losses with wiring of their own (a token rule fitted over the batch and broadcast, a
+    # loss term that turns pruning off); the others are one function each, tested against
+    # their papers' formulas in tests/unit/test_policy_losses.py.
+    ["prime_dppo", "clip_cov", "kl_cov", "m2po"],
+)
+def test_the_policy_loss_recipes_train_two_steps_at_dp2(tmp_path, recipe):
+    """The 2026 losses with wiring of their own, end to end: 2 optimizer steps per batch (so the ratio moves and the
+    trust regions can act), the tokens of clip_cov / kl_cov selected once per step over the
+    batch and split over 2 DP ranks."""
+    overrides = {
+        "recipe": recipe,
+        "trainer.n_gpus_per_node": 2,
+        "actor.ppo_mini_batches": 2,
+    }
+    history = run(tiny_overrides(tmp_path / recipe, steps=2, **overrides)).history
+    assert [row["step"] for row in history] == [1, 2]
+    for row in history:
+        assert math.isfinite(row["actor/pg_loss"]) and math.isfinite(row["actor/grad_norm"])
+        assert math.isfinite(row["actor/pg_clipfrac"]), row
+        assert row["rollout/logprob_abs_diff"] <= 1e-4, row  # the engine got step 1's weights
+    assert any(row["actor/grad_norm"] > 0 for row in history)  # something was trained

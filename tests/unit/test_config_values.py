@@ -34,6 +34,18 @@ from megarl.config.schema import ConfigError, RunConfig, build_run_config
         ({"actor": {"loss_scale_factor": 0}}, "actor.loss_scale_factor=0: must be a number > 0"),
         ({"actor": {"policy_loss": "gspo", "clip_ratio_low": 10}}, "actor.clip_ratio_low=10"),
         ({"actor": {"policy_loss": "cispo", "clip_ratio_low": 0}}, "actor.clip_ratio_low=0"),
+        ({"actor": {"tau_pos": 0}}, "actor.tau_pos=0.0: must be > 0"),
+        ({"actor": {"tau_neg": -1.05}}, "actor.tau_neg=-1.05: must be > 0"),
+        ({"actor": {"clip_cov_ratio": 0}}, "actor.clip_cov_ratio=0.0: must be in (0, 1]"),
+        ({"actor": {"kl_cov_ratio": 1.5}}, "actor.kl_cov_ratio=1.5: must be in (0, 1]"),
+        (
+            {"actor": {"clip_cov_lb": 5.0, "clip_cov_ub": 1.0}},
+            "actor.clip_cov_lb=5.0: must be below actor.clip_cov_ub=1.0",
+        ),
+        ({"actor": {"ppo_kl_coef": -0.1}}, "actor.ppo_kl_coef=-0.1: must be a finite number >= 0"),
+        ({"actor": {"kl_tau": -1}}, "actor.kl_tau=-1.0: must be a finite number >= 0"),
+        ({"actor": {"m2_threshold": 0}}, "actor.m2_threshold=0.0: must be > 0"),
+        ({"actor": {"adv_tau": float("inf")}}, "actor.adv_tau=inf: must be a finite"),
         ({"algo": {"filter_groups": {"metric": "acc"}}}, "algo.filter_groups.metric='acc'"),
         (
             {"algo": {"filter_groups": {"max_num_gen_batches": -1}}},
@@ -106,6 +118,8 @@ def test_senseless_values_are_refused_naming_the_key(tree, needle):
         {"actor": {"policy_loss": "gspo", "clip_ratio_low": 3e-4, "clip_ratio_high": 4e-4}},
         {"actor": {"policy_loss": "cispo", "clip_ratio_low": 10}},  # MiniMax: no lower bound
         {"actor": {"clip_ratio_c": 1.001, "loss_scale_factor": 1}},
+        {"actor": {"clip_cov_ratio": 1.0, "kl_cov_ratio": 1e-9, "kl_tau": 0, "adv_tau": 0}},
+        {"actor": {"clip_cov_lb": -1.0, "clip_cov_ub": -0.5, "ppo_kl_coef": 0.0}},
         {"rollout": {"n": 2, "max_new_tokens": 1, "top_p": 1.0, "temperature": 1e-3}},
         {"rollout": {"max_model_len": 17, "max_new_tokens": 16}},
         {"data": {"prompts_per_step": 1, "max_operand": 1, "ops": ["+", "-", "*"]}},
@@ -123,6 +137,9 @@ def test_the_edge_of_each_range_is_accepted(tree):
         ({"policy_loss": "cispo"}, "token-mean"),
         ({"policy_loss": "gspo"}, "seq-mean-token-mean"),  # verl's choice for gspo
         ({"policy_loss": "gspo", "loss_agg": "token-mean"}, "token-mean"),  # explicit wins
+        ({"policy_loss": "geo_mean"}, "seq-mean-token-mean"),  # GMPO's per-sequence mean
+        ({"policy_loss": "sapo"}, "seq-mean-token-mean"),  # as verl forces it
+        ({"policy_loss": "dppo_tv"}, "token-mean"),
         ({"loss_agg": None}, "token-mean"),
     ],
 )

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from helpers.policy_losses import loss_extras
 
 from megarl.algo.losses import (
     AGG_MODES,
@@ -15,7 +16,12 @@ from megarl.algo.losses import (
     policy_loss,
     token_logprobs_from_logits,
 )
-from megarl.algo.policy_losses import POLICY_LOSS_NAMES, POLICY_LOSSES, get_policy_loss
+from megarl.algo.policy_losses import (
+    COVARIANCE_LOSSES,
+    POLICY_LOSS_NAMES,
+    POLICY_LOSSES,
+    get_policy_loss,
+)
 from megarl.planner.batch_planner import plan_step
 from megarl.planner.inputs import LOSS_AGG_MODES, PlannerInputs
 from megarl.planner.optimizer_steps import normaliser_of
@@ -253,7 +259,8 @@ def test_zero_advantage_tokens_contribute_exactly_zero(name: str, mode: str) -> 
     # within the trust region, so the non-zero-advantage sequence does get a gradient
     logp_BT = (old_logp_BT + 0.1 * torch.rand(2, 3, generator=gen) - 0.05).requires_grad_(True)
     mask_BT = torch.ones(2, 3)
-    kwargs = {"agg": mode, "denom": 6.0, "loss": name}
+    extras = loss_extras(name, old_logp_BT, torch.tensor([0.0, 1.0]), mask_BT)
+    kwargs = {"agg": mode, "denom": 6.0, "loss": name, **extras}
     out = policy_loss(logp_BT, old_logp_BT, torch.tensor([0.0, 1.0]), mask_BT, **kwargs)
     out.loss.backward()
     assert torch.equal(logp_BT.grad[0], torch.zeros(3))
@@ -267,7 +274,9 @@ def test_zero_advantage_tokens_contribute_exactly_zero(name: str, mode: str) -> 
         moved = policy_loss(moved_logp_BT, old_logp_BT, torch.tensor([0.0, 1.0]), mask_BT, **kwargs)
         assert moved.loss.item() == out.loss.item()
 
-    all_zero = policy_loss(logp_BT, old_logp_BT, torch.zeros(2), mask_BT, agg=mode, loss=name)
+    zeros = torch.zeros(2)
+    extras = loss_extras(name, old_logp_BT, zeros, mask_BT)
+    all_zero = policy_loss(logp_BT, old_logp_BT, zeros, mask_BT, agg=mode, loss=name, **extras)
     assert all_zero.loss.item() == 0.0
 
 
@@ -275,7 +284,10 @@ def test_zero_advantage_tokens_contribute_exactly_zero(name: str, mode: str) -> 
 def test_extreme_log_ratio_stays_finite(name: str) -> None:
     logp_BT = torch.tensor([[0.0, -1.0]], requires_grad=True)
     old_logp_BT = torch.tensor([[-200.0, -1.0]])
-    out = policy_loss(logp_BT, old_logp_BT, torch.tensor([-1.0]), torch.ones(1, 2), loss=name)
+    extras = loss_extras(name, old_logp_BT, torch.tensor([-1.0]), torch.ones(1, 2))
+    out = policy_loss(
+        logp_BT, old_logp_BT, torch.tensor([-1.0]), torch.ones(1, 2), loss=name, **extras
+    )
     out.loss.backward()
     assert torch.isfinite(out.loss) and torch.isfinite(logp_BT.grad).all()
 
@@ -290,7 +302,22 @@ def test_policy_loss_rejects_wrong_advantage_length() -> None:
 
 
 def test_registry_names_and_default_aggregations() -> None:
-    assert POLICY_LOSS_NAMES == ("vanilla", "gspo", "cispo", "sft")
+    assert POLICY_LOSS_NAMES == (
+        "vanilla",
+        "gspo",
+        "cispo",
+        "sft",
+        "dppo_tv",
+        "dppo_kl",
+        "prime_dppo",
+        "geo_mean",
+        "sapo",
+        "gpg",
+        "clip_cov",
+        "kl_cov",
+        "m2po",
+    )
+    assert COVARIANCE_LOSSES == ("clip_cov", "kl_cov")
     assert all(entry.default_agg in AGG_MODES for entry in POLICY_LOSSES.values())
     assert get_policy_loss("gspo").default_agg == "seq-mean-token-mean"  # as verl forces it
     with pytest.raises(ValueError, match="vanilla, gspo, cispo, sft"):
@@ -537,6 +564,7 @@ def _loss_and_grad(
             loss=name,
             clip_ratio_c=1.5,
             loss_scale_factor=6.0,
+            **loss_extras(name, old_logp_BT, adv_B, mask_BT, rows),
         ).loss
         for rows in pieces
     )
@@ -594,8 +622,9 @@ def test_planned_steps_equal_the_unsplit_mini_batches(name: str, mode: str, dp_s
     assert plan.num_kept_sequences < 8 and plan.num_micro_batches > 2
     for step in plan.optimizer_steps:
         rows = list(range(4 * step.mini_batch, 4 * step.mini_batch + 4))
-        args = (logp_BT[rows], old_logp_BT[rows], adv_B[rows], mask_BT[rows])
-        whole, _ = _loss_and_grad(*args, [list(range(4))], name, mode, None)
+        # the mini-batch alone (its own default denominator); clip_cov / kl_cov's rule is the
+        # whole step's, as the trainer fits it
+        whole, _ = _loss_and_grad(logp_BT, old_logp_BT, adv_B, mask_BT, [rows], name, mode, None)
         leaf_BT = logp_BT.clone().requires_grad_(True)
         summed = leaf_BT.new_zeros(())
         for rank in step.ranks:
@@ -616,6 +645,7 @@ def test_planned_steps_equal_the_unsplit_mini_batches(name: str, mode: str, dp_s
                         loss=name,
                         clip_ratio_c=1.5,
                         loss_scale_factor=6.0,
+                        **loss_extras(name, old_logp_BT, adv_B, mask_BT, index),
                     ).loss
                 )
         torch.testing.assert_close(summed.detach(), whole)

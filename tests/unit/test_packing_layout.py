@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.policy_losses import loss_extras
 
 from megarl.algo.losses import AGG_MODES, policy_loss
 from megarl.algo.policy_losses import POLICY_LOSS_NAMES
@@ -106,9 +107,9 @@ def test_sequence_level_losses_see_the_same_sequences_packed_and_padded(name, ag
         model_out = logp(mb).requires_grad_(True)
         logp_BL = mb.to_rows(model_out)
         old_BL = mb.to_rows(logp(mb) + 0.05 * (mb.position_ids_BL % 3 - 1))
-        out = policy_loss(
-            logp_BL, old_BL, mb.advantages_B.double(), mb.loss_mask_BL, agg=agg, loss=name
-        )
+        adv_B = mb.advantages_B.double()
+        extras = loss_extras(name, old_BL, adv_B, mb.loss_mask_BL)  # clip_cov, kl_cov, m2po
+        out = policy_loss(logp_BL, old_BL, adv_B, mb.loss_mask_BL, agg=agg, loss=name, **extras)
         out.loss.backward()
         return out.loss.detach(), mb.to_rows(model_out.grad)
 

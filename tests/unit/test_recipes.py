@@ -62,7 +62,8 @@ def test_dr_grpo_is_grpo_without_std_and_with_the_constant_normaliser():
 
 def test_an_unknown_recipe_names_the_ones_there_are():
     with pytest.raises(
-        StartupError, match=r"recipe=nope: no such recipe .*available: dapo, dr_grpo"
+        StartupError,
+        match=r"recipe=nope: no such recipe .*available: clip_cov, dapo, dppo_kl, dppo_tv, dr_grpo",
     ):
         compose_config(["recipe=nope"])
 

@@ -15,6 +15,7 @@ import math
 
 import pytest
 import torch
+from helpers.policy_losses import loss_extras
 
 from megarl.algo.losses import AGG_MODES, policy_loss
 from megarl.algo.policy_losses import POLICY_LOSS_NAMES
@@ -238,6 +239,7 @@ def _weighted_loss(
                 loss=name,
                 loss_scale_factor=6.0,
                 token_weights_BT=corr.token_weights_BT,
+                **loss_extras(name, old_BT, adv_B, mask_BT, rows),
             ).loss
         )
     total.backward()
