@@ -328,6 +328,7 @@ class MegatronActor:
         loss: LossSettings,
         capture_logprobs: bool = False,
         token_advantages: Mapping[int, torch.Tensor] | None = None,
+        before_update: Callable[[dict[int, torch.Tensor]], None] | None = None,
     ) -> TrainStepResult:
         """Run ``step``'s micro-batches for DP rank ``dp_rank`` and take the optimizer step.
 
@@ -336,6 +337,7 @@ class MegatronActor:
         With ``capture_logprobs`` the detached training-forward logprobs of the trained
         sequences come back in the result. ``token_advantages`` (a critic's GAE, per response
         token of every sequence this rank runs) replace the batch's per-sequence advantages.
+        ``before_update``: see :meth:`_optimizer_step`.
         """
         loss_fn = partial(
             self._training_loss,
@@ -347,7 +349,9 @@ class MegatronActor:
             capture=capture_logprobs,
             token_advantages=token_advantages,
         )
-        stats, grad_norm = self._optimizer_step(batch, step, dp_rank, loss_fn, router_loss=True)
+        stats, grad_norm = self._optimizer_step(
+            batch, step, dp_rank, loss_fn, router_loss=True, before_update=before_update
+        )
         result = _step_result(stats, grad_norm)
         return dataclasses.replace(result, weights_finite=self._weights_finite())
 
@@ -358,12 +362,16 @@ class MegatronActor:
         dp_rank: int,
         loss_fn: Callable,
         router_loss: bool = False,
+        before_update: Callable[[dict[int, torch.Tensor]], None] | None = None,
     ) -> tuple[list[dict[str, Any]], float]:
         """One optimizer step of any loss (the policy's, the critic's values'): ``step``'s
         micro-batches for DP rank ``dp_rank`` through ``loss_fn`` (none for a ghost step, whose
         zero gradients still advance the optimizer as in the unpruned run), then the update.
         Returns each micro-batch's statistics (none off the last pipeline stage) and the
-        gradient norm; ``router_loss``: weigh each micro-batch's MoE auxiliary loss."""
+        gradient norm; ``router_loss``: weigh each micro-batch's MoE auxiliary loss.
+        ``before_update`` (collective: every rank calls it) is handed the captured logprobs
+        after the gradients are final and before the optimizer moves any weight: raising there
+        leaves the weights as they were (the logprob guard, :mod:`megarl.planner.logprob_guard`)."""
         if self.optimizer is None:
             raise RuntimeError("training a frozen model (built with trainable=False)")
         for chunk in self.chunks:
@@ -376,6 +384,10 @@ class MegatronActor:
             coeffs = self.router_loss_coeffs(mbs, micro_batches) if router_loss else None
             stats = self._run_schedule(mbs, loss_fn, forward_only=False, router_coeffs=coeffs)
         self._finalize_grads()
+        if before_update is not None:
+            before_update(
+                {i: lp for entry in stats for i, lp in entry.get("train_logprobs", {}).items()}
+            )
         return stats, float(self.optimizer.step())
 
     def _weights_finite(self) -> bool:

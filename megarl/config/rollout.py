@@ -15,6 +15,7 @@ from megarl.agent.loop import SINGLE_TURN_NAMES, AgentSettings
 from megarl.config.checks import _choice, _optional_positive, _positive, _require
 from megarl.engines.base import SLEEP_LEVELS
 from megarl.engines.factory import ENGINE_NAMES
+from megarl.planner.logprob_guard import AUTO
 
 ROLLOUT_SLEEP_LEVELS: tuple[int, ...] = (0, *SLEEP_LEVELS)
 """``rollout.sleep_level``: 0 (the engine never sleeps) or a level the engines sleep at."""
@@ -77,6 +78,13 @@ class RolloutConfig:
     """vLLM: sequences decoded concurrently."""
     max_num_batched_tokens: int = 8192
     """vLLM: tokens per engine step (prefill chunking)."""
+    max_logprob_diff: float | str | None = AUTO
+    """Stop the run when the engine's logprobs of a step's sampled tokens (or of the probe after
+    an engine start or wake-up, ``sync/probe_logprob_diff``) differ from the trainer's by more
+    than this on average (``rollout/logprob_abs_diff``): the engine did not sample with the
+    trainer's weights. The step's update is not applied and nothing of it is written; exit 1.
+    auto = by engine and dtype (:mod:`megarl.planner.logprob_guard`): 1e-3 in fp32 (the demo
+    measured <= 2.2e-5 on both engines), 5e-2 in bf16 | a number > 0 | null = off."""
     val: RolloutValConfig = field(default_factory=RolloutValConfig)
     agent: AgentSettings = field(default_factory=AgentSettings)
     """Multi-turn agent loops (:mod:`megarl.agent`): ``single_turn`` is the plain rollout."""
@@ -103,6 +111,16 @@ class RolloutConfig:
         _require(
             self.enforce_eager is None or isinstance(self.enforce_eager, bool),
             f"rollout.enforce_eager={self.enforce_eager!r}: must be true, false or null",
+        )
+        _require(
+            self.max_logprob_diff in (None, AUTO)
+            or (
+                isinstance(self.max_logprob_diff, int | float)
+                and not isinstance(self.max_logprob_diff, bool)
+                and self.max_logprob_diff > 0
+            ),
+            f"rollout.max_logprob_diff={self.max_logprob_diff!r}: must be a number > 0, auto "
+            "(by engine and dtype) or null (off)",
         )
         _positive("rollout.max_num_seqs", self.max_num_seqs)
         _positive("rollout.max_num_batched_tokens", self.max_num_batched_tokens)

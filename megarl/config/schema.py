@@ -399,6 +399,9 @@ AUTO_OR_BOOL = ("trainer.progress",)
 NAME_OR_LIST = ("data.reward",)
 """Keys that take a name or a list of mappings (checked by their section)."""
 
+AUTO_OR_NUMBER = ("rollout.max_logprob_diff",)
+"""Keys that take ``auto``, a number or null (checked by their section)."""
+
 
 def _null_allowed(fld: dataclasses.Field, value: Any) -> bool:
     """``value`` is null and the key's type admits null (``str | None`` with a string default)."""
@@ -407,7 +410,7 @@ def _null_allowed(fld: dataclasses.Field, value: Any) -> bool:
 
 def _convert_leaf(fld: dataclasses.Field, key: str, value: Any) -> Any:
     default = fld.default if fld.default is not dataclasses.MISSING else None
-    if key in AUTO_OR_BOOL or key in NAME_OR_LIST or _null_allowed(fld, value):
+    if key in (*AUTO_OR_BOOL, *NAME_OR_LIST, *AUTO_OR_NUMBER) or _null_allowed(fld, value):
         return value
     if isinstance(default, bool):
         _require(isinstance(value, bool), f"{key}={value!r}: expected true or false")

@@ -15,8 +15,11 @@ names the asynchronous rollout loop (split placement) when it draws that step's 
 ``MEGARL_FAULT_AT=<rank>:<step>:<phase>:<action>`` acts the first time that rank's main loop
 enters ``phase`` (a heartbeat phase: ``rollout``, ``scatter``, ``update_actor``,
 ``update_weights``, ``record_metrics``, ``save``, ...) of that step, so a test can hit any
-phase: ``die`` (exit 137 as above), ``freeze`` (sleep forever as above) or ``kill-engine``
-(SIGKILL the rank's vLLM engine-core processes, as the out-of-memory killer would, and go on).
+phase: ``die`` (exit 137 as above), ``freeze`` (sleep forever as above), ``kill-engine``
+(SIGKILL the rank's vLLM engine-core processes, as the out-of-memory killer would, and go on) or
+``corrupt-engine`` (in phase ``rollout``: scale one weight tensor, :data:`CORRUPT_TENSOR`, by
+:data:`CORRUPT_FACTOR` inside the rank's rollout engine just before that step's generation, as
+a sync that wrote wrong bits would; the logprob guard must stop the run at that step).
 Unset (always, outside tests) each costs one dictionary lookup per step or phase.
 """
 
@@ -35,6 +38,19 @@ AT_ENV = "MEGARL_FAULT_AT"
 MARK_ENV = "MEGARL_FAULT_INJECT_MARK"
 EXIT_CODE = 137
 ROLLOUT = "rollout"
+CORRUPT_TENSOR = "model.norm.weight"
+"""The tensor ``corrupt-engine`` scales: the final norm (one tensor in every Llama-family model,
+never fused or repacked by an engine), which moves every logit."""
+CORRUPT_FACTOR = 1.5
+
+_engine: object | None = None
+"""The rollout engine of this process (registered by the rollout host), for ``corrupt-engine``."""
+
+
+def register_engine(engine: object | None) -> None:
+    """The rollout host's engine (None: forget it), the target of ``corrupt-engine``."""
+    global _engine
+    _engine = engine
 
 
 def parse(spec: str) -> tuple[int | str, int]:
@@ -109,7 +125,14 @@ def at_phase(rank: int, step: int, phase: str) -> None:
     if action == "kill-engine":
         _kill_engine_cores()
         return
-    raise ValueError(f"{AT_ENV}={spec}: the action must be die, freeze or kill-engine")
+    if action == "corrupt-engine":
+        if _engine is None:
+            raise RuntimeError(f"fault injection: rank {rank} has no rollout engine to corrupt")
+        _engine.scale_weight(CORRUPT_TENSOR, CORRUPT_FACTOR)  # type: ignore[attr-defined]
+        return
+    raise ValueError(
+        f"{AT_ENV}={spec}: the action must be die, freeze, kill-engine or corrupt-engine"
+    )
 
 
 def _kill_engine_cores() -> None:

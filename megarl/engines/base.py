@@ -269,6 +269,12 @@ class RolloutEngine(abc.ABC):
         weights were freed.
         """
 
+    def scale_weight(self, name: str, factor: float) -> None:
+        """Multiply the engine's copy of the HF-named weight ``name`` by ``factor`` in place,
+        behind the trainer's back: the fault a sync that wrote wrong bits leaves (the test hook
+        ``MEGARL_FAULT_AT=<rank>:<step>:rollout:corrupt-engine``)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot scale a weight")
+
     @abc.abstractmethod
     def update_weights(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], record_checksums: bool = False

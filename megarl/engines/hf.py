@@ -522,6 +522,10 @@ class HFEngine(RolloutEngine):
                 num_applied += 1
         return num_applied
 
+    def scale_weight(self, name: str, factor: float) -> None:
+        with torch.no_grad():
+            self._params_by_name[name].mul_(factor)
+
     def weight_checksums(self, dtype: torch.dtype) -> dict[str, tuple[int, int]]:
         """Per checkpoint name: a fused expert tensor is checked as the per-expert tensors the
         exporter sends."""

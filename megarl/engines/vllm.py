@@ -516,6 +516,12 @@ class VLLMEngine(RolloutEngine):
                 f"{', ...' if len(names) > 3 else ''}) and the rest never arrived"
             )
 
+    def scale_weight(self, name: str, factor: float) -> None:
+        self.wait_until_started()
+        with self._liveness.named("a weight scaling"):
+            self._llm.collective_rpc("megarl_scale_weight", args=(name, factor))
+        self._llm.reset_prefix_cache()  # cached prefixes hold the old weights' keys and values
+
     def weight_checksums(self, dtype: torch.dtype) -> dict[str, tuple[int, int]]:
         if not self._checksums:
             raise RuntimeError(

@@ -106,6 +106,15 @@ class WorkerExtension:
             tied.quant_method.process_weights_after_loading(tied)
         return recorder.checksums if recorder else {}
 
+    def megarl_scale_weight(self, name: str, factor: float) -> None:
+        """Multiply the live parameter ``name`` (a vLLM name: the HF one for unfused, unpacked
+        tensors such as norms) in place: the test hook for a corrupted engine."""
+        params = dict(self.model_runner.get_model().named_parameters())
+        if name not in params:
+            raise KeyError(f"the engine's model has no parameter {name!r}")
+        with torch.no_grad():
+            params[name].mul_(factor)
+
 
 ROUTED_EXPERTS = "routed_experts"
 """vLLM's module holding a mixture-of-experts layer's stacked expert weights (``w13_weight``

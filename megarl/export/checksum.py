@@ -8,6 +8,7 @@ chunks so the temporary stays small.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping
 
 import torch
@@ -39,3 +40,12 @@ def compare_checksums(
     sent (an engine may keep a wider one: bf16 -> fp32 is exact).
     """
     return [name for name, expected in sent.items() if tuple(held.get(name, ())) != expected]
+
+
+def checksums_digest(checksums: Mapping[str, tuple[int, int]]) -> str:
+    """One short hex digest of every tensor's checksum (sorted by name): a sync named in one
+    word, the same on both sides when they agree."""
+    text = ";".join(
+        f"{name}:{plain}:{weighted}" for name, (plain, weighted) in sorted(checksums.items())
+    )
+    return hashlib.sha256(text.encode()).hexdigest()[:16]

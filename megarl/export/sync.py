@@ -10,11 +10,12 @@ silently stale engine is the failure this check exists to catch.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from megarl.export.checksum import compare_checksums
+from megarl.export.checksum import checksums_digest, compare_checksums
 from megarl.export.stream import BucketStream, open_stream
 from megarl.models.spec import TransformerSpec
 
@@ -23,6 +24,14 @@ MIB = 1 << 20
 
 class ExportChecksumError(RuntimeError):
     """The engine does not hold the bits the trainer sent."""
+
+
+@dataclass(frozen=True)
+class SyncResult:
+    metrics: dict[str, float]
+    """The export metrics (rank 0; ``export/peak_bytes`` on every rank)."""
+    checksum: str | None = None
+    """Rank 0, on a checksum step: the digest of the tensors sent, which the engine matched."""
 
 
 def is_checksum_step(step: int, interval: int) -> bool:
@@ -37,11 +46,12 @@ def sync_engine_weights(
     checksum: bool,
     engine=None,
     on_bucket: Callable[[int, int], None] | None = None,
-) -> dict[str, float]:
+) -> SyncResult:
     """Stream weights to ``engine`` (rank 0 passes it; other ranks ``None``); metrics on rank 0.
     ``on_bucket(sent, total)`` is called on rank 0 as each bucket has been handed over."""
     stream = open_stream(local_params, spec, bucket_mb * MIB, vpp=vpp, checksums=checksum)
     metrics: dict[str, float] = {}
+    digest = None
     if engine is not None:
         engine.update_weights(stream.named_tensors(on_bucket), record_checksums=checksum)
         metrics = {
@@ -51,10 +61,11 @@ def sync_engine_weights(
         if checksum:
             verify_engine_checksums(stream, engine)
             metrics["export/checksum_ok"] = 1.0
+            digest = checksums_digest(stream.sent_checksums)
     else:
         stream.run_to_end()
     metrics["export/peak_bytes"] = float(_max_over_ranks(stream.peak_bytes))
-    return metrics
+    return SyncResult(metrics, digest)
 
 
 def verify_engine_checksums(stream: BucketStream, engine) -> None:

@@ -36,10 +36,11 @@ from megarl.config.schema import RunConfig
 from megarl.distributed import heartbeat
 from megarl.planner.step_plan import StepPlan
 from megarl.trainer import moe_routing
+from megarl.trainer.engine_guard import NOT_APPLIED
 from megarl.trainer.runtime import pipeline_group
 
 if TYPE_CHECKING:
-    from megarl.batch import RolloutShard
+    from megarl.batch import Rollouts, RolloutShard
     from megarl.trainer.logprob_passes import StepLogprobs
     from megarl.trainer.metrics import PhaseTimer
     from megarl.trainer.runtime import Runtime
@@ -113,6 +114,7 @@ def update_actor(
                     loss,
                     capture_logprobs=index == 0,
                     token_advantages=token_advantages,
+                    **_guarded(rt, batch, logprobs, stale, step, first=index == 0),
                 )
             check_update(rt.cfg, step, index, result)
             per_step.append(result.stats if rt.actor.is_last_stage else OptimizerStepStats())
@@ -131,6 +133,30 @@ def update_actor(
                 stage_routing = moe_routing.compare_with_engine(rt.actor, batch, routing)
         rt.progress("update_actor", num_steps, num_steps, "optimizer steps")
     return _reduce_update_stats(rt, per_step, grad_norms, lp_diff, mismatch, stage_routing)
+
+
+def _guarded(
+    rt: Runtime,
+    batch: RolloutShard,
+    logprobs: StepLogprobs,
+    stale: frozenset[int],
+    step: int,
+    first: bool,
+) -> dict:
+    """The first optimizer step's ``before_update``: the logprob guard's step check
+    (:mod:`megarl.trainer.engine_guard`) on the same tokens ``rollout/logprob_abs_diff``
+    compares, decided before any weight moves; nothing when the guard is off."""
+    if rt.guard is None or not first:
+        return {}
+    guard = rt.guard
+
+    def check(captured: dict[int, torch.Tensor]) -> None:
+        local = [0.0, 0.0]
+        if rt.actor.is_last_stage:
+            local = logprob_diff(batch, _without({**captured, **logprobs.recomputed}, stale))
+        guard.check(f"step {step}", local, rt.cfg.actor.tp, NOT_APPLIED)
+
+    return {"before_update": check}
 
 
 def check_update(cfg: RunConfig, step: int, index: int, result) -> None:
@@ -184,7 +210,7 @@ def _without(per_sequence: dict, sequences: frozenset[int]) -> dict:
     return {i: value for i, value in per_sequence.items() if i not in sequences}
 
 
-def logprob_diff(batch: RolloutShard, trainer_logprobs: dict) -> list[float]:
+def logprob_diff(batch: Rollouts, trainer_logprobs: dict) -> list[float]:
     """Engine vs trainer logprobs of the same tokens under the same (generating) weights:
     the summed absolute difference and the number of tokens compared (the generated ones: an
     observation token of a multi-turn trajectory has no engine logprob)."""

@@ -242,6 +242,11 @@ def _setup(ctx: WorkerContext, inputs: RunInputs) -> Runtime:
         heartbeat.mark("start_rollout_engine")
         with clock.phase("rollout_engine"):
             host.wait_for_engine()
+    guard = None
+    if not cfg.algo.is_sft:
+        from megarl.trainer.engine_guard import build_engine_guard, engine_sleep_level
+
+        guard = build_engine_guard(cfg, execution.params_dtype, engine_sleep_level(host))
     return Runtime(
         cfg=cfg,
         source=_rollout_source(cfg, host),
@@ -263,6 +268,7 @@ def _setup(ctx: WorkerContext, inputs: RunInputs) -> Runtime:
         progress=_progress_hook(host),
         startup=clock,
         sft_validation=_sft_validation_examples(cfg, tokenizer, spec),
+        guard=guard,
     )
 
 
@@ -392,9 +398,16 @@ def _train(rt: Runtime) -> None:
     heartbeat.mark("restore")
     with rt.startup.phase("restore"):
         last_done = _maybe_restore(rt)
+    probed = {}
+    if rt.guard is not None and rt.guard.probe_on:  # the engine holds what training starts from
+        from megarl.trainer.engine_guard import probe
+
+        with rt.startup.phase("engine_probe"):
+            where = "the probe after the restore" if last_done else "the probe after engine start"
+            probed = probe(rt, where)
     if rt.host is not None:  # wandb's run id is known now: a wandb that cannot start stops here
         rt.host.start_loggers()
-        rt.host.record_startup(rt.startup.metrics())
+        rt.host.record_startup({**rt.startup.metrics(), **probed})
     if validates_before_training(rt.cfg.trainer.val_before_train, last_done):
         validation = _validate(rt, 0)
         if rt.host is not None:
@@ -534,7 +547,7 @@ def _maybe_restore(rt: Runtime) -> int:
         if saved is not None:  # else the run had no KL in the reward: start afresh
             rt.kl_ctrl.load_state_dict(saved)
     base, adapter = decide_restore_sync(planning.run_facts(rt.cfg))
-    push_weights(rt, base=base.run, adapter=adapter.run)
+    push_weights(rt, base=base.run, adapter=adapter.run, step=step)
     rt.source.weights_synced(step)  # the weights after step s are policy version s
     return step
 

@@ -28,6 +28,7 @@ from megarl.data.arithmetic import ArithmeticTask
 from megarl.data.files import load_problem_files
 from megarl.data.loader import PromptSource, PromptStream, build_prompt_source
 from megarl.data.problems import Problem
+from megarl.distributed import fault_injection
 from megarl.engines.base import EngineMemoryState, RolloutEngine, SamplingParams
 from megarl.engines.factory import build_engine
 from megarl.models.spec import TransformerSpec, spec_from_hf_config
@@ -98,6 +99,7 @@ class RolloutHost:
             self.stream = self.sft.stream
         else:
             self.engine, self.sleep_level = _build_engine(cfg, tokenizer, device, model_dir)
+            fault_injection.register_engine(self.engine)  # MEGARL_FAULT_AT's corrupt-engine
             self.producer = self._rollout_producer(model_dir)
         self.writer = metrics_writer(cfg)
         self.history: list[dict] = []
@@ -271,6 +273,30 @@ class RolloutHost:
             "engine/base_weights_resident": float(state.base_weights_resident),
         }
 
+    def engine_sleep_level(self) -> int:
+        """The level the engine really sleeps at (an engine may refuse a deeper one)."""
+        return self.sleep_level
+
+    def probe_engine(self, samples: int) -> list[tuple[list[int], int, list[float]]]:
+        """The logprob guard's probe (:mod:`megarl.trainer.engine_guard`): ``samples`` samples
+        of the fixed probe prompt at the run's temperature and a fixed seed, as ``(prompt +
+        response ids, prompt length, the engine's logprobs)``."""
+        from megarl.planner.logprob_guard import PROBE_SEED, PROBE_TEXT
+
+        prompt = list(self.tokenizer.encode(PROBE_TEXT))
+        r = self.cfg.rollout
+        params = SamplingParams(
+            temperature=r.temperature, max_new_tokens=r.max_new_tokens, seed=PROBE_SEED
+        )
+        return [
+            (
+                list(g.prompt_ids) + list(g.response_ids),
+                len(g.prompt_ids),
+                list(g.response_logprobs),
+            )
+            for g in self.engine.generate([prompt] * samples, params)
+        ]
+
     def wake_engine(self) -> EngineMemoryState:
         """Re-acquire the engine's memory after training; what it reports it must be sent."""
         return self.engine.wake_up()
@@ -312,9 +338,9 @@ class RolloutHost:
         metrics["planner/summary"] = plan.summary()
         metrics.update(gates.metrics())
         metrics["gates/summary"] = gates.summary()
-        metrics.update(self._export_metrics)
-        metrics.update(self._startup_metrics)
+        metrics.update(self._startup_metrics)  # first: a wake-up's probe supersedes the start's
         self._startup_metrics = {}
+        metrics.update(self._export_metrics)
         metrics.update(timer.times)
         metrics["timing_s/step"] = timer.total()
         total_tokens = sum(batch.seq_lens)

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from megarl.critic.megatron_critic import MegatronCritic
     from megarl.models.spec import TransformerSpec
     from megarl.sft.conversations import SFTExample
+    from megarl.trainer.engine_guard import EngineGuard
     from megarl.trainer.rollout_host import RolloutHost
     from megarl.trainer.rollout_source import RolloutSource
 
@@ -58,6 +59,8 @@ class Runtime:
     """``algo.objective=sft`` with ``data.val_files``: the validation conversations (every
     rank holds them; each scores its data-parallel share)."""
     """Rank 0 reports from it where the start-up went (``timing_s/startup/*``)."""
+    guard: EngineGuard | None = None
+    """The logprob guard (``rollout.max_logprob_diff``); None when off or without an engine."""
 
 
 def pipeline_group(pp: int):

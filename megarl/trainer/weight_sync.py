@@ -5,7 +5,9 @@ the engine in bounded buckets (:func:`megarl.export.sync.sync_engine_weights`). 
 the gates' decision: base (or full) weights unless LoRA kept the engine's base, the adapter with
 LoRA. The rollout source is told the policy version that arrived: the synchronous loop's engine
 serves it from the next rollout on; the asynchronous rollout side applies it between two
-generations (:mod:`megarl.trainer.async_rollout`).
+generations (:mod:`megarl.trainer.async_rollout`). The logprob guard
+(:mod:`megarl.trainer.engine_guard`) is told what was sent, and after a wake-up probes the
+engine before the next rollout trusts it.
 """
 
 from __future__ import annotations
@@ -36,8 +38,14 @@ def sync_weights(rt: Runtime, gates: StepGates, timer: PhaseTimer, step: int) ->
             adapter=gates.adapter_sync.run,
             checksum=is_checksum_step(step, rt.cfg.export.checksum_interval),
             progress=rt.progress,
+            step=step,
         )
         rt.source.weights_synced(step)  # the weights after step s are policy version s
+    if rt.guard is not None and rt.guard.probe_after_wake:
+        from megarl.trainer.engine_guard import probe
+
+        with timer.phase("engine_probe"):
+            metrics.update(probe(rt, f"the probe after the wake-up and sync of step {step}"))
     if rt.host is not None:
         rt.host.record_export_metrics(metrics)
 
@@ -48,16 +56,17 @@ def push_weights(
     adapter: bool,
     checksum: bool = False,
     progress: PhaseHook = no_progress,
+    step: int = 0,
 ) -> dict[str, float]:
     """Collective: stream the base (or full) weights to the engine on rank 0 in bounded buckets
     and/or gather the LoRA adapter into it; the export metrics (on rank 0). ``progress`` is told
-    the buckets sent."""
-    from megarl.export.sync import sync_engine_weights
+    the buckets sent; the guard (rank 0) what was sent after ``step`` (0: a resume's restore)."""
+    from megarl.export.sync import SyncResult, sync_engine_weights
 
-    metrics: dict[str, float] = {}
+    result = SyncResult({})
     if base:
         engine = rt.host.engine if rt.host is not None else None
-        metrics = sync_engine_weights(
+        result = sync_engine_weights(
             rt.actor.local_params(),
             rt.spec,
             rt.cfg.export.bucket_mb,
@@ -70,4 +79,8 @@ def push_weights(
         lora = rt.actor.gather_lora_adapter()
         if rt.host is not None:
             rt.host.update_engine_adapter(lora)
-    return metrics
+    if rt.guard is not None and (base or adapter):
+        from megarl.trainer.engine_guard import sync_record
+
+        rt.guard.last_sync = sync_record(base, adapter, step, result.metrics, result.checksum)
+    return result.metrics

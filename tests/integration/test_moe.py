@@ -233,6 +233,7 @@ def test_r3_replays_injected_routing_and_the_metric_keeps_the_routers_own_choice
         "actor.ppo_mini_batches": 2,
         "actor.pack_sequences": "false",
         "actor.router_replay.mode": "R3",
+        "rollout.max_logprob_diff": "null",  # the injected routing would stop the run there
     }
     [step] = run(tiny_overrides(tmp_path / "run", 1, model="tiny_qwen3_moe", **extra)).history
     # layer 0 always differs; the replayed layer-0 experts also change the hidden states the

