@@ -549,3 +549,31 @@ def test_smollm2_answers_arithmetic_in_chat_format():
         text = tokenizer.decode(generation.response_ids, skip_special_tokens=True)
         assert text.strip()
         assert all(math.isfinite(lp) for lp in generation.response_logprobs)
+
+
+def test_corrupt_engine_fault_scales_the_final_norm_at_its_phase_and_step_only(monkeypatch):
+    """``MEGARL_FAULT_AT=0:2:rollout:corrupt-engine`` scales exactly one tensor of the
+    registered engine, by ``CORRUPT_FACTOR``, the first time rank 0 enters step 2's rollout, and
+    the engine's logprobs leave those of the weights it was given."""
+    from megarl.distributed import fault_injection
+
+    model = tiny_llama()
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    engine = make_engine(model)
+    [clean] = engine.generate([[1, 5, 9, 11]], greedy(4))
+    monkeypatch.setenv(fault_injection.AT_ENV, "0:2:rollout:corrupt-engine")
+    monkeypatch.setattr(fault_injection, "_fired_at", False)
+    monkeypatch.setattr(fault_injection, "_engine", None)
+    fault_injection.register_engine(engine)
+    fault_injection.at_phase(0, 1, "rollout")  # another step: nothing
+    fault_injection.at_phase(0, 2, "scatter")  # another phase: nothing
+    fault_injection.at_phase(1, 2, "rollout")  # another rank: nothing
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    fault_injection.at_phase(0, 2, "rollout")
+    changed = [n for n, p in model.named_parameters() if not torch.equal(p, before[n])]
+    assert changed == [fault_injection.CORRUPT_TENSOR]
+    scaled = before[fault_injection.CORRUPT_TENSOR] * fault_injection.CORRUPT_FACTOR
+    assert torch.equal(model.get_parameter(fault_injection.CORRUPT_TENSOR), scaled)
+    [again] = engine.generate([[1, 5, 9, 11]], greedy(4))
+    assert again.response_ids[0] == clean.response_ids[0]  # greedy: the argmax survives a scale
+    assert abs(again.response_logprobs[0] - clean.response_logprobs[0]) > 1e-3
