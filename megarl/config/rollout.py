@@ -84,7 +84,8 @@ class RolloutConfig:
     than this on average (``rollout/logprob_abs_diff``): the engine did not sample with the
     trainer's weights. The step's update is not applied and nothing of it is written; exit 1.
     auto = by engine and dtype (:mod:`megarl.planner.logprob_guard`): 1e-3 in fp32 (the demo
-    measured <= 2.2e-5 on both engines), 5e-2 in bf16 | a number > 0 | null = off."""
+    measured <= 8.9e-6 on both engines), 2e-1 in bf16 (measured <= 5.0e-2) | a number > 0 |
+    null = off."""
     val: RolloutValConfig = field(default_factory=RolloutValConfig)
     agent: AgentSettings = field(default_factory=AgentSettings)
     """Multi-turn agent loops (:mod:`megarl.agent`): ``single_turn`` is the plain rollout."""

@@ -14,10 +14,8 @@ every rank holds after the same all-reduce, so every rank stops together and no 
 update the others skip. Pure: imports nothing of torch or the machinery.
 
 The default thresholds (``rollout.max_logprob_diff: auto``) come from measured distributions of
-the demo (SmolLM2-135M-Instruct, GRPO on arithmetic, 20 steps, both engines, fp32 and bf16; the
-numbers are in ``docs/reliability.md``): the largest step value seen, times a margin of at least
-10. A corrupted tensor (``MEGARL_FAULT_AT=...:rollout:corrupt-engine``) moves the mean by more
-than 0.1 on the same runs.
+the demo (SmolLM2-135M-Instruct, GRPO on arithmetic, both engines, fp32 and bf16; the numbers
+are in ``docs/reliability.md``): the largest step value seen, times a margin of at least 5.
 """
 
 from __future__ import annotations
@@ -34,21 +32,26 @@ AUTO = "auto"
 DEFAULT_MAX_LOGPROB_DIFF: Mapping[tuple[str, str], float] = {
     ("hf", "float32"): 1e-3,
     ("vllm", "float32"): 1e-3,
-    ("hf", "bfloat16"): 5e-2,
-    ("vllm", "bfloat16"): 5e-2,
+    ("hf", "bfloat16"): 2e-1,
+    ("vllm", "bfloat16"): 2e-1,
 }
 """``(rollout.engine, parameter dtype)`` -> the default threshold on the mean absolute logprob
-difference. fp32: both engines measured at most ~2e-5 over the demo's 20 steps (1e-3 leaves a
-margin of 50). bf16: the rounding of 8-bit mantissas; the measured maxima and margins are in
-``docs/reliability.md``."""
+difference, from the demo's measured step values (``docs/reliability.md``). fp32: at most 8.9e-6
+on either engine, so 1e-3 leaves a margin of 100. bf16 (8-bit mantissas; the transformers
+engine decodes with a KV cache, the trainer runs one packed pass): up to 5.0e-2 (vLLM's probe
+6.8e-2), so 2e-1 leaves a margin of 4, while the final norm scaled by 1.5 (the test hook) moves
+SmolLM2's logprobs by 0.43 or more."""
 
-FALLBACK_MAX_LOGPROB_DIFF: Mapping[str, float] = {"float32": 1e-3, "bfloat16": 5e-2}
+FALLBACK_MAX_LOGPROB_DIFF: Mapping[str, float] = {"float32": 1e-3, "bfloat16": 2e-1}
 """By dtype, for an engine the table above does not name (a new engine is guarded from its
 first run; measure it and add its row)."""
 
 
 PROBE_TEXT = "Check: the quick brown fox jumps over the lazy dog. What is 12 + 7? Answer:"
 """The probe's fixed prompt (any text the tokenizer reads; the engine samples from it)."""
+PROBE_MAX_NEW_TOKENS = 16
+"""Tokens per probe sample at most (fewer when ``rollout.max_new_tokens`` is smaller): the probe
+stays cheap however long the run's responses are."""
 PROBE_SEED = 20_261_129
 """The probe's sampling seed: the same tokens for the same weights, run after run."""
 

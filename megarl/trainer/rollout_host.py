@@ -281,12 +281,14 @@ class RolloutHost:
         """The logprob guard's probe (:mod:`megarl.trainer.engine_guard`): ``samples`` samples
         of the fixed probe prompt at the run's temperature and a fixed seed, as ``(prompt +
         response ids, prompt length, the engine's logprobs)``."""
-        from megarl.planner.logprob_guard import PROBE_SEED, PROBE_TEXT
+        from megarl.planner.logprob_guard import PROBE_MAX_NEW_TOKENS, PROBE_SEED, PROBE_TEXT
 
         prompt = list(self.tokenizer.encode(PROBE_TEXT))
         r = self.cfg.rollout
         params = SamplingParams(
-            temperature=r.temperature, max_new_tokens=r.max_new_tokens, seed=PROBE_SEED
+            temperature=r.temperature,
+            max_new_tokens=min(r.max_new_tokens, PROBE_MAX_NEW_TOKENS),
+            seed=PROBE_SEED,
         )
         return [
             (
