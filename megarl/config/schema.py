@@ -108,6 +108,7 @@ class RunConfig:
             "prompt suits gae or reinforce_plus_plus)",
         )
         self._check_async_training()
+        self._check_megatron_engine()
         self._check_agent_loops()
         self._check_sft()
         self._check_distill()
@@ -182,6 +183,27 @@ class RunConfig:
             "but algo.rollout_correction has neither rollout_is nor rollout_rs: the loss would "
             "ignore which policy sampled them; set rollout_is=token (verl's default, what auto "
             "gives) or bypass_mode=true (the behaviour logprobs as old, an approximation)",
+        )
+
+    def _check_megatron_engine(self) -> None:
+        """``rollout.engine=megatron`` generates with the actor's own model, in the actor's
+        processes, between two updates: colocated synchronous training, one model chunk per
+        rank, one rank generating (TP=1, PP=1, no expert parallelism) for now."""
+        if self.rollout.engine != "megatron" or self.algo.is_sft:
+            return
+        key = "rollout.engine=megatron"
+        _require(
+            not self.async_training.is_async and self.rollout.n_gpus == 0,
+            f"{key} needs colocated sync training (the actor's model generates between its "
+            f"updates): set async_training.mode=sync and rollout.n_gpus=0, or use "
+            f"rollout.engine=vllm or hf",
+        )
+        layout = {"actor.tp": self.actor.tp, "actor.pp": self.actor.pp, "actor.ep": self.actor.ep}
+        wider = [f"{name}={value}" for name, value in layout.items() if value > 1]
+        _require(
+            not wider,
+            f"{key} generates on one rank's whole model for now: {', '.join(wider)} splits it; "
+            "use rollout.engine=hf or vllm",
         )
 
     def _check_sft(self) -> None:

@@ -237,6 +237,8 @@ def _setup(ctx: WorkerContext, inputs: RunInputs) -> Runtime:
             critic = _build_critic(
                 cfg, spec, inputs.device, dtype, hf_tensors, pad_id, execution, inputs.resume_from
             )
+    if host is not None and cfg.rollout.engine == "megatron":  # it generates with the actor's
+        host.share_actor_model(actor.chunks)
     if host is not None:  # the engine started meanwhile (vLLM: its processes, in the background)
         heartbeat.mark("start_rollout_engine")
         with clock.phase("rollout_engine"):

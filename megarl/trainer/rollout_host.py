@@ -97,7 +97,9 @@ class RolloutHost:
             self.sft = SFTProducer(examples, cfg.data.prompts_per_step, cfg.trainer.seed, tokenizer)
             self.stream = self.sft.stream
         else:
-            self.engine, self.sleep_level = _build_engine(cfg, tokenizer, device, model_dir)
+            self.engine, self.sleep_level = _build_engine(
+                cfg, tokenizer, device, model_dir, self.spec
+            )
             self.producer = self._rollout_producer(model_dir)
         self.writer = metrics_writer(cfg)
         self.history: list[dict] = []
@@ -147,6 +149,15 @@ class RolloutHost:
                 agent_run_facts(cfg, self.spec.max_position_embeddings),
             ),
         )
+
+    def share_actor_model(self, chunks) -> None:
+        """``rollout.engine=megatron``: the engine generates with the actor's model chunks
+        (built after this host)."""
+        from megarl.engines.megatron import MegatronEngine
+
+        if not isinstance(self.engine, MegatronEngine):
+            raise TypeError(f"{type(self.engine).__name__} holds its own copy of the model")
+        self.engine.bind_model(chunks)
 
     def wait_for_engine(self) -> None:
         """The rollout engine has started (a vLLM start overlaps the trainer's set-up); its
@@ -558,12 +569,28 @@ def prompt_source(cfg: RunConfig) -> PromptSource:
     )
 
 
-def _build_engine(cfg: RunConfig, tokenizer, device: str, model_dir: str):
+def _build_engine(
+    cfg: RunConfig, tokenizer, device: str, model_dir: str, spec: TransformerSpec
+) -> tuple[RolloutEngine, int]:
     """The rollout engine and the sleep level it will actually use."""
     if cfg.rollout.engine == "vllm":  # its processes start while the trainer builds its models
         settings = vllm_settings(cfg, model_dir, device)
         engine = build_engine("vllm", **settings.engine_kwargs, start_in_background=True)
         return engine, settings.sleep_level
+    if cfg.rollout.engine == "megatron":  # the actor's model, bound once the actor is built
+        from megarl.engines.base import merge_token_ids
+        from megarl.engines.hf import resolve_pad_token_id
+        from megarl.models.hf_io import load_generation_eos_ids
+
+        eos = merge_token_ids(tokenizer.eos_token_id, load_generation_eos_ids(model_dir))
+        engine = build_engine(
+            "megatron",
+            eos_token_ids=eos,
+            pad_token_id=resolve_pad_token_id(None, tokenizer, eos),
+            vocab_size=spec.vocab_size,
+            device=device,
+        )
+        return engine, 0  # nothing to release between rollouts: the KV cache lives per call
     from megarl.distributed.quiet import hf_progress_bars_off
     from megarl.models.hf_io import load_hf_model
 
