@@ -107,8 +107,8 @@ class RunConfig:
             "the samples of a prompt's group and needs at least 2 per prompt (one sample per "
             "prompt suits gae or reinforce_plus_plus)",
         )
+        self._check_megatron_engine()  # first: its refusal says more than the async checks'
         self._check_async_training()
-        self._check_megatron_engine()
         self._check_agent_loops()
         self._check_sft()
         self._check_distill()
@@ -187,8 +187,8 @@ class RunConfig:
 
     def _check_megatron_engine(self) -> None:
         """``rollout.engine=megatron`` generates with the actor's own model, in the actor's
-        processes, between two updates: colocated synchronous training, one model chunk per
-        rank, one rank generating (TP=1, PP=1, no expert parallelism) for now."""
+        processes and layout, between two updates: colocated synchronous training, one model
+        chunk per rank, and whole sequences on every tensor-parallel rank."""
         if self.rollout.engine != "megatron" or self.algo.is_sft:
             return
         key = "rollout.engine=megatron"
@@ -198,12 +198,10 @@ class RunConfig:
             f"updates): set async_training.mode=sync and rollout.n_gpus=0, or use "
             f"rollout.engine=vllm or hf",
         )
-        layout = {"actor.tp": self.actor.tp, "actor.pp": self.actor.pp, "actor.ep": self.actor.ep}
-        wider = [f"{name}={value}" for name, value in layout.items() if value > 1]
         _require(
-            not wider,
-            f"{key} generates on one rank's whole model for now: {', '.join(wider)} splits it; "
-            "use rollout.engine=hf or vllm",
+            self.actor.vpp == 1,
+            f"{key} runs one model chunk per rank: actor.vpp={self.actor.vpp} interleaves "
+            "several; set actor.vpp=1",
         )
 
     def _check_sft(self) -> None:

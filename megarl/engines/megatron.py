@@ -19,15 +19,25 @@ Memory: there is no weight to free or reload (``sleep`` keeps the weights at eve
 the engine always reports them resident); the KV cache lives only for one call. The model is
 switched to eval mode while it generates and back afterwards.
 
-Placement: colocated, in the actor's processes. With data parallelism each DP rank holds the
-whole model at TP=1/PP=1, so rank 0 alone generates.
+Placement: colocated, in the actor's processes, in the actor's own layout. Rank 0 drives (the
+rollout producer, agent loops, the gateway and validation call it there, like any engine); the
+other ranks whose forward rank 0's needs -- its tensor- and pipeline-parallel group, and with
+expert parallelism every rank, since each expert-parallel rank holds experts the others route
+to -- *follow* (:meth:`MegatronEngine.serve`): for each call rank 0 broadcasts the requests and
+the sampling parameters, every rank of the group runs the same decode loop on its shard (the
+pipeline stages pass hidden states on; the last stage's logits, gathered over the
+tensor-parallel ranks, are broadcast to its pipeline group), samples the same tokens from the
+same logits with the same seeds, and after each step takes rank 0's word on whether it was
+interrupted. At the end of a rollout or validation phase rank 0 releases the followers
+(:meth:`MegatronEngine.release_followers`). Data-parallel replicas outside the group wait for the
+batch as with any engine: one replica generates.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -46,6 +56,32 @@ if TYPE_CHECKING:
 
 NO_WEIGHTS_TO_SEND = "the engine is the actor's model"
 """Why nothing is ever sent to this engine (the gates' reason too)."""
+DRIVER = 0
+"""The global rank that drives generation (the rollout host's)."""
+
+
+def generation_group() -> Any:
+    """The process group of the ranks that run every forward together: the model-parallel
+    group (TP x PP), or the whole world under expert parallelism (an expert-parallel group
+    spans data-parallel replicas, each of which must then run the same forward); None when this
+    rank's model runs alone."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    if parallel_state.get_expert_model_parallel_world_size() > 1:
+        return dist.group.WORLD
+    group: Any = parallel_state.get_model_parallel_group()  # Megatron's annotation is loose
+    return group if group.size() > 1 else None
+
+
+def follows_driver() -> bool:
+    """Whether this rank runs rank 0's generation calls with it (:meth:`MegatronEngine.serve`)."""
+    import torch.distributed as dist
+
+    group = generation_group()
+    if group is None or dist.get_rank() == DRIVER:
+        return False
+    return DRIVER in dist.get_process_group_ranks(group)
 
 
 class MegatronEngine(RolloutEngine):
@@ -65,6 +101,8 @@ class MegatronEngine(RolloutEngine):
         self._vocab_size = vocab_size
         self._device = torch.device(device)
         self._chunks: list[Any] | None = None
+        self._group: Any = None
+        """The ranks generating together (:func:`generation_group`); None: this rank alone."""
         self._sleep_level = 0
 
     def bind_model(self, chunks: Sequence[Any]) -> None:
@@ -75,6 +113,7 @@ class MegatronEngine(RolloutEngine):
                 "(actor.vpp > 1)"
             )
         self._chunks = list(chunks)
+        self._group = generation_group()
 
     # -- properties --
 
@@ -94,6 +133,7 @@ class MegatronEngine(RolloutEngine):
         params: SamplingParams,
         interrupt: threading.Event | None = None,
     ) -> list[Generation]:
+        """On rank 0; the followers run the same call (:meth:`serve`)."""
         if self._sleep_level:
             raise RuntimeError(
                 f"cannot generate: engine is asleep (level {self._sleep_level}); "
@@ -102,14 +142,67 @@ class MegatronEngine(RolloutEngine):
         if not requests:
             return []
         self._validate_requests(requests, params)
+        self._tell_followers(("generate", list(requests), params))
+        return self._generate(requests, params, interrupt)
+
+    def _generate(
+        self,
+        requests: Sequence[Request],
+        params: SamplingParams,
+        interrupt: threading.Event | None,
+    ) -> list[Generation]:
         responses = [_Response(request, request.budget(params)) for request in requests]
         with self._generating() as gpt:
             self._decode(gpt, responses, params, interrupt)
         return [response.generation(row, None) for row, response in enumerate(responses)]
 
+    # -- the ranks that generate with rank 0 --
+
+    def serve(self) -> None:
+        """A follower's part of a rollout or validation phase: run every call rank 0 makes,
+        until it releases the group (:meth:`release_followers`)."""
+        while True:
+            message = self._hear_driver()
+            if message[0] == "release":
+                return
+            _, requests, params = message
+            self._generate(requests, params, None)
+
+    def release_followers(self) -> None:
+        """Rank 0, at the end of a rollout or validation phase: the followers go back to
+        training. A no-op when this rank generates alone."""
+        self._tell_followers(("release",))
+
+    def _tell_followers(self, message: tuple) -> None:
+        if self._group is not None:
+            import torch.distributed as dist
+
+            dist.broadcast_object_list([message], src=DRIVER, group=self._group)
+
+    def _hear_driver(self) -> tuple:
+        import torch.distributed as dist
+
+        if self._group is None:
+            raise RuntimeError("this rank generates alone: there is no driver to follow")
+        box: list = [None]
+        dist.broadcast_object_list(box, src=DRIVER, group=self._group)
+        return box[0]
+
+    def _interrupted(self, interrupt: threading.Event | None) -> bool:
+        """Rank 0's answer, the same on every rank of the group (polled once per step)."""
+        stop = interrupt is not None and interrupt.is_set()
+        if self._group is None:
+            return stop
+        import torch.distributed as dist
+
+        flag = torch.tensor([int(stop)], device=self._device)
+        dist.broadcast(flag, src=DRIVER, group=self._group)
+        return bool(flag.item())
+
     @contextlib.contextmanager
     def _generating(self) -> Iterator[Any]:
         """The bare ``GPTModel`` in eval mode, gradients off, for the block; its modes after."""
+        from megarl.distributed.platform import shim_modes_in_this_thread
         from megarl.models.chunk import unwrap
 
         if self._chunks is None:
@@ -118,7 +211,9 @@ class MegatronEngine(RolloutEngine):
         modes = {module: module.training for module in gpt.modules()}
         gpt.eval()
         try:
-            with torch.inference_mode():
+            # the agent loops call from a worker thread, where the shims' torch-function modes
+            # (thread-local) are not on yet
+            with torch.inference_mode(), shim_modes_in_this_thread():
                 yield gpt
         finally:
             for module, training in modes.items():
@@ -141,7 +236,7 @@ class MegatronEngine(RolloutEngine):
         pad_U = (batch.attention_mask_BT == 0).sum(dim=1)
         capacity = batch.input_ids_BT.shape[1] + max(response.budget for response in responses)
         cache = KVCache(gpt, pad_U, capacity)
-        logits_BV = self._full_vocab(cache.forward(gpt, batch.input_ids_BT))
+        logits_BV = self._full_vocab(cache.forward(gpt, batch.input_ids_BT), len(distinct))
         if len(distinct) < len(keys):  # GRPO's samples of a prompt: one prefill, copied rows
             slot = {key: i for i, key in enumerate(distinct)}
             rows_B = torch.tensor([slot[key] for key in keys], device=self._device)
@@ -154,23 +249,39 @@ class MegatronEngine(RolloutEngine):
                 [responses[row] for row in rows], logits_BV, params, generator
             )
             going = [i for i, row in enumerate(rows) if not responses[row].ended]
-            if not going or (interrupt is not None and interrupt.is_set()):
+            if not going or self._interrupted(interrupt):
                 return
             if len(going) < len(rows):
                 keep_L = torch.tensor(going, device=self._device)
                 cache.select_rows(keep_L)
                 token_L, rows = token_L[keep_L], [rows[i] for i in going]
-            logits_BV = self._full_vocab(cache.forward(gpt, token_L.unsqueeze(1)))
+            logits_BV = self._full_vocab(cache.forward(gpt, token_L.unsqueeze(1)), len(rows))
 
-    def _full_vocab(self, logits_BV: torch.Tensor) -> torch.Tensor:
-        """The whole real vocabulary's logits on every rank: tensor-parallel slices gathered,
-        the padded tail Megatron adds for equal slices cut off (the trainer masks it too)."""
+    def _full_vocab(self, logits_BV: torch.Tensor | None, num_rows: int) -> torch.Tensor:
+        """The whole real vocabulary's ``[B, V]`` logits on every rank of the group: the
+        tensor-parallel slices gathered, the padded tail Megatron adds for equal slices cut off
+        (the trainer masks it too), and under pipeline parallelism the last stage's broadcast
+        to the stages before it (None there)."""
+        import torch.distributed as dist
         from megatron.core import parallel_state
         from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-        if parallel_state.get_tensor_model_parallel_world_size() > 1:
-            logits_BV = gather_from_tensor_model_parallel_region(logits_BV)
-        return logits_BV[:, : self._vocab_size]
+        if logits_BV is not None:
+            if parallel_state.get_tensor_model_parallel_world_size() > 1:
+                logits_BV = gather_from_tensor_model_parallel_region(logits_BV)
+            assert logits_BV is not None
+            logits_BV = logits_BV[:, : self._vocab_size].float().contiguous()
+        if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+            assert logits_BV is not None
+            return logits_BV
+        if logits_BV is None:
+            logits_BV = torch.empty((num_rows, self._vocab_size), device=self._device)
+        dist.broadcast(
+            logits_BV,
+            src=parallel_state.get_pipeline_model_parallel_last_rank(),
+            group=cast("Any", parallel_state.get_pipeline_model_parallel_group()),
+        )
+        return logits_BV
 
     def _sample_step(
         self,

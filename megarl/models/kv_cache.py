@@ -26,6 +26,9 @@ static batching assumes equal for all rows:
   to nothing gives NaN in ``scaled_dot_product_attention``, and a NaN key or value poisons the
   real queries that mask it out (their weight for it is 0, but 0 * NaN is NaN).
 
+Under pipeline parallelism each stage runs its own layers with its own part of the cache and
+passes the hidden states on with a send/receive pair (the logits exist on the last stage).
+
 Rows leave the batch when they end (:meth:`KVCache.select_rows`): the buffers, pads and
 frequencies are indexed down, so later steps compute only the rows still going.
 """
@@ -86,10 +89,14 @@ class KVCache:
         self.rope_CB1D = self.rope_CB1D[:, index_B.to(self.rope_CB1D.device)]
         self.context.max_batch_size = len(index_B)
 
-    def forward(self, gpt: Any, tokens_BS: torch.Tensor) -> torch.Tensor:
-        """Run ``S`` new columns of every row through ``gpt`` (a bare ``GPTModel``, one
-        pipeline stage holding every layer), extending the cache; the ``[B, V/tp]`` logits of
-        the last column, this tensor-parallel rank's vocabulary slice."""
+    def forward(self, gpt: Any, tokens_BS: torch.Tensor) -> torch.Tensor | None:
+        """Run ``S`` new columns of every row through this rank's ``gpt`` (a bare ``GPTModel``:
+        its pipeline stage), extending the cache; the ``[B, V/tp]`` logits of the last column
+        (this tensor-parallel rank's vocabulary slice) on the last stage, None on the others.
+
+        Under pipeline parallelism every stage of the group calls this with the same tokens:
+        a stage after the first receives the hidden states from the stage before it, and each
+        stage before the last sends its own on."""
         start, end = self.filled, self.filled + tokens_BS.shape[1]
         if end > self.capacity:
             raise ValueError(f"KV cache holds {self.capacity} columns; asked for {end}")
@@ -99,16 +106,47 @@ class KVCache:
             context.enable_prefill_mode()
         else:
             context.enable_decode_mode()
-        hidden_SBH = gpt.embedding(input_ids=tokens_BS, position_ids=None)
+        if gpt.pre_process:
+            hidden_SBH = gpt.embedding(input_ids=tokens_BS, position_ids=None)
+        else:
+            hidden_SBH = _receive_hidden(gpt, tokens_BS.shape)
+            gpt.decoder.set_input_tensor(hidden_SBH)
         hidden_SBH = gpt.decoder(
             hidden_states=hidden_SBH,
             attention_mask=attention_mask(start, end, self.pad_B).to(tokens_BS.device),
             inference_context=context,
             rotary_pos_emb=self.rope_CB1D,
         )
+        self.filled = end
+        if not gpt.post_process:
+            _send_hidden(hidden_SBH)
+            return None
         weight = None
         if gpt.share_embeddings_and_output_weights:
             weight = gpt.shared_embedding_or_output_weight()
         logits_1BV, _ = gpt.output_layer(hidden_SBH[-1:], weight=weight)
-        self.filled = end
         return logits_1BV[0]
+
+
+def _receive_hidden(gpt: Any, tokens_shape: torch.Size) -> torch.Tensor:
+    """The ``[S, B, H]`` hidden states of the previous pipeline stage."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    batch, seq = tokens_shape
+    config = gpt.config
+    hidden_SBH = torch.empty(
+        (seq, batch, config.hidden_size),
+        dtype=config.pipeline_dtype or config.params_dtype,
+        device=next(gpt.parameters()).device,
+    )
+    dist.recv(hidden_SBH, src=parallel_state.get_pipeline_model_parallel_prev_rank())
+    return hidden_SBH
+
+
+def _send_hidden(hidden_SBH: torch.Tensor) -> None:
+    """This stage's hidden states to the next pipeline stage."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    dist.send(hidden_SBH.contiguous(), dst=parallel_state.get_pipeline_model_parallel_next_rank())

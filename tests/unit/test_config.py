@@ -341,11 +341,8 @@ def test_one_sample_per_prompt_is_judged_by_the_estimator():
             "rollout.engine=megatron needs colocated sync training",
         ),
         (
-            {"actor": {"tp": 2, "pp": 2}, "trainer": {"n_gpus_per_node": 4}},
-            (
-                "rollout.engine=megatron generates on one rank's whole model for now: "
-                "actor.tp=2, actor.pp=2 splits it"
-            ),
+            {"actor": {"pp": 2, "vpp": 2}, "trainer": {"n_gpus_per_node": 2}},
+            "rollout.engine=megatron runs one model chunk per rank: actor.vpp=2",
         ),
     ],
 )

@@ -89,3 +89,15 @@ def test_there_are_no_weights_to_send_or_free():
     state = engine.wake_up()
     assert state.base_weights_resident and not state.adapter_resident
     assert engine.generate(PROMPTS, params) == expected
+
+
+def test_a_worker_thread_generates_what_the_main_thread_does():
+    """The agent loops call the engine from a worker thread, where the CPU shims' torch-function
+    modes (thread-local) are off until the engine enters them."""
+    import concurrent.futures
+
+    engine = megatron_engine(tiny_llama(), EOS, PAD)
+    params = SamplingParams(temperature=0.8, max_new_tokens=6, seed=2)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        in_thread = pool.submit(engine.generate, PROMPTS, params).result()
+    assert in_thread == engine.generate(PROMPTS, params)
