@@ -47,9 +47,11 @@ from megarl.engines.base import (
     Request,
     RolloutEngine,
     SamplingParams,
+    validate_requests,
     validate_sleep_level,
 )
-from megarl.engines.hf import _Response, left_pad, sample_next_tokens
+from megarl.engines.hf import left_pad
+from megarl.engines.sampling import ResponseState, sample_step
 
 if TYPE_CHECKING:
     import threading
@@ -151,10 +153,10 @@ class MegatronEngine(RolloutEngine):
         params: SamplingParams,
         interrupt: threading.Event | None,
     ) -> list[Generation]:
-        responses = [_Response(request, request.budget(params)) for request in requests]
+        responses = [ResponseState.start(request, params) for request in requests]
         with self._generating() as gpt:
             self._decode(gpt, responses, params, interrupt)
-        return [response.generation(row, None) for row, response in enumerate(responses)]
+        return [response.generation() for response in responses]
 
     # -- the ranks that generate with rank 0 --
 
@@ -222,7 +224,7 @@ class MegatronEngine(RolloutEngine):
     def _decode(
         self,
         gpt: Any,
-        responses: list[_Response],
+        responses: list[ResponseState],
         params: SamplingParams,
         interrupt: threading.Event | None,
     ) -> None:
@@ -245,9 +247,10 @@ class MegatronEngine(RolloutEngine):
         rows = list(range(len(responses)))  # the response of each of the cache's rows
         generator = torch.Generator()  # on the host: re-seeded before each draw
         while True:
-            token_L = self._sample_step(
-                [responses[row] for row in rows], logits_BV, params, generator
-            )
+            going_responses = [responses[row] for row in rows]
+            token_L = sample_step(
+                going_responses, logits_BV, params, generator, self._eos_token_ids
+            ).to(self._device)
             going = [i for i, row in enumerate(rows) if not responses[row].ended]
             if not going or self._interrupted(interrupt):
                 return
@@ -283,42 +286,8 @@ class MegatronEngine(RolloutEngine):
         )
         return logits_BV
 
-    def _sample_step(
-        self,
-        responses: list[_Response],
-        logits_BV: torch.Tensor,
-        params: SamplingParams,
-        generator: torch.Generator,
-    ) -> torch.Tensor:
-        """Sample and record the next token of every response (one per row); the ``[B]``
-        tokens to feed next."""
-        uniform_B = None
-        if not params.greedy:
-            uniform_B = torch.tensor(
-                [response.next_uniform(generator) for response in responses], dtype=torch.float64
-            )
-        token_B, logprob_B = sample_next_tokens(logits_BV, params, uniform_B)
-        for response, token, logprob in zip(
-            responses, token_B.tolist(), logprob_B.tolist(), strict=True
-        ):
-            response.append(token, logprob, token in self._eos_token_ids)
-        return token_B.to(self._device)
-
     def _validate_requests(self, requests: Sequence[Request], params: SamplingParams) -> None:
-        """Refuse what the decode loop cannot continue (as the HF engine does)."""
-        for index, request in enumerate(requests):
-            if len(request.prompt_ids) == 0:
-                raise ValueError(f"request {index} has an empty prompt")
-            context = request.context_ids
-            if min(context) < 0 or max(context) >= self._vocab_size:
-                raise ValueError(f"request {index} has token ids outside [0, {self._vocab_size})")
-            if request.budget(params) == 0:
-                raise ValueError(
-                    f"request {index} has no budget left: {len(request.generated_ids)} tokens "
-                    f"generated, max_new_tokens={params.max_new_tokens}"
-                )
-            if any(token in self._eos_token_ids for token in request.generated_ids):
-                raise ValueError(f"request {index} already ended: EOS among its generated_ids")
+        validate_requests(requests, params, self._eos_token_ids, self._vocab_size)
 
     # -- weights: none to send --
 
