@@ -11,8 +11,9 @@ are generation's own.
 **The cache is Megatron's** ``StaticInferenceContext``: in each layer, ``SelfAttention`` writes
 the new columns' keys and values (before RoPE) into the context's buffers at
 ``sequence_len_offset``, then attends over every column so far with RoPE applied to all of them
-from the frequencies it is given. Measured on the tiny model (``benchmarks/bench_engines.py``) a
-cached decode step costs a small fraction of a full forward, so no cache of our own was needed.
+from the frequencies it is given. Its cost (``benchmarks/RESULTS.md``): re-rotating every cached
+key at every step is about a third of a decode call on SmolLM2, which a cache of rotated keys
+would save.
 
 **Rows of different lengths** are left-padded to one width ``T`` (each row's last context token
 in the last column), as the HF engine does, and Megatron is told two things per row that its
