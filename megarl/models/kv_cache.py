@@ -142,7 +142,7 @@ def rotated_key_cache(gpt: Any) -> Iterator[None]:
     for the block; Megatron's own method again after it."""
     from megatron.core.transformer.attention import SelfAttention
 
-    attentions = [module for module in gpt.modules() if isinstance(module, SelfAttention)]
+    attentions: list[Any] = [m for m in gpt.modules() if isinstance(m, SelfAttention)]
     for attention in attentions:
         attention._adjust_key_value_for_inference = functools.partial(store_rotated, attention)
     try:
@@ -158,7 +158,7 @@ def store_rotated(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    rotary_pos_emb: tuple[torch.Tensor, torch.Tensor] | None,
+    rotary_pos_emb: tuple[torch.Tensor, torch.Tensor | None] | None,
     *_unused: Any,
     **_unused_kw: Any,
 ) -> tuple:
@@ -186,6 +186,7 @@ def store_rotated(
     keys, values = cached
     if rotary_pos_emb is not None:
         q_pos_emb, k_pos_emb = rotary_pos_emb
+        assert k_pos_emb is not None  # generation passes one table for queries and keys
         key = apply_rotary_pos_emb(
             key,
             k_pos_emb[start:end],
