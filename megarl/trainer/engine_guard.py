@@ -65,7 +65,8 @@ class EngineGuard:
     probe_after_wake: bool
     """``rollout.sleep_level > 0`` and the engine really sleeps (the same on every rank)."""
     probe_on: bool
-    """The synchronous loop: the engine is at rest between steps, so it can be probed."""
+    """The synchronous loop (the engine is at rest between steps, so it can be probed) with an
+    engine that holds a copy of the weights (not ``rollout.engine=megatron``)."""
     last_sync: SyncRecord | None = None
 
     def check(self, where: str, local: list[float], tp: int, consequence: str) -> float:
@@ -91,12 +92,14 @@ def build_engine_guard(cfg: RunConfig, params_dtype: str, sleep_level: int) -> E
     )
     if threshold is None or cfg.algo.is_sft:
         return None
-    sync_loop = not cfg.async_training.is_async
+    # The Megatron engine generates with the actor's own parameters: there is no copy a sync
+    # could corrupt, so no probe (the step check still compares the two computations).
+    probed = not cfg.async_training.is_async and cfg.rollout.engine != "megatron"
     return EngineGuard(
         threshold=threshold,
         engine=cfg.rollout.engine,
-        probe_after_wake=sync_loop and sleep_level > 0,
-        probe_on=sync_loop,
+        probe_after_wake=probed and sleep_level > 0,
+        probe_on=probed,
         last_sync=SyncRecord("the model's own weights", 0),
     )
 
