@@ -32,6 +32,7 @@ PURE_MODULES = sorted(
         PACKAGE / "agent" / "gateway" / "settings.py",
         PACKAGE / "agent" / "loop.py",
         PACKAGE / "agent" / "render.py",
+        PACKAGE / "agent" / "sandbox" / "landlock.py",
         PACKAGE / "agent" / "sandbox" / "seccomp.py",
         PACKAGE / "agent" / "tool_calls.py",
         PACKAGE / "agent" / "tool_config.py",
