@@ -46,7 +46,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from megarl.agent.driver import PartialRollouts, trajectory_metrics
+from megarl.agent.driver import PartialRollouts
+from megarl.agent.metrics import trajectory_metrics
 from megarl.agent.trajectory import Trajectory
 from megarl.distributed.fault_injection import ROLLOUT, maybe_die, maybe_freeze
 from megarl.engines.base import Generation, Request, join_pieces

@@ -31,6 +31,7 @@ PURE_MODULES = sorted(
         PACKAGE / "agent" / "gateway" / "sessions.py",
         PACKAGE / "agent" / "gateway" / "settings.py",
         PACKAGE / "agent" / "loop.py",
+        PACKAGE / "agent" / "metrics.py",
         PACKAGE / "agent" / "render.py",
         PACKAGE / "agent" / "sandbox" / "landlock.py",
         PACKAGE / "agent" / "sandbox" / "seccomp.py",
