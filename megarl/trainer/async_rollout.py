@@ -55,7 +55,7 @@ from megarl.errors import MegarlError
 from megarl.export.checksum import compare_checksums, tensor_checksum
 from megarl.planner.staleness import AdmissionRule, RolloutSchedule
 from megarl.trainer.agent_rollout import trajectory_generation
-from megarl.trainer.rollout import ExtraBranch, ScoredGroups
+from megarl.trainer.scored_groups import ExtraBranch, ScoredGroups
 
 if TYPE_CHECKING:
     from megarl.config.schema import RunConfig
