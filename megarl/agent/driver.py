@@ -1,4 +1,4 @@
-"""Running a step's agent loops against one rollout engine: batching, seeds, metrics.
+"""Running a step's agent loops against one rollout engine: batching, seeds, partial rollouts.
 
 Every trajectory of a step runs as its own task on one asyncio event loop
 (:func:`run_agent_loops`, callable from the synchronous rollout producer). A loop's
@@ -56,6 +56,10 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from megarl.agent.loop import AgentLoop, LoopFor, Sample
+from megarl.agent.metrics import counter_metrics, trajectory_metrics
+from megarl.agent.metrics import (  # importable from here too, where callers look for it
+    validation_trajectory_metrics as validation_trajectory_metrics,
+)
 from megarl.agent.trajectory import GenerateOutput, Trajectory
 from megarl.engines.base import (
     Generation,
@@ -646,51 +650,6 @@ async def _all_or_first_error(tasks: Sequence[asyncio.Task[list[Trajectory]]]) -
     raise first
 
 
-def trajectory_metrics(
-    trajectories: Sequence[Trajectory], max_response_tokens: int | None = None
-) -> dict[str, float]:
-    """What the trajectories themselves say: turns, tool use, observation length, truncation
-    (means over trajectories, so equal-sized parts average to the whole's), as trained: a
-    response over ``max_response_tokens`` (a loop that built it without the budget) is cut to
-    it before training, so it counts as truncated and only its kept observation tokens count."""
-    count = max(1, len(trajectories))
-    turns = [t.num_turns for t in trajectories]
-    kept = [_as_trained(t, max_response_tokens) for t in trajectories]
-    return {
-        "agent/num_turns/mean": sum(turns) / count,
-        "agent/num_turns/max": float(max(turns, default=0)),
-        "agent/tool_calls/mean": sum(t.tool_calls for t in trajectories) / count,
-        "agent/tool_errors": float(sum(t.tool_errors for t in trajectories)),
-        "agent/observation_tokens/mean": sum(observed for observed, _ in kept) / count,
-        "agent/truncated_frac": sum(truncated for _, truncated in kept) / count,
-    }
-
-
-def _as_trained(traj: Trajectory, limit: int | None) -> tuple[int, bool]:
-    """``traj``'s observation tokens and truncation once cut to ``limit`` response tokens."""
-    if limit is None or len(traj.response_ids) <= limit:
-        return traj.observation_tokens, traj.truncated
-    return traj.response_mask[:limit].count(0), True
-
-
-def validation_trajectory_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
-    """A validation's agent metrics: turns under verl's ``val-aux/num_turns/{min,max,mean}``,
-    the rest of :func:`trajectory_metrics` under ``val-aux/agent/``; empty when no agent loop
-    ran (a single-turn validation reports none)."""
-    if not trajectories:
-        return {}
-    turns = [t.num_turns for t in trajectories]
-    metrics = {
-        "val-aux/num_turns/min": float(min(turns)),
-        "val-aux/num_turns/max": float(max(turns)),
-        "val-aux/num_turns/mean": sum(turns) / len(turns),
-    }
-    for key, value in trajectory_metrics(trajectories).items():
-        if not key.startswith("agent/num_turns/"):
-            metrics[f"val-aux/{key}"] = value
-    return metrics
-
-
 def agent_metrics(
     trajectories: Sequence[Trajectory], contexts: Sequence[AgentContext], batcher: _Batcher
 ) -> dict[str, float]:
@@ -703,22 +662,5 @@ def agent_metrics(
         "agent/timing_s/gen": batcher.engine_seconds,
         "agent/timing_s/gen_per_call": batcher.engine_seconds / calls,
     }
-    counters: dict[str, float] = {}
-    for ctx in contexts:
-        for name, value in ctx.counters.items():
-            counters[name] = counters.get(name, 0.0) + value
-    metrics.update({f"agent/{name}": value for name, value in sorted(counters.items())})
-    metrics.update(_per_sample_means(counters, len(contexts)))
+    metrics.update(counter_metrics([ctx.counters for ctx in contexts]))
     return metrics
-
-
-def _per_sample_means(counters: Mapping[str, float], samples: int) -> dict[str, float]:
-    """Counters that read better as means: branches per sample, seconds per gateway request
-    (their sums stay reported too)."""
-    means = {}
-    if "branches" in counters:
-        means["agent/branches/mean"] = counters["branches"] / max(1, samples)
-    if "gateway/latency_s" in counters:
-        requests = max(1.0, counters.get("gateway/requests", 0.0))
-        means["agent/gateway/latency_s/mean"] = counters["gateway/latency_s"] / requests
-    return means

@@ -46,7 +46,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from megarl.agent.driver import PartialRollouts, trajectory_metrics
+from megarl.agent.driver import PartialRollouts
+from megarl.agent.metrics import trajectory_metrics
 from megarl.agent.trajectory import Trajectory
 from megarl.distributed.fault_injection import ROLLOUT, maybe_die, maybe_freeze
 from megarl.engines.base import Generation, Request, join_pieces
@@ -54,7 +55,7 @@ from megarl.errors import MegarlError
 from megarl.export.checksum import compare_checksums, tensor_checksum
 from megarl.planner.staleness import AdmissionRule, RolloutSchedule
 from megarl.trainer.agent_rollout import trajectory_generation
-from megarl.trainer.rollout import ExtraBranch, ScoredGroups
+from megarl.trainer.scored_groups import ExtraBranch, ScoredGroups
 
 if TYPE_CHECKING:
     from megarl.config.schema import RunConfig

@@ -31,9 +31,7 @@ from megarl.agent.driver import (
     generate_output,
     make_samples,
     run_agent_loops,
-    trajectory_metrics,
     turn_seed,
-    validation_trajectory_metrics,
 )
 from megarl.agent.loop import (
     AgentLoopError,
@@ -43,6 +41,7 @@ from megarl.agent.loop import (
     ToolAgentLoop,
     resolve_loop,
 )
+from megarl.agent.metrics import trajectory_metrics, validation_trajectory_metrics
 from megarl.engines.base import (
     Generation,
     Request,

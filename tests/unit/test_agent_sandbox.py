@@ -86,6 +86,17 @@ def need(report: SandboxReport, *requirements: str) -> None:
         pytest.skip(f"this machine's sandbox lacks {requirements}: {report.missing}")
 
 
+def attempt(setup: str, action: str, done: str) -> str:
+    """A program that runs ``setup``, then tries ``action`` (lines) and prints ``done``; an
+    :class:`OSError` instead prints ``BLOCKED`` and the error: how the tests of what the
+    sandbox refuses (a connection, a signal) see the refusal from inside."""
+    body = "".join(f"    {line}\n" for line in action.splitlines())
+    return (
+        f"{setup}\ntry:\n{body}    print({done!r})\n"
+        "except OSError as e:\n    print('BLOCKED', type(e).__name__, e.errno)"
+    )
+
+
 # ---------------------------------------------------------------------------------------------
 # Normal programs
 
@@ -304,10 +315,10 @@ def test_no_tcp_connection(work_root: str, report: SandboxReport) -> None:
     need(report, "network", "landlock-net")
     with socket.create_server(("127.0.0.1", 0)) as server:
         port = server.getsockname()[1]
-        code = (
-            "import socket\ntry:\n"
-            f"    socket.create_connection(('127.0.0.1', {port}), timeout=1)\n"
-            "    print('CONNECTED')\nexcept OSError as e:\n    print('BLOCKED', type(e).__name__)"
+        code = attempt(
+            "import socket",
+            f"socket.create_connection(('127.0.0.1', {port}), timeout=1)",
+            "CONNECTED",
         )
         result = run(code, work_root)
         server.setblocking(False)
@@ -321,10 +332,10 @@ def test_no_network_at_all(work_root: str, report: SandboxReport) -> None:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as receiver:
         receiver.bind(("127.0.0.1", 0))
         port = receiver.getsockname()[1]
-        code = (
-            "import socket\ns = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\ntry:\n"
-            f"    s.sendto(b'leak', ('127.0.0.1', {port}))\n    print('SENT')\n"
-            "except OSError as e:\n    print('BLOCKED', e.errno)"
+        code = attempt(
+            "import socket\ns = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)",
+            f"s.sendto(b'leak', ('127.0.0.1', {port}))",
+            "SENT",
         )
         result = run(code, work_root)
         receiver.setblocking(False)
@@ -343,10 +354,10 @@ def test_host_unix_sockets_unreachable(work_root: str, report: SandboxReport) ->
             server.bind(str(path))
             path.chmod(0o777)  # like a service socket anyone may use (Ray's, say)
             server.listen()
-            code = (
-                "import socket\ntry:\n    s = socket.socket(socket.AF_UNIX)\n"
-                f"    s.connect({str(path)!r})\n    print('CONNECTED')\n"
-                "except OSError as e:\n    print('BLOCKED', type(e).__name__)"
+            code = attempt(
+                "import socket",
+                f"s = socket.socket(socket.AF_UNIX)\ns.connect({str(path)!r})",
+                "CONNECTED",
             )
             result = run(code, work_root)
     finally:
@@ -360,10 +371,7 @@ def test_cannot_signal_the_trainer(work_root: str, report: SandboxReport) -> Non
     received: list[int] = []
     previous = signal.signal(signal.SIGUSR1, lambda signum, frame: received.append(signum))
     try:
-        code = (
-            f"import os, signal\ntry:\n    os.kill({os.getpid()}, signal.SIGUSR1)\n"
-            "    print('SENT')\nexcept OSError as e:\n    print('BLOCKED', type(e).__name__)"
-        )
+        code = attempt("import os, signal", f"os.kill({os.getpid()}, signal.SIGUSR1)", "SENT")
         result = run(code, work_root)
     finally:
         signal.signal(signal.SIGUSR1, previous)

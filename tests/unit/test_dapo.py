@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.char_text import CharTokenizer
 
 from megarl.algo.dapo import FilterDecision, groups_with_signal, overlong_penalty
 from megarl.data.loader import PromptStream
@@ -41,16 +42,6 @@ def test_filter_decision_stops_at_enough_or_at_the_limit():
     assert not FilterDecision(0, 4, 1000, 0).give_up  # 0 = no limit
 
 
-class _Tokenizer:
-    chat_template = None
-
-    def __call__(self, text, add_special_tokens=False):
-        return {"input_ids": [ord(c) for c in text]}
-
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join(chr(i) for i in ids)
-
-
 class _ScriptedEngine:
     """Answers prompt ``p<k>`` with the k-th scripted group of responses, in call order."""
 
@@ -76,7 +67,7 @@ def _producer(groups, prompts_per_step=2, **settings) -> tuple[RolloutProducer, 
     base = {"group_size": 2, "max_new_tokens": 8, "temperature": 1.0, "top_p": 1.0}
     producer = RolloutProducer(
         engine,  # type: ignore[arg-type]  (only generate_requests() is used)
-        _Tokenizer(),
+        CharTokenizer(),
         stream,
         RewardChoice(
             "m:f", Reward("m:f", lambda response, answer: float(response.startswith(answer)))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.char_text import CharTokenizer, TextQueueEngine
 
 from megarl.algo.advantages import gdpo_advantages, get_advantage_estimator
 from megarl.config.schema import ConfigError, build_run_config
@@ -71,28 +72,6 @@ def test_a_reward_function_that_cannot_be_imported_stops_the_start_in_one_line()
         choose_rewards(components, "files")
 
 
-class _Tokenizer:
-    chat_template = None
-
-    def __call__(self, text, add_special_tokens=False):
-        return {"input_ids": [ord(c) for c in text]}
-
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join(chr(i) for i in ids)
-
-
-class _Engine:
-    def __init__(self, texts: list[str]):
-        self.texts = list(texts)
-
-    def generate_requests(self, requests, params, interrupt=None):
-        out = []
-        for request in requests:
-            response = tuple(ord(c) for c in self.texts.pop(0))
-            out.append(Generation(request.prompt_ids, response, (0.0,) * len(response), True))
-        return out
-
-
 def _fn_reward(name: str, fn) -> RewardChoice:
     return RewardChoice(name, Reward(name, fn))
 
@@ -106,13 +85,24 @@ TEXTS = ["yes", "yes, sure", "no", "nope, yes", "yes!", "no"]
 """Three prompts, two samples each: (correct, short) = (1,1) (1,0) | (0,1) (0,0) | (1,1) (0,1)."""
 
 
-def _produce(estimator: str, components=(CORRECT, SHORT), texts=TEXTS, **settings):
-    problems = [Problem(prompt=f"p{k}", answer="yes", source=f"p{k}") for k in range(3)]
+def _produce(
+    estimator: str,
+    components=(CORRECT, SHORT),
+    texts=TEXTS,
+    num_prompts: int = 3,
+    prompts_per_step: int | None = None,
+    **settings,
+):
+    """One step of the real producer over prompts ``p0``, ``p1``... (answer "yes"), groups of
+    2, answered with ``texts`` in order; ``prompts_per_step`` (default: all) per generation
+    batch."""
+    problems = [Problem(prompt=f"p{k}", answer="yes", source=f"p{k}") for k in range(num_prompts)]
     base = {"group_size": 2, "max_new_tokens": 16, "temperature": 1.0, "top_p": 1.0}
+    per_step = num_prompts if prompts_per_step is None else prompts_per_step
     producer = RolloutProducer(
-        _Engine(texts),  # type: ignore[arg-type]  (only generate_requests() is used)
-        _Tokenizer(),
-        PromptStream(problems, 3, seed=0, shuffle=False),
+        TextQueueEngine(texts),  # type: ignore[arg-type]  (only generate_requests() is used)
+        CharTokenizer(),
+        PromptStream(problems, per_step, seed=0, shuffle=False),
         components[0].choice,
         RolloutSettings(adv_estimator=estimator, **{**base, **settings}),
         run_seed=1,
@@ -162,8 +152,8 @@ def test_gdpo_takes_the_length_penalty_as_one_more_reward() -> None:
 def test_gdpo_refuses_an_agent_loops_own_reward_with_several_functions() -> None:
     problems = [Problem(prompt="p0", answer="yes", source="p0")]
     producer = RolloutProducer(
-        _Engine([]),  # type: ignore[arg-type]
-        _Tokenizer(),
+        TextQueueEngine([]),  # type: ignore[arg-type]
+        CharTokenizer(),
         PromptStream(problems, 1, seed=0, shuffle=False),
         CORRECT.choice,
         RolloutSettings(
@@ -197,24 +187,9 @@ def test_dynamic_sampling_keeps_exactly_the_groups_gdpo_has_a_signal_for() -> No
     step."""
     short = WeightedReward("short", _fn_reward("m:s", lambda r, a: 2.0 * (len(r) <= 2)), 0.5)
     texts = ["yes...", "ok", "no...", "no...", "yes", "nope...", "yes", "nope..."]
-    problems = [Problem(prompt=f"p{k}", answer="yes", source=f"p{k}") for k in range(4)]
-    producer = RolloutProducer(
-        _Engine(texts),  # type: ignore[arg-type]  (only generate_requests() is used)
-        _Tokenizer(),
-        PromptStream(problems, 2, seed=0, shuffle=False),
-        CORRECT.choice,
-        RolloutSettings(
-            group_size=2,
-            max_new_tokens=16,
-            temperature=1.0,
-            top_p=1.0,
-            adv_estimator="gdpo",
-            filter_groups=True,
-        ),
-        run_seed=1,
-        components=(CORRECT, short),
+    batch, metrics = _produce(
+        "gdpo", (CORRECT, short), texts, num_prompts=4, prompts_per_step=2, filter_groups=True
     )
-    batch, metrics, _ = producer.produce(step=1)
     assert metrics["train/filtered_groups"] == 1.0  # only prompt 1
     assert batch.rewards[:2].tolist() == [1.0, 1.0]  # equal sums, kept for GDPO
     assert batch.advantages[0] > 0 > batch.advantages[1]
@@ -225,23 +200,9 @@ def test_gdpo_filter_drops_a_group_whose_scores_differ_but_cancel() -> None:
     """Equal weights: (1, 0) and (0, 1) normalise to +-a and -+a, which cancel: GDPO has no
     signal there, and the filter drops it though each function's scores differ."""
     short = WeightedReward("short", _fn_reward("m:s", lambda r, a: float(len(r) <= 2)), 1.0)
-    problems = [Problem(prompt=f"p{k}", answer="yes", source=f"p{k}") for k in range(2)]
-    producer = RolloutProducer(
-        _Engine(["yes...", "ok", "yes", "nope..."]),  # type: ignore[arg-type]
-        _Tokenizer(),
-        PromptStream(problems, 1, seed=0, shuffle=False),
-        CORRECT.choice,
-        RolloutSettings(
-            group_size=2,
-            max_new_tokens=16,
-            temperature=1.0,
-            top_p=1.0,
-            adv_estimator="gdpo",
-            filter_groups=True,
-        ),
-        run_seed=1,
-        components=(CORRECT, short),
+    texts = ["yes...", "ok", "yes", "nope..."]
+    batch, metrics = _produce(
+        "gdpo", (CORRECT, short), texts, num_prompts=2, prompts_per_step=1, filter_groups=True
     )
-    batch, metrics, _ = producer.produce(step=1)
     assert metrics["train/filtered_groups"] == 1.0 and batch.num_seqs == 2
     assert batch.rewards.tolist() == [1.0, 0.0]  # prompt 1: "yes" and "nope..."

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.char_text import CharTokenizer, TextQueueEngine
 
 from megarl.algo.length_penalty import LengthWeights, count_turns, linear_length_penalty
 from megarl.data.loader import PromptStream
 from megarl.data.problems import Problem
 from megarl.data.rewards import Reward, RewardChoice
-from megarl.engines.base import Generation
 from megarl.trainer.rollout import RolloutProducer, RolloutSettings
 
 WEIGHTS = LengthWeights(
@@ -82,36 +82,12 @@ def test_count_turns_counts_runs_of_generated_tokens() -> None:
     assert count_turns(()) == 0
 
 
-class _Tokenizer:
-    chat_template = None
-
-    def __call__(self, text, add_special_tokens=False):
-        return {"input_ids": [ord(c) for c in text]}
-
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join(chr(i) for i in ids)
-
-
-class _Engine:
-    """Answers every prompt with the next responses of ``texts``, in order."""
-
-    def __init__(self, texts: list[str]):
-        self.texts = list(texts)
-
-    def generate_requests(self, requests, params, interrupt=None):
-        out = []
-        for request in requests:
-            response = tuple(ord(c) for c in self.texts.pop(0))
-            out.append(Generation(request.prompt_ids, response, (0.0,) * len(response), True))
-        return out
-
-
 def _produce(texts: list[str], **settings) -> tuple[torch.Tensor, dict[str, float]]:
     problems = [Problem(prompt=f"p{k}", answer="yes", source=f"p{k}") for k in range(2)]
     base = {"group_size": 2, "max_new_tokens": 16, "temperature": 1.0, "top_p": 1.0}
     producer = RolloutProducer(
-        _Engine(texts),  # type: ignore[arg-type]  (only generate_requests() is used)
-        _Tokenizer(),
+        TextQueueEngine(texts),  # type: ignore[arg-type]  (only generate_requests() is used)
+        CharTokenizer(),
         PromptStream(problems, 2, seed=0, shuffle=False),
         RewardChoice(
             "m:f", Reward("m:f", lambda response, answer: float(response.startswith(answer)))

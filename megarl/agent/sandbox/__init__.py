@@ -20,9 +20,9 @@ How (each layer is documented in ``docs/sandbox.md``):
 * an **unprivileged uid** (root only), fresh per run: the file permissions of everything else
   apply, ``RLIMIT_NPROC`` counts (the kernel exempts uid 0), and every process of the uid can be
   found and killed afterwards;
-* **Landlock** (unprivileged, Linux >= 5.13): read-only access to the system and Python,
-  read-write to the temporary folder, no TCP bind/connect (ABI >= 4), no signals or abstract
-  UNIX sockets out of the sandbox (ABI >= 6);
+* **Landlock** (:mod:`~megarl.agent.sandbox.landlock`; unprivileged, Linux >= 5.13):
+  read-only access to the system and Python, read-write to the temporary folder, no TCP
+  bind/connect (ABI >= 4), no signals or abstract UNIX sockets out of the sandbox (ABI >= 6);
 * ``no_new_privs`` (no set-uid binary can give privileges back) and **resource limits** (CPU
   seconds, address space, processes, file size, open files, no core dumps);
 * kernel state that namespaces do not cover: a fresh **session keyring**, SysV **IPC limits**

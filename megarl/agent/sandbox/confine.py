@@ -22,17 +22,17 @@ from types import ModuleType
 from typing import Any
 
 
-def _load_seccomp() -> ModuleType:
-    """The filter module: imported as part of the package on the parent side; loaded by path
-    in the launcher, which runs this file as a script (``-I -S``: megarl is not importable)."""
-    if __package__:
-        from megarl.agent.sandbox import seccomp
-
-        return seccomp
+def _load_sibling(name: str) -> ModuleType:
+    """A stdlib-only module of this package (``seccomp``, ``landlock``): imported as part of
+    the package on the parent side; loaded by path in the launcher, which runs this file as a
+    script (``-I -S``: megarl is not importable)."""
+    import importlib
     import importlib.util
 
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "seccomp.py")
-    spec = importlib.util.spec_from_file_location("_megarl_sandbox_seccomp", path)
+    if __package__:
+        return importlib.import_module(f"{__package__}.{name}")
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"_megarl_sandbox_{name}", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -171,42 +171,6 @@ _KEYCTL_JOIN_SESSION_KEYRING = 1
 _IPC_SYSCTLS = ("shmmax", "shmall", "shmmni", "msgmni")
 _SHM_SEGMENTS = 64
 _MSG_QUEUES = 16
-
-# Landlock: syscall numbers (>= 424: the same on every architecture) and access rights by ABI.
-_SYS_LANDLOCK_CREATE_RULESET = 444
-_SYS_LANDLOCK_ADD_RULE = 445
-_SYS_LANDLOCK_RESTRICT_SELF = 446
-_LANDLOCK_CREATE_RULESET_VERSION = 1
-_LANDLOCK_RULE_PATH_BENEATH = 1
-_LL_EXECUTE = 1 << 0
-_LL_WRITE_FILE = 1 << 1
-_LL_READ_FILE = 1 << 2
-_LL_READ_DIR = 1 << 3
-_LL_ABI1_ALL = (1 << 13) - 1  # execute, write/read file, read dir, remove/make anything
-_LL_REFER = 1 << 13
-_LL_TRUNCATE = 1 << 14
-_LL_IOCTL_DEV = 1 << 15
-_LL_FILE_RIGHTS = _LL_EXECUTE | _LL_WRITE_FILE | _LL_READ_FILE | _LL_TRUNCATE | _LL_IOCTL_DEV
-_LL_BIND_TCP = 1 << 0
-_LL_CONNECT_TCP = 1 << 1
-_LL_SCOPE_ABSTRACT_UNIX_SOCKET = 1 << 0
-_LL_SCOPE_SIGNAL = 1 << 1
-
-
-class _RulesetAttr(ctypes.Structure):
-    _fields_ = (
-        ("handled_access_fs", ctypes.c_uint64),
-        ("handled_access_net", ctypes.c_uint64),
-        ("scoped", ctypes.c_uint64),
-    )
-
-
-class _PathBeneathAttr(ctypes.Structure):
-    _pack_ = 1
-    _fields_ = (
-        ("allowed_access", ctypes.c_uint64),
-        ("parent_fd", ctypes.c_int32),
-    )
 
 
 class _Layers:
@@ -387,7 +351,8 @@ def _init_main(spec: dict[str, Any], libc: ctypes.CDLL, layers: _Layers, flags: 
     os.setpgid(0, 0)  # a group of its own, which the program inherits: killed at once
     libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)  # the launcher gone: so are we
     workdir = spec["workdir"]
-    seccomp = _load_seccomp()  # now: the private root does not hold this file
+    # Now: the private root does not hold these files.
+    seccomp, landlock = _load_sibling("seccomp"), _load_sibling("landlock")
     _join_session_keyring(libc, layers)
     _join_cgroup(spec, layers)
     if flags & _CLONE_NEWIPC:
@@ -405,7 +370,7 @@ def _init_main(spec: dict[str, Any], libc: ctypes.CDLL, layers: _Layers, flags: 
             "file permissions decide), UNIX sockets with open permissions are reachable"
         )
     os.chdir(workdir)
-    _apply_landlock(libc, spec, layers, private_root)
+    _apply_landlock(libc, landlock, spec, layers, private_root)
     _drop_uid(spec, layers, private_root)
     _check(libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
     layers.add("no-new-privs")
@@ -565,91 +530,35 @@ def _locked_flags(path: str) -> int:
     return sum(ms for st, ms in pairs if f_flag & st)
 
 
-def _landlock_abi(libc: ctypes.CDLL) -> int:
-    abi = libc.syscall(
-        _SYS_LANDLOCK_CREATE_RULESET,
-        None,
-        ctypes.c_size_t(0),
-        ctypes.c_uint32(_LANDLOCK_CREATE_RULESET_VERSION),
-    )
-    return max(int(abi), 0)
-
-
 def _apply_landlock(
-    libc: ctypes.CDLL, spec: dict[str, Any], layers: _Layers, private_root: bool
+    libc: ctypes.CDLL,
+    landlock: ModuleType,
+    spec: dict[str, Any],
+    layers: _Layers,
+    private_root: bool,
 ) -> None:
-    """Landlock: read/execute of the read paths, read-write of the work folder (and the
-    private /dev/shm), the device files; with ABI >= 4 no TCP bind/connect, with ABI >= 6 no
-    signals or abstract UNIX sockets leaving the sandbox. Needs no privilege."""
-    abi = _landlock_abi(libc)
+    """Landlock (:mod:`megarl.agent.sandbox.landlock`): read/execute of the read paths,
+    read-write of the work folder (and the private /dev/shm), the device files; with ABI >= 4
+    no TCP bind/connect, with ABI >= 6 no signals or abstract UNIX sockets leaving the sandbox.
+    Needs no privilege."""
+    abi = landlock.abi(libc)
     if abi < 1:
         layers.lack(f"landlock: not supported by this kernel ({os.strerror(ctypes.get_errno())})")
         return
     layers.landlock_abi = abi
-    handled = _LL_ABI1_ALL
-    handled |= _LL_REFER if abi >= 2 else 0
-    handled |= _LL_TRUNCATE if abi >= 3 else 0
-    handled |= _LL_IOCTL_DEV if abi >= 5 else 0
-    net = _LL_BIND_TCP | _LL_CONNECT_TCP if abi >= 4 else 0  # no rule: none allowed
-    scoped = _LL_SCOPE_ABSTRACT_UNIX_SOCKET | _LL_SCOPE_SIGNAL if abi >= 6 else 0
-    attr = _RulesetAttr(handled, net, scoped)
-    size = 8 if abi < 4 else 16 if abi < 6 else 24
-    ruleset = _check(
-        libc.syscall(
-            _SYS_LANDLOCK_CREATE_RULESET,
-            ctypes.byref(attr),
-            ctypes.c_size_t(size),
-            ctypes.c_uint32(0),
-        ),
-        "landlock_create_ruleset",
-    )
-    try:
-        read = _LL_EXECUTE | _LL_READ_FILE | _LL_READ_DIR
-        rules = [(p, read) for p in spec["read_paths"]]
-        rules += [(p, _LL_READ_FILE | _LL_WRITE_FILE | _LL_IOCTL_DEV) for p in _DEVICES]
-        rules.append((spec["workdir"], handled))
-        if private_root:  # the host's /dev/shm holds the trainer's shared memory: never that
-            rules.append(("/dev/shm", handled))
-        for path, access in rules:
-            _landlock_allow(libc, ruleset, path, access & handled)
-        _check(libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
-        _check(
-            libc.syscall(_SYS_LANDLOCK_RESTRICT_SELF, ruleset, ctypes.c_uint32(0)),
-            "landlock_restrict_self",
-        )
-    finally:
-        os.close(ruleset)
+    writable = [spec["workdir"]]
+    if private_root:  # the host's /dev/shm holds the trainer's shared memory: never that
+        writable.append("/dev/shm")
+    landlock.restrict(libc, abi, read_paths=spec["read_paths"], devices=_DEVICES, writable=writable)
     layers.add("landlock-fs")
-    if abi >= 4:
+    if abi >= landlock.NET_ABI:
         layers.add("landlock-net")
     else:
         layers.lack(f"landlock-net: Landlock ABI {abi} < 4 cannot block TCP")
-    if abi >= 6:
+    if abi >= landlock.SCOPE_ABI:
         layers.add("landlock-scope")
     else:
         layers.lack(f"landlock-scope: Landlock ABI {abi} < 6 cannot scope signals/sockets")
-
-
-def _landlock_allow(libc: ctypes.CDLL, ruleset: int, path: str, access: int) -> None:
-    if not os.path.exists(path):
-        return
-    fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
-    try:
-        if not os.path.isdir(path):
-            access &= _LL_FILE_RIGHTS
-        rule = _PathBeneathAttr(access, fd)
-        _check(
-            libc.syscall(
-                _SYS_LANDLOCK_ADD_RULE,
-                ruleset,
-                _LANDLOCK_RULE_PATH_BENEATH,
-                ctypes.byref(rule),
-                ctypes.c_uint32(0),
-            ),
-            f"landlock_add_rule {path}",
-        )
-    finally:
-        os.close(fd)
 
 
 def _drop_uid(spec: dict[str, Any], layers: _Layers, private_root: bool) -> None:
