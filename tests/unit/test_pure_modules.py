@@ -38,6 +38,7 @@ PURE_MODULES = sorted(
         PACKAGE / "agent" / "tools" / "base.py",
         PACKAGE / "agent" / "tools" / "calculator.py",
         PACKAGE / "critic" / "model_source.py",
+        PACKAGE / "distributed" / "batch_invariant.py",
         PACKAGE / "distributed" / "execution.py",
         PACKAGE / "engines" / "vllm_settings.py",
         PACKAGE / "models" / "mapping.py",
