@@ -213,7 +213,11 @@ def _setup(ctx: WorkerContext, inputs: RunInputs) -> Runtime:
     )
     heartbeat.mark("build_actor")
     with clock.phase("actor"):
-        actor = build(trainable=True, init_seed=cfg.trainer.seed)
+        actor = build(
+            trainable=True,
+            init_seed=cfg.trainer.seed,
+            batch_invariant=cfg.rollout.batch_invariant,
+        )
     reference_plan = decide_reference(planning.run_facts(cfg))
     if ctx.rank == 0 and "console" in cfg.trainer.logger:
         print(

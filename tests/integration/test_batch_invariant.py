@@ -107,16 +107,20 @@ def _worker(ctx, tp: int, hf_config: dict, state: dict | None, invariant: bool):
 
         state = load_hf_state_dict(resolve_model_path(None))
     cfg = ActorConfig(tp=tp)
-    actor = MegatronActor(spec, cfg, "cpu", torch.float32, state, pad_id=0, trainable=False)
+    # batch_invariant: the run's switch (rollout.batch_invariant)
+    actor = MegatronActor(
+        spec, cfg, "cpu", torch.float32, state, 0, trainable=False, batch_invariant=invariant
+    )
     padded = MegatronActor(
         spec,
         cfg,
         "cpu",
         torch.float32,
         state,
-        pad_id=0,
+        0,
         trainable=False,
         execution=dataclasses.replace(actor.execution, packed_attention="none"),
+        batch_invariant=invariant,
     )
     gen = torch.Generator().manual_seed(3)
     prompts = torch.randint(3, spec.vocab_size, (4, PROMPT_LEN), generator=gen)
@@ -135,7 +139,7 @@ def _worker(ctx, tp: int, hf_config: dict, state: dict | None, invariant: bool):
     }
     found: dict[str, float] = {}
     trainer: dict[str, dict[int, torch.Tensor]] = {}
-    with torch.no_grad(), batch_invariant_mode(invariant):
+    with torch.no_grad():  # the actor enters the mode itself
         for name, groups in groupings.items():
             for layout, model in (("packed", actor), ("padded", padded)):
                 logp = trainer[f"{layout}, {name}"] = model.compute_logprobs(

@@ -323,3 +323,13 @@ def test_one_sample_per_prompt_is_judged_by_the_estimator():
         assert str(refused.value).startswith(
             f"rollout.n=1: algo.adv_estimator={estimator} compares the samples"
         )
+
+
+def test_batch_invariant_defaults_off_and_needs_the_megatron_engine():
+    assert build_run_config({}).rollout.batch_invariant is False
+    for engine in ("hf", "vllm"):
+        with pytest.raises(ConfigError) as info:
+            build_run_config({"rollout": {"engine": engine, "batch_invariant": True}})
+        message = str(info.value)
+        assert "rollout.batch_invariant=true needs rollout.engine=megatron" in message
+        assert f"engine={engine}" in message and "\n" not in message
