@@ -311,6 +311,13 @@ def validate_against_model(cfg, model_dir: str, device: str = "cpu") -> None:
             raise StartupError(problem)
         if cfg.rollout.engine == "vllm" and not cfg.algo.is_sft:
             check_vllm(cfg, model_dir, device)
+        if cfg.rollout.engine == "megatron" and spec.is_moe and cfg.actor.tp > 1:
+            raise StartupError(
+                f"rollout.engine=megatron with actor.tp={cfg.actor.tp}: a mixture-of-experts "
+                f"model ({spec.family}) runs sequence-parallel under TP, which splits each "
+                "sequence over the TP ranks and cannot split one decoded token; use actor.tp=1 "
+                "(with actor.ep for the experts) or rollout.engine=hf"
+            )
         validate_gate_config(run_facts(cfg))
         check_pruning_config(
             prune_mode(cfg)[0],

@@ -52,6 +52,7 @@ def run_facts(cfg: RunConfig) -> RunFacts:
         router_replay_r2=cfg.actor.router_replay.mode == "R2",
         rollout_engine=not cfg.algo.is_sft,
         distill=cfg.algo.distill.enabled,
+        engine_is_actor=cfg.rollout.engine == "megatron",
     )
 
 

@@ -46,7 +46,8 @@ class RolloutConfig:
 
     engine: str = "hf"
     """One of :data:`megarl.engines.factory.ENGINE_NAMES`: hf (transformers, embedded default)
-    | vllm (GPU clusters)."""
+    | vllm (GPU clusters) | megatron (the actor's own Megatron model generates: no second copy
+    of the weights, no weight sync; colocated synchronous training)."""
     n: int = 8
     """Group size: samples per prompt."""
     max_new_tokens: int = 16

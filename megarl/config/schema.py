@@ -107,6 +107,7 @@ class RunConfig:
             "the samples of a prompt's group and needs at least 2 per prompt (one sample per "
             "prompt suits gae or reinforce_plus_plus)",
         )
+        self._check_megatron_engine()  # first: its refusal says more than the async checks'
         self._check_async_training()
         self._check_agent_loops()
         self._check_sft()
@@ -182,6 +183,25 @@ class RunConfig:
             "but algo.rollout_correction has neither rollout_is nor rollout_rs: the loss would "
             "ignore which policy sampled them; set rollout_is=token (verl's default, what auto "
             "gives) or bypass_mode=true (the behaviour logprobs as old, an approximation)",
+        )
+
+    def _check_megatron_engine(self) -> None:
+        """``rollout.engine=megatron`` generates with the actor's own model, in the actor's
+        processes and layout, between two updates: colocated synchronous training, one model
+        chunk per rank, and whole sequences on every tensor-parallel rank."""
+        if self.rollout.engine != "megatron" or self.algo.is_sft:
+            return
+        key = "rollout.engine=megatron"
+        _require(
+            not self.async_training.is_async and self.rollout.n_gpus == 0,
+            f"{key} needs colocated sync training (the actor's model generates between its "
+            f"updates): set async_training.mode=sync and rollout.n_gpus=0, or use "
+            f"rollout.engine=vllm or hf",
+        )
+        _require(
+            self.actor.vpp == 1,
+            f"{key} runs one model chunk per rank: actor.vpp={self.actor.vpp} interleaves "
+            "several; set actor.vpp=1",
         )
 
     def _check_sft(self) -> None:

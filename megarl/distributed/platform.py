@@ -334,6 +334,22 @@ def cpu_shims(enabled: bool = True) -> Iterator[None]:
         exit_cpu_shims()
 
 
+@contextlib.contextmanager
+def shim_modes_in_this_thread() -> Iterator[None]:
+    """The shims' torch-function modes, which torch keeps per thread, entered in the calling
+    thread for the block while the shims are active (the patches of ``torch.cuda`` hold in every
+    thread already): code that runs Megatron in a thread of its own. A mode entered twice in one
+    thread does the same as once; a no-op while the shims are off."""
+    if not shims_active():
+        yield
+        return
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(CudaToCpuMode())
+        if not cpu_has_native_bf16():
+            stack.enter_context(Bf16MatmulInFp32Mode())
+        yield
+
+
 def shims_active() -> bool:
     return _active_depth > 0
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from megarl.engines.base import RolloutEngine
 
-ENGINE_NAMES: tuple[str, ...] = ("hf", "vllm")
+ENGINE_NAMES: tuple[str, ...] = ("hf", "vllm", "megatron")
 """The one list of engines: the config schema validates ``rollout.engine`` against it."""
 
 
@@ -30,4 +30,8 @@ def build_engine(name: str, **kwargs: Any) -> RolloutEngine:
             if importlib.util.find_spec("vllm") is None:
                 raise RuntimeError(VLLM_MISSING_MESSAGE)
             return VLLMEngine(**kwargs)
+        case "megatron":
+            from megarl.engines.megatron import MegatronEngine
+
+            return MegatronEngine(**kwargs)
     raise ValueError(f"unknown rollout engine {name!r}; known: {', '.join(ENGINE_NAMES)}")

@@ -146,6 +146,23 @@ def load_hf_tokenizer(path: str | os.PathLike | None):
     return AutoTokenizer.from_pretrained(resolve_model_path(path))
 
 
+def load_generation_eos_ids(path: str | os.PathLike | None) -> tuple[int, ...]:
+    """The EOS ids of ``model.path``'s generation config (``generation_config.json``, else what
+    transformers derives from ``config.json``), as a loaded model's ``generation_config`` has
+    them: an engine that builds no ``transformers`` model stops where the HF engine does."""
+    from transformers import GenerationConfig
+
+    folder = resolve_model_path(path)
+    try:
+        generation = GenerationConfig.from_pretrained(folder)
+    except OSError:  # no generation_config.json
+        generation = GenerationConfig.from_model_config(load_hf_config(folder))
+    eos = generation.eos_token_id
+    if eos is None:
+        return ()
+    return (int(eos),) if isinstance(eos, int) else tuple(int(i) for i in eos)
+
+
 def load_hf_model(
     path: str | os.PathLike | None, device: str | torch.device = "cpu", dtype=torch.float32
 ):

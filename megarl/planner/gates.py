@@ -58,7 +58,9 @@ reason. Workers only execute the gates; no skip decision lives inline in GPU cod
   ``planner.old_log_prob=rollout``): the student's logprobs of the advantage are the old ones.
 * **Weight sync to the rollout engine**: without LoRA the full weights; with LoRA the adapter,
   plus the base weights only when the engine *reports* it freed them (never inferred from
-  config: a sleep level that keeps weights is the engine's business, not ours).
+  config: a sleep level that keeps weights is the engine's business, not ours). Nothing at
+  all when the engine is the actor's own model (``rollout.engine=megatron``): it generates
+  with the parameters the optimizer just updated, adapters included.
 """
 
 from __future__ import annotations
@@ -125,6 +127,9 @@ class RunFacts:
     distill: bool = False
     """``algo.distill.teacher_path`` is set: the advantages need the teacher's and the old
     logprobs of every sequence, before the plan."""
+    engine_is_actor: bool = False
+    """``rollout.engine=megatron``: the engine generates with the actor's own parameters (LoRA
+    adapters included), so there is never anything to send it."""
 
 
 @dataclass(frozen=True)
@@ -218,7 +223,10 @@ def decide_gates(facts: StepFacts) -> StepGates:
     """Decide every expensive pass of one RL step from its facts alone."""
     _check_forced_modes(facts.run, len(facts.slices), facts.step)
     base_weight_sync, adapter_sync = decide_weight_sync(
-        facts.run.lora_enabled, facts.engine_base_weights_resident, facts.run.rollout_engine
+        facts.run.lora_enabled,
+        facts.engine_base_weights_resident,
+        facts.run.rollout_engine,
+        facts.run.engine_is_actor,
     )
     return StepGates(
         step=facts.step,
@@ -294,12 +302,16 @@ def decide_teacher_log_prob(run: RunFacts, sequences: tuple[int, ...]) -> PassGa
 
 
 def decide_weight_sync(
-    lora_enabled: bool, engine_base_weights_resident: bool | None, rollout_engine: bool = True
+    lora_enabled: bool,
+    engine_base_weights_resident: bool | None,
+    rollout_engine: bool = True,
+    engine_is_actor: bool = False,
 ) -> tuple[PassGate, PassGate]:
-    """(base-weight sync, adapter sync), from the engine's report, never from config."""
-    if not rollout_engine:
-        reason = "no rollout engine (algo.objective=sft)"
-        return PassGate(run=False, reason=reason), PassGate(run=False, reason=reason)
+    """(base-weight sync, adapter sync), from the engine's report, never from config; nothing
+    when there is no engine or the engine is the actor's model."""
+    skipped = _no_weight_sync(rollout_engine, engine_is_actor)
+    if skipped is not None:
+        return skipped
     if not lora_enabled:
         return (
             PassGate(run=True, reason="no LoRA: full weights"),
@@ -315,13 +327,30 @@ def decide_restore_sync(run: RunFacts) -> tuple[PassGate, PassGate]:
     """(base-weight sync, adapter sync) after a resume restored the trainer's weights: the
     engine serves the restored ones from the first rollout on, so both are sent (the adapter
     with LoRA), unless the run has no engine."""
-    if not run.rollout_engine:
-        reason = "no rollout engine (algo.objective=sft)"
-        return PassGate(run=False, reason=reason), PassGate(run=False, reason=reason)
+    skipped = _no_weight_sync(run.rollout_engine, run.engine_is_actor)
+    if skipped is not None:
+        return skipped
     adapter = PassGate(
         run=run.lora_enabled, reason="restored adapter" if run.lora_enabled else "no LoRA"
     )
     return PassGate(run=True, reason="restored weights"), adapter
+
+
+ENGINE_IS_ACTOR = "the engine is the actor's model"
+"""The sync gates' reason under ``rollout.engine=megatron``."""
+
+
+def _no_weight_sync(
+    rollout_engine: bool, engine_is_actor: bool
+) -> tuple[PassGate, PassGate] | None:
+    """Both sync gates skipped, with the reason, when no engine needs weights; else None."""
+    if not rollout_engine:
+        reason = "no rollout engine (algo.objective=sft)"
+    elif engine_is_actor:
+        reason = ENGINE_IS_ACTOR
+    else:
+        return None
+    return PassGate(run=False, reason=reason), PassGate(run=False, reason=reason)
 
 
 def _check_forced_modes(run: RunFacts, num_slices: int, step: int) -> None:

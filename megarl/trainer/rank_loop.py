@@ -64,6 +64,7 @@ from megarl.trainer.scatter import scatter_sequences
 from megarl.trainer.weight_sync import push_weights, sync_weights
 
 if TYPE_CHECKING:
+    from megarl.engines.megatron import MegatronEngine
     from megarl.models.spec import TransformerSpec
     from megarl.trainer.rollout_host import RolloutHost
 
@@ -241,13 +242,14 @@ def _setup(ctx: WorkerContext, inputs: RunInputs) -> Runtime:
             critic = _build_critic(
                 cfg, spec, inputs.device, dtype, hf_tensors, pad_id, execution, inputs.resume_from
             )
+    follower = _share_actor_model(inputs, host, actor, tokenizer, spec)
     if host is not None:  # the engine started meanwhile (vLLM: its processes, in the background)
         heartbeat.mark("start_rollout_engine")
         with clock.phase("rollout_engine"):
             host.wait_for_engine()
     return Runtime(
         cfg=cfg,
-        source=_rollout_source(cfg, host),
+        source=_rollout_source(cfg, host, follower),
         dp_rank=ps.get_data_parallel_rank(),
         rank_to_dp=_gather_dp_ranks(ps.get_data_parallel_rank()),
         actor=actor,
@@ -303,12 +305,38 @@ def _sft_validation_examples(cfg: RunConfig, tokenizer, spec: TransformerSpec):
     return examples
 
 
-def _rollout_source(cfg: RunConfig, host: RolloutHost | None) -> RolloutSource:
+def _rollout_source(
+    cfg: RunConfig, host: RolloutHost | None, follower: MegatronEngine | None = None
+) -> RolloutSource:
     """Where the steps' batches come from: generated inline (sync), or the rollout side's
     stream (one_step_off, fully_async), which fails a wait past the collective timeout."""
     if cfg.async_training.is_async:
         return StreamSource(host, cfg.trainer.collective_timeout_s)
-    return InlineSource(host)
+    return InlineSource(host, follower)
+
+
+def _share_actor_model(
+    inputs: RunInputs, host: RolloutHost | None, actor: MegatronActor, tokenizer, spec
+) -> MegatronEngine | None:
+    """``rollout.engine=megatron``: rank 0's engine generates with the actor's model chunks,
+    and the ranks whose forward it needs get an engine of their own over theirs, to follow its
+    calls (returned; None on every other rank and with any other engine)."""
+    cfg = inputs.cfg
+    if cfg.rollout.engine != "megatron" or cfg.algo.is_sft:
+        return None
+    if host is not None:
+        host.share_actor_model(actor.chunks)
+        return None
+    from megarl.engines.megatron import MegatronEngine, follows_driver
+    from megarl.trainer.rollout_host import megatron_engine_kwargs
+
+    if not follows_driver():
+        return None
+    follower = MegatronEngine(
+        **megatron_engine_kwargs(tokenizer, inputs.model_dir, spec, inputs.device)
+    )
+    follower.bind_model(actor.chunks)
+    return follower
 
 
 def _build_critic(
@@ -483,6 +511,7 @@ def _validate(rt: Runtime, step: int) -> dict[str, float]:
 
         return sft_validation(rt, rt.sft_validation)
     if rt.host is None or rt.cfg.algo.is_sft:
+        rt.source.follow_generation()  # rollout.engine=megatron: rank 0 generates with this rank
         return {}
     return rt.host.validate(step)
 

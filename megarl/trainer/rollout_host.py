@@ -97,7 +97,9 @@ class RolloutHost:
             self.sft = SFTProducer(examples, cfg.data.prompts_per_step, cfg.trainer.seed, tokenizer)
             self.stream = self.sft.stream
         else:
-            self.engine, self.sleep_level = _build_engine(cfg, tokenizer, device, model_dir)
+            self.engine, self.sleep_level = _build_engine(
+                cfg, tokenizer, device, model_dir, self.spec
+            )
             self.producer = self._rollout_producer(model_dir)
         self.writer = metrics_writer(cfg)
         self.history: list[dict] = []
@@ -147,6 +149,15 @@ class RolloutHost:
                 agent_run_facts(cfg, self.spec.max_position_embeddings),
             ),
         )
+
+    def share_actor_model(self, chunks) -> None:
+        """``rollout.engine=megatron``: the engine generates with the actor's model chunks
+        (built after this host)."""
+        from megarl.engines.megatron import MegatronEngine
+
+        if not isinstance(self.engine, MegatronEngine):
+            raise TypeError(f"{type(self.engine).__name__} holds its own copy of the model")
+        self.engine.bind_model(chunks)
 
     def wait_for_engine(self) -> None:
         """The rollout engine has started (a vLLM start overlaps the trainer's set-up); its
@@ -242,6 +253,7 @@ class RolloutHost:
             flat = [reward for prompt_rewards in rewards for reward in prompt_rewards]
             records = validation_records(step, per_sample, samples, flat)
             write_step_file(Path(self.cfg.trainer.validation_data_dir), step, records)
+        self._release_followers()
         metrics["timing_s/testing"] = time.perf_counter() - started
         return metrics
 
@@ -256,9 +268,18 @@ class RolloutHost:
 
         The report (did it keep its base weights?) is what the base-weight gate decides from.
         """
+        self._release_followers()
         if self.sleep_level > 0:
             self.engine.sleep(self.sleep_level)
         return self.engine.memory_state()
+
+    def _release_followers(self) -> None:
+        """``rollout.engine=megatron`` over several ranks: the end of a generation phase, so
+        the ranks that generated with rank 0 go back to the step."""
+        from megarl.engines.megatron import MegatronEngine
+
+        if isinstance(self.engine, MegatronEngine):
+            self.engine.release_followers()
 
     def engine_metrics(self, state: EngineMemoryState) -> dict[str, float]:
         """What the engine reported after its sleep (the base-weight gate's input)."""
@@ -558,12 +579,19 @@ def prompt_source(cfg: RunConfig) -> PromptSource:
     )
 
 
-def _build_engine(cfg: RunConfig, tokenizer, device: str, model_dir: str):
+def _build_engine(
+    cfg: RunConfig, tokenizer, device: str, model_dir: str, spec: TransformerSpec
+) -> tuple[RolloutEngine, int]:
     """The rollout engine and the sleep level it will actually use."""
     if cfg.rollout.engine == "vllm":  # its processes start while the trainer builds its models
         settings = vllm_settings(cfg, model_dir, device)
         engine = build_engine("vllm", **settings.engine_kwargs, start_in_background=True)
         return engine, settings.sleep_level
+    if cfg.rollout.engine == "megatron":  # the actor's model, bound once the actor is built
+        engine = build_engine(
+            "megatron", **megatron_engine_kwargs(tokenizer, model_dir, spec, device)
+        )
+        return engine, 0  # nothing to release between rollouts: the KV cache lives per call
     from megarl.distributed.quiet import hf_progress_bars_off
     from megarl.models.hf_io import load_hf_model
 
@@ -571,6 +599,25 @@ def _build_engine(cfg: RunConfig, tokenizer, device: str, model_dir: str):
         model, _ = load_hf_model(model_dir, device=device)
     engine = build_engine(cfg.rollout.engine, model=model, tokenizer=tokenizer, device=device)
     return engine, cfg.rollout.sleep_level
+
+
+def megatron_engine_kwargs(
+    tokenizer, model_dir: str, spec: TransformerSpec, device: str
+) -> dict[str, Any]:
+    """The Megatron engine's constructor kwargs, the same on rank 0 and on the ranks that follow
+    it (they must stop on the same tokens): the EOS ids of the tokenizer and the generation
+    config, as the HF engine takes them."""
+    from megarl.engines.base import merge_token_ids
+    from megarl.engines.hf import resolve_pad_token_id
+    from megarl.models.hf_io import load_generation_eos_ids
+
+    eos = merge_token_ids(tokenizer.eos_token_id, load_generation_eos_ids(model_dir))
+    return {
+        "eos_token_ids": eos,
+        "pad_token_id": resolve_pad_token_id(None, tokenizer, eos),
+        "vocab_size": spec.vocab_size,
+        "device": device,
+    }
 
 
 class Console:

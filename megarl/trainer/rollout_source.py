@@ -29,6 +29,7 @@ from megarl.trainer.metrics import PhaseTimer
 
 if TYPE_CHECKING:
     from megarl.batch import RolloutBatch, RolloutShard
+    from megarl.engines.megatron import MegatronEngine
     from megarl.planner.gate_results import StepGates
     from megarl.trainer.rollout_host import RolloutHost
 
@@ -62,8 +63,16 @@ class RolloutSource:
     """What the step loop needs of the rollout side. Every method is collective or rank-0-only
     as it says; ``host`` is rank 0's rollout host (or its proxy), None elsewhere."""
 
-    def __init__(self, host: RolloutHost | None) -> None:
+    def __init__(self, host: RolloutHost | None, follower: MegatronEngine | None = None) -> None:
         self.host = host
+        self.follower = follower
+        """A rank that generates with rank 0 (``rollout.engine=megatron`` over its model-parallel
+        ranks): its engine, which runs rank 0's calls; None elsewhere."""
+
+    def follow_generation(self) -> None:
+        """A follower's part of rank 0's rollout or validation phase (a no-op elsewhere)."""
+        if self.follower is not None:
+            self.follower.serve()
 
     def start(self, first_step: int) -> None:
         """Rank 0, once the engine holds the weights step ``first_step`` trains from (after a
@@ -99,6 +108,8 @@ class InlineSource(RolloutSource):
                 engine_state = self.host.release_engine_for_training()
             metrics = {**metrics, **self.host.engine_metrics(engine_state)}
             payload = [(batch.shard(()), metrics, phase_seconds, engine_state)]
+        else:
+            self.follow_generation()
         header, metrics, phase_seconds, engine_state = self._broadcast(payload)
         timer.add(phase_seconds)
         return StepRollout(header, batch, metrics, engine_state)

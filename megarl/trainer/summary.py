@@ -18,11 +18,14 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from megarl.planner.gates import ENGINE_IS_ACTOR
 from megarl.trainer.metrics import PHASES, STARTUP_PREFIX
 
 REWARD_KEY = "critic/rewards/mean"
 NO_ENGINE_SYNC = "sync: no rollout engine"
 """The gates' reason of a run without a rollout engine (``algo.objective=sft``)."""
+ENGINE_IS_ACTOR_SYNC = f"sync: {ENGINE_IS_ACTOR}"
+"""The gates' reason of a run whose engine is the actor's model (``rollout.engine=megatron``)."""
 VALIDATION_PREFIX = "val-core/"
 STEP_TIME_KEY = "timing_s/step"
 
@@ -314,6 +317,8 @@ def _weight_sync(history: Rows) -> tuple[str, str] | None:
     engineless = sum(1 for row in gated if NO_ENGINE_SYNC in str(row.get("gates/reasons", "")))
     if engineless == len(gated):
         return "weight sync", f"none on {len(gated)} steps (no rollout engine)"
+    if all(ENGINE_IS_ACTOR_SYNC in str(row.get("gates/reasons", "")) for row in gated):
+        return "weight sync", f"none on {len(gated)} steps (the engine is the actor's model)"
     base = sum(1 for row in gated if row["gates/base_weight_sync"] > 0)
     seconds = sum(v for _, v in series(gated, "timing_s/update_weights"))
     skipped = len(gated) - base

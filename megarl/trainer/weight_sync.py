@@ -27,17 +27,19 @@ def sync_weights(rt: Runtime, gates: StepGates, timer: PhaseTimer, step: int) ->
     from megarl.export.sync import is_checksum_step
 
     heartbeat.mark("update_weights")
-    rt.progress("update_weights", 0)
     rt.source.before_weight_sync(timer, gates)
-    with timer.phase("update_weights"):
-        metrics = push_weights(
-            rt,
-            base=gates.base_weight_sync.run,
-            adapter=gates.adapter_sync.run,
-            checksum=is_checksum_step(step, rt.cfg.export.checksum_interval),
-            progress=rt.progress,
-        )
-        rt.source.weights_synced(step)  # the weights after step s are policy version s
+    metrics: dict[str, float] = {}
+    if gates.base_weight_sync.run or gates.adapter_sync.run:  # else timing_s/update_weights = 0
+        rt.progress("update_weights", 0)
+        with timer.phase("update_weights"):
+            metrics = push_weights(
+                rt,
+                base=gates.base_weight_sync.run,
+                adapter=gates.adapter_sync.run,
+                checksum=is_checksum_step(step, rt.cfg.export.checksum_interval),
+                progress=rt.progress,
+            )
+    rt.source.weights_synced(step)  # the weights after step s are policy version s
     if rt.host is not None:
         rt.host.record_export_metrics(metrics)
 

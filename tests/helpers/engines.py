@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -60,3 +61,41 @@ def random_lora(
                     param.mul_(scale)
     state = {n: t.clone() for n, t in get_peft_model_state_dict(peft_model).items()}
     return state, peft_model.merge_and_unload().eval()
+
+
+@contextlib.contextmanager
+def megatron_world() -> Iterator[None]:
+    """A Megatron world of one in this process (gloo, the CPU shims), torn down afterwards."""
+    from megarl.distributed import parallel
+    from megarl.distributed.platform import enter_cpu_shims, exit_cpu_shims
+
+    enter_cpu_shims()
+    try:
+        parallel.init_process_group("cpu", 0, 1, "127.0.0.1", 0)
+        parallel.init_model_parallel(1, 1)
+        yield
+    finally:
+        parallel.destroy()
+        exit_cpu_shims()
+
+
+def megatron_engine(
+    hf_model: torch.nn.Module, eos_token_id: int, pad_token_id: int, eos_bias: float | None = None
+):
+    """A :class:`~megarl.engines.megatron.MegatronEngine` over a Megatron ``GPTModel`` loaded with
+    ``hf_model``'s weights (inside :func:`megatron_world`); ``eos_bias`` is added to the EOS
+    logit by a hook on the output layer, as ``bias_eos`` does on an HF model's ``lm_head``."""
+    from megarl.engines.megatron import MegatronEngine
+    from megarl.models.megatron_gpt import build_gpt_model, load_hf_weights
+    from megarl.models.spec import spec_from_hf_config
+
+    spec = spec_from_hf_config(hf_model.config)  # pyright: ignore[reportArgumentType]
+    gpt = build_gpt_model(spec, 1, 1)
+    load_hf_weights(gpt, spec, dict(hf_model.state_dict()))
+    if eos_bias is not None:
+        bias_V = torch.zeros(spec.padded_vocab_size(1))
+        bias_V[eos_token_id] = eos_bias
+        gpt.output_layer.register_forward_hook(lambda _m, _i, out: (out[0] + bias_V, out[1]))
+    engine = MegatronEngine([eos_token_id], pad_token_id, spec.vocab_size)
+    engine.bind_model([gpt])
+    return engine

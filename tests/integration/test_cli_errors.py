@@ -102,6 +102,19 @@ _VLLM_CASES = (
             ["model=tiny_llama", "model.hf_config.max_position_embeddings=48"],
             "80 of 80 prompts do not fit: the longest has 46 tokens, + rollout.max_new_tokens=12",
         ),
+        (
+            ["rollout.engine=megatron", "async_training.mode=one_step_off"],
+            "rollout.engine=megatron needs colocated sync training",
+        ),
+        (
+            [
+                "model=tiny_qwen3_moe",
+                "rollout.engine=megatron",
+                "actor.tp=2",
+                "trainer.n_gpus_per_node=2",
+            ],
+            "rollout.engine=megatron with actor.tp=2: a mixture-of-experts model",
+        ),
         *_VLLM_CASES,
     ],
 )

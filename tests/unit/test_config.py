@@ -333,3 +333,34 @@ def test_batch_invariant_defaults_off_and_needs_the_megatron_engine():
         message = str(info.value)
         assert "rollout.batch_invariant=true needs rollout.engine=megatron" in message
         assert f"engine={engine}" in message and "\n" not in message
+    on = build_run_config({"rollout": {"engine": "megatron", "batch_invariant": True}})
+    assert on.rollout.batch_invariant is True
+
+
+@pytest.mark.parametrize(
+    ("tree", "message"),
+    [
+        (
+            {"rollout": {"n_gpus": 1}, "trainer": {"launcher": "ray"}},
+            "rollout.engine=megatron needs colocated sync training",
+        ),
+        (
+            {
+                "rollout": {"n_gpus": 1},
+                "trainer": {"launcher": "ray"},
+                "async_training": {"mode": "fully_async"},
+            },
+            "rollout.engine=megatron needs colocated sync training",
+        ),
+        (
+            {"actor": {"pp": 2, "vpp": 2}, "trainer": {"n_gpus_per_node": 2}},
+            "rollout.engine=megatron runs one model chunk per rank: actor.vpp=2",
+        ),
+    ],
+)
+def test_the_megatron_engine_refuses_what_it_cannot_serve_in_one_line(tree, message):
+    tree = {**tree, "rollout": {"engine": "megatron", **tree.get("rollout", {})}}
+    with pytest.raises(ConfigError) as refused:
+        build_run_config(tree)
+    assert message in str(refused.value) and "\n" not in str(refused.value)
+    assert build_run_config({"rollout": {"engine": "megatron"}}).rollout.engine == "megatron"

@@ -1,4 +1,6 @@
-"""HFEngine.generate_requests: per-request seeds, budgets, interruption and resumption.
+"""generate_requests of every in-process engine (HF, Megatron): per-request seeds, budgets,
+interruption and resumption. The engine-contract tests take the ``make`` fixture and run once per
+engine; the ones about the HF engine's own loop (its forwards, MoE routing) build it directly.
 
 What the asynchronous rollout relies on: a request's tokens depend on its own seed only (not on
 the batch it shares a call with), and a response interrupted after any number of tokens, then
@@ -21,6 +23,7 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
+from helpers.engines import megatron_engine, megatron_world
 from helpers.models import MOE_EXPERTS
 from test_engine_hf import (
     EOS,
@@ -34,10 +37,34 @@ from test_engine_hf import (
     tiny_moe,
 )
 
-from megarl.engines.base import Generation, Request, SamplingParams, request_seed
-from megarl.engines.hf import HFEngine
+from megarl.engines.base import Generation, Request, RolloutEngine, SamplingParams, request_seed
 
 LOGPROB_ATOL = 5e-6
+ENGINES = ("hf", "megatron")
+
+
+@pytest.fixture(scope="module")
+def _megatron():
+    with megatron_world():
+        yield
+
+
+@pytest.fixture(params=ENGINES)
+def make(request):
+    """Builds the engine under test from a tiny HF Llama, ``eos_bias`` added to its EOS logit
+    (the Megatron engine: the same weights in a Megatron model, in a world of one)."""
+    if request.param == "hf":
+
+        def build_hf(model, eos_bias: float | None = None) -> RolloutEngine:
+            if eos_bias is not None:
+                bias_eos(model, eos_bias)
+            return make_engine(model)
+
+        return build_hf
+    request.getfixturevalue("_megatron")
+    return lambda model, eos_bias=None: megatron_engine(model, EOS, 0, eos_bias)
+
+
 SAMPLED = SamplingParams(temperature=0.8, top_p=0.9, max_new_tokens=12)
 
 
@@ -72,7 +99,7 @@ def assert_same_responses(got: Sequence[Generation], expected: Sequence[Generati
 
 
 def sample_with_interruptions(
-    engine: HFEngine, requests: Sequence[Request], params: SamplingParams, polls: int
+    engine: RolloutEngine, requests: Sequence[Request], params: SamplingParams, polls: int
 ) -> tuple[list[Generation], list[list[Generation]]]:
     """Sample ``requests`` with every call interrupted after ``polls`` tokens, resuming the
     interrupted responses until none is left; return the joined responses and each request's
@@ -113,10 +140,8 @@ def join(request: Request, pieces: Sequence[Generation]) -> Generation:
 # --- batch independence -----------------------------------------------------------------------
 
 
-def test_a_request_samples_the_same_in_any_batch():
-    model = tiny_llama()
-    bias_eos(model, 2.0)  # rows end at different steps, so batches shrink differently
-    engine = make_engine(model)
+def test_a_request_samples_the_same_in_any_batch(make):
+    engine = make(tiny_llama(), 2.0)  # rows end at different steps: batches shrink differently
     requests = requests_for(PROMPTS * 3)
     together = engine.generate_requests(requests, SAMPLED)
     assert len({g.response_ids for g in together}) == len(requests)
@@ -183,8 +208,8 @@ def test_a_request_with_its_own_limit_stops_there_and_samples_what_it_would_alon
     assert_same_responses(together, alone)
 
 
-def test_generate_seeds_prompt_i_with_request_seed():
-    engine = make_engine(tiny_llama())
+def test_generate_seeds_prompt_i_with_request_seed(make):
+    engine = make(tiny_llama())
     params = SamplingParams(max_new_tokens=8, seed=5)
     expected = engine.generate_requests(requests_for(PROMPTS, seed=5), params)
     assert engine.generate(PROMPTS, params) == expected
@@ -200,10 +225,8 @@ def test_generate_seeds_prompt_i_with_request_seed():
     [SAMPLED, SamplingParams(temperature=1.3, max_new_tokens=12), greedy(12)],
     ids=["t0.8-p0.9", "t1.3", "greedy"],
 )
-def test_interrupted_and_resumed_responses_equal_uninterrupted_ones(params, polls):
-    model = tiny_llama()
-    bias_eos(model, 0.0 if params.greedy else 2.0)
-    engine = make_engine(model)
+def test_interrupted_and_resumed_responses_equal_uninterrupted_ones(make, params, polls):
+    engine = make(tiny_llama(), 0.0 if params.greedy else 2.0)
     requests = requests_for(PROMPTS * 3, seed=14)
     uninterrupted = engine.generate_requests(requests, params)
     assert not any(g.interrupted for g in uninterrupted)
@@ -223,10 +246,8 @@ def test_interrupted_and_resumed_responses_equal_uninterrupted_ones(params, poll
     assert max(interruptions) >= 2  # some responses were resumed and interrupted again
 
 
-def test_a_set_interrupt_still_samples_one_token_per_request():
-    model = tiny_llama()
-    bias_eos(model, 3.0)  # some rows stop on their first token
-    engine = make_engine(model)
+def test_a_set_interrupt_still_samples_one_token_per_request(make):
+    engine = make(tiny_llama(), 3.0)  # some rows stop on their first token
     requests = requests_for(PROMPTS * 3)
     interrupt = threading.Event()
     interrupt.set()
@@ -245,10 +266,8 @@ def test_a_set_interrupt_still_samples_one_token_per_request():
 # --- budgets ----------------------------------------------------------------------------------
 
 
-def test_resumed_requests_sample_only_their_budget():
-    model = tiny_llama()
-    bias_eos(model, -1e4)
-    engine = make_engine(model)
+def test_resumed_requests_sample_only_their_budget(make):
+    engine = make(tiny_llama(), -1e4)
     so_far = (30, 31, 32, 33, 34, 35, 36, 37, 38)
     requests = [
         Request((5, 6, 7), 1),
@@ -261,8 +280,8 @@ def test_resumed_requests_sample_only_their_budget():
     assert [g.prompt_ids for g in generations] == [r.prompt_ids for r in requests]
 
 
-def test_requests_that_cannot_go_on_are_refused():
-    engine = make_engine(tiny_llama())
+def test_requests_that_cannot_go_on_are_refused(make):
+    engine = make(tiny_llama())
     params = SamplingParams(max_new_tokens=4)
     with pytest.raises(ValueError, match="request 1 has no budget left: 4 tokens"):
         engine.generate_requests([Request((5,), 1), Request((5,), 2, (6, 7, 8, 9))], params)
@@ -278,8 +297,8 @@ def test_requests_that_cannot_go_on_are_refused():
 # --- RNG --------------------------------------------------------------------------------------
 
 
-def test_generate_requests_does_not_touch_the_global_rng():
-    engine = make_engine(tiny_llama())
+def test_generate_requests_does_not_touch_the_global_rng(make):
+    engine = make(tiny_llama())
     requests = [*requests_for(PROMPTS), Request((5, 6), 3, (7, 8))]
     state = torch.get_rng_state()
     engine.generate_requests(requests, SAMPLED, InterruptAfter(2))

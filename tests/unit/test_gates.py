@@ -375,3 +375,20 @@ def test_a_resume_sends_the_restored_weights_unless_there_is_no_engine():
     assert base.run and not adapter.run
     base, adapter = decide_restore_sync(RunFacts(1, 1, 3, lora_enabled=True, rollout_engine=False))
     assert not base.run and not adapter.run and "no rollout engine" in base.reason
+
+
+def test_nothing_is_sent_to_an_engine_that_is_the_actors_model():
+    """``rollout.engine=megatron``: no sync at any step or after a resume, LoRA or not, whatever
+    the engine reports, and the gates' line says why."""
+    from megarl.planner.gate_results import StepGates
+    from megarl.planner.gates import ENGINE_IS_ACTOR, decide_restore_sync
+
+    for lora in (False, True):
+        run = RunFacts(1, 1, 3, lora_enabled=lora, engine_is_actor=True)
+        gates: StepGates = decide_gates(
+            StepFacts(run, step=1, slices=((0, 1),), engine_base_weights_resident=True)
+        )
+        assert not gates.base_weight_sync.run and not gates.adapter_sync.run
+        assert f"sync: skip ({ENGINE_IS_ACTOR})" in gates.summary()
+        base, adapter = decide_restore_sync(run)
+        assert not base.run and not adapter.run and base.reason == ENGINE_IS_ACTOR

@@ -1,0 +1,359 @@
+"""The Megatron engine (``rollout.engine=megatron``): the actor's own Megatron model generates.
+
+The other engines hold a second copy of the model (a ``transformers`` model, vLLM's) that the
+exporter refreshes after every optimizer step. This one is handed the actor's model chunks, the
+very parameters the optimizer updates, so there is nothing to send: the gates skip the weight
+sync with that reason (``sync: skip (the engine is the actor's model)``), a LoRA adapter is
+already in the model's linear layers, and the weights are held once.
+
+The engine contract (:mod:`megarl.engines.base`) is kept as the HF engine keeps it, with the HF
+engine's own sampling functions, so equal logits give equal tokens: response token ``j`` of a
+request is drawn from a uniform seeded ``token_seed(request.seed, j)``, logprobs are those of
+the untruncated distribution, a request resumed with its tokens so far
+(``Request.generated_ids``) continues the same stream, an ``interrupt`` is polled after each
+step's draw (every call samples at least one token per row), and ``n`` samples of one prompt
+share one prefill. The model runs through :class:`megarl.models.kv_cache.KVCache`: left-padded
+rows over Megatron's static KV cache, rows that ended leaving the batch.
+
+Memory: there is no weight to free or reload (``sleep`` keeps the weights at every level and
+the engine always reports them resident); the KV cache lives only for one call. The model is
+switched to eval mode while it generates and back afterwards.
+
+Placement: colocated, in the actor's processes, in the actor's own layout. Rank 0 drives (the
+rollout producer, agent loops, the gateway and validation call it there, like any engine); the
+other ranks whose forward rank 0's needs -- its tensor- and pipeline-parallel group, and with
+expert parallelism every rank, since each expert-parallel rank holds experts the others route
+to -- *follow* (:meth:`MegatronEngine.serve`): for each call rank 0 broadcasts the requests and
+the sampling parameters, every rank of the group runs the same decode loop on its shard (the
+pipeline stages pass hidden states on; the last stage's logits, gathered over the
+tensor-parallel ranks, are broadcast to its pipeline group), samples the same tokens from the
+same logits with the same seeds, and after each step takes rank 0's word on whether it was
+interrupted. At the end of a rollout or validation phase rank 0 releases the followers
+(:meth:`MegatronEngine.release_followers`). Data-parallel replicas outside the group wait for the
+batch as with any engine: one replica generates.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+
+from megarl.engines.base import (
+    EngineMemoryState,
+    Generation,
+    Request,
+    RolloutEngine,
+    SamplingParams,
+    validate_sleep_level,
+)
+from megarl.engines.hf import _Response, left_pad, sample_next_tokens
+
+if TYPE_CHECKING:
+    import threading
+
+NO_WEIGHTS_TO_SEND = "the engine is the actor's model"
+"""Why nothing is ever sent to this engine (the gates' reason too)."""
+DRIVER = 0
+"""The global rank that drives generation (the rollout host's)."""
+
+
+def generation_group() -> Any:
+    """The process group of the ranks that run every forward together: the model-parallel
+    group (TP x PP), or the whole world under expert parallelism (an expert-parallel group
+    spans data-parallel replicas, each of which must then run the same forward); None when this
+    rank's model runs alone."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    if parallel_state.get_expert_model_parallel_world_size() > 1:
+        return dist.group.WORLD
+    group: Any = parallel_state.get_model_parallel_group()  # Megatron's annotation is loose
+    return group if group.size() > 1 else None
+
+
+def follows_driver() -> bool:
+    """Whether this rank runs rank 0's generation calls with it (:meth:`MegatronEngine.serve`)."""
+    import torch.distributed as dist
+
+    group = generation_group()
+    if group is None or dist.get_rank() == DRIVER:
+        return False
+    return DRIVER in dist.get_process_group_ranks(group)
+
+
+class MegatronEngine(RolloutEngine):
+    """Rollouts from the actor's Megatron model chunks (bound after the actor is built)."""
+
+    def __init__(
+        self,
+        eos_token_ids: Sequence[int],
+        pad_token_id: int,
+        vocab_size: int,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        if not eos_token_ids:
+            raise ValueError("no EOS token id known: pass eos_token_ids")
+        self._eos_token_ids = tuple(eos_token_ids)
+        self._pad_token_id = pad_token_id
+        self._vocab_size = vocab_size
+        self._device = torch.device(device)
+        self._chunks: list[Any] | None = None
+        self._group: Any = None
+        """The ranks generating together (:func:`generation_group`); None: this rank alone."""
+        self._sleep_level = 0
+
+    def bind_model(self, chunks: Sequence[Any]) -> None:
+        """Generate with these model chunks (the actor's, DDP-wrapped or bare) from now on."""
+        if len(chunks) != 1:
+            raise ValueError(
+                f"the Megatron engine runs one model chunk per rank, got {len(chunks)} "
+                "(actor.vpp > 1)"
+            )
+        self._chunks = list(chunks)
+        self._group = generation_group()
+
+    # -- properties --
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self._eos_token_ids
+
+    @property
+    def max_sleep_level(self) -> int:
+        return 0
+
+    # -- generate --
+
+    def generate_requests(
+        self,
+        requests: Sequence[Request],
+        params: SamplingParams,
+        interrupt: threading.Event | None = None,
+    ) -> list[Generation]:
+        """On rank 0; the followers run the same call (:meth:`serve`)."""
+        if self._sleep_level:
+            raise RuntimeError(
+                f"cannot generate: engine is asleep (level {self._sleep_level}); "
+                "call wake_up() first"
+            )
+        if not requests:
+            return []
+        self._validate_requests(requests, params)
+        self._tell_followers(("generate", list(requests), params))
+        return self._generate(requests, params, interrupt)
+
+    def _generate(
+        self,
+        requests: Sequence[Request],
+        params: SamplingParams,
+        interrupt: threading.Event | None,
+    ) -> list[Generation]:
+        responses = [_Response(request, request.budget(params)) for request in requests]
+        with self._generating() as gpt:
+            self._decode(gpt, responses, params, interrupt)
+        return [response.generation(row, None) for row, response in enumerate(responses)]
+
+    # -- the ranks that generate with rank 0 --
+
+    def serve(self) -> None:
+        """A follower's part of a rollout or validation phase: run every call rank 0 makes,
+        until it releases the group (:meth:`release_followers`)."""
+        while True:
+            message = self._hear_driver()
+            if message[0] == "release":
+                return
+            _, requests, params = message
+            self._generate(requests, params, None)
+
+    def release_followers(self) -> None:
+        """Rank 0, at the end of a rollout or validation phase: the followers go back to
+        training. A no-op when this rank generates alone."""
+        self._tell_followers(("release",))
+
+    def _tell_followers(self, message: tuple) -> None:
+        if self._group is not None:
+            import torch.distributed as dist
+
+            dist.broadcast_object_list([message], src=DRIVER, group=self._group)
+
+    def _hear_driver(self) -> tuple:
+        import torch.distributed as dist
+
+        if self._group is None:
+            raise RuntimeError("this rank generates alone: there is no driver to follow")
+        box: list = [None]
+        dist.broadcast_object_list(box, src=DRIVER, group=self._group)
+        return box[0]
+
+    def _interrupted(self, interrupt: threading.Event | None) -> bool:
+        """Rank 0's answer, the same on every rank of the group (polled once per step)."""
+        stop = interrupt is not None and interrupt.is_set()
+        if self._group is None:
+            return stop
+        import torch.distributed as dist
+
+        flag = torch.tensor([int(stop)], device=self._device)
+        dist.broadcast(flag, src=DRIVER, group=self._group)
+        return bool(flag.item())
+
+    @contextlib.contextmanager
+    def _generating(self) -> Iterator[Any]:
+        """The bare ``GPTModel`` in eval mode, gradients off, for the block; its modes after."""
+        from megarl.distributed.platform import shim_modes_in_this_thread
+        from megarl.models.chunk import unwrap
+
+        if self._chunks is None:
+            raise RuntimeError("the Megatron engine has no model yet: bind_model() first")
+        gpt = unwrap(self._chunks[0])
+        modes = {module: module.training for module in gpt.modules()}
+        gpt.eval()
+        try:
+            # the agent loops call from a worker thread, where the shims' torch-function modes
+            # (thread-local) are not on yet
+            with torch.inference_mode(), shim_modes_in_this_thread():
+                yield gpt
+        finally:
+            for module, training in modes.items():
+                module.training = training
+
+    def _decode(
+        self,
+        gpt: Any,
+        responses: list[_Response],
+        params: SamplingParams,
+        interrupt: threading.Event | None,
+    ) -> None:
+        """Fill ``responses`` until each has ended or ``interrupt`` is set: one prefill of the
+        distinct contexts, then one cached step per token, the rows still going only."""
+        from megarl.models.kv_cache import KVCache
+
+        keys = [tuple(response.request.context_ids) for response in responses]
+        distinct = list(dict.fromkeys(keys))
+        batch = left_pad(distinct, self._pad_token_id, self._device)
+        pad_U = (batch.attention_mask_BT == 0).sum(dim=1)
+        capacity = batch.input_ids_BT.shape[1] + max(response.budget for response in responses)
+        cache = KVCache(gpt, pad_U, capacity)
+        logits_BV = self._full_vocab(cache.forward(gpt, batch.input_ids_BT), len(distinct))
+        if len(distinct) < len(keys):  # GRPO's samples of a prompt: one prefill, copied rows
+            slot = {key: i for i, key in enumerate(distinct)}
+            rows_B = torch.tensor([slot[key] for key in keys], device=self._device)
+            cache.select_rows(rows_B)
+            logits_BV = logits_BV[rows_B]
+        rows = list(range(len(responses)))  # the response of each of the cache's rows
+        generator = torch.Generator()  # on the host: re-seeded before each draw
+        while True:
+            token_L = self._sample_step(
+                [responses[row] for row in rows], logits_BV, params, generator
+            )
+            going = [i for i, row in enumerate(rows) if not responses[row].ended]
+            if not going or self._interrupted(interrupt):
+                return
+            if len(going) < len(rows):
+                keep_L = torch.tensor(going, device=self._device)
+                cache.select_rows(keep_L)
+                token_L, rows = token_L[keep_L], [rows[i] for i in going]
+            logits_BV = self._full_vocab(cache.forward(gpt, token_L.unsqueeze(1)), len(rows))
+
+    def _full_vocab(self, logits_BV: torch.Tensor | None, num_rows: int) -> torch.Tensor:
+        """The whole real vocabulary's ``[B, V]`` logits on every rank of the group: the
+        tensor-parallel slices gathered, the padded tail Megatron adds for equal slices cut off
+        (the trainer masks it too), and under pipeline parallelism the last stage's broadcast
+        to the stages before it (None there)."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+        if logits_BV is not None:
+            if parallel_state.get_tensor_model_parallel_world_size() > 1:
+                logits_BV = gather_from_tensor_model_parallel_region(logits_BV)
+            assert logits_BV is not None
+            logits_BV = logits_BV[:, : self._vocab_size].float().contiguous()
+        if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+            assert logits_BV is not None
+            return logits_BV
+        if logits_BV is None:
+            logits_BV = torch.empty((num_rows, self._vocab_size), device=self._device)
+        dist.broadcast(
+            logits_BV,
+            src=parallel_state.get_pipeline_model_parallel_last_rank(),
+            group=cast("Any", parallel_state.get_pipeline_model_parallel_group()),
+        )
+        return logits_BV
+
+    def _sample_step(
+        self,
+        responses: list[_Response],
+        logits_BV: torch.Tensor,
+        params: SamplingParams,
+        generator: torch.Generator,
+    ) -> torch.Tensor:
+        """Sample and record the next token of every response (one per row); the ``[B]``
+        tokens to feed next."""
+        uniform_B = None
+        if not params.greedy:
+            uniform_B = torch.tensor(
+                [response.next_uniform(generator) for response in responses], dtype=torch.float64
+            )
+        token_B, logprob_B = sample_next_tokens(logits_BV, params, uniform_B)
+        for response, token, logprob in zip(
+            responses, token_B.tolist(), logprob_B.tolist(), strict=True
+        ):
+            response.append(token, logprob, token in self._eos_token_ids)
+        return token_B.to(self._device)
+
+    def _validate_requests(self, requests: Sequence[Request], params: SamplingParams) -> None:
+        """Refuse what the decode loop cannot continue (as the HF engine does)."""
+        for index, request in enumerate(requests):
+            if len(request.prompt_ids) == 0:
+                raise ValueError(f"request {index} has an empty prompt")
+            context = request.context_ids
+            if min(context) < 0 or max(context) >= self._vocab_size:
+                raise ValueError(f"request {index} has token ids outside [0, {self._vocab_size})")
+            if request.budget(params) == 0:
+                raise ValueError(
+                    f"request {index} has no budget left: {len(request.generated_ids)} tokens "
+                    f"generated, max_new_tokens={params.max_new_tokens}"
+                )
+            if any(token in self._eos_token_ids for token in request.generated_ids):
+                raise ValueError(f"request {index} already ended: EOS among its generated_ids")
+
+    # -- weights: none to send --
+
+    def update_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], record_checksums: bool = False
+    ) -> int:
+        raise RuntimeError(f"nothing to send to the Megatron engine: {NO_WEIGHTS_TO_SEND}")
+
+    def weight_checksums(self, dtype: torch.dtype) -> Mapping[str, tuple[int, int]]:
+        raise RuntimeError(f"the Megatron engine holds no copy to check: {NO_WEIGHTS_TO_SEND}")
+
+    def load_lora_adapter(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        rank: int,
+        alpha: float,
+        target_modules: Sequence[str],
+    ) -> None:
+        raise RuntimeError(
+            f"nothing to load into the Megatron engine: {NO_WEIGHTS_TO_SEND}, adapters included"
+        )
+
+    # -- memory: the weights are the actor's, never freed here --
+
+    def sleep(self, level: int) -> None:
+        """Nothing to release between rollouts (the KV cache lives for one call); the weights
+        are the actor's and stay at every level."""
+        validate_sleep_level(level)
+        if self._sleep_level:
+            raise RuntimeError(f"engine is already asleep (level {self._sleep_level})")
+        self._sleep_level = level
+
+    def wake_up(self) -> EngineMemoryState:
+        self._sleep_level = 0
+        return self.memory_state()
+
+    def memory_state(self) -> EngineMemoryState:
+        return EngineMemoryState(base_weights_resident=True, adapter_resident=False)
