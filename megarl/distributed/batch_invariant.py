@@ -165,7 +165,8 @@ def attention(
     k, v = (
         _pad_dim(t.permute(1, 2, 0, 3), 2, num_blocks * KEY_BLOCK) for t in (key, value)
     )  # [b, groups, blocks * KEY_BLOCK, d]
-    q_pos = (torch.arange(tq, device=query.device) + (tk - tq)).repeat(rep)
+    # a query before the row's first key (a left pad's column) reads key 0: finite, unused
+    q_pos = (torch.arange(tq, device=query.device) + (tk - tq)).clamp(min=0).repeat(rep)
     scores = []
     for block in range(num_blocks):
         keys = slice(block * KEY_BLOCK, (block + 1) * KEY_BLOCK)
@@ -188,6 +189,43 @@ def attention(
     assert numerator is not None and denominator is not None  # tk >= 1: at least one block
     out = (numerator / denominator).reshape(batch, groups, rep, tq, dim)
     return out.permute(3, 0, 1, 2, 4).reshape(tq, batch, heads * dim)
+
+
+def left_pads(attention_mask: torch.Tensor, tq: int, tk: int) -> torch.Tensor:
+    """Each row's left padding, read from an explicit mask ``[b, 1, tq, tk]`` (True = masked)
+    that must be the left-padded causal one (a row's real query at column ``c`` sees keys
+    ``pad..c``; what a pad's query sees does not matter); anything else is refused."""
+    allowed = ~attention_mask.to(torch.bool)[:, 0]  # [b, tq, tk]
+    pad_B = allowed[:, -1].int().argmax(-1)  # the last query is a real token's
+    keys = torch.arange(tk, device=allowed.device)
+    columns = torch.arange(tk - tq, tk, device=allowed.device)
+    expected = (keys[None, None] >= pad_B[:, None, None]) & (keys[None] <= columns[:, None])[None]
+    real_BQ = columns[None] >= pad_B[:, None]
+    if not torch.equal(allowed[real_BQ], expected[real_BQ]):
+        raise NotImplementedError(
+            "batch-invariant attention takes no attention_mask but a left-padded causal one"
+        )
+    return pad_B
+
+
+def left_padded_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """:func:`attention` of rows left-padded to one width (the engine's batches): each row
+    attends from its own first real key, so its keys fall in the blocks they have in the
+    trainer's forward; a pad's query gets a finite value nobody reads."""
+    tq, tk = query.shape[0], key.shape[0]
+    pads = left_pads(attention_mask, tq, tk).tolist()
+    rows = []
+    for row, pad in enumerate(pads):
+        keys = slice(min(pad, tk - 1), tk)
+        one = slice(row, row + 1)
+        rows.append(attention(query[:, one], key[keys, one], value[keys, one], scale))
+    return torch.cat(rows, dim=1)
 
 
 _MATMULS = frozenset(

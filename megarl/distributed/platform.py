@@ -432,10 +432,9 @@ class SDPACoreAttention(torch.nn.Module):
 
     def _attend(self, query, key, value, attention_mask=None):
         if batch_invariant.enabled():
-            if attention_mask is not None:
-                raise NotImplementedError(
-                    "batch-invariant attention is causal only: an explicit attention_mask is "
-                    "not supported"
+            if attention_mask is not None:  # the Megatron engine's left-padded rows
+                return batch_invariant.left_padded_attention(
+                    query, key, value, attention_mask, self.softmax_scale
                 )
             return batch_invariant.attention(query, key, value, self.softmax_scale)
         num_heads, num_groups = query.shape[2], key.shape[2]

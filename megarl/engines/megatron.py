@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from megarl.distributed.batch_invariant import batch_invariant_mode
 from megarl.engines.base import (
     EngineMemoryState,
     Generation,
@@ -93,6 +94,7 @@ class MegatronEngine(RolloutEngine):
         pad_token_id: int,
         vocab_size: int,
         device: str | torch.device = "cpu",
+        batch_invariant: bool = False,
     ) -> None:
         if not eos_token_ids:
             raise ValueError("no EOS token id known: pass eos_token_ids")
@@ -104,6 +106,11 @@ class MegatronEngine(RolloutEngine):
         self._group: Any = None
         """The ranks generating together (:func:`generation_group`); None: this rank alone."""
         self._sleep_level = 0
+        self._batch_invariant = batch_invariant
+        """``rollout.batch_invariant``: decode in
+        :func:`megarl.distributed.batch_invariant.batch_invariant_mode` and take each sampled
+        token's logprob with the trainer's own vocab-parallel function from this rank's logits
+        slice, so it has the bits the trainer's forward gives it."""
 
     def bind_model(self, chunks: Sequence[Any]) -> None:
         """Generate with these model chunks (the actor's, DDP-wrapped or bare) from now on."""
@@ -213,7 +220,11 @@ class MegatronEngine(RolloutEngine):
         try:
             # the agent loops call from a worker thread, where the shims' torch-function modes
             # (thread-local) are not on yet
-            with torch.inference_mode(), shim_modes_in_this_thread():
+            with (
+                torch.inference_mode(),
+                shim_modes_in_this_thread(),
+                batch_invariant_mode(self._batch_invariant),
+            ):
                 yield gpt
         finally:
             for module, training in modes.items():
@@ -236,17 +247,19 @@ class MegatronEngine(RolloutEngine):
         pad_U = (batch.attention_mask_BT == 0).sum(dim=1)
         capacity = batch.input_ids_BT.shape[1] + max(response.budget for response in responses)
         cache = KVCache(gpt, pad_U, capacity)
-        logits_BV = self._full_vocab(cache.forward(gpt, batch.input_ids_BT), len(distinct))
+        local_BV = cache.forward(gpt, batch.input_ids_BT)
+        logits_BV = self._full_vocab(local_BV, len(distinct))
         if len(distinct) < len(keys):  # GRPO's samples of a prompt: one prefill, copied rows
             slot = {key: i for i, key in enumerate(distinct)}
             rows_B = torch.tensor([slot[key] for key in keys], device=self._device)
             cache.select_rows(rows_B)
             logits_BV = logits_BV[rows_B]
+            local_BV = None if local_BV is None else local_BV[rows_B]
         rows = list(range(len(responses)))  # the response of each of the cache's rows
         generator = torch.Generator()  # on the host: re-seeded before each draw
         while True:
             token_L = self._sample_step(
-                [responses[row] for row in rows], logits_BV, params, generator
+                [responses[row] for row in rows], logits_BV, params, generator, local_BV
             )
             going = [i for i, row in enumerate(rows) if not responses[row].ended]
             if not going or self._interrupted(interrupt):
@@ -255,7 +268,8 @@ class MegatronEngine(RolloutEngine):
                 keep_L = torch.tensor(going, device=self._device)
                 cache.select_rows(keep_L)
                 token_L, rows = token_L[keep_L], [rows[i] for i in going]
-            logits_BV = self._full_vocab(cache.forward(gpt, token_L.unsqueeze(1)), len(rows))
+            local_BV = cache.forward(gpt, token_L.unsqueeze(1))
+            logits_BV = self._full_vocab(local_BV, len(rows))
 
     def _full_vocab(self, logits_BV: torch.Tensor | None, num_rows: int) -> torch.Tensor:
         """The whole real vocabulary's ``[B, V]`` logits on every rank of the group: the
@@ -289,20 +303,48 @@ class MegatronEngine(RolloutEngine):
         logits_BV: torch.Tensor,
         params: SamplingParams,
         generator: torch.Generator,
+        local_BV: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Sample and record the next token of every response (one per row); the ``[B]``
-        tokens to feed next."""
+        tokens to feed next. ``local_BV``: this rank's vocabulary slice of the logits (the
+        batch-invariant mode's logprobs come from it)."""
         uniform_B = None
         if not params.greedy:
             uniform_B = torch.tensor(
                 [response.next_uniform(generator) for response in responses], dtype=torch.float64
             )
         token_B, logprob_B = sample_next_tokens(logits_BV, params, uniform_B)
+        if self._batch_invariant and not params.greedy and local_BV is not None:
+            logprob_B = self._trainer_logprobs(local_BV, token_B, params.temperature)
         for response, token, logprob in zip(
             responses, token_B.tolist(), logprob_B.tolist(), strict=True
         ):
             response.append(token, logprob, token in self._eos_token_ids)
         return token_B.to(self._device)
+
+    def _trainer_logprobs(
+        self, local_BV: torch.Tensor, token_B: torch.Tensor, temperature: float
+    ) -> torch.Tensor:
+        """The sampled tokens' logprobs as the trainer computes them: its vocab-parallel
+        function over this rank's slice, reduced over the tensor-parallel group."""
+        from megatron.core import parallel_state
+
+        from megarl.models.vocab_parallel import VocabShard, token_logprobs_and_entropy
+
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        shard = VocabShard(
+            start=parallel_state.get_tensor_model_parallel_rank() * local_BV.shape[-1],
+            real_vocab_size=self._vocab_size,
+            group=parallel_state.get_tensor_model_parallel_group() if tp > 1 else None,
+        )
+        logp_B1, _ = token_logprobs_and_entropy(
+            local_BV.unsqueeze(1),
+            token_B.to(local_BV.device).unsqueeze(1),
+            shard,
+            temperature,
+            with_entropy=False,
+        )
+        return logp_B1[:, 0].cpu()
 
     def _validate_requests(self, requests: Sequence[Request], params: SamplingParams) -> None:
         """Refuse what the decode loop cannot continue (as the HF engine does)."""

@@ -333,7 +333,9 @@ def _share_actor_model(
     if not follows_driver():
         return None
     follower = MegatronEngine(
-        **megatron_engine_kwargs(tokenizer, inputs.model_dir, spec, inputs.device)
+        **megatron_engine_kwargs(
+            tokenizer, inputs.model_dir, spec, inputs.device, inputs.cfg.rollout.batch_invariant
+        )
     )
     follower.bind_model(actor.chunks)
     return follower

@@ -186,3 +186,32 @@ def test_decode_and_trainer_forward_agree_bitwise_smollm2():
 
     hf_config = load_hf_config(None).to_dict()
     _assert_bitwise(_run(1, hf_config, None))
+
+
+def test_a_run_with_the_megatron_engine_has_zero_logprob_difference(tmp_path):
+    """Two steps at TP=2 with ``rollout.batch_invariant=true``: every sampled token's logprob
+    from the engine equals the trainer's bitwise, after the update too (lr 5e-2 moves the
+    policy in step 1), so the difference is 0.0 and the token-level IS weights are exactly 1."""
+    import json
+
+    from helpers.runs import tiny_overrides
+
+    from megarl.train import run
+
+    run_dir = tmp_path / "run"
+    settings = {
+        "rollout.engine": "megatron",
+        "rollout.batch_invariant": "true",
+        "trainer.n_gpus_per_node": 2,
+        "actor.tp": 2,
+        "actor.lr": 5e-2,
+        "algo.rollout_correction.rollout_is": "token",
+    }
+    run(tiny_overrides(run_dir, steps=2, **settings))
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    rows = [row for row in map(json.loads, lines) if row["step"] >= 1]
+    assert [row["step"] for row in rows] == [1, 2]
+    for row in rows:
+        assert row["rollout/logprob_abs_diff"] == 0.0, row
+        assert row["rollout_corr/rollout_is_min"] == row["rollout_corr/rollout_is_max"] == 1.0
+        assert row["rollout_corr/kl"] == 0.0, row

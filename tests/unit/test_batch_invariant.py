@@ -3,6 +3,7 @@ row's or a query's bits the same whatever shares its call (bitwise)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -69,3 +70,34 @@ def test_the_mode_routes_torch_calls_and_is_free_when_off():
     assert not bi.enabled()
     with bi.batch_invariant_mode(False):
         assert not bi.enabled()
+
+
+def _left_padded_mask(pads: list[int], tq: int, tk: int) -> torch.Tensor:
+    keys, columns = torch.arange(tk), torch.arange(tk - tq, tk)
+    pad_B = torch.tensor(pads)
+    allowed = (keys[None, None] >= pad_B[:, None, None]) & (keys[None] <= columns[:, None])[None]
+    return ~allowed.unsqueeze(1)
+
+
+def test_left_padded_rows_read_the_bits_of_their_unpadded_sequences():
+    """The Megatron engine's batches: rows left-padded to one width, an explicit mask."""
+    gen = torch.Generator().manual_seed(5)
+    pads, width = [0, 3, 70], 80
+    q = torch.randn(width, 3, 4, 32, generator=gen)
+    k, v = (torch.randn(width, 3, 2, 32, generator=gen) for _ in range(2))
+    prefill = bi.left_padded_attention(q, k, v, _left_padded_mask(pads, width, width))
+    step = bi.left_padded_attention(q[-1:], k, v, _left_padded_mask(pads, 1, width))
+    assert torch.isfinite(prefill).all()
+    for row, pad in enumerate(pads):
+        one = slice(row, row + 1)
+        alone = bi.attention(q[pad:, one], k[pad:, one], v[pad:, one])
+        assert torch.equal(prefill[pad:, one], alone)
+        assert torch.equal(step[:, one], alone[-1:])
+
+
+def test_an_unexpected_mask_is_refused():
+    mask = _left_padded_mask([0, 2], 6, 6)
+    mask[0, 0, 3, 1] = True  # a real query that may not see a key before it
+    q, k = torch.randn(6, 2, 2, 32), torch.randn(6, 2, 2, 32)
+    with pytest.raises(NotImplementedError, match="left-padded causal"):
+        bi.left_padded_attention(q, k, k, mask)

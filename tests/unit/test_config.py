@@ -335,6 +335,15 @@ def test_batch_invariant_defaults_off_and_needs_the_megatron_engine():
         assert f"engine={engine}" in message and "\n" not in message
     on = build_run_config({"rollout": {"engine": "megatron", "batch_invariant": True}})
     assert on.rollout.batch_invariant is True
+    with pytest.raises(ConfigError) as info:
+        build_run_config(
+            {
+                "rollout": {"engine": "megatron", "batch_invariant": True},
+                "actor": {"pp": 2},
+                "trainer": {"n_gpus_per_node": 2},
+            }
+        )
+    assert str(info.value).startswith("rollout.batch_invariant=true with actor.pp=2")
 
 
 @pytest.mark.parametrize(
