@@ -79,7 +79,7 @@ def _worker(ctx, seqs: int, length: int, new: int, repeats: int) -> dict[str, li
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--seqs", type=int, default=16)
     parser.add_argument("--len", type=int, default=96)
     parser.add_argument("--new", type=int, default=24)

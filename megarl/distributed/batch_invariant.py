@@ -20,12 +20,12 @@ by the model alone. What ``benchmarks/probe_batch_invariance.py`` measured on th
 - **Attention**: ``scaled_dot_product_attention`` over a KV cache differs from the causal pass
   over the whole sequence (~5e-7): the kernel splits the keys by the call's length.
   :func:`attention` reads keys in blocks of :data:`KEY_BLOCK` aligned at position 0 (the last
-  block zero-padded); a score is a product of ``q`` and ``k`` summed over the head dimension,
-  and a block's values are weighted and summed over its keys, each a contiguous sum of fixed
-  length (no kernel picks an order by shape). The softmax takes the row's exact max over every
-  allowed key, then ``exp``, and adds the blocks' numerators and denominators one block after
-  the other, in position order. A key a query may not see gets ``-inf``, so its weight is an
-  exact 0 and a block past the query's position adds exact zeros: a query reads the same bits
+  block zero-padded) and, for each sequence and key/value group, computes a key block's scores
+  and weighted values as fixed-shape products (the queries of the group's heads in blocks of
+  :data:`ROW_BLOCK` rows, as for the linear layers). The softmax takes the row's exact max over
+  every allowed key, then ``exp``, and adds the blocks' numerators and denominators one block
+  after the other, in position order. A key a query may not see gets ``-inf``, so its weight is
+  an exact 0 and a block past the query's position adds exact zeros: a query reads the same bits
   from a cache of ``t + 1`` keys as from a packed, padded or longer causal pass. The causal
   mask is aligned bottom-right (the last query sits at the last key), which is the plain
   causal mask for a whole sequence and the right one for a decode step or a chunk.
@@ -167,28 +167,43 @@ def attention(
     )  # [b, groups, blocks * KEY_BLOCK, d]
     # a query before the row's first key (a left pad's column) reads key 0: finite, unused
     q_pos = (torch.arange(tq, device=query.device) + (tk - tq)).clamp(min=0).repeat(rep)
+    out = torch.stack(
+        [
+            torch.stack(
+                [_attend_group(q[i, j], k[i, j], v[i, j], q_pos, factor) for j in range(groups)]
+            )
+            for i in range(batch)
+        ]
+    )  # [b, groups, rep * tq, d]
+    out = out.reshape(batch, groups, rep, tq, dim)
+    return out.permute(3, 0, 1, 2, 4).reshape(tq, batch, heads * dim)
+
+
+def _attend_group(
+    q_MD: torch.Tensor, k_KD: torch.Tensor, v_KD: torch.Tensor, q_pos_M: torch.Tensor, factor: float
+) -> torch.Tensor:
+    """One key/value group of one sequence: ``[rows, d]`` queries at positions ``q_pos_M`` over
+    ``[blocks * KEY_BLOCK, d]`` keys; every product is a fixed-shape one (:func:`_blocked_rows`)."""
     scores = []
-    for block in range(num_blocks):
-        keys = slice(block * KEY_BLOCK, (block + 1) * KEY_BLOCK)
-        k_pos = torch.arange(keys.start, keys.stop, device=query.device)
-        hidden = k_pos.unsqueeze(0) > q_pos.unsqueeze(1)  # [rows, KEY_BLOCK]
-        # products, then a contiguous sum of fixed length: no kernel choice by shape
-        block_scores = (q.unsqueeze(3) * k[:, :, keys].unsqueeze(2)).sum(-1) * factor
-        scores.append(block_scores.masked_fill(hidden, float("-inf")))
+    for start in range(0, k_KD.shape[0], KEY_BLOCK):
+        k_pos = torch.arange(start, start + KEY_BLOCK, device=q_MD.device)
+        hidden = k_pos.unsqueeze(0) > q_pos_M.unsqueeze(1)  # [rows, KEY_BLOCK]
+        keys_DK = k_KD[start : start + KEY_BLOCK].t()
+        block = _blocked_rows(q_MD, lambda rows, keys_DK=keys_DK: torch.mm(rows, keys_DK))
+        scores.append((block * factor).masked_fill(hidden, float("-inf")))
     row_max = scores[0].amax(-1, keepdim=True)
-    for block_scores in scores[1:]:
-        row_max = torch.maximum(row_max, block_scores.amax(-1, keepdim=True))
+    for block in scores[1:]:
+        row_max = torch.maximum(row_max, block.amax(-1, keepdim=True))
     numerator = denominator = None
-    for block, block_scores in enumerate(scores):
-        weights = torch.exp(block_scores - row_max)  # [b, groups, rows, KEY_BLOCK]
-        values = v[:, :, block * KEY_BLOCK : (block + 1) * KEY_BLOCK].transpose(-1, -2)
-        part = (weights.unsqueeze(3) * values.unsqueeze(2)).sum(-1)  # [b, groups, rows, d]
+    for index, block in enumerate(scores):
+        weights = torch.exp(block - row_max)  # [rows, KEY_BLOCK]; hidden keys exactly 0
+        values = v_KD[index * KEY_BLOCK : (index + 1) * KEY_BLOCK]
+        part = _blocked_rows(weights, lambda rows, values=values: torch.mm(rows, values))
         total = weights.sum(-1, keepdim=True)
         numerator = part if numerator is None else numerator + part
         denominator = total if denominator is None else denominator + total
-    assert numerator is not None and denominator is not None  # tk >= 1: at least one block
-    out = (numerator / denominator).reshape(batch, groups, rep, tq, dim)
-    return out.permute(3, 0, 1, 2, 4).reshape(tq, batch, heads * dim)
+    assert numerator is not None and denominator is not None  # at least one block
+    return numerator / denominator
 
 
 def left_pads(attention_mask: torch.Tensor, tq: int, tk: int) -> torch.Tensor:
