@@ -1,25 +1,35 @@
-"""The transformers engine vs vLLM's CPU build, side by side in one run.
+"""The three rollout engines side by side in one run: transformers, vLLM's CPU build, and the
+actor's own Megatron model (``rollout.engine=megatron``).
 
-Run: ``python benchmarks/bench_engines.py [--repeats 5] [--full-runs] [--steps 20]``
+Run: ``python benchmarks/bench_engines.py [--repeats 5] [--full-runs] [--steps 20]
+[--engines transformers,vllm,megatron]``
 (CPU; the packaged SmolLM2-135M-Instruct in fp32; vLLM must be installed: ``make install``).
 
 Part 1, same process, alternating engines on the same work:
 
+* start-up: what each engine costs beyond the trainer's own model (the transformers engine
+  loads a second copy, vLLM starts its engine core; the Megatron engine is handed the actor's
+  model: here a Megatron ``GPTModel`` built once in a world of one, outside the timing);
 * generation: the demo's rollout batch (4 arithmetic prompts x 8 samples, chat template,
-  12 new tokens, temperature 1) -> tokens/s;
+  12 new tokens, temperature 1) -> tokens/s, beside ``bench_roofline.py``'s decode floor (12
+  steps of the model's linear layers at 32 rows; what any engine must spend);
 * weight sync: the whole model's HF tensors (what the exporter streams each step), pushed
-  into the engine -> seconds. vLLM runs twice: as a CPU run starts it (``vllm``: a sync copies
-  into the live weights and packs the touched layers' kernels again) and with
-  ``weight_load_method="reload"`` (``vllm-reload``: every layer rebuilt, CUDA's path and the
-  CPU path before); their generations must be identical, bit for bit.
+  into the engine -> seconds (the Megatron engine has nothing to receive: 0). vLLM runs twice:
+  as a CPU run starts it (``vllm``: a sync copies into the live weights and packs the touched
+  layers' kernels again) and with ``weight_load_method="reload"`` (``vllm-reload``: every layer
+  rebuilt, CUDA's path and the CPU path before); their generations must be identical, bit for
+  bit.
 
-Each is repeated ``--repeats`` times after a warm-up, engines interleaved so both see the same
-machine load; medians and the ratio are printed.
+Each is repeated ``--repeats`` times after a warm-up, engines interleaved so all see the same
+machine load; medians and the ratios are printed. The Megatron engine's calls run inside the CPU
+shims (``megarl.distributed.platform``), as in a run; the others outside them.
 
 Part 2 (``--full-runs``): the embedded default run (``megarl-train``, SmolLM2, arithmetic) for
-``--steps`` steps once with each engine, interleaved with nothing else: whole-run and start-up
-seconds, generation seconds per response token, median step time, the phase split, the reward
-curve and the largest ``rollout/logprob_abs_diff``; then the vllm / transformers ratios.
+``--steps`` steps once with each engine, one after the other: whole-run and start-up seconds,
+generation seconds per response token, median step time, the phase split, the reward curve, the
+largest ``rollout/logprob_abs_diff`` and the run's peak resident memory (the largest process:
+for vLLM that is one of its processes, not their sum); then the ratios to the transformers
+engine.
 """
 
 from __future__ import annotations
@@ -53,25 +63,95 @@ def demo_prompts(tokenizer, num_prompts: int = 4, group: int = 8) -> list[list[i
     return [p for p in ids for _ in range(group)]
 
 
-def build_engines(model_dir: str):
+def build_engines(model_dir: str, names: tuple[str, ...]):
     from megarl.engines.hf import HFEngine
-    from megarl.engines.vllm import VLLMEngine
     from megarl.models.hf_io import load_hf_model, load_hf_tokenizer
 
     tokenizer = load_hf_tokenizer(model_dir)
-    model, _ = load_hf_model(model_dir, device="cpu")
-    settings = {
-        "dtype": "float32",
-        "enforce_eager": True,
-        "kv_cache_memory_bytes": 1 << 30,
-        "max_model_len": 1024,
-    }
+    start_s = {}
     t0 = time.perf_counter()
-    vllm = VLLMEngine(model_dir, weight_load_method="load_weights", seed=0, **settings)
-    start_s = time.perf_counter() - t0
-    reload = VLLMEngine(model_dir, weight_load_method="reload", seed=0, **settings)
-    engines = {"transformers": HFEngine(model, tokenizer), "vllm": vllm, "vllm-reload": reload}
+    model, _ = load_hf_model(model_dir, device="cpu")
+    engines: dict = {"transformers": HFEngine(model, tokenizer)}
+    start_s["transformers"] = time.perf_counter() - t0
+    if "vllm" in names:
+        from megarl.engines.vllm import VLLMEngine
+
+        settings = {
+            "dtype": "float32",
+            "enforce_eager": True,
+            "kv_cache_memory_bytes": 1 << 30,
+            "max_model_len": 1024,
+        }
+        t0 = time.perf_counter()
+        engines["vllm"] = VLLMEngine(
+            model_dir, weight_load_method="load_weights", seed=0, **settings
+        )
+        start_s["vllm"] = time.perf_counter() - t0
+        engines["vllm-reload"] = VLLMEngine(
+            model_dir, weight_load_method="reload", seed=0, **settings
+        )
+    gpt = actor_model(model_dir)  # the trainer's model: built by the run, not by the engine
+    t0 = time.perf_counter()
+    engines["megatron"] = megatron_engine(gpt, tokenizer, model_dir)
+    start_s["megatron"] = time.perf_counter() - t0
     return tokenizer, engines, start_s
+
+
+def actor_model(model_dir: str):
+    """SmolLM2 as the actor holds it: a Megatron ``GPTModel`` in a world of one (TP=1)."""
+    from megarl.distributed import parallel
+    from megarl.distributed.platform import cpu_shims
+    from megarl.models.hf_io import load_hf_config, load_hf_state_dict
+    from megarl.models.megatron_gpt import build_gpt_model, load_hf_weights
+    from megarl.models.spec import spec_from_hf_config
+
+    parallel.init_process_group("cpu", 0, 1, "127.0.0.1", 0)
+    parallel.init_model_parallel(1, 1)
+    spec = spec_from_hf_config(load_hf_config(model_dir))
+    with cpu_shims():
+        gpt = build_gpt_model(spec, 1, 1)
+        load_hf_weights(gpt, spec, load_hf_state_dict(model_dir))
+    return gpt
+
+
+class ShimmedEngine:
+    """The Megatron engine's calls inside the CPU shims, as a run makes them."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+
+    def generate(self, prompts, params):
+        from megarl.distributed.platform import cpu_shims
+
+        with cpu_shims():
+            return self.engine.generate(prompts, params)
+
+    def update_weights(self, weights) -> int:
+        return 0  # nothing to send: it generates with the actor's own parameters
+
+
+def megatron_engine(gpt, tokenizer, model_dir: str) -> ShimmedEngine:
+    from megarl.engines.megatron import MegatronEngine
+    from megarl.models.hf_io import load_hf_config
+    from megarl.models.spec import spec_from_hf_config
+    from megarl.trainer.rollout_host import megatron_engine_kwargs
+
+    spec = spec_from_hf_config(load_hf_config(model_dir))
+    engine = MegatronEngine(**megatron_engine_kwargs(tokenizer, model_dir, spec, "cpu"))
+    engine.bind_model([gpt])
+    return ShimmedEngine(engine)
+
+
+def decode_floor_s(model_dir: str, rows: int, steps: int, repeats: int) -> float:
+    """``bench_roofline.py``'s generation floor: ``steps`` decode steps of the model's linear
+    layers at ``rows`` sequences, fp32."""
+    from bench_roofline import decode_linears_s, linear_shapes
+
+    from megarl.models.hf_io import load_hf_config
+
+    config = load_hf_config(model_dir).to_dict()
+    weights = [torch.randn(out, inp) for out, inp in linear_shapes(config)]
+    return steps * decode_linears_s(weights, rows, repeats)
 
 
 def timed(fn) -> float:
@@ -80,12 +160,12 @@ def timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def bench_engines(model_dir: str, repeats: int) -> None:
+def bench_engines(model_dir: str, repeats: int, names: tuple[str, ...]) -> None:
     from safetensors.torch import load_file
 
     from megarl.engines.base import SamplingParams
 
-    tokenizer, engines, vllm_start = build_engines(model_dir)
+    tokenizer, engines, start_s = build_engines(model_dir, names)
     prompts = demo_prompts(tokenizer)
     state = load_file(str(Path(model_dir) / "model.safetensors"))
     weights = [(k, v) for k, v in state.items() if k != "lm_head.weight"]
@@ -104,30 +184,43 @@ def bench_engines(model_dir: str, repeats: int) -> None:
             tokens[name] = sum(len(g.response_ids) for g in out)
             outputs[name] = out
             sync_s[name].append(timed(lambda e=engine: e.update_weights(weights)))
+    floor_s = decode_floor_s(model_dir, len(prompts), params.max_new_tokens, repeats)
     print(
         f"SmolLM2-135M-Instruct fp32, {len(prompts)} sequences x <= 12 new tokens, "
         f"{torch.get_num_threads()} torch threads, {repeats} interleaved repeats"
     )
-    print(f"vLLM start-up (its engine-core process, eager): {vllm_start:.1f} s")
-    print(f"{'engine':<14}{'gen s':>8}{'tokens/s':>10}{'sync s':>9}")
+    print(
+        "start-up beyond the trainer's model: "
+        + ", ".join(f"{name} {seconds:.2f} s" for name, seconds in start_s.items())
+    )
+    floor_rate = len(prompts) * params.max_new_tokens / floor_s
+    print(f"decode floor (bench_roofline): {floor_s:.2f} s for 12 steps, {floor_rate:.1f} tokens/s")
+    print(f"{'engine':<14}{'gen s':>8}{'tokens/s':>10}{'of floor':>10}{'sync s':>9}")
     med = {}
     for name in engines:
         med[name] = (statistics.median(gen_s[name]), statistics.median(sync_s[name]))
+        rate = tokens[name] / med[name][0]
         print(
-            f"{name:<14}{med[name][0]:>8.2f}{tokens[name] / med[name][0]:>10.1f}"
+            f"{name:<14}{med[name][0]:>8.2f}{rate:>10.1f}{rate / floor_rate:>10.2f}"
             f"{med[name][1]:>9.3f}"
         )
-    print(
-        f"vllm / transformers time: generation {med['vllm'][0] / med['transformers'][0]:.2f}x, "
-        f"weight sync {med['vllm'][1] / med['transformers'][1]:.1f}x "
-        f"({med['vllm'][1] - med['transformers'][1]:+.2f} s per step)"
-    )
-    print(
-        f"vllm sync in place / reload: {med['vllm'][1] / med['vllm-reload'][1]:.2f}; "
-        f"the same generations: {outputs['vllm'] == outputs['vllm-reload']}"
-    )
-    engines["vllm"].close()
-    engines["vllm-reload"].close()
+    for name in [name for name in ("vllm", "megatron") if name in engines]:
+        print(
+            f"{name} / transformers time: generation "
+            f"{med[name][0] / med['transformers'][0]:.2f}x, weight sync "
+            f"{med[name][1] - med['transformers'][1]:+.3f} s per step"
+        )
+    same = [g.response_ids for g in outputs["megatron"]] == [
+        g.response_ids for g in outputs["transformers"]
+    ]
+    print(f"megarl's two loops (transformers, megatron) sample the same tokens: {same}")
+    if "vllm" in engines:
+        print(
+            f"vllm sync in place / reload: {med['vllm'][1] / med['vllm-reload'][1]:.2f}; "
+            f"the same generations: {outputs['vllm'] == outputs['vllm-reload']}"
+        )
+        engines["vllm"].close()
+        engines["vllm-reload"].close()
 
 
 def full_run(engine: str, steps: int, run_dir: Path) -> tuple[float, list[dict]]:
@@ -143,10 +236,21 @@ def full_run(engine: str, steps: int, run_dir: Path) -> tuple[float, list[dict]]
         "trainer.tensorboard=false",
     ]
     t0 = time.perf_counter()
-    subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+    # a child of its own, so ru_maxrss below is this run's largest process
+    probe = [sys.executable, "-c", _PEAK_RSS_PROBE, *command]
+    peak = subprocess.run(probe, check=True, stdout=subprocess.PIPE, text=True).stdout
     whole_s = time.perf_counter() - t0
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows[0]["peak_rss_gb"] = int(peak.strip().splitlines()[-1]) / 2**20
     return whole_s, rows
+
+
+_PEAK_RSS_PROBE = """
+import resource, subprocess, sys
+subprocess.run(sys.argv[1:], check=True, stdout=subprocess.DEVNULL)
+print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
+"""
+"""Runs the command given and prints the peak resident KiB of its largest process."""
 
 
 def gen_s_per_response_token(rows: list[dict]) -> float:
@@ -168,7 +272,8 @@ def report_run(engine: str, whole_s: float, rows: list[dict]) -> None:
     rewards = " ".join(f"{r['critic/rewards/mean']:.2f}" for r in rows)
     print(
         f"  {engine}: whole run {whole_s:.0f} s | start-up {rows[0]['timing_s/startup/total']:.1f}"
-        f" s | gen {1000 * gen_s_per_response_token(rows):.1f} ms per response token"
+        f" s | gen {1000 * gen_s_per_response_token(rows):.1f} ms per response token | "
+        f"peak RSS {rows[0]['peak_rss_gb']:.2f} GB"
     )
     print(
         f"    median step {statistics.median(steps):.1f} s | "
@@ -179,28 +284,38 @@ def report_run(engine: str, whole_s: float, rows: list[dict]) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--full-runs", action="store_true")
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument(
+        "--engines",
+        default="transformers,vllm,megatron",
+        help="which engines beside transformers (always run): vllm, megatron",
+    )
     args = parser.parse_args()
     from megarl.models.hf_io import resolve_model_path
 
     model_dir = str(resolve_model_path(None))
-    bench_engines(model_dir, args.repeats)
+    names = tuple(args.engines.split(","))
+    bench_engines(model_dir, args.repeats, names)
     if args.full_runs:
         print(f"\nembedded default run, {args.steps} steps, each engine:")
         runs = {}
         with tempfile.TemporaryDirectory() as tmp:
-            for engine in ("transformers", "vllm"):
+            for engine in ("transformers", *(n for n in ("vllm", "megatron") if n in names)):
                 name = "hf" if engine == "transformers" else engine
                 runs[engine] = full_run(name, args.steps, Path(tmp) / name)
                 report_run(engine, *runs[engine])
-        (hf_s, hf_rows), (vllm_s, vllm_rows) = runs["transformers"], runs["vllm"]
-        print(
-            f"vllm / transformers: whole run {vllm_s / hf_s:.2f}, generation per response "
-            f"token {gen_s_per_response_token(vllm_rows) / gen_s_per_response_token(hf_rows):.2f}"
-        )
+        hf_s, hf_rows = runs["transformers"]
+        for engine in [name for name in ("vllm", "megatron") if name in runs]:
+            whole_s, rows = runs[engine]
+            print(
+                f"{engine} / transformers: whole run {whole_s / hf_s:.2f}, generation per "
+                f"response token "
+                f"{gen_s_per_response_token(rows) / gen_s_per_response_token(hf_rows):.2f}, "
+                f"peak RSS {rows[0]['peak_rss_gb'] / hf_rows[0]['peak_rss_gb']:.2f}"
+            )
 
 
 if __name__ == "__main__":

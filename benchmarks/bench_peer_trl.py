@@ -44,6 +44,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_VENV = Path.home() / ".cache" / "megarl" / "bench-trl-venv"
@@ -141,12 +142,7 @@ def run_megarl(work: Workload, run_dir: Path) -> SideResult:
     """``python -m megarl.train`` over the workload; times from its ``metrics.jsonl``."""
     log = run_dir.parent / "megarl.log"
     command = [sys.executable, "-m", "megarl.train", *megarl_overrides(work, run_dir)]
-    t0 = time.perf_counter()
-    with log.open("w") as out:
-        done = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
-    wall = time.perf_counter() - t0
-    if done.returncode != 0:
-        raise SystemExit(f"megarl failed (exit {done.returncode}):\n{_tail(log)}")
+    wall = _timed_run("megarl", command, log, cwd=REPO)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "timing_s/step" in r]
     return SideResult(
@@ -233,12 +229,7 @@ def run_trl(python: Path, work: Workload, model_dir: str, prompts: Path, tmp: Pa
         f"--seed={work.seed}",
     ]
     env = {**os.environ, "OMP_NUM_THREADS": str(work.threads), "TOKENIZERS_PARALLELISM": "false"}
-    t0 = time.perf_counter()
-    with log.open("w") as sink:
-        done = subprocess.run(command, stdout=sink, stderr=subprocess.STDOUT, env=env)
-    wall = time.perf_counter() - t0
-    if done.returncode != 0:
-        raise SystemExit(f"TRL failed (exit {done.returncode}):\n{_tail(log)}")
+    wall = _timed_run("TRL", command, log, env=env)
     result = json.loads(out.read_text())
     return SideResult(
         step_s=result["step_s"],
@@ -374,6 +365,18 @@ if __name__ == "__main__":
 
 
 # ----------------------------------------------------------------------------- report
+
+
+def _timed_run(side: str, command: list[str], log: Path, **popen: Any) -> float:
+    """Run one side's ``command`` with its output in ``log``; its wall-clock seconds, the same
+    measurement for both sides. A failure stops the benchmark with the log's tail."""
+    t0 = time.perf_counter()
+    with log.open("w") as sink:
+        done = subprocess.run(command, stdout=sink, stderr=subprocess.STDOUT, **popen)
+    wall = time.perf_counter() - t0
+    if done.returncode != 0:
+        raise SystemExit(f"{side} failed (exit {done.returncode}):\n{_tail(log)}")
+    return wall
 
 
 def _tail(path: Path, lines: int = 40) -> str:

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from megarl.actor.router_stats import find_routers
 from megarl.actor.routing_recorder import RoutingRecorder
-from megarl.actor.train_stats import OptimizerStepStats
+from megarl.actor.train_stats import OptimizerStepStats, sum_micro_batches
 from megarl.algo.losses import aggregate, kl_penalty, policy_loss
 from megarl.algo.rollout_correction import CorrectionSettings, compute_correction
 from megarl.batch import (
@@ -331,8 +331,35 @@ class MegatronActor:
         sequences come back in the result. ``token_advantages`` (a critic's GAE, per response
         token of every sequence this rank runs) replace the batch's per-sequence advantages.
         """
+        loss_fn = partial(
+            self._training_loss,
+            batch=batch,
+            old=old_logprobs or {},
+            ref=ref_logprobs,
+            loss=loss,
+            denom=step.normaliser,
+            capture=capture_logprobs,
+            token_advantages=token_advantages,
+        )
+        stats, grad_norm = self._optimizer_step(batch, step, dp_rank, loss_fn, router_loss=True)
+        result = _step_result(stats, grad_norm)
+        return dataclasses.replace(result, weights_finite=self._weights_finite())
+
+    def _optimizer_step(
+        self,
+        batch: Rollouts,
+        step: OptimizerStepPlan,
+        dp_rank: int,
+        loss_fn: Callable,
+        router_loss: bool = False,
+    ) -> tuple[list[dict[str, Any]], float]:
+        """One optimizer step of any loss (the policy's, the critic's values'): ``step``'s
+        micro-batches for DP rank ``dp_rank`` through ``loss_fn`` (none for a ghost step, whose
+        zero gradients still advance the optimizer as in the unpruned run), then the update.
+        Returns each micro-batch's statistics (none off the last pipeline stage) and the
+        gradient norm; ``router_loss``: weigh each micro-batch's MoE auxiliary loss."""
         if self.optimizer is None:
-            raise RuntimeError("train_step on a frozen model (built with trainable=False)")
+            raise RuntimeError("training a frozen model (built with trainable=False)")
         for chunk in self.chunks:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -340,22 +367,10 @@ class MegatronActor:
         micro_batches = step.ranks[dp_rank].micro_batches
         if not step.is_ghost and micro_batches:
             mbs = [self._micro_batch(batch, m.seq_indices, m.loss_weights) for m in micro_batches]
-            loss_fn = partial(
-                self._training_loss,
-                batch=batch,
-                old=old_logprobs or {},
-                ref=ref_logprobs,
-                loss=loss,
-                denom=step.normaliser,
-                capture=capture_logprobs,
-                token_advantages=token_advantages,
-            )
-            coeffs = self.router_loss_coeffs(mbs, micro_batches)
+            coeffs = self.router_loss_coeffs(mbs, micro_batches) if router_loss else None
             stats = self._run_schedule(mbs, loss_fn, forward_only=False, router_coeffs=coeffs)
         self._finalize_grads()
-        grad_norm = self.optimizer.step()
-        result = _step_result(stats, float(grad_norm))
-        return dataclasses.replace(result, weights_finite=self._weights_finite())
+        return stats, float(self.optimizer.step())
 
     def _weights_finite(self) -> bool:
         """Whether every trainable weight of every rank is finite (one MIN all-reduce): an
@@ -636,11 +651,10 @@ def packed_seq_params(mb: MicroBatchTensors):
 
 def _step_result(per_micro_batch: list[dict], grad_norm: float) -> TrainStepResult:
     """Sum the micro-batches' statistics (none on non-last pipeline stages)."""
-    totals = OptimizerStepStats()
     captured: dict[int, torch.Tensor] = {}
     for entry in per_micro_batch:
         captured.update(entry.pop("train_logprobs", {}))
-        totals = totals + OptimizerStepStats(**{k: float(v) for k, v in entry.items()})
+    totals = sum_micro_batches(OptimizerStepStats, per_micro_batch)
     return TrainStepResult(stats=totals, grad_norm=grad_norm, train_logprobs=captured)
 
 

@@ -14,7 +14,9 @@ finite (the same on every rank): what to do then is :mod:`megarl.algo.divergence
 
 from __future__ import annotations
 
+import abc
 import math
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -22,7 +24,40 @@ import torch.distributed as dist
 from megarl.config.actor import ActorConfig
 
 
-class CpuAdamW:
+class ActorOptimizer(abc.ABC):
+    """The interface both optimizers give the actor, the critic and checkpoints: a step that
+    returns the gradient norm, and the state of the wrapped torch or Megatron optimizer
+    (``inner``), whole or per parameter."""
+
+    inner: Any
+
+    @abc.abstractmethod
+    def zero_grad(self) -> None: ...
+
+    @abc.abstractmethod
+    def step(self) -> float:
+        """Apply one update unless the gradient norm is not finite; return that norm."""
+
+    def state_dict(self):
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state) -> None:
+        self.inner.load_state_dict(state)
+
+    @abc.abstractmethod
+    def param_states(self) -> dict[torch.nn.Parameter, dict[str, torch.Tensor]]:
+        """Each trained parameter's optimizer state, keyed by parameter (for resharding)."""
+
+    @abc.abstractmethod
+    def reload_model_params(self) -> None:
+        """Make the optimizer follow weights a checkpoint load just wrote into the model."""
+
+    @abc.abstractmethod
+    def load_param_state(self, param, state: dict[str, torch.Tensor]) -> None:
+        """Restore one parameter's saved state (as :meth:`param_states` gave it)."""
+
+
+class CpuAdamW(ActorOptimizer):
     """AdamW over ``main_grad`` with model-parallel-aware global-norm clipping."""
 
     def __init__(self, chunks: list, cfg: ActorConfig):
@@ -56,12 +91,6 @@ class CpuAdamW:
                 p.grad.mul_(scale)
         self.inner.step()
         return norm
-
-    def state_dict(self):
-        return self.inner.state_dict()
-
-    def load_state_dict(self, state) -> None:
-        self.inner.load_state_dict(state)
 
     # --- per-parameter state for checkpoints (megarl.checkpoint) -----------------------------
 
@@ -140,7 +169,7 @@ def all_finite(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack([torch.isfinite(t).all() for t in tensors]).all()
 
 
-class MegatronOptimizer:
+class MegatronOptimizer(ActorOptimizer):
     """Megatron's (distributed) optimizer: fp32 main params and grads under bf16 params.
 
     With ``overlap_param_gather`` Megatron defers the parameter all-gather of the distributed
@@ -205,12 +234,6 @@ class MegatronOptimizer:
                 chunk.start_param_sync(force_sync=True)
         return norm
 
-    def state_dict(self):
-        return self.inner.state_dict()
-
-    def load_state_dict(self, state) -> None:
-        self.inner.load_state_dict(state)
-
     # --- per-parameter state for checkpoints (megarl.checkpoint) -----------------------------
 
     def param_states(self) -> dict[torch.nn.Parameter, dict[str, torch.Tensor]]:
@@ -242,7 +265,7 @@ class MegatronOptimizer:
         self.step_count = int(state["step"].item())
 
 
-def build_optimizer(chunks: list, cfg: ActorConfig, plan):
+def build_optimizer(chunks: list, cfg: ActorConfig, plan) -> ActorOptimizer:
     """The optimizer the execution plan names, over every model chunk (the DDP-wrapped
     virtual-pipeline chunks; one without a virtual pipeline)."""
     if plan.optimizer == "megatron":

@@ -14,8 +14,9 @@ mini-batches and epochs, while the gradient norm was averaged: the two disagreed
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from megarl.algo.summable import SummableStats
 
@@ -40,6 +41,18 @@ class OptimizerStepStats(SummableStats):
     """Tokens with a non-zero loss weight (what clip fraction and PPO-KL are averaged over)."""
     clipfrac_lower_sum: float = 0.0
     """Tokens on which vanilla's dual clip (negative advantages) is active."""
+
+
+Stats = TypeVar("Stats", bound=SummableStats)
+
+
+def sum_micro_batches(stats: type[Stats], per_micro_batch: Iterable[Mapping[str, Any]]) -> Stats:
+    """One rank's statistics of an optimizer step (the actor's, the critic's): the sum of its
+    micro-batches' entries (numbers or 0-d tensors, by field name), zero when it ran none."""
+    total = stats()
+    for entry in per_micro_batch:
+        total = total + stats(**{k: float(v) for k, v in entry.items()})
+    return total
 
 
 @dataclass(frozen=True)
@@ -107,22 +120,25 @@ def summarise_update(
     grad_norms = [grad_norms[i] for i in applied]
     with_tokens = [s for s in global_steps if s.num_tokens > 0]
     return UpdateStats(
-        pg_loss=_mean([s.pg_loss for s in global_steps]),
-        kl_loss=_mean([s.kl_loss for s in global_steps]),
-        entropy=_mean(
+        pg_loss=mean_over_steps([s.pg_loss for s in global_steps]),
+        kl_loss=mean_over_steps([s.kl_loss for s in global_steps]),
+        entropy=mean_over_steps(
             [s.entropy_sum / s.response_tokens for s in global_steps if s.response_tokens > 0]
         ),
-        pg_clipfrac=_mean([s.clipfrac_sum / s.num_tokens for s in with_tokens]),
-        ppo_kl=_mean([s.ppo_kl_sum / s.num_tokens for s in with_tokens]),
-        grad_norm=_mean(list(grad_norms)),
+        pg_clipfrac=mean_over_steps([s.clipfrac_sum / s.num_tokens for s in with_tokens]),
+        ppo_kl=mean_over_steps([s.ppo_kl_sum / s.num_tokens for s in with_tokens]),
+        grad_norm=mean_over_steps(list(grad_norms)),
         num_optimizer_steps=n,
         logprob_abs_diff=lp_diff_sum / lp_diff_count if lp_diff_count > 0 else 0.0,
-        pg_clipfrac_lower=_mean([s.clipfrac_lower_sum / s.num_tokens for s in with_tokens]),
+        pg_clipfrac_lower=mean_over_steps(
+            [s.clipfrac_lower_sum / s.num_tokens for s in with_tokens]
+        ),
         rollout_corr=dict(rollout_corr or {}),
         routing_mismatch=dict(routing_mismatch or {}),
         skipped_nonfinite_updates=n - len(applied),
     )
 
 
-def _mean(values: Sequence[float]) -> float:
+def mean_over_steps(values: Sequence[float]) -> float:
+    """The mean of per-optimizer-step values (0.0 for none): how every step metric reports."""
     return sum(values) / len(values) if values else 0.0

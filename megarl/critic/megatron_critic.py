@@ -25,10 +25,11 @@ from functools import partial
 import torch
 
 from megarl.actor.megatron_actor import MegatronActor
+from megarl.actor.train_stats import sum_micro_batches
 from megarl.algo.gae import value_loss
-from megarl.algo.summable import SummableStats
 from megarl.batch import MicroBatchTensors, Rollouts, per_token_to_response, response_values_to_BL
 from megarl.config.actor import ActorConfig
+from megarl.critic.value_stats import CriticStepStats
 from megarl.distributed.execution import ExecutionPlan
 from megarl.models.megatron_gpt import ValueHeadInit
 from megarl.models.spec import TransformerSpec
@@ -42,18 +43,6 @@ class ValueLossSettings:
     cliprange_value: float = 0.5
     agg: str = "token-mean"
     loss_scale_factor: float | None = None
-
-
-@dataclass(frozen=True)
-class CriticStepStats(SummableStats):
-    """Sums over one optimizer step's micro-batches on this rank (0 off the last stage); one
-    :meth:`~megarl.algo.summable.SummableStats.to_row` per step is summed over the ranks."""
-
-    vf_loss: float = 0.0
-    """The step's loss; its micro-batches share the step's normaliser, so they add up."""
-    vf_clipfrac_sum: float = 0.0
-    vpred_sum: float = 0.0
-    num_tokens: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -139,28 +128,16 @@ class MegatronCritic(MegatronActor):
     ) -> CriticStepResult:
         """Run ``step``'s micro-batches for DP rank ``dp_rank`` on the clipped value loss
         against ``returns`` (clipped around ``old_values``, the rollout's), then step."""
-        assert self.optimizer is not None  # a critic is always trainable
-        self.model.zero_grad_buffer()
-        self.optimizer.zero_grad()
-        stats: list[dict] = []
-        micro_batches = step.ranks[dp_rank].micro_batches
-        if not step.is_ghost and micro_batches:
-            mbs = [self._micro_batch(batch, m.seq_indices, m.loss_weights) for m in micro_batches]
-            loss_fn = partial(
-                self._value_loss,
-                batch=batch,
-                old_values=old_values,
-                returns=returns,
-                loss=loss,
-                denom=step.normaliser,
-            )
-            stats = self._run_schedule(mbs, loss_fn, forward_only=False)
-        self._finalize_grads()
-        grad_norm = float(self.optimizer.step())
-        totals = CriticStepStats()
-        for entry in stats:
-            totals = totals + CriticStepStats(**{k: float(v) for k, v in entry.items()})
-        return CriticStepResult(stats=totals, grad_norm=grad_norm)
+        loss_fn = partial(
+            self._value_loss,
+            batch=batch,
+            old_values=old_values,
+            returns=returns,
+            loss=loss,
+            denom=step.normaliser,
+        )
+        stats, grad_norm = self._optimizer_step(batch, step, dp_rank, loss_fn)
+        return CriticStepResult(sum_micro_batches(CriticStepStats, stats), grad_norm)
 
     def _value_loss(
         self,

@@ -346,6 +346,42 @@ def merge_token_ids(*sources: int | Sequence[int] | None) -> tuple[int, ...]:
     return tuple(dict.fromkeys(ids))
 
 
+def default_eos_token_ids(tokenizer: object, config: object) -> tuple[int, ...]:
+    """The EOS ids an engine stops on when none are given: the tokenizer's plus the model
+    config's (its generation config, or vLLM's text config), as ``transformers`` and vLLM stop
+    on both."""
+    ids = merge_token_ids(
+        getattr(tokenizer, "eos_token_id", None), getattr(config, "eos_token_id", None)
+    )
+    if not ids:
+        raise ValueError("no EOS token id known: pass eos_token_ids or a tokenizer that has one")
+    return ids
+
+
+def validate_requests(
+    requests: Sequence[Request],
+    params: SamplingParams,
+    eos_token_ids: Iterable[int],
+    vocab_size: int,
+) -> None:
+    """Refuse what a decode loop cannot continue: an empty prompt, ids the embedding does not
+    have, a response that already ended (no budget left, or EOS among its tokens)."""
+    eos = set(eos_token_ids)
+    for index, request in enumerate(requests):
+        if len(request.prompt_ids) == 0:
+            raise ValueError(f"request {index} has an empty prompt")
+        context = request.context_ids
+        if min(context) < 0 or max(context) >= vocab_size:
+            raise ValueError(f"request {index} has token ids outside [0, {vocab_size})")
+        if request.budget(params) == 0:
+            raise ValueError(
+                f"request {index} has no budget left: {len(request.generated_ids)} tokens "
+                f"generated, max_new_tokens={params.max_new_tokens}"
+            )
+        if any(token in eos for token in request.generated_ids):
+            raise ValueError(f"request {index} already ended: EOS among its generated_ids")
+
+
 SLEEP_LEVELS: tuple[int, ...] = (1, 2)
 """The levels :meth:`RolloutEngine.sleep` accepts (1: free the KV cache; 2: the weights too).
 ``rollout.sleep_level`` may also be 0: the engine never sleeps."""

@@ -4,14 +4,11 @@ Why not ``model.generate``: the trainer compares the engine's per-token logprobs
 (``rollout/logprob_abs_diff``), so the engine must report exactly
 ``log_softmax(logits / temperature)[token]`` of the untruncated distribution, and a rollout
 must be reproducible from (weights, requests) alone. Owning the loop makes both explicit:
-logits are read before any processor touches them, and response token ``j`` of a request is
-drawn by inverting its distribution's CDF at a uniform from a ``torch.Generator`` seeded
-``token_seed(request.seed, j)``, never from torch's global RNG nor from a stream the batch
-shares. A request's tokens therefore do not depend on which requests share its call, and a
-response interrupted after ``n`` tokens and resumed (its tokens so far as
-``Request.generated_ids``) draws token ``n`` from the same seed as an uninterrupted call
-would: same weights, same tokens, logprobs equal up to the floating-point difference between
-a cached decode step and a prefill.
+logits are read before any processor touches them and handed to
+:mod:`megarl.engines.sampling`, which draws each response token from its own seed (the
+contract every engine that owns its loop shares). A response interrupted and resumed
+therefore draws the same tokens as an uninterrupted call would: same weights, same tokens,
+logprobs equal up to the floating-point difference between a cached decode step and a prefill.
 
 Batching: contexts (prompt, then any tokens of an earlier call) are left-padded so that every
 row's next token sits in the last column. Pad positions are masked out of attention and given
@@ -48,7 +45,7 @@ import contextlib
 import gc
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -57,14 +54,15 @@ from megarl.algo.routing_mismatch import expert_id_dtype
 from megarl.engines.base import (
     EngineMemoryState,
     Generation,
-    NonFiniteLogitsError,
     Request,
     RolloutEngine,
     SamplingParams,
     SleepState,
+    default_eos_token_ids,
     merge_token_ids,
-    token_seed,
+    validate_requests,
 )
+from megarl.engines.sampling import ResponseState, sample_step
 from megarl.export.checksum import tensor_checksum
 
 if TYPE_CHECKING:
@@ -87,14 +85,9 @@ def resolve_eos_token_ids(
     model: PreTrainedModel,
 ) -> tuple[int, ...]:
     """EOS ids to stop on: the explicit ones, else the tokenizer's plus the generation config's."""
-    if explicit is not None:
-        ids = merge_token_ids(explicit)
-    else:
-        generation_config = getattr(model, "generation_config", None)
-        ids = merge_token_ids(
-            getattr(tokenizer, "eos_token_id", None),
-            getattr(generation_config, "eos_token_id", None),
-        )
+    if explicit is None:
+        return default_eos_token_ids(tokenizer, getattr(model, "generation_config", None))
+    ids = merge_token_ids(explicit)
     if not ids:
         raise ValueError("no EOS token id known: pass eos_token_ids or a tokenizer that has one")
     return ids
@@ -137,58 +130,6 @@ def left_pad(
     return PaddedBatch(
         input_ids_BT.to(device), attention_mask_BT.to(device), position_ids_BT.to(device)
     )
-
-
-# --- sampling --------------------------------------------------------------------------------
-
-
-def top_p_filter(probs_BV: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Zero the tail outside the nucleus; the most likely token always survives.
-
-    A token is kept when the mass of strictly more likely tokens is still below ``top_p``.
-    The result is unnormalised, which ``torch.multinomial`` accepts.
-    """
-    if top_p >= 1.0:
-        return probs_BV
-    sorted_probs_BV, sorted_ids_BV = probs_BV.sort(dim=-1, descending=True, stable=True)
-    mass_before_BV = sorted_probs_BV.cumsum(dim=-1) - sorted_probs_BV
-    sorted_probs_BV = sorted_probs_BV.masked_fill(mass_before_BV >= top_p, 0.0)
-    return torch.zeros_like(probs_BV).scatter(-1, sorted_ids_BV, sorted_probs_BV)
-
-
-def invert_cdf(probs_BV: torch.Tensor, uniform_B: torch.Tensor) -> torch.Tensor:
-    """Row ``b``'s token: the first whose cumulative mass exceeds ``uniform_B[b]`` (in [0, 1))
-    times the row's total mass, so the row is drawn by its own uniform alone.
-
-    Accumulated in float64: a ``uniform < 1`` then scales the total to strictly less than the
-    total, and a token of probability zero (top-p's tail) adds no mass, so it is never the
-    first to exceed the threshold."""
-    cdf_BV = probs_BV.double().cumsum(dim=-1)
-    threshold_B1 = uniform_B.to(cdf_BV.device).unsqueeze(-1) * cdf_BV[:, -1:]
-    return torch.searchsorted(cdf_BV, threshold_B1, right=True).squeeze(-1)
-
-
-def sample_next_tokens(
-    logits_BV: torch.Tensor, params: SamplingParams, uniform_B: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draw one token per row; return (token_B, logprob_B) with the interface's logprob.
-
-    ``uniform_B`` holds each row's own U[0, 1) draw (float64; None exactly when greedy), so a
-    row's token depends on its logits and its uniform, never on the other rows."""
-    logits_BV = logits_BV.float()
-    if not bool(torch.isfinite(logits_BV).all()):
-        bad = int((~torch.isfinite(logits_BV)).any(dim=-1).sum())
-        raise NonFiniteLogitsError(f"the model's next-token logits are not finite in {bad} rows")
-    if params.greedy:
-        logprobs_BV = torch.log_softmax(logits_BV, dim=-1)
-        token_B = logits_BV.argmax(dim=-1)
-    else:
-        if uniform_B is None:
-            raise ValueError("sampling at a temperature needs one uniform draw per row")
-        logprobs_BV = torch.log_softmax(logits_BV / params.temperature, dim=-1)
-        token_B = invert_cdf(top_p_filter(logprobs_BV.exp(), params.top_p), uniform_B)
-    logprob_B = logprobs_BV.gather(-1, token_B.unsqueeze(-1)).squeeze(-1)
-    return token_B, logprob_B
 
 
 # --- LoRA (PEFT) -----------------------------------------------------------------------------
@@ -313,6 +254,24 @@ class RouterTap:
         return self.columns(batch_size)[:, -1]
 
 
+def row_routing(
+    response: ResponseState, row: int, routing: tuple[torch.Tensor, torch.Tensor] | None
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The routed experts of ``response`` (batch ``row``) and of its prompt, from the call's
+    ``(prefill_BTLK, routing_BSLK)``; the prompt's only on its first call (None, None for a
+    dense model)."""
+    if routing is None:
+        return None, None
+    prefill_BTLK, routing_BSLK = routing
+    routed = routing_BSLK[row, : len(response.tokens)].clone()
+    if response.request.generated_ids:
+        return routed, None
+    # left-padded: the row's prompt is the last P columns; the last one scored response token 0
+    # and is already routed[0]
+    width, prompt_len = prefill_BTLK.shape[1], len(response.request.prompt_ids)
+    return routed, prefill_BTLK[row, width - prompt_len : width - 1].clone()
+
+
 def _num_experts(config: Any, num_routers: int) -> int:
     """Routed experts per layer from a transformers MoE config (Mixtral's key differs)."""
     for key in ("num_experts", "num_local_experts"):
@@ -368,58 +327,6 @@ class _FreedParam:
     param: torch.nn.Parameter
     shape: torch.Size
     dtype: torch.dtype
-
-
-@dataclass
-class _Response:
-    """What one ``generate_requests`` call samples for one request, token by token."""
-
-    request: Request
-    budget: int
-    """New tokens it may sample in this call."""
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    finished: bool = False
-    """It sampled an EOS token."""
-
-    @property
-    def ended(self) -> bool:
-        """Stopped on EOS or its budget; a response that has not ended was interrupted."""
-        return self.finished or len(self.tokens) == self.budget
-
-    def next_uniform(self, generator: torch.Generator) -> float:
-        """The U[0, 1) draw of the next token: ``generator`` re-seeded from the request's seed
-        and the token's position in the whole response (tokens of earlier calls included)."""
-        position = len(self.request.generated_ids) + len(self.tokens)
-        generator.manual_seed(token_seed(self.request.seed, position))
-        return torch.rand((), generator=generator, dtype=torch.float64).item()
-
-    def append(self, token: int, logprob: float, is_eos: bool) -> None:
-        self.tokens.append(token)
-        self.logprobs.append(logprob)
-        self.finished = is_eos
-
-    def generation(self, row: int, routing: tuple[torch.Tensor, torch.Tensor] | None) -> Generation:
-        """The result, given this response's ``row`` in the batch and the call's routing."""
-        prompt = tuple(self.request.prompt_ids)
-        routed = prompt_routed = None
-        if routing is not None:
-            prefill_BTLK, routing_BSLK = routing
-            routed = routing_BSLK[row, : len(self.tokens)].clone()
-            if not self.request.generated_ids:
-                # left-padded: the row's prompt is the last P columns; the last one scored
-                # response token 0 and is already routed[0]
-                width = prefill_BTLK.shape[1]
-                prompt_routed = prefill_BTLK[row, width - len(prompt) : width - 1].clone()
-        return Generation(
-            prompt,
-            tuple(self.tokens),
-            tuple(self.logprobs),
-            self.finished,
-            routed,
-            prompt_routed,
-            interrupted=not self.ended,
-        )
 
 
 class HFEngine(RolloutEngine):
@@ -483,16 +390,19 @@ class HFEngine(RolloutEngine):
         if not requests:
             return []
         self._validate_requests(requests, params)
-        responses = [_Response(request, request.budget(params)) for request in requests]
+        responses = [ResponseState.start(request, params) for request in requests]
         tap = self._router_tap
         with tap.attached() if tap is not None else contextlib.nullcontext():
             routing = self._decode(responses, params, interrupt)
-        return [response.generation(row, routing) for row, response in enumerate(responses)]
+        return [
+            response.generation(*row_routing(response, row, routing))
+            for row, response in enumerate(responses)
+        ]
 
     @torch.inference_mode()
     def _decode(
         self,
-        responses: list[_Response],
+        responses: list[ResponseState],
         params: SamplingParams,
         interrupt: threading.Event | None,
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -509,13 +419,12 @@ class HFEngine(RolloutEngine):
         tap = self._router_tap
         rows = list(range(len(responses)))  # the response of each of the cache's rows
         routes: list[tuple[list[int], torch.Tensor]] = []
-        # on the host whatever the device: re-seeded before each draw, so one serves all rows
-        generator = torch.Generator()
+        generator = torch.Generator()  # on the host: see sample_step
         while True:
             if tap is not None and prefill_BTLK is not None:  # the forward sampled from next
                 routes.append((rows, tap.last_column(len(rows)) if routes else prefill_BTLK[:, -1]))
-            token_L = self._sample_step(
-                [responses[row] for row in rows], logits_BV, params, generator
+            token_L = sample_step(
+                [responses[row] for row in rows], logits_BV, params, generator, self._eos_token_ids
             )
             going = [i for i, row in enumerate(rows) if not responses[row].ended]
             if not going or (interrupt is not None and interrupt.is_set()):
@@ -575,27 +484,6 @@ class HFEngine(RolloutEngine):
         mask_BT = batch.attention_mask_BT[rows_B]
         return cache, logits_UV[rows_B], mask_BT, next_position_U[rows_B], prefill_BTLK
 
-    def _sample_step(
-        self,
-        responses: list[_Response],
-        logits_BV: torch.Tensor,
-        params: SamplingParams,
-        generator: torch.Generator,
-    ) -> torch.Tensor:
-        """Sample the next token of every response (one per row of ``logits_BV``, none of them
-        ended) and record it; return the ``[B]`` tokens to feed next."""
-        uniform_B = None
-        if not params.greedy:
-            uniform_B = torch.tensor(
-                [response.next_uniform(generator) for response in responses], dtype=torch.float64
-            )
-        token_B, logprob_B = sample_next_tokens(logits_BV, params, uniform_B)
-        for response, token, logprob in zip(
-            responses, token_B.tolist(), logprob_B.tolist(), strict=True
-        ):
-            response.append(token, logprob, token in self._eos_token_ids)
-        return token_B
-
     def _forward_last(
         self,
         input_ids_BT: torch.Tensor,
@@ -615,25 +503,10 @@ class HFEngine(RolloutEngine):
         return output.logits[:, -1, :]
 
     def _validate_requests(self, requests: Sequence[Request], params: SamplingParams) -> None:
-        """Refuse what the decode loop cannot continue: an empty prompt, ids the embedding does
-        not have, a response that already ended (no budget left, or EOS among its tokens)."""
         embeddings = self._model.get_input_embeddings()
         if not isinstance(embeddings, torch.nn.Embedding):
             raise TypeError(f"input embeddings are a {type(embeddings).__name__}, not an Embedding")
-        vocab_size = embeddings.num_embeddings
-        for index, request in enumerate(requests):
-            if len(request.prompt_ids) == 0:
-                raise ValueError(f"request {index} has an empty prompt")
-            context = request.context_ids
-            if min(context) < 0 or max(context) >= vocab_size:
-                raise ValueError(f"request {index} has token ids outside [0, {vocab_size})")
-            if request.budget(params) == 0:
-                raise ValueError(
-                    f"request {index} has no budget left: {len(request.generated_ids)} tokens "
-                    f"generated, max_new_tokens={params.max_new_tokens}"
-                )
-            if any(token in self._eos_token_ids for token in request.generated_ids):
-                raise ValueError(f"request {index} already ended: EOS among its generated_ids")
+        validate_requests(requests, params, self._eos_token_ids, embeddings.num_embeddings)
 
     # -- weights --
 

@@ -36,6 +36,7 @@ batch as with any engine: one replica generates.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
@@ -48,9 +49,11 @@ from megarl.engines.base import (
     Request,
     RolloutEngine,
     SamplingParams,
+    validate_requests,
     validate_sleep_level,
 )
-from megarl.engines.hf import _Response, left_pad, sample_next_tokens
+from megarl.engines.hf import left_pad
+from megarl.engines.sampling import ResponseState, sample_step
 
 if TYPE_CHECKING:
     import threading
@@ -158,10 +161,10 @@ class MegatronEngine(RolloutEngine):
         params: SamplingParams,
         interrupt: threading.Event | None,
     ) -> list[Generation]:
-        responses = [_Response(request, request.budget(params)) for request in requests]
+        responses = [ResponseState.start(request, params) for request in requests]
         with self._generating() as gpt:
             self._decode(gpt, responses, params, interrupt)
-        return [response.generation(row, None) for row, response in enumerate(responses)]
+        return [response.generation() for response in responses]
 
     # -- the ranks that generate with rank 0 --
 
@@ -233,7 +236,7 @@ class MegatronEngine(RolloutEngine):
     def _decode(
         self,
         gpt: Any,
-        responses: list[_Response],
+        responses: list[ResponseState],
         params: SamplingParams,
         interrupt: threading.Event | None,
     ) -> None:
@@ -258,9 +261,15 @@ class MegatronEngine(RolloutEngine):
         rows = list(range(len(responses)))  # the response of each of the cache's rows
         generator = torch.Generator()  # on the host: re-seeded before each draw
         while True:
-            token_L = self._sample_step(
-                [responses[row] for row in rows], logits_BV, params, generator, local_BV
-            )
+            going_responses = [responses[row] for row in rows]
+            token_L = sample_step(
+                going_responses,
+                logits_BV,
+                params,
+                generator,
+                self._eos_token_ids,
+                logprobs_of=self._trainer_logprobs_of(local_BV, params),
+            ).to(self._device)
             going = [i for i, row in enumerate(rows) if not responses[row].ended]
             if not going or self._interrupted(interrupt):
                 return
@@ -297,30 +306,13 @@ class MegatronEngine(RolloutEngine):
         )
         return logits_BV
 
-    def _sample_step(
-        self,
-        responses: list[_Response],
-        logits_BV: torch.Tensor,
-        params: SamplingParams,
-        generator: torch.Generator,
-        local_BV: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Sample and record the next token of every response (one per row); the ``[B]``
-        tokens to feed next. ``local_BV``: this rank's vocabulary slice of the logits (the
-        batch-invariant mode's logprobs come from it)."""
-        uniform_B = None
-        if not params.greedy:
-            uniform_B = torch.tensor(
-                [response.next_uniform(generator) for response in responses], dtype=torch.float64
-            )
-        token_B, logprob_B = sample_next_tokens(logits_BV, params, uniform_B)
-        if self._batch_invariant and not params.greedy and local_BV is not None:
-            logprob_B = self._trainer_logprobs(local_BV, token_B, params.temperature)
-        for response, token, logprob in zip(
-            responses, token_B.tolist(), logprob_B.tolist(), strict=True
-        ):
-            response.append(token, logprob, token in self._eos_token_ids)
-        return token_B.to(self._device)
+    def _trainer_logprobs_of(self, local_BV: torch.Tensor | None, params: SamplingParams):
+        """In the batch-invariant mode, what gives the sampled tokens' logprobs instead of the
+        sampling distribution's (:meth:`_trainer_logprobs` over this rank's slice ``local_BV``);
+        None otherwise, and for greedy decoding (validation)."""
+        if not self._batch_invariant or params.greedy or local_BV is None:
+            return None
+        return functools.partial(self._trainer_logprobs, local_BV, temperature=params.temperature)
 
     def _trainer_logprobs(
         self, local_BV: torch.Tensor, token_B: torch.Tensor, temperature: float
@@ -347,20 +339,7 @@ class MegatronEngine(RolloutEngine):
         return logp_B1[:, 0].cpu()
 
     def _validate_requests(self, requests: Sequence[Request], params: SamplingParams) -> None:
-        """Refuse what the decode loop cannot continue (as the HF engine does)."""
-        for index, request in enumerate(requests):
-            if len(request.prompt_ids) == 0:
-                raise ValueError(f"request {index} has an empty prompt")
-            context = request.context_ids
-            if min(context) < 0 or max(context) >= self._vocab_size:
-                raise ValueError(f"request {index} has token ids outside [0, {self._vocab_size})")
-            if request.budget(params) == 0:
-                raise ValueError(
-                    f"request {index} has no budget left: {len(request.generated_ids)} tokens "
-                    f"generated, max_new_tokens={params.max_new_tokens}"
-                )
-            if any(token in self._eos_token_ids for token in request.generated_ids):
-                raise ValueError(f"request {index} already ended: EOS among its generated_ids")
+        validate_requests(requests, params, self._eos_token_ids, self._vocab_size)
 
     # -- weights: none to send --
 

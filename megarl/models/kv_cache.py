@@ -8,11 +8,15 @@ LoRA adapters in the linear layers), the final norm and the output layer -- so e
 give the trainer's numbers up to summation order. Only the KV cache and the per-row positions
 are generation's own.
 
-**The cache is Megatron's** ``StaticInferenceContext``: in each layer, ``SelfAttention`` writes
-the new columns' keys and values (before RoPE) into the context's buffers at
-``sequence_len_offset``, then attends over every column so far with RoPE applied to all of them
-from the frequencies it is given. Measured on the tiny model (``benchmarks/bench_engines.py``) a
-cached decode step costs a small fraction of a full forward, so no cache of our own was needed.
+**The cache is Megatron's** ``StaticInferenceContext``, with one change: the keys it holds are
+rotated. Megatron's own ``SelfAttention._adjust_key_value_for_inference`` stores keys before RoPE
+and rotates every cached key again at every step, which was about a third of a decode call on
+SmolLM2 (``benchmarks/RESULTS.md``). :func:`store_rotated` takes its place while generation runs
+(:func:`rotated_key_cache`): it rotates the new columns' keys once, writes them and the values
+into the context's buffers at ``sequence_len_offset``, and hands attention every column so far
+with nothing left to rotate but the query. RoPE is elementwise, so a key rotated when it is
+stored is the same bits as one rotated later. This is the one function where attention meets
+the cache.
 
 **Rows of different lengths** are left-padded to one width ``T`` (each row's last context token
 in the last column), as the HF engine does, and Megatron is told two things per row that its
@@ -35,6 +39,9 @@ frequencies are indexed down, so later steps compute only the rows still going.
 
 from __future__ import annotations
 
+import contextlib
+import functools
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -111,12 +118,13 @@ class KVCache:
         else:
             hidden_SBH = _receive_hidden(gpt, tokens_BS.shape)
             gpt.decoder.set_input_tensor(hidden_SBH)
-        hidden_SBH = gpt.decoder(
-            hidden_states=hidden_SBH,
-            attention_mask=attention_mask(start, end, self.pad_B).to(tokens_BS.device),
-            inference_context=context,
-            rotary_pos_emb=self.rope_CB1D,
-        )
+        with rotated_key_cache(gpt):
+            hidden_SBH = gpt.decoder(
+                hidden_states=hidden_SBH,
+                attention_mask=attention_mask(start, end, self.pad_B).to(tokens_BS.device),
+                inference_context=context,
+                rotary_pos_emb=self.rope_CB1D,
+            )
         self.filled = end
         if not gpt.post_process:
             _send_hidden(hidden_SBH)
@@ -126,6 +134,71 @@ class KVCache:
             weight = gpt.shared_embedding_or_output_weight()
         logits_1BV, _ = gpt.output_layer(hidden_SBH[-1:], weight=weight)
         return logits_1BV[0]
+
+
+@contextlib.contextmanager
+def rotated_key_cache(gpt: Any) -> Iterator[None]:
+    """Every ``SelfAttention`` of ``gpt`` keeps rotated keys in the cache (:func:`store_rotated`)
+    for the block; Megatron's own method again after it."""
+    from megatron.core.transformer.attention import SelfAttention
+
+    attentions: list[Any] = [m for m in gpt.modules() if isinstance(m, SelfAttention)]
+    for attention in attentions:
+        attention._adjust_key_value_for_inference = functools.partial(store_rotated, attention)
+    try:
+        yield
+    finally:
+        for attention in attentions:
+            del attention._adjust_key_value_for_inference
+
+
+def store_rotated(
+    attention: Any,
+    inference_context: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    rotary_pos_emb: tuple[torch.Tensor, torch.Tensor | None] | None,
+    *_unused: Any,
+    **_unused_kw: Any,
+) -> tuple:
+    """``SelfAttention._adjust_key_value_for_inference`` of Megatron's static batching, keys
+    stored rotated: the new columns' keys rotated with their own frequencies and written with
+    the values at ``sequence_len_offset``; returns the query, every cached column's keys and
+    values, the query's frequencies alone (the keys need none), the mask type and no block
+    table, as Megatron's does."""
+    from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
+        _yarn_get_concentration_factor_from_config,
+    )
+    from megatron.core.transformer.enums import AttnMaskType
+
+    context = inference_context
+    start, end = context.sequence_len_offset, context.sequence_len_offset + key.size(0)
+    cached = context.key_value_memory_dict.get(attention.layer_number)
+    if cached is None:
+        capacity, rows = context.max_sequence_length, context.max_batch_size
+        cached = (
+            attention._allocate_memory(capacity, rows, attention.key_hidden_size, key.dtype),
+            attention._allocate_memory(capacity, rows, attention.val_hidden_size, value.dtype),
+        )
+        context.key_value_memory_dict[attention.layer_number] = cached
+    keys, values = cached
+    if rotary_pos_emb is not None:
+        q_pos_emb, k_pos_emb = rotary_pos_emb
+        assert k_pos_emb is not None  # generation passes one table for queries and keys
+        key = apply_rotary_pos_emb(
+            key,
+            k_pos_emb[start:end],
+            config=attention.config,
+            mscale=_yarn_get_concentration_factor_from_config(attention.config),
+            cp_group=attention.pg_collection.cp,
+        )
+        rotary_pos_emb = (q_pos_emb[start:end], None)
+    keys[start:end] = key
+    values[start:end] = value
+    mask_type = AttnMaskType.no_mask if start > 0 else attention.attn_mask_type
+    return query, keys[:end], values[:end], rotary_pos_emb, mask_type, None
 
 
 def _receive_hidden(gpt: Any, tokens_shape: torch.Size) -> torch.Tensor:

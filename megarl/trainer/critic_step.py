@@ -27,7 +27,8 @@ from megarl.batch import RolloutBatch, RolloutShard
 from megarl.config import planning
 from megarl.config.actor import ActorConfig, LoraConfig
 from megarl.config.schema import RunConfig
-from megarl.critic.megatron_critic import CriticStepStats, MegatronCritic, ValueLossSettings
+from megarl.critic.megatron_critic import MegatronCritic, ValueLossSettings
+from megarl.critic.value_stats import CriticStepStats, summarise_critic_update
 from megarl.distributed import heartbeat
 from megarl.planner.batch_planner import plan_step
 from megarl.planner.micro_batches import plan_forward_micro_batches
@@ -207,15 +208,4 @@ def update_critic(
         grad_norms.append(result.grad_norm)
     progress("update_critic", num_steps, num_steps, "optimizer steps")
     summed = [CriticStepStats.from_row(row) for row in reduce_sums_to_all(rows, cfg.actor.tp)]
-    with_tokens = [s for s in summed if s.num_tokens > 0]
-    return {
-        "critic/vf_loss": _mean([s.vf_loss for s in summed]),
-        "critic/vf_clipfrac": _mean([s.vf_clipfrac_sum / s.num_tokens for s in with_tokens]),
-        "critic/vpred_mean": _mean([s.vpred_sum / s.num_tokens for s in with_tokens]),
-        "critic/grad_norm": _mean(grad_norms),
-        "critic/lr": cfg.critic.lr,
-    }
-
-
-def _mean(values: Sequence[float]) -> float:
-    return sum(values) / len(values) if values else 0.0
+    return {**summarise_critic_update(summed, grad_norms), "critic/lr": cfg.critic.lr}

@@ -250,15 +250,8 @@ def step_line(m: Mapping[str, Any]) -> str:
         f"lp_diff {m['rollout/logprob_abs_diff']:.1e}",
         f"{m['timing_s/step']:.1f}s",
     ]
-    line = " | ".join(parts)
     scores = _validation_scores(m)
-    if scores:
-        line += f"\n         validation: {scores}"
-    if m.get("planner/summary"):
-        line += f"\n         plan: {m['planner/summary']}"
-    if m.get("gates/summary"):
-        line += f"\n         gates: {m['gates/summary']}"
-    return line
+    return _with_detail_lines(" | ".join(parts), m, f"validation: {scores}" if scores else None)
 
 
 def _sft_step_line(m: Mapping[str, Any]) -> str:
@@ -271,14 +264,21 @@ def _sft_step_line(m: Mapping[str, Any]) -> str:
         f"grad_norm {m['actor/grad_norm']:.3f}",
         f"{m['timing_s/step']:.1f}s",
     ]
-    line = " | ".join(parts)
+    validation = None
     if "sft/val_loss" in m:
-        line += f"\n         validation: loss {m['sft/val_loss']:.4f} | ppl {m['sft/val_ppl']:.2f}"
-    if m.get("planner/summary"):
-        line += f"\n         plan: {m['planner/summary']}"
-    if m.get("gates/summary"):
-        line += f"\n         gates: {m['gates/summary']}"
-    return line
+        validation = f"validation: loss {m['sft/val_loss']:.4f} | ppl {m['sft/val_ppl']:.2f}"
+    return _with_detail_lines(" | ".join(parts), m, validation)
+
+
+def _with_detail_lines(line: str, m: Mapping[str, Any], validation: str | None) -> str:
+    """A step's line with, below it, the step's validation (if any), the planner's and the
+    gates' summaries: the same indented detail lines whatever the kind of step."""
+    details = [
+        validation,
+        f"plan: {m['planner/summary']}" if m.get("planner/summary") else None,
+        f"gates: {m['gates/summary']}" if m.get("gates/summary") else None,
+    ]
+    return "".join([line, *(f"\n         {d}" for d in details if d)])
 
 
 def validation_line(m: Mapping[str, Any]) -> str:

@@ -1,4 +1,5 @@
-"""References for a rollout engine's logprobs: one plain forward of the same weights."""
+"""Engine test helpers: references for a rollout engine's logprobs (one plain forward of the same
+weights), and the base of the fake engines that tests of the engine's callers script."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from megarl.engines.base import Generation
+from megarl.engines.base import EngineMemoryState, Generation, RolloutEngine
 
 
 @torch.no_grad()
@@ -61,6 +62,30 @@ def random_lora(
                     param.mul_(scale)
     state = {n: t.clone() for n, t in get_peft_model_state_dict(peft_model).items()}
     return state, peft_model.merge_and_unload().eval()
+
+
+class GenerateOnlyEngine(RolloutEngine):
+    """A fake engine for tests of what only calls ``generate``: a subclass scripts
+    ``eos_token_ids`` and ``generate_requests``; weights, adapters and sleep are refused, and
+    the base weights are always resident."""
+
+    def update_weights(self, named_tensors, record_checksums=False):
+        raise NotImplementedError
+
+    def weight_checksums(self, dtype):
+        raise NotImplementedError
+
+    def load_lora_adapter(self, named_tensors, rank, alpha, target_modules):
+        raise NotImplementedError
+
+    def sleep(self, level):
+        raise NotImplementedError
+
+    def wake_up(self) -> EngineMemoryState:
+        raise NotImplementedError
+
+    def memory_state(self) -> EngineMemoryState:
+        return EngineMemoryState(True, False)
 
 
 @contextlib.contextmanager

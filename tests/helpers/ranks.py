@@ -1,4 +1,5 @@
-"""What a rank worker of the integration tests does first, and the loss it trains with."""
+"""What a rank worker of the integration tests does first, the actor it builds and the loss it
+trains with."""
 
 from __future__ import annotations
 
@@ -21,6 +22,20 @@ def start_cpu_rank(ctx, tp: int, pp: int = 1, vpp: int | None = None, ep: int = 
         store_hosted=ctx.store_hosted,
     )
     parallel.init_model_parallel(tp, pp, vpp, ep=ep)
+
+
+def cpu_actor(hf_config: dict, cfg: Any, state: Any, trainable: bool, **options: Any):
+    """The fp32 Megatron actor of ``hf_config`` under ``cfg`` (an ``ActorConfig``) on this CPU
+    rank, loaded from the HF tensors ``state`` (pad id 0); ``options`` go to ``MegatronActor``."""
+    import torch
+
+    from megarl.actor.megatron_actor import MegatronActor
+    from megarl.models.spec import spec_from_hf_config
+
+    spec = spec_from_hf_config(hf_config)
+    return MegatronActor(
+        spec, cfg, "cpu", torch.float32, state, pad_id=0, trainable=trainable, **options
+    )
 
 
 def loss_settings(**changes: Any):

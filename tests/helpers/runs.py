@@ -12,9 +12,10 @@ INTEGRATION = REPO / "tests" / "integration"
 
 
 def run_env(**extra: str) -> dict[str, str]:
-    """A ``megarl-train`` subprocess's environment: this one's, ``PYTHONPATH`` the repository
-    and tests/integration, and ``extra``."""
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(INTEGRATION)]), **extra}
+    """A ``megarl-train`` subprocess's environment: this one's, ``PYTHONPATH`` the repository,
+    tests/integration and tests (whose ``helpers`` those modules import), and ``extra``."""
+    paths = [str(REPO), str(INTEGRATION), str(REPO / "tests")]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths), **extra}
 
 
 REQUIRED_METRICS = (

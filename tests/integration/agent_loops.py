@@ -4,18 +4,9 @@ from __future__ import annotations
 
 import contextlib
 
-from megarl.agent import AgentLoop, Trajectory
+from helpers.agent_loops import TwoTurns
 
-
-class TwoTurns(AgentLoop):
-    """The user-loop example of docs/agents.md: two generated turns around one observation."""
-
-    async def run(self, sample, ctx):
-        traj = Trajectory(sample.prompt_ids)
-        traj.add_generated(await ctx.generate(traj.token_ids, max_new_tokens=16))
-        traj.add_observation(ctx.tokenizer.encode("\nObservation: 42\n", add_special_tokens=False))
-        traj.add_generated(await ctx.generate(traj.token_ids, max_new_tokens=16))
-        return traj
+__all__ = ["TwoTurns"]  # the user-loop example of docs/agents.md, named by runs from here
 
 
 class OwnReward(TwoTurns):

@@ -15,11 +15,12 @@ from collections.abc import Sequence
 
 import pytest
 import torch
+from helpers.agent_loops import OBSERVATION, TwoTurns
 
 pytest.importorskip("transformers")
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from megarl.agent import AgentLoop, Trajectory
+from megarl.agent import Trajectory
 from megarl.agent.driver import make_samples, run_agent_loops
 from megarl.agent.loop import SingleTurnLoop
 from megarl.engines.base import Generation, Request, SamplingParams
@@ -28,19 +29,7 @@ from megarl.engines.hf import HFEngine
 pytestmark = pytest.mark.slow
 
 QUESTIONS = ["What is 12 + 7?", "Name a prime number.", "Say hello.", "What is 3 * 5?"]
-OBSERVATION = "\nObservation: 42\n"
 PARAMS = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=16, seed=5)
-
-
-class TwoTurns(AgentLoop):
-    """The interface's example, as a user writes it."""
-
-    async def run(self, sample, ctx):
-        traj = Trajectory(sample.prompt_ids)
-        traj.add_generated(await ctx.generate(traj.token_ids, max_new_tokens=16))
-        traj.add_observation(ctx.tokenizer.encode(OBSERVATION, add_special_tokens=False))
-        traj.add_generated(await ctx.generate(traj.token_ids, max_new_tokens=16))
-        return traj
 
 
 class RecordingEngine(HFEngine):

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+from helpers.agent_loops import OBSERVATION
 from helpers.runs import tiny_overrides
 
 from megarl.train import StartupError, run
@@ -15,24 +16,29 @@ from megarl.train import StartupError, run
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
-OBSERVATION = "\nObservation: 42\n"
 
 
 def _records(folder: Path, step: int) -> list[dict]:
     return [json.loads(line) for line in (folder / f"{step}.jsonl").read_text().splitlines()]
 
 
-def test_a_user_loop_trains_on_its_own_tokens_only(tmp_path):
-    """The documented two-turn loop (docs/agents.md) (``agent_loops:TwoTurns``): two generated turns of up to 16
-    tokens around an 8-token observation, at DP=2 with pruning on."""
+def _two_turns_run(tmp_path: Path, **settings: object) -> tuple[list[dict], Path]:
+    """Two steps of the documented two-turn loop with ``settings``: the metrics history and
+    the folder of the generations it dumped."""
     gens = tmp_path / "gens"
     overrides = {
         "rollout.agent.loop": "agent_loops:TwoTurns",
         "rollout.max_new_tokens": 40,
         "trainer.rollout_data_dir": str(gens),
-        "trainer.n_gpus_per_node": 2,
+        **settings,
     }
-    history = run(tiny_overrides(tmp_path / "run", 2, **overrides)).history
+    return run(tiny_overrides(tmp_path / "run", 2, **overrides)).history, gens
+
+
+def test_a_user_loop_trains_on_its_own_tokens_only(tmp_path):
+    """The documented two-turn loop (docs/agents.md) (``agent_loops:TwoTurns``): two generated turns of up to 16
+    tokens around an 8-token observation, at DP=2 with pruning on."""
+    history, gens = _two_turns_run(tmp_path, **{"trainer.n_gpus_per_node": 2})
     for row in history:
         assert row["rollout/logprob_abs_diff"] <= 1e-4, row  # generated tokens only, fp32
         assert row["agent/num_turns/mean"] == 2.0 and row["agent/num_turns/max"] == 2.0
@@ -116,15 +122,9 @@ def test_a_user_loop_on_vllm_matches_the_trainer_on_every_generated_token(tmp_pa
     """vLLM takes each turn as token ids (prefix caching on, its default: the second turn
     reuses the first's KV) and reports the logprobs the trainer recomputes."""
     pytest.importorskip("vllm")
-    gens = tmp_path / "gens"
-    overrides = {
-        "rollout.engine": "vllm",
-        "rollout.agent.loop": "agent_loops:TwoTurns",
-        "rollout.max_new_tokens": 40,
-        "trainer.rollout_data_dir": str(gens),
-        "export.checksum_interval": 1,
-    }
-    history = run(tiny_overrides(tmp_path / "run", 2, **overrides)).history
+    history, gens = _two_turns_run(
+        tmp_path, **{"rollout.engine": "vllm", "export.checksum_interval": 1}
+    )
     for row in history:
         assert row["rollout/logprob_abs_diff"] <= 1e-4, row
         assert row["export/checksum_ok"] == 1.0

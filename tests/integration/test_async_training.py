@@ -59,6 +59,18 @@ def _assert_same_training(a_rows, b_rows, a_state, b_state) -> None:
         assert torch.equal(tensor, b_state[name]), name
 
 
+def _sync_and_zero_staleness_rows(tmp_path, settings: dict) -> tuple[list[dict], list[dict]]:
+    """Two steps of ``settings`` in the synchronous loop and in ``fully_async`` at staleness 0,
+    checked to train bitwise alike; their metrics rows."""
+    sync_dir, async_dir = tmp_path / "sync", tmp_path / "async"
+    sync = run(tiny_overrides(sync_dir, 2, **settings), return_final_state=True)
+    zero = {**settings, "async_training.mode": "fully_async", "async_training.max_staleness": 0}
+    fully_async = run(tiny_overrides(async_dir, 2, **zero), return_final_state=True)
+    sync_rows, async_rows = _rows(sync_dir), _rows(async_dir)
+    _assert_same_training(sync_rows, async_rows, sync.final_state, fully_async.final_state)
+    return sync_rows, async_rows
+
+
 def _prompts_by_step(dump_dir) -> dict[int, list[str]]:
     return {
         int(path.stem): [json.loads(line)["prompt"] for line in path.read_text().splitlines()]
@@ -204,12 +216,7 @@ def test_agent_loops_in_fully_async_at_zero_staleness_train_bitwise_like_sync(tm
         "rollout.agent.loop": "agent_loops:TwoTurns",
         "rollout.max_new_tokens": 40,
     }
-    sync_dir, async_dir = tmp_path / "sync", tmp_path / "async"
-    sync = run(tiny_overrides(sync_dir, 2, **loop), return_final_state=True)
-    settings = {**loop, "async_training.mode": "fully_async", "async_training.max_staleness": 0}
-    fully_async = run(tiny_overrides(async_dir, 2, **settings), return_final_state=True)
-    sync_rows, async_rows = _rows(sync_dir), _rows(async_dir)
-    _assert_same_training(sync_rows, async_rows, sync.final_state, fully_async.final_state)
+    _, async_rows = _sync_and_zero_staleness_rows(tmp_path, loop)
     for row in async_rows:
         assert row["agent/num_turns/mean"] == 2.0 and row["agent/observation_tokens/mean"] == 8.0
         assert row["rollout/logprob_abs_diff"] <= 1e-4
@@ -225,12 +232,7 @@ def test_gateway_sessions_in_fully_async_at_zero_staleness_train_bitwise_like_sy
         "rollout.agent.entrypoint": "helpers.gateway_agents:compacting",
         "rollout.max_new_tokens": 24,
     }
-    sync_dir, async_dir = tmp_path / "sync", tmp_path / "async"
-    sync = run(tiny_overrides(sync_dir, 2, **gateway), return_final_state=True)
-    settings = {**gateway, "async_training.mode": "fully_async", "async_training.max_staleness": 0}
-    fully_async = run(tiny_overrides(async_dir, 2, **settings), return_final_state=True)
-    sync_rows, async_rows = _rows(sync_dir), _rows(async_dir)
-    _assert_same_training(sync_rows, async_rows, sync.final_state, fully_async.final_state)
+    sync_rows, _ = _sync_and_zero_staleness_rows(tmp_path, gateway)
     assert all(row["agent/branches/mean"] == 2.0 for row in sync_rows)
 
 

@@ -13,7 +13,7 @@ import torch
 
 from megarl.engines.base import SamplingParams
 from megarl.engines.hf import HFEngine
-from megarl.engines.vllm import read_checkpoint_shapes
+from megarl.engines.vllm_weights import read_checkpoint_shapes
 
 pytestmark = pytest.mark.slow
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers.models import TINY_HF_CONFIG
-from helpers.ranks import start_cpu_rank
+from helpers.ranks import cpu_actor, start_cpu_rank
 
 from megarl.distributed.launcher import launch
 from megarl.models.random_init import build_random_hf_model
@@ -36,23 +36,13 @@ def _vocab_logits(actor, ids, tp: int):
 
 
 def _worker(ctx, tp, pp, vpp, hf_config, state, ids, ref_logits, engine_seed):
-    from megarl.actor.megatron_actor import MegatronActor
     from megarl.config.actor import ActorConfig
     from megarl.distributed import parallel
     from megarl.export.stream import open_stream
-    from megarl.models.spec import spec_from_hf_config
 
     start_cpu_rank(ctx, tp, pp, vpp if vpp > 1 else None)
-    spec = spec_from_hf_config(hf_config)
-    actor = MegatronActor(
-        spec,
-        ActorConfig(tp=tp, pp=pp, vpp=vpp),
-        "cpu",
-        torch.float32,
-        state,
-        pad_id=0,
-        trainable=False,
-    )
+    actor = cpu_actor(hf_config, ActorConfig(tp=tp, pp=pp, vpp=vpp), state, trainable=False)
+    spec = actor.spec
     result: dict = {"rank": ctx.rank, "num_chunks": len(actor.chunks)}
     if ids is not None:
         logits = _vocab_logits(actor, ids, tp)

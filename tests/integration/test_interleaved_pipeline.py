@@ -13,7 +13,7 @@ import pytest
 import torch
 from helpers.batches import random_batch
 from helpers.models import TINY_HF_CONFIG
-from helpers.ranks import loss_settings, start_cpu_rank
+from helpers.ranks import cpu_actor, loss_settings, start_cpu_rank
 
 from megarl.distributed.launcher import launch
 from megarl.models.random_init import build_random_hf_model
@@ -26,24 +26,15 @@ MICRO_BATCHES = ((0, 1), (2, 3, 4), (5,), (6, 7))  # a multiple of PP, of uneven
 
 
 def _worker(ctx, vpp: int, state: dict) -> dict | None:
-    from megarl.actor.megatron_actor import MegatronActor
     from megarl.config.actor import ActorConfig
     from megarl.distributed import parallel
     from megarl.export.stream import collect_state_dict, open_stream
-    from megarl.models.spec import spec_from_hf_config
     from megarl.planner.step_plan import OptimizerStepPlan
 
     start_cpu_rank(ctx, 1, 2, vpp if vpp > 1 else None)
-    spec = spec_from_hf_config(TINY_HF_CONFIG)
-    actor = MegatronActor(
-        spec,
-        ActorConfig(pp=2, vpp=vpp, lr=1e-3, pack_sequences=True),
-        "cpu",
-        torch.float32,
-        state,
-        pad_id=0,
-        trainable=True,
-    )
+    cfg = ActorConfig(pp=2, vpp=vpp, lr=1e-3, pack_sequences=True)
+    actor = cpu_actor(TINY_HF_CONFIG, cfg, state, trainable=True)
+    spec = actor.spec
     advantages = torch.linspace(-1.0, 1.0, len(SEQ_LENS))
     batch = random_batch(SEQ_LENS, PROMPT_LENS, TINY_HF_CONFIG["vocab_size"], advantages, seed=7)
     work = OptimizerStepPlan.by_hand(

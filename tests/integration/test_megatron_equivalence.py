@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers.models import TINY_HF_CONFIG
-from helpers.ranks import start_cpu_rank
+from helpers.ranks import cpu_actor, start_cpu_rank
 
 from megarl.distributed.launcher import launch
 from megarl.models.random_init import build_random_hf_model
@@ -54,23 +54,13 @@ def _worker(
     """``trim``: each data-parallel rank drops ``trim * rank`` trailing positions, so the ranks
     of an expert-parallel group hold different numbers of tokens (the HF logits of a prefix are
     the prefix of the logits: causal)."""
-    from megarl.actor.megatron_actor import MegatronActor
     from megarl.config.actor import ActorConfig
     from megarl.distributed import parallel
     from megarl.export.stream import collect_state_dict, open_stream
-    from megarl.models.spec import spec_from_hf_config
 
     start_cpu_rank(ctx, tp, pp, ep=ep)
-    spec = spec_from_hf_config(hf_config)
-    actor = MegatronActor(
-        spec,
-        ActorConfig(tp=tp, pp=pp, ep=ep),
-        "cpu",
-        torch.float32,
-        state,
-        pad_id=0,
-        trainable=True,
-    )
+    actor = cpu_actor(hf_config, ActorConfig(tp=tp, pp=pp, ep=ep), state, trainable=True)
+    spec = actor.spec
     from logits_probe import full_logits, probe_batch
     from megatron.core import parallel_state as ps
 

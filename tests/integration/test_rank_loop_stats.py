@@ -18,7 +18,8 @@ from megarl.actor.megatron_actor import TrainStepResult
 from megarl.actor.train_stats import OptimizerStepStats
 from megarl.batch import RolloutBatch
 from megarl.config.schema import RunConfig
-from megarl.critic.megatron_critic import CriticStepResult, CriticStepStats
+from megarl.critic.megatron_critic import CriticStepResult
+from megarl.critic.value_stats import CriticStepStats
 from megarl.planner.batch_planner import plan_step
 from megarl.planner.inputs import PlannerInputs
 from megarl.trainer.actor_update import update_actor

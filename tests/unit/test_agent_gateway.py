@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
+from helpers.engines import GenerateOnlyEngine
 
 from megarl.agent.driver import make_samples, run_agent_loops
 from megarl.agent.gateway import GatewayError, serve
@@ -22,9 +23,7 @@ from megarl.agent.gateway.settings import GatewaySettings
 from megarl.agent.loop import AgentLoopError, AgentSettings, RunFacts
 from megarl.agent.trajectory import Trajectory
 from megarl.engines.base import (
-    EngineMemoryState,
     Generation,
-    RolloutEngine,
     SamplingParams,
 )
 from megarl.errors import BadInputError
@@ -43,7 +42,7 @@ def scripted_reply(context: str) -> str:
     return "19"
 
 
-class ScriptedEngine(RolloutEngine):
+class ScriptedEngine(GenerateOnlyEngine):
     """Replies ``reply(decoded context)`` then the end-of-turn token; logprob ``-(j+1)/100``
     for token ``j``. Records every response it sampled."""
 
@@ -69,24 +68,6 @@ class ScriptedEngine(RolloutEngine):
             finished = bool(ids) and ids[-1] == self.end_of_turn
             out.append(Generation(request.prompt_ids, ids, logprobs, finished))
         return out
-
-    def update_weights(self, named_tensors, record_checksums=False):
-        raise NotImplementedError
-
-    def weight_checksums(self, dtype):
-        raise NotImplementedError
-
-    def load_lora_adapter(self, named_tensors, rank, alpha, target_modules):
-        raise NotImplementedError
-
-    def sleep(self, level):
-        raise NotImplementedError
-
-    def wake_up(self) -> EngineMemoryState:
-        raise NotImplementedError
-
-    def memory_state(self) -> EngineMemoryState:
-        return EngineMemoryState(True, False)
 
 
 @pytest.fixture(scope="module")

@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers.agent_loops import OBSERVATION, TwoTurns
+from helpers.engines import GenerateOnlyEngine
 
 from megarl.agent import AgentLoop, GenerateOutput, Sample, Tool, ToolError, Trajectory
 from megarl.agent.driver import (
@@ -42,10 +44,8 @@ from megarl.agent.loop import (
     resolve_loop,
 )
 from megarl.engines.base import (
-    EngineMemoryState,
     Generation,
     Request,
-    RolloutEngine,
     SamplingParams,
     request_seed,
     token_seed,
@@ -58,7 +58,7 @@ EOS = 2
 PARAMS = SamplingParams(temperature=1.0, max_new_tokens=16, seed=STEP_SEED)
 
 
-class FakeEngine(RolloutEngine):
+class FakeEngine(GenerateOnlyEngine):
     """Token ``j`` of a request is ``token_seed(seed, j)`` folded into ``[10, 1000)`` (never
     EOS), or the script for its seed; logprobs likewise. Records every call."""
 
@@ -95,24 +95,6 @@ class FakeEngine(RolloutEngine):
         logprobs = tuple(-((token_seed(request.seed, j) % 97) + 1) / 50 for j in range(len(tokens)))
         return Generation(request.prompt_ids, tokens, logprobs, finished)
 
-    def update_weights(self, named_tensors, record_checksums=False):
-        raise NotImplementedError
-
-    def weight_checksums(self, dtype):
-        raise NotImplementedError
-
-    def load_lora_adapter(self, named_tensors, rank, alpha, target_modules):
-        raise NotImplementedError
-
-    def sleep(self, level):
-        raise NotImplementedError
-
-    def wake_up(self) -> EngineMemoryState:
-        raise NotImplementedError
-
-    def memory_state(self) -> EngineMemoryState:
-        return EngineMemoryState(True, False)
-
 
 def call_slots(engine: FakeEngine, samples: Sequence[Sample]) -> list[list[tuple[int, int]]]:
     """Each engine call as ``(sample index, turn)`` of its requests, read off the seeds."""
@@ -129,17 +111,6 @@ def tokenizer():
     from megarl.models.hf_io import load_hf_tokenizer
 
     return load_hf_tokenizer(None)
-
-
-class TwoTurns(AgentLoop):
-    """The interface's example, as a user writes it."""
-
-    async def run(self, sample, ctx):
-        traj = Trajectory(sample.prompt_ids)
-        traj.add_generated(await ctx.generate(traj.token_ids, max_new_tokens=16))
-        traj.add_observation(ctx.tokenizer.encode("\nObservation: 42\n", add_special_tokens=False))
-        traj.add_generated(await ctx.generate(traj.token_ids, max_new_tokens=16))
-        return traj
 
 
 class Turns(AgentLoop):
@@ -180,7 +151,7 @@ def test_two_turns_example_batches_turns_across_trajectories(tokenizer):
     result, samples = run(engine, TwoTurns(), count=2, tokenizer=tokenizer)
     assert call_slots(engine, samples) == [[(0, 0), (1, 0)], [(0, 1), (1, 1)]]
     assert [s.seed for s in samples] == [request_seed(STEP_SEED, i) for i in range(2)]
-    observation = tokenizer.encode("\nObservation: 42\n", add_special_tokens=False)
+    observation = tokenizer.encode(OBSERVATION, add_special_tokens=False)
     for sample, traj in zip(samples, result.trajectories, strict=True):
         first, second = (engine._one(r, PARAMS) for r in _requests_of(engine, sample))
         assert traj.prompt_ids == sample.prompt_ids
@@ -260,7 +231,7 @@ def test_newer_weights_interrupt_a_turn_which_resumes_under_them_tokens_tagged(t
     result = run_agent_loops(engine, TwoTurns(), samples, PARAMS, tokenizer, 0.0, partial)
     assert loads == [1] and not interrupt.is_set()
     assert call_slots(engine, samples) == [[(0, 0), (1, 0)], [(0, 0), (1, 0)], [(0, 1), (1, 1)]]
-    observation = tokenizer.encode("\nObservation: 42\n", add_special_tokens=False)
+    observation = tokenizer.encode(OBSERVATION, add_special_tokens=False)
     for sample, traj in zip(samples, result.trajectories, strict=True):
         first, resumed, second = _requests_of(engine, sample)
         assert resumed.seed == first.seed and resumed.prompt_ids == first.prompt_ids
@@ -467,7 +438,7 @@ def test_make_samples_seeds_and_lengths():
         ("tool_agent", ToolAgentLoop),
         ("megarl.agent.loop:SingleTurnLoop", SingleTurnLoop),
         ("megarl.agent.loop.ToolAgentLoop", ToolAgentLoop),
-        (f"{__name__}:TwoTurns", TwoTurns),
+        ("helpers.agent_loops:TwoTurns", TwoTurns),
     ],
 )
 def test_resolve_loop(name, expected):

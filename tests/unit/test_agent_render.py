@@ -16,6 +16,7 @@ import copy
 from pathlib import Path
 
 import pytest
+from helpers.chat import CALCULATOR_TOOL
 
 from megarl.agent import GenerateOutput, Trajectory
 from megarl.agent.render import (
@@ -35,18 +36,7 @@ LLAMA3_SPLIT = (
 FAMILIES = ("smollm2", "qwen2_5_style", "qwen3_style", "llama3_style")
 
 TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "calculator",
-            "description": "Evaluate an arithmetic expression.",
-            "parameters": {
-                "type": "object",
-                "properties": {"expression": {"type": "string"}},
-                "required": ["expression"],
-            },
-        },
-    },
+    CALCULATOR_TOOL,
     {
         "type": "function",
         "function": {

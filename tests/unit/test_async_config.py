@@ -13,11 +13,12 @@ import math
 
 import pytest
 import torch
+from helpers.config import config_refusal
 
 from megarl.algo.losses import policy_loss
 from megarl.algo.rollout_correction import CorrectionSettings, compute_correction
 from megarl.config import planning
-from megarl.config.schema import ConfigError, build_run_config
+from megarl.config.schema import build_run_config
 from megarl.planner.gates import decide_gates
 
 SPLIT = {"rollout": {"n_gpus": 1}, "trainer": {"launcher": "ray"}}
@@ -95,10 +96,7 @@ def _config(mode: str = "fully_async", **sections):
     ],
 )
 def test_refusals_are_one_line_naming_the_keys(tree, message):
-    with pytest.raises(ConfigError) as refused:
-        build_run_config(tree)
-    assert message in str(refused.value)
-    assert "\n" not in str(refused.value)
+    assert message in config_refusal(tree)
 
 
 def test_the_correction_defaults_to_token_is_exactly_where_tokens_may_be_stale():

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from helpers.config import config_refusal
 
-from megarl.config.schema import ConfigError, build_run_config
+from megarl.config.schema import build_run_config
 
 
 def test_default_and_override():
@@ -15,7 +16,5 @@ def test_default_and_override():
 
 @pytest.mark.parametrize("value", [0, -5, "soon"])
 def test_bad_timeout_names_the_key(value):
-    with pytest.raises(ConfigError) as info:
-        build_run_config({"trainer": {"collective_timeout_s": value}})
-    assert str(info.value).startswith("trainer.collective_timeout_s=")
-    assert "\n" not in str(info.value)
+    refusal = config_refusal({"trainer": {"collective_timeout_s": value}})
+    assert refusal.startswith("trainer.collective_timeout_s=")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from helpers.config import config_refusal
 
 from megarl.algo.advantages import ADVANTAGE_ESTIMATOR_NAMES
 from megarl.algo.dapo import FILTER_GROUP_METRICS
@@ -55,10 +56,7 @@ def test_defaults_build():
     ],
 )
 def test_bad_values_name_the_key(tree, needle):
-    with pytest.raises(ConfigError) as info:
-        build_run_config(tree)
-    assert needle in str(info.value)
-    assert "\n" not in str(info.value)
+    assert needle in config_refusal(tree)
 
 
 @pytest.mark.parametrize("value", ["auto", True, False])
@@ -167,10 +165,7 @@ RC = "algo.rollout_correction"
     ],
 )
 def test_rollout_correction_bad_values_name_the_key(section, needle):
-    with pytest.raises(ConfigError) as info:
-        build_run_config({"algo": {"rollout_correction": section}})
-    assert needle in str(info.value)
-    assert "\n" not in str(info.value)
+    assert needle in config_refusal({"algo": {"rollout_correction": section}})
 
 
 def test_rollout_correction_defaults_off_and_resolves_bounds_as_verl():

@@ -13,7 +13,7 @@ from megarl.actor.train_stats import OptimizerStepStats, summarise_update
 from megarl.algo.divergence import DivergenceError
 from megarl.config.schema import build_run_config
 from megarl.engines.base import NonFiniteLogitsError, SamplingParams
-from megarl.engines.hf import sample_next_tokens
+from megarl.engines.sampling import sample_next_tokens
 from megarl.trainer.actor_update import check_update
 
 

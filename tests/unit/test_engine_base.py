@@ -44,6 +44,34 @@ def test_merge_token_ids_keeps_order_and_drops_duplicates():
     assert merge_token_ids(None) == ()
 
 
+def test_default_eos_ids_are_the_tokenizers_then_the_configs_and_none_is_refused():
+    from types import SimpleNamespace
+
+    tokenizer, config = SimpleNamespace(eos_token_id=2), SimpleNamespace(eos_token_id=[7, 2])
+    assert base.default_eos_token_ids(tokenizer, config) == (2, 7)
+    assert base.default_eos_token_ids(None, config) == (7, 2)
+    with pytest.raises(ValueError, match="no EOS token id known"):
+        base.default_eos_token_ids(None, SimpleNamespace())
+
+
+@pytest.mark.parametrize(
+    ("request_", "match"),
+    [
+        (base.Request((), 0), "request 0 has an empty prompt"),
+        (base.Request((3, 16), 0), r"request 0 has token ids outside \[0, 16\)"),
+        (base.Request((3,), 0, generated_ids=(-1,)), "outside"),
+        (base.Request((3,), 0, generated_ids=(4, 5)), "request 0 has no budget left: 2 tokens"),
+        (base.Request((3,), 0, max_new_tokens=0), "no budget left"),
+        (base.Request((3,), 0, generated_ids=(2,)), "request 0 already ended: EOS among"),
+    ],
+)
+def test_requests_a_decode_loop_cannot_continue_are_refused_by_index(request_, match):
+    params = SamplingParams(max_new_tokens=2)
+    base.validate_requests([base.Request((1,), 0)], params, (2,), vocab_size=16)  # a good one
+    with pytest.raises(ValueError, match=match):
+        base.validate_requests([request_], params, (2,), vocab_size=16)
+
+
 def test_build_engine_rejects_unknown_names():
     with pytest.raises(ValueError, match="unknown rollout engine 'sglang'.*hf, vllm"):
         build_engine("sglang")

@@ -19,7 +19,8 @@ from helpers.models import MOE_EXPERTS, tiny_llama_model
 from transformers import LlamaForCausalLM
 
 from megarl.engines.base import Generation, SamplingParams
-from megarl.engines.hf import HFEngine, invert_cdf, parse_peft_lora_name, top_p_filter
+from megarl.engines.hf import HFEngine, parse_peft_lora_name
+from megarl.engines.sampling import invert_cdf, top_p_filter
 
 VOCAB = 128
 EOS = 2

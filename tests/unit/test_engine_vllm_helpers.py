@@ -12,15 +12,13 @@ from helpers.models import tiny_llama_model
 
 from megarl.engines.base import request_seed
 from megarl.engines.tensor_transport import SharedTensorFile, TensorMeta, read_tensors
-from megarl.engines.vllm import (
-    EngineStartupError,
+from megarl.engines.vllm import EngineStartupError, check_load_method, sampled_token_logprobs
+from megarl.engines.vllm_weights import (
     FusedGroupBatcher,
     canonical_weight_name,
-    check_load_method,
     check_weight,
     fused_group,
     read_checkpoint_shapes,
-    sampled_token_logprobs,
     write_peft_adapter,
 )
 

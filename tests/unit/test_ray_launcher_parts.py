@@ -132,24 +132,31 @@ def test_side_actor_bundle_cpu_token_or_whole_gpus():
     assert side.bundle("cpu") == {"CPU": CPU_PER_RANK}
 
 
-def test_a_bad_input_error_in_the_rollout_actor_keeps_its_line_and_exit_2(monkeypatch):
-    """A reward function failing in the split rollout actor: the one line and exit 2 reach the
-    controller through the pickled SideActorFailed (no 'BadInputError:' prefix, no exit 1)."""
+def _side_actor_failure(monkeypatch, traceback: str, error: BaseException):
+    """The :class:`SideActorFailed` a rollout-actor call whose remote side raised ``error``
+    (with ``traceback``) gives the controller, after the pickling that carries it there."""
     import pickle
 
     import ray
     import ray.exceptions
 
     from megarl.distributed.ray_launcher import SideActorFailed, get_from_side_actor
-    from megarl.errors import BadInputError
 
     def raising_get(ref, timeout=None):
-        raise ray.exceptions.RayTaskError("call", "tb", BadInputError("data.reward=m:f: sample 0"))
+        raise ray.exceptions.RayTaskError("call", traceback, error)
 
     monkeypatch.setattr(ray, "get", raising_get)
     with pytest.raises(SideActorFailed) as info:
         get_from_side_actor(object(), "rollout actor on node n", "rollout")
-    failure = pickle.loads(pickle.dumps(info.value))
+    return pickle.loads(pickle.dumps(info.value))
+
+
+def test_a_bad_input_error_in_the_rollout_actor_keeps_its_line_and_exit_2(monkeypatch):
+    """A reward function failing in the split rollout actor: the one line and exit 2 reach the
+    controller through the pickled SideActorFailed (no 'BadInputError:' prefix, no exit 1)."""
+    from megarl.errors import BadInputError
+
+    failure = _side_actor_failure(monkeypatch, "tb", BadInputError("data.reward=m:f: sample 0"))
     assert (failure.detail, failure.exit_code) == ("data.reward=m:f: sample 0 during rollout", 2)
     error = WorkerFailed(-1, None, failure.detail, where=failure.where, exit_code=failure.exit_code)
     assert error.exit_code == 2
@@ -320,21 +327,12 @@ def test_a_driver_or_a_process_without_ray_is_no_ray_actor():
 def test_an_unexpected_error_in_the_rollout_actor_keeps_its_traceback(monkeypatch):
     """A user agent loop raising in the split rollout actor (fully_async): the one line names
     the actor, and the remote traceback travels to the report (written to the run's log)."""
-    import pickle
-
     import ray
     import ray.exceptions
 
     from megarl.distributed import ray_launcher
-    from megarl.distributed.ray_launcher import SideActorFailed, get_from_side_actor
 
-    def raising_get(ref, timeout=None):
-        raise ray.exceptions.RayTaskError("call", "Traceback: loops.py line 9", KeyError("x"))
-
-    monkeypatch.setattr(ray, "get", raising_get)
-    with pytest.raises(SideActorFailed) as info:
-        get_from_side_actor(object(), "rollout actor on node n", "rollout")
-    failure = pickle.loads(pickle.dumps(info.value))
+    failure = _side_actor_failure(monkeypatch, "Traceback: loops.py line 9", KeyError("x"))
     assert failure.detail == "KeyError: 'x' during rollout"
     assert "loops.py line 9" in failure.traceback
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.chat import CALCULATOR_TOOL
 
 from megarl.agent.render import ChatRenderer
 from megarl.agent.tool_calls import HermesFormat
@@ -21,18 +22,6 @@ from megarl.sft.conversations import BadRow, SFTKeys, conversation_of, load_exam
 from megarl.trainer.rollout import mask_runs
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
-CALCULATOR = {
-    "type": "function",
-    "function": {
-        "name": "calculator",
-        "description": "Evaluate an arithmetic expression.",
-        "parameters": {
-            "type": "object",
-            "properties": {"expression": {"type": "string"}},
-            "required": ["expression"],
-        },
-    },
-}
 TOOL_ROW = {
     "messages": [
         {"role": "user", "content": "What is 12 + 7?"},
@@ -50,7 +39,7 @@ TOOL_ROW = {
         {"role": "tool", "tool_call_id": "c1", "content": "19"},
         {"role": "assistant", "content": "12 + 7 = 19. #### 19"},
     ],
-    "tools": [CALCULATOR],
+    "tools": [CALCULATOR_TOOL],
 }
 
 
@@ -97,7 +86,9 @@ def test_a_tool_conversation_is_the_templates_rendering_with_only_assistant_turn
     assert answer == "12 + 7 = 19. #### 19<|im_end|>"
     assert call_text.endswith("<|im_end|>")
     # the SFT'd call is one the tool loop reads back
-    parsed = HermesFormat().parse(call_text.removesuffix("<|im_end|>"), {"calculator": CALCULATOR})
+    parsed = HermesFormat().parse(
+        call_text.removesuffix("<|im_end|>"), {"calculator": CALCULATOR_TOOL}
+    )
     assert [(c.name, c.arguments) for c in parsed.calls] == [
         ("calculator", {"expression": "12 + 7"})
     ]

@@ -11,7 +11,7 @@ from megarl.actor.train_stats import OptimizerStepStats
 from megarl.algo.rollout_correction import MismatchStats
 from megarl.algo.routing_mismatch import RoutingMismatch
 from megarl.algo.summable import SummableStats, maximum
-from megarl.critic.megatron_critic import CriticStepStats
+from megarl.critic.value_stats import CriticStepStats
 
 
 @dataclass(frozen=True)

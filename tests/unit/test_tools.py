@@ -112,20 +112,14 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path):
 
 
 def test_prepare_data_writes_verl_rows_that_load_as_training_data(tmp_path):
-    import pyarrow.parquet as pq
-
     from megarl.data.files import load_problem_files
 
-    source = tmp_path / "gsm8k.jsonl"
     rows = [
         {"question": "Ann has 2 cats and gets 3 more. How many?", "answer": "2+3=5\n#### 5"},
         {"question": "What is 10 x 12?", "answer": "#### 1,200"},
     ]
-    source.write_text("\n".join(json.dumps(r) for r in rows))
     out = tmp_path / "out" / "train.parquet"
-    done = _prepare_data(source, out)
-    assert done.returncode == 0, done.stderr
-    first, _ = pq.read_table(out).to_pylist()
+    first, _ = _prepared_rows(tmp_path / "gsm8k.jsonl", rows, out)
     assert first["data_source"] == "openai/gsm8k"
     assert first["reward_model"]["ground_truth"] == "5"
     assert first["prompt"][0]["content"].startswith("Ann has 2 cats and gets 3 more. How many? ")
@@ -142,25 +136,32 @@ def test_prepare_data_names_a_bad_row(tmp_path):
 
 
 def test_prepare_data_math_keeps_the_boxed_latex_answer(tmp_path):
-    import pyarrow.parquet as pq
-
     from megarl.data.files import load_problem_files
 
-    source = tmp_path / "math.jsonl"
     rows = [
         {"problem": "Compute $7/3 + 7/3$.", "solution": "It is $\\boxed{\\frac{14}{3}}$."},
         {"problem": "How many divisors has 196?", "solution": "$3 \\cdot 3 = \\boxed{9}$"},
     ]
-    source.write_text("\n".join(json.dumps(r) for r in rows))
     out = tmp_path / "math.parquet"
-    done = _prepare_data(source, out, "--task", "math", "--split", "test")
-    assert done.returncode == 0, done.stderr
-    first, _ = pq.read_table(out).to_pylist()
+    first, _ = _prepared_rows(
+        tmp_path / "math.jsonl", rows, out, "--task", "math", "--split", "test"
+    )
     assert first["data_source"] == "DigitalLearningGmbH/MATH-lighteval"
     assert first["reward_model"]["ground_truth"] == "\\frac{14}{3}"
     assert first["prompt"][0]["content"].endswith("final answer within \\boxed{}.")
     loaded = load_problem_files(str(out))  # data.reward=auto: scored by math, LaTeX kept
     assert [p.answer for p in loaded] == ["\\frac{14}{3}", "9"]
+
+
+def _prepared_rows(source: Path, rows: list[dict], out: Path, *options: str) -> list[dict]:
+    """``rows`` written to ``source`` as JSON lines, prepared into ``out`` (which must succeed),
+    and read back from the parquet file."""
+    import pyarrow.parquet as pq
+
+    source.write_text("\n".join(json.dumps(r) for r in rows))
+    done = _prepare_data(source, out, *options)
+    assert done.returncode == 0, done.stderr
+    return pq.read_table(out).to_pylist()
 
 
 def _prepare_data(source, out, *options: str) -> subprocess.CompletedProcess:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from megarl.actor.train_stats import OptimizerStepStats, summarise_update
+from megarl.actor.train_stats import OptimizerStepStats, sum_micro_batches, summarise_update
 from megarl.planner.batch_planner import plan_step
 from megarl.planner.inputs import PlannerInputs
 
@@ -102,3 +102,36 @@ def test_rows_round_trip_and_add() -> None:
         OptimizerStepStats.from_row([1.0])
     with pytest.raises(ValueError, match="grad norms"):
         summarise_update([a], grad_norms=[])
+
+
+def test_a_ranks_step_statistics_are_its_micro_batches_summed_field_by_field():
+    import torch
+
+    entries = [
+        {"pg_loss": torch.tensor(0.25), "num_tokens": torch.tensor(3.0), "clipfrac_sum": 1.0},
+        {"pg_loss": 0.5, "num_tokens": 5.0, "entropy_sum": torch.tensor(2.5)},
+    ]
+    total = sum_micro_batches(OptimizerStepStats, entries)
+    assert total == OptimizerStepStats(
+        pg_loss=0.75, num_tokens=8.0, clipfrac_sum=1.0, entropy_sum=2.5
+    )
+    assert sum_micro_batches(OptimizerStepStats, []) == OptimizerStepStats()  # off the last stage
+
+
+def test_the_critics_metrics_are_means_over_steps_with_ghost_steps_out_of_the_ratios():
+    from megarl.critic.value_stats import CriticStepStats, summarise_critic_update
+
+    steps = [
+        CriticStepStats(vf_loss=0.4, vf_clipfrac_sum=2.0, vpred_sum=5.0, num_tokens=10.0),
+        CriticStepStats(),  # a ghost step: no tokens, zero loss
+        CriticStepStats(vf_loss=0.2, vf_clipfrac_sum=1.0, vpred_sum=-5.0, num_tokens=20.0),
+    ]
+    metrics = summarise_critic_update(steps, [1.0, 2.0, 6.0])
+    assert metrics == pytest.approx(
+        {
+            "critic/vf_loss": 0.2,
+            "critic/vf_clipfrac": (0.2 + 0.05) / 2,
+            "critic/vpred_mean": (0.5 - 0.25) / 2,
+            "critic/grad_norm": 3.0,
+        }
+    )
