@@ -34,6 +34,7 @@ from megarl.batch import (
     response_values_to_BL,
 )
 from megarl.config.actor import ActorConfig
+from megarl.distributed.batch_invariant import batch_invariant_mode
 from megarl.distributed.execution import ExecutionPlan
 from megarl.models import megatron_gpt
 from megarl.models.spec import TransformerSpec
@@ -100,10 +101,15 @@ class MegatronActor:
         trainable: bool = True,
         init_seed: int = 0,
         execution: ExecutionPlan | None = None,
+        batch_invariant: bool = False,
     ):
         from megatron.core import parallel_state as ps
 
         self.spec, self.cfg, self.device, self.pad_id = spec, cfg, device, pad_id
+        self.batch_invariant = batch_invariant
+        """``rollout.batch_invariant``: every forward (logprobs and training) runs in
+        :func:`megarl.distributed.batch_invariant.batch_invariant_mode`, so a token's logprob
+        has the bits the Megatron engine's decode gave it."""
         self.execution = execution or default_execution(cfg, device)
         torch.manual_seed(init_seed)
         # --- virtual pipeline: the model is a list of chunks -------------------
@@ -643,18 +649,19 @@ class MegatronActor:
             iter(enumerate(mbs)) for _ in self.chunks
         ]
         data = walks[0] if len(walks) == 1 else walks
-        return (
-            get_forward_backward_func()(
-                forward_step_func=forward_step,
-                data_iterator=data,
-                model=cast("list[torch.nn.Module]", self.chunks),
-                num_microbatches=len(mbs),
-                seq_length=max_len,
-                micro_batch_size=max_b,
-                forward_only=forward_only,
+        with batch_invariant_mode(self.batch_invariant):
+            return (
+                get_forward_backward_func()(
+                    forward_step_func=forward_step,
+                    data_iterator=data,
+                    model=cast("list[torch.nn.Module]", self.chunks),
+                    num_microbatches=len(mbs),
+                    seq_length=max_len,
+                    micro_batch_size=max_b,
+                    forward_only=forward_only,
+                )
+                or []
             )
-            or []
-        )
 
     @contextlib.contextmanager
     def _routing_of(self, mb: MicroBatchTensors):

@@ -58,6 +58,12 @@ class RolloutConfig:
     """Sampling temperature, > 0 (a group of greedy samples would all be the same)."""
     top_p: float = 1.0
     """Nucleus sampling, in (0, 1]."""
+    batch_invariant: bool = False
+    """True on-policy: the actor's forward runs batch-invariant
+    (:mod:`megarl.distributed.batch_invariant`), so a token's logprob has the same bits from
+    the Megatron engine's decode as from the trainer (``rollout/logprob_abs_diff`` 0.0, rollout
+    correction weights 1). Needs ``rollout.engine=megatron``; costs forward speed
+    (docs/algorithms.md)."""
     tp: int = 1
     """Tensor parallelism of the rollout engine (vLLM); the exporter sends each engine rank its
     own shard."""
@@ -97,6 +103,11 @@ class RolloutConfig:
 
     def __post_init__(self) -> None:
         _choice("rollout.engine", self.engine, ENGINE_NAMES)
+        _require(
+            not self.batch_invariant or self.engine == "megatron",
+            f"rollout.batch_invariant=true needs rollout.engine=megatron "
+            f"(engine={self.engine}): only the actor's own model can give the trainer's bits",
+        )
         _require(self.n_gpus >= 0, f"rollout.n_gpus={self.n_gpus}: must be >= 0 (0 = colocated)")
         _positive("rollout.tp", self.tp)
         *others, last = (str(level) for level in ROLLOUT_SLEEP_LEVELS)

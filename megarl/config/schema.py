@@ -205,6 +205,12 @@ class RunConfig:
             f"{key} runs one model chunk per rank: actor.vpp={self.actor.vpp} interleaves "
             "several; set actor.vpp=1",
         )
+        _require(
+            not self.rollout.batch_invariant or self.actor.pp == 1,
+            f"rollout.batch_invariant=true with actor.pp={self.actor.pp}: the bitwise logprobs "
+            "are taken on the last pipeline stage, which does not record the responses; set "
+            "actor.pp=1",
+        )
 
     def _check_sft(self) -> None:
         """``algo.objective=sft``: a dataset's assistant turns, the NLL loss, no rollout."""

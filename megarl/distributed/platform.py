@@ -59,6 +59,8 @@ from collections.abc import Iterator
 import torch
 from torch.overrides import TorchFunctionMode
 
+from megarl.distributed import batch_invariant
+
 _CUDA_DEVICE_NAMES = ("cuda",)
 
 
@@ -378,6 +380,10 @@ class SDPACoreAttention(torch.nn.Module):
     mask over the packed row but costs ``sum(s_i^2)`` instead of ``t^2`` in time and memory
     (a dense ``[heads, t, t]`` mask would dwarf the savings of packing). RoPE positions restart
     per sequence in Megatron's own THD rotary path, driven by the same ``cu_seqlens``.
+
+    Inside :func:`megarl.distributed.batch_invariant.batch_invariant_mode` each block attends
+    through :func:`megarl.distributed.batch_invariant.attention` instead: a query's result is
+    then the same bits from a KV cache as from a packed or padded causal pass.
     """
 
     def __init__(
@@ -425,6 +431,12 @@ class SDPACoreAttention(torch.nn.Module):
         return torch.cat(blocks, dim=0)  # [t, 1, heads * d]; Megatron reshapes to [t, 1, h]
 
     def _attend(self, query, key, value, attention_mask=None):
+        if batch_invariant.enabled():
+            if attention_mask is not None:  # the Megatron engine's left-padded rows
+                return batch_invariant.left_padded_attention(
+                    query, key, value, attention_mask, self.softmax_scale
+                )
+            return batch_invariant.attention(query, key, value, self.softmax_scale)
         num_heads, num_groups = query.shape[2], key.shape[2]
         if num_heads != num_groups:
             key = key.repeat_interleave(num_heads // num_groups, dim=2)

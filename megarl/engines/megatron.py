@@ -36,11 +36,13 @@ batch as with any engine: one replica generates.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from megarl.distributed.batch_invariant import batch_invariant_mode
 from megarl.engines.base import (
     EngineMemoryState,
     Generation,
@@ -95,6 +97,7 @@ class MegatronEngine(RolloutEngine):
         pad_token_id: int,
         vocab_size: int,
         device: str | torch.device = "cpu",
+        batch_invariant: bool = False,
     ) -> None:
         if not eos_token_ids:
             raise ValueError("no EOS token id known: pass eos_token_ids")
@@ -106,6 +109,11 @@ class MegatronEngine(RolloutEngine):
         self._group: Any = None
         """The ranks generating together (:func:`generation_group`); None: this rank alone."""
         self._sleep_level = 0
+        self._batch_invariant = batch_invariant
+        """``rollout.batch_invariant``: decode in
+        :func:`megarl.distributed.batch_invariant.batch_invariant_mode` and take each sampled
+        token's logprob with the trainer's own vocab-parallel function from this rank's logits
+        slice, so it has the bits the trainer's forward gives it."""
 
     def bind_model(self, chunks: Sequence[Any]) -> None:
         """Generate with these model chunks (the actor's, DDP-wrapped or bare) from now on."""
@@ -215,7 +223,11 @@ class MegatronEngine(RolloutEngine):
         try:
             # the agent loops call from a worker thread, where the shims' torch-function modes
             # (thread-local) are not on yet
-            with torch.inference_mode(), shim_modes_in_this_thread():
+            with (
+                torch.inference_mode(),
+                shim_modes_in_this_thread(),
+                batch_invariant_mode(self._batch_invariant),
+            ):
                 yield gpt
         finally:
             for module, training in modes.items():
@@ -238,18 +250,25 @@ class MegatronEngine(RolloutEngine):
         pad_U = (batch.attention_mask_BT == 0).sum(dim=1)
         capacity = batch.input_ids_BT.shape[1] + max(response.budget for response in responses)
         cache = KVCache(gpt, pad_U, capacity)
-        logits_BV = self._full_vocab(cache.forward(gpt, batch.input_ids_BT), len(distinct))
+        local_BV = cache.forward(gpt, batch.input_ids_BT)
+        logits_BV = self._full_vocab(local_BV, len(distinct))
         if len(distinct) < len(keys):  # GRPO's samples of a prompt: one prefill, copied rows
             slot = {key: i for i, key in enumerate(distinct)}
             rows_B = torch.tensor([slot[key] for key in keys], device=self._device)
             cache.select_rows(rows_B)
             logits_BV = logits_BV[rows_B]
+            local_BV = None if local_BV is None else local_BV[rows_B]
         rows = list(range(len(responses)))  # the response of each of the cache's rows
         generator = torch.Generator()  # on the host: re-seeded before each draw
         while True:
             going_responses = [responses[row] for row in rows]
             token_L = sample_step(
-                going_responses, logits_BV, params, generator, self._eos_token_ids
+                going_responses,
+                logits_BV,
+                params,
+                generator,
+                self._eos_token_ids,
+                logprobs_of=self._trainer_logprobs_of(local_BV, params),
             ).to(self._device)
             going = [i for i, row in enumerate(rows) if not responses[row].ended]
             if not going or self._interrupted(interrupt):
@@ -258,7 +277,8 @@ class MegatronEngine(RolloutEngine):
                 keep_L = torch.tensor(going, device=self._device)
                 cache.select_rows(keep_L)
                 token_L, rows = token_L[keep_L], [rows[i] for i in going]
-            logits_BV = self._full_vocab(cache.forward(gpt, token_L.unsqueeze(1)), len(rows))
+            local_BV = cache.forward(gpt, token_L.unsqueeze(1))
+            logits_BV = self._full_vocab(local_BV, len(rows))
 
     def _full_vocab(self, logits_BV: torch.Tensor | None, num_rows: int) -> torch.Tensor:
         """The whole real vocabulary's ``[B, V]`` logits on every rank of the group: the
@@ -285,6 +305,38 @@ class MegatronEngine(RolloutEngine):
             group=cast("Any", parallel_state.get_pipeline_model_parallel_group()),
         )
         return logits_BV
+
+    def _trainer_logprobs_of(self, local_BV: torch.Tensor | None, params: SamplingParams):
+        """In the batch-invariant mode, what gives the sampled tokens' logprobs instead of the
+        sampling distribution's (:meth:`_trainer_logprobs` over this rank's slice ``local_BV``);
+        None otherwise, and for greedy decoding (validation)."""
+        if not self._batch_invariant or params.greedy or local_BV is None:
+            return None
+        return functools.partial(self._trainer_logprobs, local_BV, temperature=params.temperature)
+
+    def _trainer_logprobs(
+        self, local_BV: torch.Tensor, token_B: torch.Tensor, temperature: float
+    ) -> torch.Tensor:
+        """The sampled tokens' logprobs as the trainer computes them: its vocab-parallel
+        function over this rank's slice, reduced over the tensor-parallel group."""
+        from megatron.core import parallel_state
+
+        from megarl.models.vocab_parallel import VocabShard, token_logprobs_and_entropy
+
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        shard = VocabShard(
+            start=parallel_state.get_tensor_model_parallel_rank() * local_BV.shape[-1],
+            real_vocab_size=self._vocab_size,
+            group=parallel_state.get_tensor_model_parallel_group() if tp > 1 else None,
+        )
+        logp_B1, _ = token_logprobs_and_entropy(
+            local_BV.unsqueeze(1),
+            token_B.to(local_BV.device).unsqueeze(1),
+            shard,
+            temperature,
+            with_entropy=False,
+        )
+        return logp_B1[:, 0].cpu()
 
     def _validate_requests(self, requests: Sequence[Request], params: SamplingParams) -> None:
         validate_requests(requests, params, self._eos_token_ids, self._vocab_size)

@@ -25,7 +25,7 @@ Nothing here knows a model: it sees logits, requests and generators only.
 
 from __future__ import annotations
 
-from collections.abc import Container, Sequence
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -153,18 +153,23 @@ def sample_step(
     params: SamplingParams,
     generator: torch.Generator,
     eos_token_ids: Container[int],
+    logprobs_of: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Sample the next token of every response (one per row of ``logits_BV``, none of them
     ended) and record it; return the ``[B]`` tokens to feed next.
 
     ``generator`` lives on the host whatever the device: it is re-seeded before each row's
-    draw, so one serves all rows."""
+    draw, so one serves all rows. ``logprobs_of``: the sampled tokens' ``[B]`` logprobs from
+    another computation of the same distribution (the Megatron engine's batch-invariant mode
+    takes the trainer's), recorded instead of the sampling distribution's."""
     uniform_B = None
     if not params.greedy:
         uniform_B = torch.tensor(
             [response.next_uniform(generator) for response in responses], dtype=torch.float64
         )
     token_B, logprob_B = sample_next_tokens(logits_BV, params, uniform_B)
+    if logprobs_of is not None:
+        logprob_B = logprobs_of(token_B)
     for response, token, logprob in zip(
         responses, token_B.tolist(), logprob_B.tolist(), strict=True
     ):

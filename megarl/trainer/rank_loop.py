@@ -215,7 +215,11 @@ def _setup(ctx: WorkerContext, inputs: RunInputs) -> Runtime:
     )
     heartbeat.mark("build_actor")
     with clock.phase("actor"):
-        actor = build(trainable=True, init_seed=cfg.trainer.seed)
+        actor = build(
+            trainable=True,
+            init_seed=cfg.trainer.seed,
+            batch_invariant=cfg.rollout.batch_invariant,
+        )
     reference_plan = decide_reference(planning.run_facts(cfg))
     if ctx.rank == 0 and "console" in cfg.trainer.logger:
         print(
@@ -336,7 +340,9 @@ def _share_actor_model(
     if not follows_driver():
         return None
     follower = MegatronEngine(
-        **megatron_engine_kwargs(tokenizer, inputs.model_dir, spec, inputs.device)
+        **megatron_engine_kwargs(
+            tokenizer, inputs.model_dir, spec, inputs.device, inputs.cfg.rollout.batch_invariant
+        )
     )
     follower.bind_model(actor.chunks)
     return follower

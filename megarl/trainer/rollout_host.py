@@ -619,7 +619,10 @@ def _build_engine(
         return engine, settings.sleep_level
     if cfg.rollout.engine == "megatron":  # the actor's model, bound once the actor is built
         engine = build_engine(
-            "megatron", **megatron_engine_kwargs(tokenizer, model_dir, spec, device)
+            "megatron",
+            **megatron_engine_kwargs(
+                tokenizer, model_dir, spec, device, cfg.rollout.batch_invariant
+            ),
         )
         return engine, 0  # nothing to release between rollouts: the KV cache lives per call
     from megarl.distributed.quiet import hf_progress_bars_off
@@ -632,7 +635,7 @@ def _build_engine(
 
 
 def megatron_engine_kwargs(
-    tokenizer, model_dir: str, spec: TransformerSpec, device: str
+    tokenizer, model_dir: str, spec: TransformerSpec, device: str, batch_invariant: bool = False
 ) -> dict[str, Any]:
     """The Megatron engine's constructor kwargs, the same on rank 0 and on the ranks that follow
     it (they must stop on the same tokens): the EOS ids of the tokenizer and the generation
@@ -647,6 +650,7 @@ def megatron_engine_kwargs(
         "pad_token_id": resolve_pad_token_id(None, tokenizer, eos),
         "vocab_size": spec.vocab_size,
         "device": device,
+        "batch_invariant": batch_invariant,
     }
 
 

@@ -322,6 +322,27 @@ def test_one_sample_per_prompt_is_judged_by_the_estimator():
         )
 
 
+def test_batch_invariant_defaults_off_and_needs_the_megatron_engine():
+    assert build_run_config({}).rollout.batch_invariant is False
+    for engine in ("hf", "vllm"):
+        with pytest.raises(ConfigError) as info:
+            build_run_config({"rollout": {"engine": engine, "batch_invariant": True}})
+        message = str(info.value)
+        assert "rollout.batch_invariant=true needs rollout.engine=megatron" in message
+        assert f"engine={engine}" in message and "\n" not in message
+    on = build_run_config({"rollout": {"engine": "megatron", "batch_invariant": True}})
+    assert on.rollout.batch_invariant is True
+    with pytest.raises(ConfigError) as info:
+        build_run_config(
+            {
+                "rollout": {"engine": "megatron", "batch_invariant": True},
+                "actor": {"pp": 2},
+                "trainer": {"n_gpus_per_node": 2},
+            }
+        )
+    assert str(info.value).startswith("rollout.batch_invariant=true with actor.pp=2")
+
+
 @pytest.mark.parametrize(
     ("tree", "message"),
     [

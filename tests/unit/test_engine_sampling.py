@@ -64,3 +64,23 @@ def test_a_response_ends_on_eos_or_its_budget_and_is_interrupted_otherwise():
     generation = going.generation()
     assert going.ended and not generation.interrupted and not generation.finished
     assert generation.response_ids == (7, 7)
+
+
+def test_another_computations_logprobs_are_recorded_for_the_same_tokens():
+    """The Megatron engine's batch-invariant mode records the trainer's logprobs of the tokens
+    the distribution drew; the draws themselves do not change."""
+    params = SamplingParams(temperature=0.7, max_new_tokens=4)
+    logits_BV = torch.randn(3, 40, generator=torch.Generator().manual_seed(1))
+    requests = [Request((1, 2), seed=5 + i) for i in range(3)]
+    plain = _step(requests, logits_BV, params)
+    states = [ResponseState.start(request, params) for request in requests]
+    seen = []
+
+    def trainer_logprobs(token_B: torch.Tensor) -> torch.Tensor:
+        seen.append(token_B.tolist())
+        return -token_B.double() / 1000
+
+    sample_step(states, logits_BV, params, torch.Generator(), (EOS,), trainer_logprobs)
+    assert [s.tokens for s in states] == [p.tokens for p in plain]
+    assert seen == [[p.tokens[0] for p in plain]]
+    assert [s.logprobs for s in states] == [[-p.tokens[0] / 1000] for p in plain]

@@ -42,6 +42,7 @@ PURE_MODULES = sorted(
         PACKAGE / "agent" / "tools" / "calculator.py",
         PACKAGE / "critic" / "model_source.py",
         PACKAGE / "critic" / "value_stats.py",
+        PACKAGE / "distributed" / "batch_invariant.py",
         PACKAGE / "distributed" / "execution.py",
         PACKAGE / "engines" / "base.py",
         PACKAGE / "engines" / "sampling.py",
