@@ -43,7 +43,7 @@ by the model alone. What ``benchmarks/probe_batch_invariance.py`` measured on th
   than two ranks the order of a ring all-reduce depends on the buffer's chunking; not claimed.
 
 These are facts of this machine's kernels, not of every machine's: the equalities are proven
-by ``tests/integration/test_batch_invariant.py`` (Megatron model, decode vs training forward,
+by ``tests/integration/test_batch_invariant_run.py`` (Megatron model, decode vs training forward,
 packed vs padded, micro-batch sizes, TP=1 and 2) and a GPU needs its own kernels (verl and
 NeMo-RL use Triton batch-invariant GEMMs there). Everything here is a forward path; gradients
 flow through it unchanged (the padding's rows get none).
