@@ -42,7 +42,8 @@ def _batch(num: int, min_len: int, max_len: int, vocab: int, seed: int):
 
 
 def _bench(ctx, args):
-    from megarl.actor.megatron_actor import LossSettings, MegatronActor
+    from megarl.actor.megatron_actor import MegatronActor
+    from megarl.actor.training_loss import LossSettings
     from megarl.config.actor import ActorConfig
     from megarl.distributed import parallel
     from megarl.distributed.execution import (

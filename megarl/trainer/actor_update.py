@@ -17,8 +17,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from megarl.actor.megatron_actor import LossSettings, reduce_max_to_all, reduce_sums_to_all
+from megarl.actor.megatron_actor import reduce_max_to_all, reduce_sums_to_all
 from megarl.actor.train_stats import OptimizerStepStats, UpdateStats, summarise_update
+from megarl.actor.training_loss import LossSettings
 from megarl.algo.covariance import CovarianceRule
 from megarl.algo.divergence import (
     DivergenceError,

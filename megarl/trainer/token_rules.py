@@ -2,7 +2,7 @@
 
 Each rule couples every token of the batch, so it is fitted over the whole batch, shipped as a
 few numbers, and each rank then selects its own sequences' tokens from them
-(:meth:`megarl.actor.megatron_actor.MegatronActor._selected_BL`), whatever its share of the
+(:func:`megarl.actor.training_loss.selected_BL`), whatever its share of the
 batch and its micro-batches:
 
 * clip_cov and kl_cov select by the batch's covariance of log-prob and advantage

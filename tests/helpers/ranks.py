@@ -49,7 +49,7 @@ def cpu_actor(hf_config: dict, cfg: Any, state: Any, trainable: bool, **options:
 
 def loss_settings(**changes: Any):
     """PPO-clip at 0.2, token-mean, no KL, no entropy bonus, temperature 1; ``changes`` over it."""
-    from megarl.actor.megatron_actor import LossSettings
+    from megarl.actor.training_loss import LossSettings
 
     values: dict[str, Any] = {
         "temperature": 1.0,

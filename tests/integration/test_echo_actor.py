@@ -66,7 +66,7 @@ def _max_diff(a, b) -> float:
 def _worker(ctx, hf_config: dict, state):
     import dataclasses
 
-    from megarl.actor.megatron_actor import LossSettings
+    from megarl.actor.training_loss import LossSettings
     from megarl.distributed import parallel
     from megarl.models.spec import spec_from_hf_config
     from megarl.planner.step_plan import OptimizerStepPlan

@@ -40,6 +40,7 @@ PURE_MODULES = sorted(
         PACKAGE / "agent" / "trajectory.py",
         PACKAGE / "agent" / "tools" / "base.py",
         PACKAGE / "agent" / "tools" / "calculator.py",
+        PACKAGE / "actor" / "training_loss.py",
         PACKAGE / "critic" / "model_source.py",
         PACKAGE / "critic" / "value_stats.py",
         PACKAGE / "distributed" / "batch_invariant.py",
