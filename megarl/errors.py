@@ -25,6 +25,11 @@ class MegarlError(Exception):
         return " ".join(super().__str__().split())  # one line, whatever the message held
 
 
+class StartupError(Exception):
+    """A user error found before training starts (``megarl-train``'s checks); printed as one
+    line, exit 2."""
+
+
 class BadInputError(MegarlError):
     """Bad input (config, model, data, checkpoint, argument): exit 2, nothing run or written."""
 
