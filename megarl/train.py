@@ -262,7 +262,7 @@ def check_vllm(cfg, model_dir: str, device: str) -> None:
     import json
 
     from megarl.engines.vllm_settings import VLLMSettingsError
-    from megarl.trainer.rollout_host import vllm_settings
+    from megarl.trainer.engine_setup import vllm_settings
 
     check_engine_installed("vllm")
     if cfg.export.checksum_interval and cfg.rollout.tp > 1:

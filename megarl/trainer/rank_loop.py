@@ -335,7 +335,7 @@ def _share_actor_model(
         host.share_actor_model(actor.chunks)
         return None
     from megarl.engines.megatron import MegatronEngine, follows_driver
-    from megarl.trainer.rollout_host import megatron_engine_kwargs
+    from megarl.trainer.engine_setup import megatron_engine_kwargs
 
     if not follows_driver():
         return None

@@ -150,13 +150,13 @@ def _lag_engine_one_version(monkeypatch) -> None:
             self.held = received
             return len(received)
 
-    build = rollout_host._build_engine
+    build = rollout_host.build_run_engine
 
     def lagging(*args):
         engine, sleep_level = build(*args)
         return LaggingEngine(engine), sleep_level
 
-    monkeypatch.setattr(rollout_host, "_build_engine", lagging)
+    monkeypatch.setattr(rollout_host, "build_run_engine", lagging)
     monkeypatch.setattr(
         rollout_host.RolloutHost,
         "weights_loaded",

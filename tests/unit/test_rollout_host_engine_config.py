@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from megarl.config.schema import build_run_config
 from megarl.engines.vllm_settings import ModelFacts, decide_vllm_settings
-from megarl.trainer.rollout_host import vllm_request
+from megarl.trainer.engine_setup import vllm_request
 
 SMOLLM2 = ModelFacts(num_layers=30, num_kv_heads=3, head_dim=64, max_position_embeddings=8192)
 
