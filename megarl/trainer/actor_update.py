@@ -147,7 +147,7 @@ def _guarded(
     """The first optimizer step's ``before_update``: the logprob guard's step check
     (:mod:`megarl.trainer.engine_guard`) on the same tokens ``rollout/logprob_abs_diff``
     compares, decided before any weight moves; nothing when the guard is off."""
-    if rt.guard is None or not first:
+    if rt.guard is None or not rt.guard.step_check or not first:
         return {}
     guard = rt.guard
 

@@ -67,6 +67,10 @@ class EngineGuard:
     probe_on: bool
     """The synchronous loop (the engine is at rest between steps, so it can be probed) with an
     engine that holds a copy of the weights (not ``rollout.engine=megatron``)."""
+    step_check: bool = True
+    """Compare each step's training forward with the engine. Off with ``actor.lora.dropout >
+    0``: dropout makes the training forward differ from any engine by design (~2.6e-2 on the
+    tiny model), so only the probes (scored without dropout) check the engine then."""
     last_sync: SyncRecord | None = None
 
     def check(self, where: str, local: list[float], tp: int, consequence: str) -> float:
@@ -100,6 +104,7 @@ def build_engine_guard(cfg: RunConfig, params_dtype: str, sleep_level: int) -> E
         engine=cfg.rollout.engine,
         probe_after_wake=probed and sleep_level > 0,
         probe_on=probed,
+        step_check=cfg.actor.lora.dropout == 0,
         last_sync=SyncRecord("the model's own weights", 0),
     )
 
@@ -118,11 +123,15 @@ def probe(rt: Runtime, where: str) -> dict[str, float]:
     guard = rt.guard
     assert guard is not None
     heartbeat.mark("engine_probe")
-    payload: list = [rt.host.probe_engine(PROBE_SAMPLES) if rt.host is not None else None]
+    # One sample per micro-batch, their number a multiple of the pipeline stages: an
+    # interleaved (virtual) pipeline schedule refuses fewer micro-batches than stages.
+    pp = rt.cfg.actor.pp
+    samples = -(-PROBE_SAMPLES // pp) * pp
+    payload: list = [rt.host.probe_engine(samples) if rt.host is not None else None]
     dist.broadcast_object_list(payload, src=0)
     batch = probe_batch(payload[0])
-    everything = list(range(len(batch.tokens)))
-    trainer = rt.actor.compute_logprobs(batch, [everything], rt.cfg.rollout.temperature)
+    micro_batches = [[i] for i in range(len(batch.tokens))]
+    trainer = rt.actor.compute_logprobs(batch, micro_batches, rt.cfg.rollout.temperature)
     from megarl.trainer.actor_update import logprob_diff
 
     local = logprob_diff(batch, trainer) if rt.actor.is_last_stage else [0.0, 0.0]

@@ -42,8 +42,9 @@ def tiny_run(tmp_path):
 def train_cli(tmp_path_factory):
     """``train_cli.run(*args, cwd=...)``: ``megarl-train`` in a forked child of a warm
     interpreter (see forked_cli.py), for tests that start many short runs."""
-    here = str(Path(__file__).parent)
-    path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
+    here = Path(__file__).parent  # the test modules runs name, and tests/ whose helpers they import
+    paths = (str(here), str(here.parent), os.environ.get("PYTHONPATH"))
+    path = os.pathsep.join(p for p in paths if p)
     server = ForkedTrain({**os.environ, "PYTHONPATH": path}, tmp_path_factory.mktemp("forked"))
     yield server
     server.close()

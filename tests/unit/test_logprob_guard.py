@@ -118,3 +118,24 @@ def test_checksum_digest_depends_on_every_tensor_and_not_on_order() -> None:
     assert checksums_digest(a) == checksums_digest(dict(reversed(list(a.items()))))
     assert checksums_digest(a) != checksums_digest({"x": (1, 2), "y": (3, 5)})
     assert len(checksums_digest(a)) == 16
+
+
+@pytest.mark.parametrize(
+    ("section", "step_check", "probed"),
+    [
+        ({}, True, True),
+        ({"actor": {"lora": {"rank": 4, "alpha": 8, "dropout": 0.1}}}, False, True),
+        ({"rollout": {"engine": "megatron"}}, True, False),
+    ],
+    ids=["plain", "lora_dropout", "megatron_engine"],
+)
+def test_what_the_guard_checks_follows_the_run(section, step_check, probed) -> None:
+    """Dropout makes the training forward differ from any engine by design, so the step check
+    is off with LoRA dropout (the probes, scored without dropout, still run); the Megatron
+    engine is the actor's own model, so there is no copy to probe."""
+    from megarl.trainer.engine_guard import build_engine_guard
+
+    guard = build_engine_guard(build_run_config(section), "float32", sleep_level=1)
+    assert guard is not None and guard.threshold == 1e-3
+    assert guard.step_check is step_check
+    assert guard.probe_on is probed and guard.probe_after_wake is probed
