@@ -80,6 +80,32 @@ def resolve_max_logprob_diff(setting: float | str | None, engine: str, dtype: st
 
 
 @dataclass(frozen=True)
+class GuardChecks:
+    """Which of the guard's checks a run makes (:func:`guard_checks`)."""
+
+    step_check: bool
+    """Compare each step's training forward with the engine. Off with LoRA dropout: dropout
+    makes the training forward differ from any engine by design (~2.6e-2 on the tiny model),
+    so only the probes (scored without dropout) check the engine then."""
+    probe_on: bool
+    """Probe after the engine starts or a resume restores it: the synchronous loop (the engine
+    is at rest between steps) with an engine that holds a copy of the weights. The Megatron
+    engine generates with the actor's own parameters: no copy a sync could corrupt."""
+    probe_after_wake: bool
+    """Probe after every wake-up and sync too: ``probe_on`` and the engine really sleeps."""
+
+
+def guard_checks(engine: str, is_async: bool, lora_dropout: float, sleep_level: int) -> GuardChecks:
+    """What the guard checks in a run of this engine, loop, LoRA dropout and sleep level."""
+    probed = not is_async and engine != "megatron"
+    return GuardChecks(
+        step_check=lora_dropout == 0,
+        probe_on=probed,
+        probe_after_wake=probed and sleep_level > 0,
+    )
+
+
+@dataclass(frozen=True)
 class SyncRecord:
     """The last time the engine's weights were set, as the line names it."""
 

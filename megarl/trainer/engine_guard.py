@@ -34,6 +34,7 @@ from megarl.planner.logprob_guard import (
     LogprobGuardError,
     SyncRecord,
     decide_logprob_guard,
+    guard_checks,
     resolve_max_logprob_diff,
 )
 
@@ -63,14 +64,9 @@ class EngineGuard:
     threshold: float
     engine: str
     probe_after_wake: bool
-    """``rollout.sleep_level > 0`` and the engine really sleeps (the same on every rank)."""
     probe_on: bool
-    """The synchronous loop (the engine is at rest between steps, so it can be probed) with an
-    engine that holds a copy of the weights (not ``rollout.engine=megatron``)."""
     step_check: bool = True
-    """Compare each step's training forward with the engine. Off with ``actor.lora.dropout >
-    0``: dropout makes the training forward differ from any engine by design (~2.6e-2 on the
-    tiny model), so only the probes (scored without dropout) check the engine then."""
+    """These three as :func:`megarl.planner.logprob_guard.guard_checks` decides them."""
     last_sync: SyncRecord | None = None
 
     def check(self, where: str, local: list[float], tp: int, consequence: str) -> float:
@@ -96,15 +92,15 @@ def build_engine_guard(cfg: RunConfig, params_dtype: str, sleep_level: int) -> E
     )
     if threshold is None or cfg.algo.is_sft:
         return None
-    # The Megatron engine generates with the actor's own parameters: there is no copy a sync
-    # could corrupt, so no probe (the step check still compares the two computations).
-    probed = not cfg.async_training.is_async and cfg.rollout.engine != "megatron"
+    checks = guard_checks(
+        cfg.rollout.engine, cfg.async_training.is_async, cfg.actor.lora.dropout, sleep_level
+    )
     return EngineGuard(
         threshold=threshold,
         engine=cfg.rollout.engine,
-        probe_after_wake=probed and sleep_level > 0,
-        probe_on=probed,
-        step_check=cfg.actor.lora.dropout == 0,
+        probe_after_wake=checks.probe_after_wake,
+        probe_on=checks.probe_on,
+        step_check=checks.step_check,
         last_sync=SyncRecord("the model's own weights", 0),
     )
 
