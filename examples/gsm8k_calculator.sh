@@ -10,14 +10,9 @@
 #
 # Output: runs/gsm8k_calculator/ (metrics.jsonl with agent/*, generations/<step>.jsonl showing each
 # trajectory's turns and which were trained).
-set -euo pipefail
-cd "$(dirname "$0")/.."
-make --no-print-directory install
-exec .venv/bin/megarl-train \
+source "$(dirname "$0")/run_example.sh"
+run_example gsm8k_calculator \
     recipe=gsm8k_tool_agent \
     trainer.total_steps=2 \
-    data.prompts_per_step=4 \
-    rollout.n=4 \
-    trainer.run_dir=runs/gsm8k_calculator \
     trainer.rollout_data_dir=runs/gsm8k_calculator/generations \
     "$@"

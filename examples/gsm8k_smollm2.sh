@@ -9,18 +9,13 @@
 #
 # The rows' data_source (openai/gsm8k) picks the reward: the number after the last "####".
 # Output: runs/gsm8k_smollm2/ (metrics.jsonl, TensorBoard, val_generations/<step>.jsonl).
-set -euo pipefail
-cd "$(dirname "$0")/.."
-make --no-print-directory install
-exec .venv/bin/megarl-train \
+source "$(dirname "$0")/run_example.sh"
+run_example gsm8k_smollm2 \
     data.train_files=examples/data/gsm8k/train.parquet \
     data.val_files=examples/data/gsm8k/test.parquet \
     trainer.val_before_train=true \
     trainer.val_interval=3 \
     trainer.total_steps=6 \
-    data.prompts_per_step=4 \
-    rollout.n=4 \
     rollout.max_new_tokens=200 \
-    trainer.run_dir=runs/gsm8k_smollm2 \
     trainer.validation_data_dir=runs/gsm8k_smollm2/val_generations \
     "$@"
