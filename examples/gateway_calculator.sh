@@ -11,8 +11,4 @@
 # Output: runs/gateway_calculator/ (metrics.jsonl with agent/* and agent/gateway/*,
 # generations/<step>.jsonl showing each trajectory's turns and which were trained).
 source "$(dirname "$0")/run_example.sh"
-run_example gateway_calculator \
-    recipe=gsm8k_openai_agent \
-    trainer.total_steps=2 \
-    trainer.rollout_data_dir=runs/gateway_calculator/generations \
-    "$@"
+run_agent_example gateway_calculator gsm8k_openai_agent "$@"

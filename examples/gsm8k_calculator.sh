@@ -11,8 +11,4 @@
 # Output: runs/gsm8k_calculator/ (metrics.jsonl with agent/*, generations/<step>.jsonl showing each
 # trajectory's turns and which were trained).
 source "$(dirname "$0")/run_example.sh"
-run_example gsm8k_calculator \
-    recipe=gsm8k_tool_agent \
-    trainer.total_steps=2 \
-    trainer.rollout_data_dir=runs/gsm8k_calculator/generations \
-    "$@"
+run_agent_example gsm8k_calculator gsm8k_tool_agent "$@"

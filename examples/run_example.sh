@@ -15,3 +15,14 @@ run_example() {
         trainer.run_dir="runs/$name" \
         "$@"
 }
+
+# Two steps of an agent recipe, each trajectory's turns saved under runs/NAME/generations.
+run_agent_example() {
+    local name=$1 recipe=$2
+    shift 2
+    run_example "$name" \
+        recipe="$recipe" \
+        trainer.total_steps=2 \
+        trainer.rollout_data_dir="runs/$name/generations" \
+        "$@"
+}
