@@ -94,19 +94,25 @@ class StepGates:
 
     def metrics(self) -> dict[str, float | str]:
         """Per-step metrics, exactly the four ``gates/*`` keys."""
-        reasons = [
-            f"old_lp: {self.old_log_prob.reason}",
-            f"ref: {self.ref_log_prob.reason}",
-            f"sync: {self.base_weight_sync.reason}",
-        ]
-        if self.teacher_log_prob.run:
-            reasons.insert(2, f"teacher: {self.teacher_log_prob.reason}")
+        reasons = [f"{label}: {gate.reason}" for label, _, gate in self._shown()]
         return {
             "gates/old_log_prob_frac": len(self.old_log_prob.seq_indices) / self.num_sequences,
             "gates/ref_log_prob": float(self.ref_log_prob.run),
             "gates/base_weight_sync": float(self.base_weight_sync.run),
             "gates/reasons": "; ".join(reasons),
         }
+
+    def _shown(self) -> list[tuple[str, str, PassGate]]:
+        """The gates the reasons and the summary show, in their order, as ``(label, action,
+        gate)``; the teacher's only when it runs."""
+        shown = [
+            ("old_lp", self._old_action(), self.old_log_prob),
+            ("ref", "run" if self.ref_log_prob.run else "skip", self.ref_log_prob),
+            ("sync", self._sync_action(), self.base_weight_sync),
+        ]
+        if self.teacher_log_prob.run:
+            shown.insert(2, ("teacher", "run", self.teacher_log_prob))
+        return shown
 
     def _old_action(self) -> str:
         """Which logprobs are "old": the engine's, or the trainer's (recomputed, and the
@@ -119,23 +125,18 @@ class StepGates:
         action = f"{recomputed}/{self.num_sequences} recompute"
         return action if recomputed == self.num_sequences else f"{action}, rest train forward"
 
+    def _sync_action(self) -> str:
+        """What the weight sync sends: the full weights, the base and/or the adapter, or nothing."""
+        if not self.adapter_sync.run:
+            return "full weights" if self.base_weight_sync.run else "skip"
+        return "base + adapter" if self.base_weight_sync.run else "adapter only"
+
     def summary(self) -> str:
         """One console line, e.g. ``old_lp: 8/16 recompute, rest train forward (mb1 after
         step) | ref: skip (actor.kl_coef=0) | sync: adapter only (engine kept base)``."""
-        old_action = self._old_action()
-        if not self.adapter_sync.run:
-            sync_action = "full weights" if self.base_weight_sync.run else "skip"
-        else:
-            sync_action = "base + adapter" if self.base_weight_sync.run else "adapter only"
-        ref_action = "run" if self.ref_log_prob.run else "skip"
-        parts = [
-            f"old_lp: {old_action} ({self.old_log_prob.reason})",
-            f"ref: {ref_action} ({self.ref_log_prob.reason})",
-            f"sync: {sync_action} ({self.base_weight_sync.reason})",
-        ]
-        if self.teacher_log_prob.run:
-            parts.insert(2, f"teacher: run ({self.teacher_log_prob.reason})")
-        return " | ".join(parts)
+        return " | ".join(
+            f"{label}: {action} ({gate.reason})" for label, action, gate in self._shown()
+        )
 
 
 @dataclass(frozen=True)
