@@ -1,15 +1,24 @@
 """Engine test helpers: references for a rollout engine's logprobs (one plain forward of the same
-weights), and the base of the fake engines that tests of the engine's callers script."""
+weights), interrupted-and-resumed sampling, and the base of the fake engines that tests of the
+engine's callers script."""
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import threading
 from collections.abc import Iterator, Sequence
 
 import torch
 
-from megarl.engines.base import EngineMemoryState, Generation, RolloutEngine
+from megarl.engines.base import (
+    EngineMemoryState,
+    Generation,
+    Request,
+    RolloutEngine,
+    SamplingParams,
+    join_pieces,
+)
 
 
 @torch.no_grad()
@@ -62,6 +71,45 @@ def random_lora(
                     param.mul_(scale)
     state = {n: t.clone() for n, t in get_peft_model_state_dict(peft_model).items()}
     return state, peft_model.merge_and_unload().eval()
+
+
+class InterruptAfter(threading.Event):
+    """An interrupt that reads as set from its ``polls``-th poll on: the engine polls once per
+    decode step (with several ranks, rank 0 does), so a call interrupted by it samples ``polls``
+    tokens per row that goes on."""
+
+    def __init__(self, polls: int) -> None:
+        super().__init__()
+        self.polls_left = polls
+
+    def is_set(self) -> bool:
+        self.polls_left -= 1
+        return self.polls_left <= 0
+
+
+def sample_with_interruptions(
+    engine: RolloutEngine, requests: Sequence[Request], params: SamplingParams, polls: int
+) -> tuple[list[Generation], list[list[Generation]]]:
+    """Sample ``requests`` with every call interrupted after ``polls`` tokens, resuming the
+    interrupted responses from their tokens so far until none is left; return the joined
+    responses (:func:`~megarl.engines.base.join_pieces`) and each request's pieces."""
+    pieces: list[list[Generation]] = [[] for _ in requests]
+    pending = list(range(len(requests)))
+    while pending:
+        calls = [
+            Request(
+                requests[i].prompt_ids,
+                requests[i].seed,
+                tuple(t for piece in pieces[i] for t in piece.response_ids),
+            )
+            for i in pending
+        ]
+        generations = engine.generate_requests(calls, params, InterruptAfter(polls))
+        for i, generation in zip(pending, generations, strict=True):
+            assert generation.response_ids, "a call must sample at least one token per request"
+            pieces[i].append(generation)
+        pending = [i for i, g in zip(pending, generations, strict=True) if g.interrupted]
+    return [join_pieces(parts) for parts in pieces], pieces
 
 
 class GenerateOnlyEngine(RolloutEngine):

@@ -23,6 +23,33 @@ TINY_HF_CONFIG = {
 }
 """The tiny Llama the export, LoRA and equivalence tests build with random weights."""
 
+TINY_MOE_HF_CONFIGS = {
+    "qwen3_moe": dict(
+        TINY_HF_CONFIG,
+        model_type="qwen3_moe",
+        head_dim=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=48,
+        norm_topk_prob=False,
+    ),
+    "mixtral": dict(
+        TINY_HF_CONFIG, model_type="mixtral", num_local_experts=4, num_experts_per_tok=2
+    ),
+    "qwen2_moe": dict(
+        TINY_HF_CONFIG,
+        model_type="qwen2_moe",
+        num_hidden_layers=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=48,
+        shared_expert_intermediate_size=80,
+    ),
+}
+"""Tiny MoE models on :data:`TINY_HF_CONFIG`: 4 experts, top-2; Qwen3-MoE without top-k
+renormalisation, Mixtral with; Qwen2-MoE (q/k/v bias, no renormalisation) with a gated shared
+expert beside the routed ones. What the multi-rank Megatron tests build."""
+
 TWO_LAYER_DIMS = {
     "vocab_size": 64,
     "hidden_size": 32,

@@ -8,16 +8,14 @@ the uninterrupted responses.
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
-from helpers.engines import reference_logprobs
-from helpers.models import TINY_HF_CONFIG
+from helpers.engines import reference_logprobs, sample_with_interruptions
+from helpers.models import TINY_HF_CONFIG, TINY_MOE_HF_CONFIGS
 from helpers.ranks import start_cpu_rank
 
 from megarl.distributed.launcher import launch
-from megarl.engines.base import Request, SamplingParams, join_pieces, request_seed
+from megarl.engines.base import Request, SamplingParams, request_seed
 from megarl.models.random_init import build_random_hf_model
 
 pytestmark = pytest.mark.slow
@@ -26,47 +24,6 @@ EOS = 2
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [20, 21, 22, 23], [40]] * 2
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=8)
 SAMPLED = SamplingParams(temperature=0.9, top_p=0.9, max_new_tokens=8, seed=7)
-QWEN3_MOE = dict(
-    TINY_HF_CONFIG,
-    model_type="qwen3_moe",
-    head_dim=32,
-    num_experts=4,
-    num_experts_per_tok=2,
-    moe_intermediate_size=48,
-    norm_topk_prob=False,
-)
-
-
-class InterruptAfter(threading.Event):
-    """Reads as set from its ``polls``-th poll on (rank 0 polls once per decode step)."""
-
-    def __init__(self, polls: int) -> None:
-        super().__init__()
-        self.polls_left = polls
-
-    def is_set(self) -> bool:
-        self.polls_left -= 1
-        return self.polls_left <= 0
-
-
-def _generate_interrupted(engine, params: SamplingParams, polls: int):
-    requests = [Request(tuple(p), request_seed(params.seed, i)) for i, p in enumerate(PROMPTS)]
-    pieces: list[list] = [[] for _ in requests]
-    pending = list(range(len(requests)))
-    while pending:
-        calls = [
-            Request(
-                requests[i].prompt_ids,
-                requests[i].seed,
-                tuple(t for piece in pieces[i] for t in piece.response_ids),
-            )
-            for i in pending
-        ]
-        generations = engine.generate_requests(calls, params, InterruptAfter(polls))
-        for i, generation in zip(pending, generations, strict=True):
-            pieces[i].append(generation)
-        pending = [i for i, g in zip(pending, generations, strict=True) if g.interrupted]
-    return [join_pieces(parts) for parts in pieces]
 
 
 def _worker(ctx, tp: int, pp: int, ep: int, hf_config: dict, state: dict):
@@ -85,10 +42,11 @@ def _worker(ctx, tp: int, pp: int, ep: int, hf_config: dict, state: dict):
     engine.bind_model(actor.chunks)
     result = None
     if ctx.rank == 0:
+        requests = [Request(tuple(p), request_seed(SAMPLED.seed, i)) for i, p in enumerate(PROMPTS)]
         result = {
             "greedy": engine.generate(PROMPTS, GREEDY),
             "sampled": engine.generate(PROMPTS, SAMPLED),
-            "resumed": _generate_interrupted(engine, SAMPLED, polls=3),
+            "resumed": sample_with_interruptions(engine, requests, SAMPLED, polls=3)[0],
         }
         engine.release_followers()
     elif follows_driver():
@@ -100,7 +58,11 @@ def _worker(ctx, tp: int, pp: int, ep: int, hf_config: dict, state: dict):
 
 @pytest.mark.parametrize(
     ("hf_config", "tp", "pp", "ep"),
-    [(TINY_HF_CONFIG, 2, 1, 1), (TINY_HF_CONFIG, 1, 2, 1), (QWEN3_MOE, 1, 1, 2)],
+    [
+        (TINY_HF_CONFIG, 2, 1, 1),
+        (TINY_HF_CONFIG, 1, 2, 1),
+        (TINY_MOE_HF_CONFIGS["qwen3_moe"], 1, 1, 2),
+    ],
     ids=["tp2", "pp2", "qwen3_moe-ep2"],
 )
 def test_rank_zero_samples_what_one_process_samples(hf_config, tp, pp, ep, tmp_path):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.models import TINY_HF_CONFIG
+from helpers.models import TINY_HF_CONFIG, TINY_MOE_HF_CONFIGS
 from helpers.ranks import cpu_actor, start_cpu_rank
 
 from megarl.distributed.launcher import launch
@@ -125,31 +125,6 @@ def test_tiny_qwen3_matches_hf(tp, pp):
     _assert_matches(results, 1e-5)
 
 
-MOE = {
-    "qwen3_moe": dict(
-        TINY,
-        model_type="qwen3_moe",
-        head_dim=32,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=48,
-        norm_topk_prob=False,
-    ),
-    "mixtral": dict(TINY, model_type="mixtral", num_local_experts=4, num_experts_per_tok=2),
-    "qwen2_moe": dict(
-        TINY,
-        model_type="qwen2_moe",
-        num_hidden_layers=2,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=48,
-        shared_expert_intermediate_size=80,
-    ),
-}
-"""Tiny MoE models: 4 experts, top-2; Qwen3-MoE without top-k renormalisation, Mixtral with;
-Qwen2-MoE (q/k/v bias, no renormalisation) with a gated shared expert beside the routed ones."""
-
-
 @pytest.mark.parametrize(
     ("family", "tp", "pp", "ep"),
     [
@@ -180,7 +155,7 @@ def test_tiny_moe_matches_hf(family, tp, pp, ep, tmp_path):
     (11 positions, padded to 12) through experts whose intermediate size is split over TP. Under
     PP each stage holds one layer with its experts, and the exporter takes each stage's experts
     from that stage's expert ranks."""
-    cfg = MOE[family]
+    cfg = TINY_MOE_HF_CONFIGS[family]
     ids, ref_logits, state = _reference(cfg, 7, save_to=tmp_path)
     assert any(".experts.3." in name for name in state)
     args = (tp, pp, cfg, ids, ref_logits, state, ep, 3)
@@ -193,7 +168,7 @@ def test_tiny_moe_matches_hf(family, tp, pp, ep, tmp_path):
     [
         (TINY, "model.layers.1.mlp.up_proj.weight", 1.01),
         # a zero gate is sigmoid = 1/2 for every token: what an ignored gate would compute
-        (MOE["qwen2_moe"], "model.layers.1.mlp.shared_expert_gate.weight", 0.0),
+        (TINY_MOE_HF_CONFIGS["qwen2_moe"], "model.layers.1.mlp.shared_expert_gate.weight", 0.0),
     ],
     ids=["llama-up_proj", "qwen2_moe-shared_expert_gate"],
 )

@@ -23,7 +23,12 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
-from helpers.engines import megatron_engine, megatron_world
+from helpers.engines import (
+    InterruptAfter,
+    megatron_engine,
+    megatron_world,
+    sample_with_interruptions,
+)
 from helpers.models import MOE_EXPERTS
 from test_engine_hf import (
     EOS,
@@ -68,19 +73,6 @@ def make(request):
 SAMPLED = SamplingParams(temperature=0.8, top_p=0.9, max_new_tokens=12)
 
 
-class InterruptAfter(threading.Event):
-    """An interrupt that reads as set from its ``polls``-th poll on: the engine polls once per
-    decode step, so a call interrupted by it samples ``polls`` tokens per row that goes on."""
-
-    def __init__(self, polls: int) -> None:
-        super().__init__()
-        self.polls_left = polls
-
-    def is_set(self) -> bool:
-        self.polls_left -= 1
-        return self.polls_left <= 0
-
-
 def requests_for(prompts: Sequence[Sequence[int]], seed: int = 11) -> list[Request]:
     return [Request(tuple(p), request_seed(seed, i)) for i, p in enumerate(prompts)]
 
@@ -96,45 +88,6 @@ def assert_same_responses(got: Sequence[Generation], expected: Sequence[Generati
             atol=LOGPROB_ATOL,
             rtol=0,
         )
-
-
-def sample_with_interruptions(
-    engine: RolloutEngine, requests: Sequence[Request], params: SamplingParams, polls: int
-) -> tuple[list[Generation], list[list[Generation]]]:
-    """Sample ``requests`` with every call interrupted after ``polls`` tokens, resuming the
-    interrupted responses until none is left; return the joined responses and each request's
-    pieces."""
-    pieces: list[list[Generation]] = [[] for _ in requests]
-    pending = list(range(len(requests)))
-    while pending:
-        calls = [
-            Request(
-                requests[i].prompt_ids,
-                requests[i].seed,
-                tuple(t for piece in pieces[i] for t in piece.response_ids),
-            )
-            for i in pending
-        ]
-        generations = engine.generate_requests(calls, params, InterruptAfter(polls))
-        for i, generation in zip(pending, generations, strict=True):
-            assert generation.response_ids, "a call must sample at least one token per request"
-            pieces[i].append(generation)
-        pending = [i for i, g in zip(pending, generations, strict=True) if g.interrupted]
-    return [join(request, parts) for request, parts in zip(requests, pieces, strict=True)], pieces
-
-
-def join(request: Request, pieces: Sequence[Generation]) -> Generation:
-    """One response from the pieces its calls returned (routing included, for MoE models)."""
-    routings = [p.routed_experts for p in pieces if p.routed_experts is not None]
-    routed = torch.cat(routings) if routings else None
-    return Generation(
-        request.prompt_ids,
-        tuple(t for p in pieces for t in p.response_ids),
-        tuple(lp for p in pieces for lp in p.response_logprobs),
-        pieces[-1].finished,
-        routed,
-        pieces[0].prompt_routed_experts,
-    )
 
 
 # --- batch independence -----------------------------------------------------------------------
