@@ -30,6 +30,18 @@ from typing import TypedDict
 import torch
 
 
+def _check_lengths(
+    what: str, tensors: Sequence[torch.Tensor] | None, expected: list[int], unit: str
+) -> None:
+    """Raise unless each sequence's tensor of an optional per-position field (None: absent) is
+    as long as ``expected`` says."""
+    if tensors is None:
+        return
+    lengths = [len(t) for t in tensors]
+    if lengths != expected:
+        raise ValueError(f"{what} of {lengths} {unit}, {expected}")
+
+
 @dataclass(frozen=True)
 class RolloutBatch:
     """One step's rollouts; identical on every rank."""
@@ -81,24 +93,16 @@ class RolloutBatch:
                 raise ValueError(
                     f"sequence {i}: {len(toks)} tokens, prompt {plen}, {len(lp)} response logprobs"
                 )
-        if self.engine_input_routing is not None:
-            routed = [len(r) for r in self.engine_input_routing]
-            if routed != self.seq_lens:
-                raise ValueError(f"engine input routing of {routed} positions, {self.seq_lens}")
-        if self.engine_routing is not None:
-            routed = [len(r) for r in self.engine_routing]
-            if routed != [len(lp) for lp in self.engine_logprobs]:
-                raise ValueError(
-                    f"engine routing of {routed} tokens, responses {self.response_lens}"
-                )
-        if self.behaviour_versions is not None:
-            tagged = [len(v) for v in self.behaviour_versions]
-            if tagged != self.response_lens:
-                raise ValueError(f"behaviour versions of {tagged} tokens, {self.response_lens}")
-        if self.response_masks is not None:
-            masked = [len(m) for m in self.response_masks]
-            if masked != self.response_lens:
-                raise ValueError(f"response masks of {masked} tokens, {self.response_lens}")
+        _check_lengths(
+            "engine input routing", self.engine_input_routing, self.seq_lens, "positions"
+        )
+        per_response_token = (
+            ("engine routing", self.engine_routing),
+            ("behaviour versions", self.behaviour_versions),
+            ("response masks", self.response_masks),
+        )
+        for what, tensors in per_response_token:
+            _check_lengths(what, tensors, self.response_lens, "tokens")
 
     @property
     def num_seqs(self) -> int:
