@@ -3,26 +3,18 @@ optional field is checked against the positions (input routing) or response toke
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
-
-from megarl.batch import RolloutBatch
+from helpers.batches import random_batch
 
 # two sequences: 5 positions (prompt 2, response 3) and 4 positions (prompt 3, response 1)
-TOKENS = (torch.arange(10, 15), torch.arange(20, 24))
-PROMPT_LENS = (2, 3)
+BATCH = random_batch([5, 4], [2, 3], vocab_size=32, advantages=torch.zeros(2), seed=0)
 
 
-def _batch(**fields) -> RolloutBatch:
-    return RolloutBatch(
-        tokens=TOKENS,
-        prompt_lens=PROMPT_LENS,
-        group_ids=torch.tensor([0, 0]),
-        rewards=torch.tensor([1.0, 0.0]),
-        advantages=torch.tensor([0.5, -0.5]),
-        engine_logprobs=(torch.zeros(3), torch.zeros(1)),
-        **fields,
-    )
+def _with(field: str, lengths: tuple[int, ...]):
+    return dataclasses.replace(BATCH, **{field: tuple(torch.zeros(n) for n in lengths)})
 
 
 @pytest.mark.parametrize(
@@ -40,7 +32,7 @@ def _batch(**fields) -> RolloutBatch:
     ],
 )
 def test_a_per_position_field_of_the_wrong_length_is_refused(field, right, wrong, message):
-    assert getattr(_batch(**{field: tuple(torch.zeros(n) for n in right)}), field) is not None
+    assert getattr(_with(field, right), field) is not None
     with pytest.raises(ValueError) as refused:
-        _batch(**{field: tuple(torch.zeros(n) for n in wrong)})
+        _with(field, wrong)
     assert str(refused.value) == message
