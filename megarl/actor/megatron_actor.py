@@ -309,8 +309,8 @@ class MegatronActor:
         token of every sequence this rank runs) replace the batch's per-sequence advantages.
         ``before_update``: see :meth:`_optimizer_step`.
         """
-        loss_fn = partial(
-            self._training_loss,
+        step_loss = partial(
+            training_loss,
             batch=batch,
             old=old_logprobs or {},
             ref=ref_logprobs,
@@ -319,6 +319,7 @@ class MegatronActor:
             capture=capture_logprobs,
             token_advantages=token_advantages,
         )
+        loss_fn = partial(self._training_loss, step_loss, loss.temperature)
         stats, grad_norm = self._optimizer_step(
             batch, step, dp_rank, loss_fn, router_loss=True, before_update=before_update
         )
@@ -432,33 +433,16 @@ class MegatronActor:
 
     def _training_loss(
         self,
+        step_loss: Callable[..., tuple[torch.Tensor, torch.Tensor, dict[str, Any]]],
+        temperature: float,
         mb: MicroBatchTensors,
         logits,
-        *,
-        batch,
-        old,
-        ref,
-        loss: LossSettings,
-        denom: float,
-        capture: bool,
-        token_advantages: Mapping[int, torch.Tensor] | None = None,
     ):
-        logp_BL, entropy_BL = self._logprobs_and_entropy(
-            logits, mb, loss.temperature, with_entropy=True
-        )
+        """The micro-batch's logprobs and entropy from the model's logits, then ``step_loss``
+        (:func:`~megarl.actor.training_loss.training_loss` bound to the step's inputs) of them."""
+        logp_BL, entropy_BL = self._logprobs_and_entropy(logits, mb, temperature, with_entropy=True)
         assert entropy_BL is not None  # asked for with_entropy=True
-        return training_loss(
-            logp_BL,
-            entropy_BL,
-            mb,
-            batch=batch,
-            old=old,
-            ref=ref,
-            loss=loss,
-            denom=denom,
-            capture=capture,
-            token_advantages=token_advantages,
-        )
+        return step_loss(logp_BL, entropy_BL, mb)
 
     def _finalize_grads(self) -> None:
         from megatron.core.distributed import finalize_model_grads
