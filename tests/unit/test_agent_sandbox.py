@@ -9,6 +9,7 @@ of what is missing (``SandboxReport.missing``), never passed vacuously.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import signal
@@ -95,6 +96,33 @@ def attempt(setup: str, action: str, done: str) -> str:
         f"{setup}\ntry:\n{body}    print({done!r})\n"
         "except OSError as e:\n    print('BLOCKED', type(e).__name__, e.errno)"
     )
+
+
+def assert_nothing_arrived(listener: socket.socket) -> None:
+    """No connection (a stream socket) or datagram reached ``listener``."""
+    listener.setblocking(False)
+    datagram = listener.type == socket.SOCK_DGRAM
+    with pytest.raises(BlockingIOError):
+        listener.recv(16) if datagram else listener.accept()  # nobody knocked
+
+
+@contextlib.contextmanager
+def unix_service(folder_mode: int) -> Iterator[Path]:
+    """A listening Unix socket anyone may use (mode 0777, like Ray's), in a new folder under
+    /tmp of ``folder_mode``; on leaving, nothing may have reached it, and both are removed."""
+    folder = Path(tempfile.mkdtemp(prefix="megarl-sock-", dir="/tmp"))
+    folder.chmod(folder_mode)
+    path = folder / "service.sock"
+    try:
+        with socket.socket(socket.AF_UNIX) as server:
+            server.bind(str(path))
+            path.chmod(0o777)
+            server.listen()
+            yield path
+            assert_nothing_arrived(server)
+    finally:
+        path.unlink(missing_ok=True)
+        folder.rmdir()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -321,9 +349,7 @@ def test_no_tcp_connection(work_root: str, report: SandboxReport) -> None:
             "CONNECTED",
         )
         result = run(code, work_root)
-        server.setblocking(False)
-        with pytest.raises(BlockingIOError):
-            server.accept()  # nobody knocked
+        assert_nothing_arrived(server)
     assert result.stdout.startswith("BLOCKED"), result.stdout + result.stderr
 
 
@@ -338,31 +364,19 @@ def test_no_network_at_all(work_root: str, report: SandboxReport) -> None:
             "SENT",
         )
         result = run(code, work_root)
-        receiver.setblocking(False)
-        with pytest.raises(BlockingIOError):
-            receiver.recv(16)
+        assert_nothing_arrived(receiver)
     assert result.stdout.startswith("BLOCKED"), result.stdout + result.stderr
 
 
 def test_host_unix_sockets_unreachable(work_root: str, report: SandboxReport) -> None:
     need(report, "private-root")  # Landlock alone does not control connect() to a socket path
-    folder = Path(tempfile.mkdtemp(prefix="megarl-sock-", dir="/tmp"))
-    folder.chmod(0o777)
-    path = folder / "service.sock"
-    try:
-        with socket.socket(socket.AF_UNIX) as server:
-            server.bind(str(path))
-            path.chmod(0o777)  # like a service socket anyone may use (Ray's, say)
-            server.listen()
-            code = attempt(
-                "import socket",
-                f"s = socket.socket(socket.AF_UNIX)\ns.connect({str(path)!r})",
-                "CONNECTED",
-            )
-            result = run(code, work_root)
-    finally:
-        path.unlink(missing_ok=True)
-        folder.rmdir()
+    with unix_service(0o777) as path:
+        code = attempt(
+            "import socket",
+            f"s = socket.socket(socket.AF_UNIX)\ns.connect({str(path)!r})",
+            "CONNECTED",
+        )
+        result = run(code, work_root)
     assert result.stdout.startswith("BLOCKED"), result.stdout + result.stderr
 
 
@@ -629,27 +643,14 @@ def test_address_families_outside_the_network_namespace_refused(work_root: str) 
 
 def test_unix_socket_in_a_read_path_unreachable(work_root: str) -> None:
     """A service socket anyone may use (mode 0777), in a folder the program may read."""
-    folder = Path(tempfile.mkdtemp(prefix="megarl-sock-", dir="/tmp"))
-    folder.chmod(0o755)
-    path = folder / "service.sock"
-    try:
-        with socket.socket(socket.AF_UNIX) as server:
-            server.bind(str(path))
-            path.chmod(0o777)
-            server.listen()
-            code = (
-                "import socket\nfor kind in (socket.SOCK_STREAM, socket.SOCK_DGRAM):\n    try:\n"
-                "        s = socket.socket(socket.AF_UNIX, kind)\n"
-                f"        s.connect({str(path)!r})\n        print('CONNECTED')\n"
-                "    except OSError as e:\n        print('BLOCKED', type(e).__name__)"
-            )
-            result = run(code, work_root, PATIENT, read_paths=[str(folder)])
-            server.setblocking(False)
-            with pytest.raises(BlockingIOError):
-                server.accept()  # nobody knocked
-    finally:
-        path.unlink(missing_ok=True)
-        folder.rmdir()
+    with unix_service(0o755) as path:
+        code = (
+            "import socket\nfor kind in (socket.SOCK_STREAM, socket.SOCK_DGRAM):\n    try:\n"
+            "        s = socket.socket(socket.AF_UNIX, kind)\n"
+            f"        s.connect({str(path)!r})\n        print('CONNECTED')\n"
+            "    except OSError as e:\n        print('BLOCKED', type(e).__name__)"
+        )
+        result = run(code, work_root, PATIENT, read_paths=[str(path.parent)])
     assert result.stdout.count("BLOCKED") == 2, result.stdout + result.stderr
 
 
