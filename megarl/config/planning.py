@@ -174,17 +174,12 @@ def every_sequence_inputs(cfg: RunConfig, header: RolloutShard) -> PlannerInputs
     )
 
 
-def critic_planner_inputs(
-    cfg: RunConfig,
-    seq_tokens: Sequence[int],
-    response_tokens: Sequence[int],
-    advantages: Sequence[float],
-    group_ids: Sequence[int],
-) -> PlannerInputs:
-    """The critic's plan: its own mini-batches, epochs and aggregation, every sequence trained
-    (a value loss does not vanish at advantage 0, see ``pruning_refusal``)."""
+def critic_planner_inputs(cfg: RunConfig, actor_inputs: PlannerInputs) -> PlannerInputs:
+    """The critic's plan of the batch the actor's ``actor_inputs`` (:func:`planner_inputs`)
+    describe: its own mini-batches, epochs and aggregation, every sequence trained (a value loss
+    does not vanish at advantage 0, see ``pruning_refusal``)."""
     return dataclasses.replace(
-        planner_inputs(cfg, seq_tokens, response_tokens, advantages, group_ids),
+        actor_inputs,
         loss_agg=cfg.critic.loss_agg,
         kl_coef=0.0,
         entropy_coef=0.0,

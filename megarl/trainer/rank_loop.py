@@ -551,16 +551,17 @@ def _record_step(
 def _plans(rt: Runtime, header: RolloutShard) -> tuple[StepPlan, StepPlan | None]:
     """The actor's plan of the step, and the critic's (its own mini-batches and epochs) when
     there is a critic: pure functions of the broadcast header, the same on every rank."""
-    facts = (
+    inputs = planning.planner_inputs(
+        rt.cfg,
         header.seq_lens,
         header.trained_lens,
         header.advantages.tolist(),
         header.group_ids.tolist(),
     )
-    plan = plan_step(planning.planner_inputs(rt.cfg, *facts))
+    plan = plan_step(inputs)
     if rt.critic is None:
         return plan, None
-    return plan, plan_step(planning.critic_planner_inputs(rt.cfg, *facts))
+    return plan, plan_step(planning.critic_planner_inputs(rt.cfg, inputs))
 
 
 # --- checkpoints (megarl.checkpoint) ----------------------------------------------------------
