@@ -339,32 +339,44 @@ def test_cannot_write_outside_its_folder(
     assert (run_dir / "secret.txt").read_text() == "topsecret-run-file"
 
 
-def test_no_tcp_connection(work_root: str, report: SandboxReport) -> None:
-    need(report, "network", "landlock-net")
-    with socket.create_server(("127.0.0.1", 0)) as server:
-        port = server.getsockname()[1]
-        code = attempt(
+@pytest.mark.parametrize(
+    ("kind", "needs", "setup", "action", "done"),
+    [
+        pytest.param(
+            socket.SOCK_STREAM,
+            ("network", "landlock-net"),
             "import socket",
-            f"socket.create_connection(('127.0.0.1', {port}), timeout=1)",
+            "socket.create_connection(('127.0.0.1', {port}), timeout=1)",
             "CONNECTED",
-        )
-        result = run(code, work_root)
-        assert_nothing_arrived(server)
-    assert result.stdout.startswith("BLOCKED"), result.stdout + result.stderr
-
-
-def test_no_network_at_all(work_root: str, report: SandboxReport) -> None:
-    need(report, "network")  # Landlock alone blocks TCP only: this needs a network namespace
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as receiver:
-        receiver.bind(("127.0.0.1", 0))
-        port = receiver.getsockname()[1]
-        code = attempt(
+            id="tcp",
+        ),
+        pytest.param(  # Landlock alone blocks TCP only: this needs a network namespace
+            socket.SOCK_DGRAM,
+            ("network",),
             "import socket\ns = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)",
-            f"s.sendto(b'leak', ('127.0.0.1', {port}))",
+            "s.sendto(b'leak', ('127.0.0.1', {port}))",
             "SENT",
-        )
+            id="udp",
+        ),
+    ],
+)
+def test_no_traffic_to_the_host(
+    kind: int,
+    needs: tuple[str, ...],
+    setup: str,
+    action: str,
+    done: str,
+    work_root: str,
+    report: SandboxReport,
+) -> None:
+    need(report, *needs)
+    with socket.socket(socket.AF_INET, kind) as listener:
+        listener.bind(("127.0.0.1", 0))
+        if kind == socket.SOCK_STREAM:
+            listener.listen()
+        code = attempt(setup, action.format(port=listener.getsockname()[1]), done)
         result = run(code, work_root)
-        assert_nothing_arrived(receiver)
+        assert_nothing_arrived(listener)
     assert result.stdout.startswith("BLOCKED"), result.stdout + result.stderr
 
 
