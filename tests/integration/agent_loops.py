@@ -18,26 +18,43 @@ class OwnReward(TwoTurns):
         return traj
 
 
-class ExitsZero(TwoTurns):
-    """A loop whose check of sample 2 ends in ``sys.exit(0)`` (as ``unittest.main()`` does)."""
+class EndsAtSample2(TwoTurns):
+    """A loop whose own code ends abruptly on sample 2, once its trajectory is built: how is
+    :meth:`end`."""
+
+    def end(self) -> None:
+        raise NotImplementedError
 
     async def run(self, sample, ctx):
+        traj = await super().run(sample, ctx)
+        if sample.index == 2:
+            self.end()
+        return traj
+
+
+class ExitsZero(EndsAtSample2):
+    """``sys.exit(0)`` on sample 2 (as ``unittest.main()`` does)."""
+
+    def end(self) -> None:
         import sys
 
-        traj = await super().run(sample, ctx)
-        if sample.index == 2:
-            sys.exit(0)
-        return traj
+        sys.exit(0)
 
 
-class Interrupts(TwoTurns):
-    """A loop whose code raises ``KeyboardInterrupt`` itself on sample 2 (no Ctrl-C)."""
+class Interrupts(EndsAtSample2):
+    """``KeyboardInterrupt`` raised by the loop itself on sample 2 (no Ctrl-C)."""
 
-    async def run(self, sample, ctx):
-        traj = await super().run(sample, ctx)
-        if sample.index == 2:
-            raise KeyboardInterrupt
-        return traj
+    def end(self) -> None:
+        raise KeyboardInterrupt
+
+
+class QuitsProcess(EndsAtSample2):
+    """``os._exit(0)`` on sample 2 (a one-process run's own process)."""
+
+    def end(self) -> None:
+        import os
+
+        os._exit(0)
 
 
 class AbandonsAThread(TwoTurns):
@@ -51,15 +68,3 @@ class AbandonsAThread(TwoTurns):
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(asyncio.to_thread(time.sleep, 3), 0.05)
         return await super().run(sample, ctx)
-
-
-class QuitsProcess(TwoTurns):
-    """A loop whose code calls ``os._exit(0)`` on sample 2 (a one-process run's own process)."""
-
-    async def run(self, sample, ctx):
-        import os
-
-        traj = await super().run(sample, ctx)
-        if sample.index == 2:
-            os._exit(0)
-        return traj
