@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -85,6 +86,34 @@ def _failed_after(launcher, mark: Path) -> tuple[str, float]:
     return stderr, detect_s
 
 
+def _freeze_rank_1(
+    tmp_path: Path,
+    at_step: int,
+    timeout_s: int,
+    started: Callable[[subprocess.Popen, Path], list[psutil.Process]],
+    **overrides,
+) -> tuple[list[psutil.Process], str, float]:
+    """A run of ``at_step + 1`` steps whose rank 1 freezes at step ``at_step`` (its main loop
+    stops, its process lives on), collectives timing out after ``timeout_s``. Returns what
+    ``started(launcher, mark)`` found running, the run's one error line, and the seconds from
+    the freeze to the launcher's exit."""
+    mark = tmp_path / "frozen_at"
+    launcher = _start(
+        tmp_path,
+        steps=at_step + 1,
+        env={"MEGARL_FAULT_FREEZE": f"1:{at_step}", "MEGARL_FAULT_INJECT_MARK": str(mark)},
+        **overrides,
+        **{"trainer.collective_timeout_s": timeout_s},
+    )
+    try:
+        processes = started(launcher, mark)
+        stderr, detect_s = _failed_after(launcher, mark)
+    finally:
+        launcher.kill()
+    [line] = _errors(stderr)
+    return processes, line, detect_s
+
+
 def test_second_run_on_a_live_run_dir_is_refused(tmp_path):
     """The run_dir's lock names a live process on this host: refused with its host and pid,
     exit 2, and nothing of the run is written (no model placed, no metrics)."""
@@ -152,19 +181,10 @@ def test_frozen_rank_is_named_with_its_phase(tmp_path):
     """Rank 1's main loop freezes at step 2 (its process and heartbeat thread live on). Rank 0
     times out waiting for it; the one error line names rank 1, its node and what it was doing,
     within the timeout plus a margin, and no worker is left."""
-    timeout_s, mark = 15, tmp_path / "frozen_at"
-    launcher = _start(
-        tmp_path,
-        steps=3,
-        env={"MEGARL_FAULT_FREEZE": "1:2", "MEGARL_FAULT_INJECT_MARK": str(mark)},
-        **{"trainer.collective_timeout_s": timeout_s},
+    timeout_s = 15
+    workers, line, detect_s = _freeze_rank_1(
+        tmp_path, 2, timeout_s, lambda launcher, _: _training_workers(launcher, tmp_path / "run")
     )
-    try:
-        workers = _training_workers(launcher, tmp_path / "run")
-        stderr, detect_s = _failed_after(launcher, mark)
-    finally:
-        launcher.kill()
-    [line] = _errors(stderr)
     assert f"actor rank 1 on node {socket.gethostname()} failed: stopped responding" in line, line
     assert "during rollout of step 2" in line, line
     _assert_gone(workers, 1.0)
@@ -278,20 +298,10 @@ def test_ray_frozen_rank_is_named_with_its_phase(tmp_path):
     """Rank 1's loop freezes at step 1 inside its Ray actor; rank 0's collective times out. The
     one line names rank 1, its node and phase (not rank 0's timeout) within the timeout plus a
     margin, and no ray:: process is left."""
-    timeout_s, mark = 8, tmp_path / "frozen_at"
-    launcher = _start(
-        tmp_path,
-        steps=2,
-        env={"MEGARL_FAULT_FREEZE": "1:1", "MEGARL_FAULT_INJECT_MARK": str(mark)},
-        **RAY,
-        **{"trainer.collective_timeout_s": timeout_s},
+    timeout_s = 8
+    processes, line, detect_s = _freeze_rank_1(
+        tmp_path, 1, timeout_s, lambda launcher, mark: _ray_started(launcher, mark.exists), **RAY
     )
-    try:
-        processes = _ray_started(launcher, mark.exists)
-        stderr, detect_s = _failed_after(launcher, mark)
-    finally:
-        launcher.kill()
-    [line] = _errors(stderr)
     assert f"actor rank 1 on node {socket.gethostname()} (" in line, line
     assert "failed: stopped responding: no progress for" in line, line
     assert line.endswith("during rollout of step 1; then 1 other rank(s) failed"), line
