@@ -22,6 +22,7 @@ import pickle
 import torch
 
 from megarl.batch import RolloutBatch
+from megarl.config.planning import batch_facts
 from megarl.engines.base import EngineMemoryState
 from megarl.planner.batch_planner import plan_step
 from megarl.planner.inputs import PlannerInputs
@@ -64,10 +65,7 @@ def sizes(batch: RolloutBatch, dp: int) -> tuple[int, int, int]:
     before = len(pickle.dumps((batch, *extra)))
     plan = plan_step(
         PlannerInputs(
-            seq_tokens=tuple(batch.seq_lens),
-            response_tokens=tuple(batch.response_lens),
-            advantages=tuple(batch.advantages.tolist()),
-            group_ids=tuple(batch.group_ids.tolist()),
+            **batch_facts(batch),
             dp_size=dp,
             ppo_mini_batches=4,
             mode="match_loss_curve",

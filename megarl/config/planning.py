@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypedDict
 
 from megarl.algo.policy_losses import SECOND_MOMENT_LOSSES, ClipSettings, zero_advantage_term
 from megarl.config.schema import RunConfig
@@ -22,7 +22,7 @@ from megarl.planner.staleness import trainer_version
 from megarl.planner.step_plan import StepPlan
 
 if TYPE_CHECKING:  # the batch types carry tensors; planning reads only their sizes
-    from megarl.batch import RolloutShard
+    from megarl.batch import RolloutBatch, RolloutShard
 
 
 def prune_mode(cfg: RunConfig) -> tuple[str, str]:
@@ -161,6 +161,26 @@ def planner_inputs(
         echo_coef=a.echo_coef,
         loss_term=policy_loss_term(cfg),
         micro_batch_multiple=a.micro_batch_multiple,
+    )
+
+
+class BatchFacts(TypedDict):
+    """The per-sequence fields of :class:`PlannerInputs` (keywords to it)."""
+
+    seq_tokens: tuple[int, ...]
+    response_tokens: tuple[int, ...]
+    advantages: tuple[float, ...]
+    group_ids: tuple[int, ...]
+
+
+def batch_facts(batch: RolloutBatch | RolloutShard) -> BatchFacts:
+    """What the planner reads of ``batch`` (a shard's header will do): each sequence's length,
+    trained response tokens, advantage and group."""
+    return BatchFacts(
+        seq_tokens=tuple(batch.seq_lens),
+        response_tokens=tuple(batch.trained_lens),
+        advantages=tuple(batch.advantages.tolist()),
+        group_ids=tuple(batch.group_ids.tolist()),
     )
 
 

@@ -551,13 +551,7 @@ def _record_step(
 def _plans(rt: Runtime, header: RolloutShard) -> tuple[StepPlan, StepPlan | None]:
     """The actor's plan of the step, and the critic's (its own mini-batches and epochs) when
     there is a critic: pure functions of the broadcast header, the same on every rank."""
-    inputs = planning.planner_inputs(
-        rt.cfg,
-        header.seq_lens,
-        header.trained_lens,
-        header.advantages.tolist(),
-        header.group_ids.tolist(),
-    )
+    inputs = planning.planner_inputs(rt.cfg, **planning.batch_facts(header))
     plan = plan_step(inputs)
     if rt.critic is None:
         return plan, None

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from megarl.actor.megatron_actor import TrainStepResult
 from megarl.actor.train_stats import OptimizerStepStats
 from megarl.batch import RolloutBatch
+from megarl.config.planning import batch_facts
 from megarl.config.schema import RunConfig
 from megarl.critic.megatron_critic import CriticStepResult
 from megarl.critic.value_stats import CriticStepStats
@@ -73,10 +74,7 @@ def _batch_and_plan(n: int = 8, ppo_epochs: int = 1):
     )
     plan = plan_step(
         PlannerInputs(
-            seq_tokens=tuple(batch.seq_lens),
-            response_tokens=tuple(batch.response_lens),
-            advantages=tuple(batch.advantages.tolist()),
-            group_ids=tuple(batch.group_ids.tolist()),
+            **batch_facts(batch),
             ppo_mini_batches=2,
             ppo_epochs=ppo_epochs,
         )

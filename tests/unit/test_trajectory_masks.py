@@ -109,12 +109,8 @@ def test_the_token_mean_loss_is_the_mean_over_generated_tokens_only():
 def test_the_planner_normalises_by_generated_tokens():
     cfg = build_run_config({"rollout": {"n": 2}, "data": {"prompts_per_step": 1}})
     batch = _batch()
-    plan = plan_step(
-        planning.planner_inputs(
-            cfg, batch.seq_lens, batch.trained_lens, batch.advantages.tolist(), [0, 0]
-        )
-    )
-    assert plan.optimizer_steps[0].normaliser == 5.0
+    plan = plan_step(planning.planner_inputs(cfg, **planning.batch_facts(batch)))
+    assert plan.optimizer_steps[0].normaliser == 5.0  # of 8 response tokens
 
 
 def test_logprob_diff_and_mismatch_compare_generated_tokens_only():
