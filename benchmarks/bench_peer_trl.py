@@ -42,7 +42,7 @@ import sys
 import sysconfig
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -433,17 +433,7 @@ def parse_args() -> tuple[Workload, argparse.Namespace]:
     parser.add_argument("--trl-venv", type=Path, default=DEFAULT_VENV)
     parser.add_argument("--trl-first", action="store_true", help="run TRL before megarl")
     args = parser.parse_args()
-    work = Workload(
-        steps=args.steps,
-        prompts_per_step=args.prompts_per_step,
-        samples=args.samples,
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        lr=args.lr,
-        threads=args.threads,
-        seed=args.seed,
-        engine=args.engine,
-    )
+    work = Workload(**{f.name: getattr(args, f.name) for f in fields(Workload)})
     return work, args
 
 
