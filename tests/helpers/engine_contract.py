@@ -323,7 +323,7 @@ def test_interrupted_and_resumed_responses_go_on_as_fresh_requests(contract, nam
     for g in joined:
         assert g.finished == (g.response_ids[-1] == EOS)
         assert g.finished or len(g.response_ids) == params.max_new_tokens
-    assert max(len(parts) for parts in pieces) >= 3  # some resumed and interrupted again
+    assert max(len(parts) for parts in pieces) >= 2  # resumed (lockstep: again, counted below)
     assert_reference_logprobs(reference_model(eos_bias), joined, params.temperature)
     if contract.lockstep:
         interruptions = [len(parts) - 1 for parts in pieces]
