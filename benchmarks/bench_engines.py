@@ -12,7 +12,8 @@ Part 1, same process, alternating engines on the same work:
   model: here a Megatron ``GPTModel`` built once in a world of one, outside the timing);
 * generation: the demo's rollout batch (4 arithmetic prompts x 8 samples, chat template,
   12 new tokens, temperature 1) -> tokens/s, beside ``bench_roofline.py``'s decode floor (12
-  steps of the model's linear layers at 32 rows; what any engine must spend);
+  steps of the model's linear layers at 32 rows; what any engine must spend; timed after each
+  repeat's engines, so its ratio compares like with like on a loaded machine);
 * weight sync: the whole model's HF tensors (what the exporter streams each step), pushed
   into the engine -> seconds (the Megatron engine has nothing to receive: 0). vLLM runs twice:
   as a CPU run starts it (``vllm``: a sync copies into the live weights and packs the touched
@@ -134,7 +135,7 @@ def megatron_engine(gpt, tokenizer, model_dir: str) -> ShimmedEngine:
     from megarl.engines.megatron import MegatronEngine
     from megarl.models.hf_io import load_hf_config
     from megarl.models.spec import spec_from_hf_config
-    from megarl.trainer.rollout_host import megatron_engine_kwargs
+    from megarl.trainer.engine_setup import megatron_engine_kwargs
 
     spec = spec_from_hf_config(load_hf_config(model_dir))
     engine = MegatronEngine(**megatron_engine_kwargs(tokenizer, model_dir, spec, "cpu"))
@@ -142,16 +143,17 @@ def megatron_engine(gpt, tokenizer, model_dir: str) -> ShimmedEngine:
     return ShimmedEngine(engine)
 
 
-def decode_floor_s(model_dir: str, rows: int, steps: int, repeats: int) -> float:
-    """``bench_roofline.py``'s generation floor: ``steps`` decode steps of the model's linear
-    layers at ``rows`` sequences, fp32."""
+def decode_floor(model_dir: str, rows: int, steps: int):
+    """``bench_roofline.py``'s generation floor as a function that times it once: ``steps``
+    decode steps of the model's linear layers at ``rows`` sequences, fp32 (the median of 3).
+    Timed between the engines' repeats, so it sees the load they see."""
     from bench_roofline import decode_linears_s, linear_shapes
 
     from megarl.models.hf_io import load_hf_config
 
     config = load_hf_config(model_dir).to_dict()
     weights = [torch.randn(out, inp) for out, inp in linear_shapes(config)]
-    return steps * decode_linears_s(weights, rows, repeats)
+    return lambda: steps * decode_linears_s(weights, rows, 3)
 
 
 def timed(fn) -> float:
@@ -174,6 +176,8 @@ def bench_engines(model_dir: str, repeats: int, names: tuple[str, ...]) -> None:
     outputs: dict[str, list] = {}
     gen_s: dict[str, list[float]] = {name: [] for name in engines}
     sync_s: dict[str, list[float]] = {name: [] for name in engines}
+    time_floor = decode_floor(model_dir, len(prompts), params.max_new_tokens)
+    floors_s: list[float] = []
     for engine in engines.values():  # warm-up
         engine.generate(prompts, params)
         engine.update_weights(weights)
@@ -184,7 +188,8 @@ def bench_engines(model_dir: str, repeats: int, names: tuple[str, ...]) -> None:
             tokens[name] = sum(len(g.response_ids) for g in out)
             outputs[name] = out
             sync_s[name].append(timed(lambda e=engine: e.update_weights(weights)))
-    floor_s = decode_floor_s(model_dir, len(prompts), params.max_new_tokens, repeats)
+        floors_s.append(time_floor())
+    floor_s = statistics.median(floors_s)
     print(
         f"SmolLM2-135M-Instruct fp32, {len(prompts)} sequences x <= 12 new tokens, "
         f"{torch.get_num_threads()} torch threads, {repeats} interleaved repeats"

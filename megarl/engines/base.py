@@ -263,8 +263,9 @@ class RolloutEngine(abc.ABC):
         ``generated_ids`` continues from them and may sample ``params.max_new_tokens`` minus
         their number (a request with no budget left is refused). Once ``interrupt`` is set the
         call returns soon (between two tokens): every response that has not ended comes back
-        with ``interrupted=True`` and the tokens sampled so far -- possibly none (the HF engine
-        always samples one first) -- ready to be resumed (after a weight update, by the
+        with ``interrupted=True`` and the tokens sampled so far -- at least one: every engine
+        samples a first token per request before it looks at ``interrupt``, so a response
+        advances however early its calls are interrupted -- ready to be resumed (after a weight update, by the
         asynchronous rollout). Raises RuntimeError when the engine is asleep or its base
         weights were freed.
         """

@@ -41,7 +41,9 @@ Choices, and why:
   request would have continued (the HF engine's is).
 * **Interruption.** A call given an ``interrupt`` cannot block in ``LLM.generate``: it adds
   the requests to vLLM's engine itself and calls ``step()`` until they finish, polling the
-  event before every step, so it returns within one step of the event being set. Its requests
+  event before every step once each request has its first token (as the other engines, so a
+  response advances however early its calls are interrupted), so it returns within one step
+  of the event being set. Its requests
   ask for CUMULATIVE outputs (``LLM.generate`` asks for FINAL_ONLY), so the last output of an
   unfinished request holds its tokens and logprobs so far; such requests are then aborted,
   which also frees them in vLLM's engine core (no later call sees them, and the prefix cache
@@ -382,12 +384,16 @@ class VLLMEngine(RolloutEngine):
         """``LLM.generate``'s loop (add every request, ``step()`` until all finished), with
         ``interrupt`` polled before each step.
 
-        Once it is set, the requests that have not finished are aborted, which removes them
-        from the output processor and the engine core (their KV blocks are freed, so the
-        ``reset_prefix_cache`` of the weight update that follows succeeds), and each comes
-        back with what its last output held. An interrupt already set before the call returns
-        every response empty, without a step. Aborting in ``finally`` also clears the
-        requests of a call that raised, so no later call sees them.
+        The event is polled only once every request has its first token, as the other
+        engines sample one before they look: vLLM's engine core steps in a process of its own,
+        and a request added while a step ran (or a call whose first steps bring the aborted
+        requests' last outputs) would otherwise come back empty from a call interrupted early,
+        and, interrupted that early at every call, never advance. Once it is set, the requests
+        that have not finished are aborted, which removes them from the output processor and
+        the engine core (their KV blocks are freed, so the ``reset_prefix_cache`` of the weight
+        update that follows succeeds), and each comes back with what its last output held.
+        Aborting in ``finally`` also clears the requests of a call that raised, so no later
+        call sees them.
         """
         engine = self._llm.llm_engine
         request_ids = [f"megarl-{next(self._request_counter)}" for _ in requests]
@@ -395,7 +401,7 @@ class VLLMEngine(RolloutEngine):
         unfinished = set(request_ids)
         try:
             self._add_requests(request_ids, requests, params)
-            while unfinished and not interrupt.is_set():
+            while unfinished and not (len(latest) == len(requests) and interrupt.is_set()):
                 for output in engine.step():
                     latest[output.request_id] = output
                     if output.finished:
@@ -404,8 +410,6 @@ class VLLMEngine(RolloutEngine):
             engine.abort_request(sorted(unfinished))  # ids never added are ignored
         return [
             self._to_generation(request.prompt_ids, latest[request_id])
-            if request_id in latest
-            else Generation(tuple(request.prompt_ids), (), (), finished=False, interrupted=True)
             for request, request_id in zip(requests, request_ids, strict=True)
         ]
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
@@ -87,28 +88,38 @@ class InterruptAfter(threading.Event):
         return self.polls_left <= 0
 
 
+def resumed(request: Request, pieces: Sequence[Generation]) -> Request:
+    """``request`` going on after ``pieces``: their tokens as its ``generated_ids``."""
+    return dataclasses.replace(
+        request, generated_ids=tuple(t for piece in pieces for t in piece.response_ids)
+    )
+
+
 def sample_with_interruptions(
-    engine: RolloutEngine, requests: Sequence[Request], params: SamplingParams, polls: int
+    engine: RolloutEngine,
+    requests: Sequence[Request],
+    params: SamplingParams,
+    interrupt: Callable[[], threading.Event],
+    check_call: Callable[[list[Request], list[Generation]], None] | None = None,
 ) -> tuple[list[Generation], list[list[Generation]]]:
-    """Sample ``requests`` with every call interrupted after ``polls`` tokens, resuming the
-    interrupted responses from their tokens so far until none is left; return the joined
-    responses (:func:`~megarl.engines.base.join_pieces`) and each request's pieces."""
+    """Sample ``requests`` with every call given a fresh ``interrupt()``, resuming the
+    interrupted responses until none is left; return the joined responses and each request's
+    pieces. ``check_call(calls, generations)`` sees every call, each of which must sample at
+    least one token per request."""
     pieces: list[list[Generation]] = [[] for _ in requests]
     pending = list(range(len(requests)))
-    while pending:
-        calls = [
-            Request(
-                requests[i].prompt_ids,
-                requests[i].seed,
-                tuple(t for piece in pieces[i] for t in piece.response_ids),
-            )
-            for i in pending
-        ]
-        generations = engine.generate_requests(calls, params, InterruptAfter(polls))
+    for _ in range(params.max_new_tokens):  # each call advances every response
+        if not pending:
+            break
+        calls = [resumed(requests[i], pieces[i]) for i in pending]
+        generations = engine.generate_requests(calls, params, interrupt())
+        if check_call is not None:
+            check_call(calls, generations)
         for i, generation in zip(pending, generations, strict=True):
-            assert generation.response_ids, "a call must sample at least one token per request"
+            assert generation.response_ids, "a call sampled no token of a request"
             pieces[i].append(generation)
         pending = [i for i, g in zip(pending, generations, strict=True) if g.interrupted]
+    assert not pending, f"{len(pending)} responses unfinished after {params.max_new_tokens} calls"
     return [join_pieces(parts) for parts in pieces], pieces
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.engines import reference_logprobs, sample_with_interruptions
+from helpers.engines import InterruptAfter, reference_logprobs, sample_with_interruptions
 from helpers.models import TINY_HF_CONFIG, TINY_MOE_HF_CONFIGS
 from helpers.ranks import start_cpu_rank
 
@@ -46,7 +46,9 @@ def _worker(ctx, tp: int, pp: int, ep: int, hf_config: dict, state: dict):
         result = {
             "greedy": engine.generate(PROMPTS, GREEDY),
             "sampled": engine.generate(PROMPTS, SAMPLED),
-            "resumed": sample_with_interruptions(engine, requests, SAMPLED, polls=3)[0],
+            "resumed": sample_with_interruptions(
+                engine, requests, SAMPLED, lambda: InterruptAfter(3)
+            )[0],
         }
         engine.release_followers()
     elif follows_driver():

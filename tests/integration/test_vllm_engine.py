@@ -6,6 +6,9 @@ as a run on CPU does in float32 (in place, ``load_weights``); one test starts an
 for the reload path. References come
 from the same weights in ``transformers``: after any weight sync the engine must serve exactly
 the weights it was sent, which in fp32 shows as logprobs equal to the reference's to ~1e-6.
+What every engine promises (seeds, batches, interruption and resumption, budgets, refusals)
+runs against this engine too, from the shared contract suite (``test_engine_contract_vllm.py``);
+this module tests what only vLLM has.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from helpers.engines import mean_abs_logprob_diff, random_lora  # noqa: E402
 from helpers.models import tiny_llama_model  # noqa: E402
 from transformers import LlamaForCausalLM  # noqa: E402
 
-from megarl.engines.base import Generation, Request, SamplingParams, request_seed  # noqa: E402
+from megarl.engines.base import Request, SamplingParams, request_seed  # noqa: E402
 from megarl.engines.hf import HFEngine  # noqa: E402
 from megarl.engines.vllm import EngineStartupError, VLLMEngine, check_load_method  # noqa: E402
 from megarl.engines.vllm_settings import PLAIN_WEIGHTS_CPU_WORKER  # noqa: E402
@@ -127,13 +130,6 @@ def test_logprobs_are_the_trainers_distribution_and_greedy_matches_hf(engine, re
     assert [g.response_ids for g in engine.generate(PROMPTS, GREEDY)] == [
         g.response_ids for g in hf.generate(PROMPTS, GREEDY)
     ]
-
-
-def test_seeds_are_reproducible_and_a_group_differs(engine):
-    group = [[7, 8, 9]] * 8
-    first = engine.generate(group, SamplingParams(max_new_tokens=8, seed=3))
-    assert engine.generate(group, SamplingParams(max_new_tokens=8, seed=3)) == first
-    assert len({g.response_ids for g in first}) > 1
 
 
 def test_a_temperature_the_logprob_mode_cannot_report_is_refused(engine):
@@ -296,9 +292,7 @@ def test_lora_adapter_matches_the_merged_reference(engine, reference):
 
 class InterruptAtPoll(threading.Event):
     """An interrupt that reads as set from its ``at``-th poll on. The engine polls once before
-    each ``step()`` of vLLM's engine, so it fires after exactly ``at - 1`` steps, however fast
-    the engine runs (a request added while the first step ran gets its first token one step
-    later, so responses may hold one token less)."""
+    each ``step()`` of vLLM's engine from the step after every request has its first token."""
 
     def __init__(self, at: int) -> None:
         super().__init__()
@@ -313,7 +307,6 @@ class InterruptAtPoll(threading.Event):
 PARTIAL = SamplingParams(temperature=1.0, max_new_tokens=48, seed=9)
 """Long enough that vLLM's engine core is still generating when an interrupt comes early: a
 request left running there would hold KV blocks (``assert_idle`` would fail)."""
-GREEDY_LONG = SamplingParams(temperature=0.0, max_new_tokens=12)
 
 
 def assert_idle(engine: VLLMEngine) -> None:
@@ -324,114 +317,20 @@ def assert_idle(engine: VLLMEngine) -> None:
     assert kv_cache_free, "vLLM's engine core still holds KV blocks of a request"
 
 
-def resume_until_done(
-    engine: VLLMEngine,
-    first: Sequence[Request],
-    params: SamplingParams,
-    interrupts: Sequence[threading.Event],
-) -> list[list[Generation]]:
-    """Each request's pieces: call ``i`` gets ``interrupts[i]`` and resumes every response
-    the call before interrupted (with its tokens so far); a last call without an interrupt
-    finishes what is left."""
-    pieces: list[list[Generation]] = [[] for _ in first]
-    live = list(range(len(first)))
-    for interrupt in [*interrupts, None]:
-        so_far = [sum((piece.response_ids for piece in pieces[i]), ()) for i in live]
-        resumed = [
-            Request(first[i].prompt_ids, first[i].seed, generated_ids=ids)
-            for i, ids in zip(live, so_far, strict=True)
-        ]
-        generations = engine.generate_requests(resumed, params, interrupt)
+def test_interrupted_calls_leave_no_request_or_kv_block_in_vllm(engine):
+    """A call interrupted at once, after a few steps or later aborts what it did not finish:
+    nothing of it is left in vLLM, so the prefix cache of the weight update that follows can be
+    reset; nor is anything left by a call whose interrupt is never set. (What the responses
+    hold is the engine contract's: ``test_engine_contract_vllm.py``.)"""
+    for at in (1, 4, 20):
+        generations = engine.generate_requests(
+            requests(PROMPTS, PARTIAL), PARTIAL, InterruptAtPoll(at)
+        )
+        assert any(g.interrupted for g in generations)
+        assert all(g.response_ids for g in generations)  # a first token, however early
         assert_idle(engine)
-        for i, generation in zip(live, generations, strict=True):
-            assert generation.prompt_ids == first[i].prompt_ids  # the prompt, not the context
-            pieces[i].append(generation)
-        live = [i for i in live if pieces[i][-1].interrupted]
-        if not live:
-            return pieces
-    raise AssertionError("a call without an interrupt returned an interrupted response")
-
-
-def joined(pieces: Sequence[Generation]) -> Generation:
-    """One response from the pieces of its calls."""
-    return Generation(
-        pieces[0].prompt_ids,
-        sum((piece.response_ids for piece in pieces), ()),
-        sum((piece.response_logprobs for piece in pieces), ()),
-        pieces[-1].finished,
-    )
-
-
-def test_an_interrupt_returns_partial_responses_that_resume_to_the_references_logprobs(
-    engine, reference
-):
-    _, model = reference
-    first = requests(PROMPTS, PARTIAL)
-    interrupt = InterruptAtPoll(4)
-    pieces = resume_until_done(engine, first, PARTIAL, [interrupt, InterruptAtPoll(3)])
-    assert interrupt.polls == 4  # three steps, then the interrupt
-    for piece in (response[0] for response in pieces):
-        assert piece.interrupted and not piece.finished
-        assert 0 < len(piece.response_ids) < PARTIAL.max_new_tokens
-        assert len(piece.response_logprobs) == len(piece.response_ids)
-    assert all(len(response) == 3 for response in pieces)  # interrupted twice, then finished
-    whole = [joined(response) for response in pieces]
-    for generation in whole:
-        ended_on_eos = generation.response_ids[-1] == EOS
-        assert generation.finished == ended_on_eos
-        assert ended_on_eos or len(generation.response_ids) == PARTIAL.max_new_tokens
-        assert len(generation.response_ids) <= PARTIAL.max_new_tokens
-    # every piece's logprobs are the reference's, teacher-forced on prompt + all tokens before
-    # it: the resumed calls read the right context
-    assert mean_abs_logprob_diff(model, whole) < FP32_TOLERANCE
-
-
-def test_greedy_interrupted_and_resumed_gives_the_uninterrupted_tokens(engine):
-    # Only greedy can be compared token for token: vLLM's per-request random stream is not
-    # continued across an interrupt (a resumed request is seeded anew, with token_seed), so a
-    # sampled response resumed goes on differently from one never interrupted.
-    first = requests(PROMPTS, GREEDY_LONG)
-    uninterrupted = engine.generate_requests(first, GREEDY_LONG)
-    pieces = resume_until_done(engine, first, GREEDY_LONG, [InterruptAtPoll(3), InterruptAtPoll(5)])
-    assert all(len(response) > 1 for response in pieces)
-    assert [joined(response).response_ids for response in pieces] == [
-        generation.response_ids for generation in uninterrupted
-    ]
-    assert [joined(response).finished for response in pieces] == [
-        generation.finished for generation in uninterrupted
-    ]
-
-
-def test_requests_no_engine_can_continue_are_refused_as_the_other_engines_refuse_them(engine):
-    ended = Request((5, 6), seed=1, generated_ids=(9, EOS))
-    with pytest.raises(ValueError, match="request 1 already ended: EOS among its generated_ids"):
-        engine.generate_requests([Request((5, 6), seed=0), ended], GREEDY)
-    with pytest.raises(ValueError, match=f"request 0 has token ids outside \\[0, {VOCAB}\\)"):
-        engine.generate_requests([Request((5, VOCAB), seed=0)], GREEDY)
-    with pytest.raises(ValueError, match="request 0 has no budget left"):
-        engine.generate_requests([Request((5,), seed=0, max_new_tokens=0)], GREEDY)
-
-
-def test_an_interrupt_set_before_the_call_returns_every_response_empty(engine):
-    before = engine.generate(PROMPTS, GREEDY)
-    interrupt = threading.Event()
-    interrupt.set()
-    generations = engine.generate_requests(requests(PROMPTS, PARTIAL), PARTIAL, interrupt)
-    assert generations == [
-        Generation(tuple(prompt), (), (), finished=False, interrupted=True) for prompt in PROMPTS
-    ]
-    assert_idle(engine)
-    assert engine.generate(PROMPTS, GREEDY) == before
-
-
-def test_an_interrupt_never_set_samples_what_a_call_without_one_samples(engine):
-    fresh = requests(PROMPTS, SAMPLED)
-    done = engine.generate_requests(fresh[1:2], SAMPLED)[0].response_ids
-    resumed = Request(fresh[1].prompt_ids, fresh[1].seed, generated_ids=done[:3])
-    batch = [*fresh, resumed]
-    stepped = engine.generate_requests(batch, SAMPLED, threading.Event())
-    assert stepped == engine.generate_requests(batch, SAMPLED)  # bitwise, logprobs included
-    assert not any(generation.interrupted for generation in stepped)
+    finished = engine.generate_requests(requests(PROMPTS, SAMPLED), SAMPLED, threading.Event())
+    assert not any(g.interrupted for g in finished)
     assert_idle(engine)
 
 

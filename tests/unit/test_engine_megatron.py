@@ -1,5 +1,5 @@
 """MegatronEngine on a tiny random Llama in a world of one: what it adds to the engine contract
-(the contract itself runs against every engine in ``test_engine_hf_requests.py``).
+(the contract itself runs against every engine in ``test_engine_contract.py``).
 
 The central check: its logprobs (left-padded rows over Megatron's static KV cache) equal one
 plain, unpadded, uncached forward of prompt+response by the HF model of the same weights, and
