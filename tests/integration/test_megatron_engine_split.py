@@ -17,6 +17,7 @@ the version that sampled it.
 from __future__ import annotations
 
 import json
+from typing import Any, cast
 
 import pytest
 import torch
@@ -208,7 +209,7 @@ def _step_1(tmp_path, name: str, moved: bool | None):
     )
     box: list = []
     if moved is not None:
-        host.engine = _PushesDuringGeneration(box, model_dir, moved, host.engine)
+        host.engine = cast("Any", _PushesDuringGeneration(box, model_dir, moved, host.engine))
     stream = AsyncRollout(host, cfg)
     box.append(stream)
     try:
