@@ -46,18 +46,17 @@ class MegatronCopy:
     def __init__(self, model: Any, spec: TransformerSpec, lora: Any = None) -> None:
         """``lora``: the :class:`~megarl.models.lora.LoraSettings` its adapters were built
         with (None: no adapters)."""
-        from megarl.models.lora import is_adapter_param_name
+        from megarl.models.megatron_gpt import iter_local_params
 
         self.model = model
         self.spec = spec
         self.lora = lora
         self._params = {
-            name: param
-            for name, param in model.named_parameters()
-            if not is_adapter_param_name(name)
+            rule.mcore_name(layer): param for rule, layer, param in iter_local_params(model, spec)
         }
-        """The base parameters by Megatron name (with tied embeddings the output layer is the
-        embedding: one parameter, one name)."""
+        """The base parameters by the names the exporter sends (the mapping tables' Megatron
+        names, experts by global index; with tied embeddings the output layer is the embedding:
+        one parameter, one name)."""
 
     @torch.no_grad()
     def load(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:

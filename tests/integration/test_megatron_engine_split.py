@@ -3,7 +3,9 @@
 The rollout actor holds a TP=1 copy that the weight sync feeds in Megatron layout: in the
 synchronous loop its logprobs are the trainer's to fp32 rounding at every step although the
 policy moves (lr 5e-2), the sync is real (``timing_s/update_weights`` > 0, the checksum
-verified, the gates' line says full weights) and the guard's probe runs on it; ``fully_async``
+verified, the gates' line says full weights, or the adapter alone under LoRA) and the guard's
+probe runs on it -- for a mixture-of-experts trainer at EP=2 too, whose experts the copy holds
+all at EP=1 (the row vLLM's CPU build cannot serve), and for TP=2 with LoRA; ``fully_async``
 with partial rollouts trains within the staleness bound.
 
 Whether a sync lands mid-generation in a real run is a matter of timing, so the interruption
@@ -49,10 +51,16 @@ def _rows(run_dir) -> list[dict]:
 @pytest.mark.parametrize(
     ("overrides", "sync_line"),
     [
-        ({"actor.tp": 2}, "sync: full weights (no LoRA: full weights)"),
-        ({"actor.lora.rank": 4, "actor.lora.alpha": 8}, "sync: adapter only (engine kept base)"),
+        (
+            {"model": "tiny_qwen3_moe", "actor.ep": 2},
+            "sync: full weights (no LoRA: full weights)",
+        ),
+        (
+            {"actor.tp": 2, "actor.lora.rank": 4, "actor.lora.alpha": 8},
+            "sync: adapter only (engine kept base)",
+        ),
     ],
-    ids=["tp2-full", "lora"],
+    ids=["qwen3_moe-ep2-full", "tp2-lora"],
 )
 def test_a_split_run_syncs_the_rollout_sides_copy_every_step(overrides, sync_line, tmp_path):
     run_dir = tmp_path / "run"
