@@ -149,3 +149,18 @@ def test_a_synced_lora_adapter_generates_bitwise_like_the_trainers_adapted_model
     assert engine.generate(PROMPTS * 2, SAMPLED) == expected
     with pytest.raises(ValueError, match="differs from the copy's"):
         engine.load_lora_adapter(adapter.items(), rank=2, alpha=8.0, target_modules=targets)
+
+
+def test_the_copy_refuses_a_process_that_is_in_a_larger_world(monkeypatch):
+    """The copy's forward would run its collectives in whatever world the process is in: it
+    takes a world of one (its own, or a test's) and refuses any other, naming it."""
+    import torch.distributed as dist
+
+    from megarl.engines.megatron_copy import open_private_world
+
+    open_private_world("cpu")  # this module's world of one: taken as it is
+    monkeypatch.setattr(dist, "get_world_size", lambda *_a, **_k: 2)
+    with pytest.raises(
+        RuntimeError, match="needs a process of its own: this one is in a world of 2"
+    ):
+        open_private_world("cpu")
