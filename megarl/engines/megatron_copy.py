@@ -51,12 +51,17 @@ class MegatronCopy:
         self.model = model
         self.spec = spec
         self.lora = lora
-        self._params = {
-            rule.mcore_name(layer): param for rule, layer, param in iter_local_params(model, spec)
-        }
+        self._params: dict[str, torch.Tensor] = {}
         """The base parameters by the names the exporter sends (the mapping tables' Megatron
         names, experts by global index; with tied embeddings the output layer is the embedding:
         one parameter, one name)."""
+        self._vocab: set[str] = set()
+        """Those padded to Megatron's vocabulary: the exporter sends their real rows only."""
+        for rule, layer, param in iter_local_params(model, spec):
+            name = rule.mcore_name(layer)
+            self._params[name] = param
+            if rule.layout == "vocab":
+                self._vocab.add(name)
 
     @torch.no_grad()
     def load(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
@@ -72,7 +77,7 @@ class MegatronCopy:
         rows the exporter sends (the real vocabulary)."""
         out = {}
         for name, param in self._params.items():
-            rows = self.spec.vocab_size if self._is_vocab(name) else param.shape[0]
+            rows = self.spec.vocab_size if name in self._vocab else param.shape[0]
             out[name] = tensor_checksum(param.detach()[:rows].to(dtype))
         return out
 
@@ -109,14 +114,11 @@ class MegatronCopy:
 
         return hf_target_modules(self.spec, self.lora.target_modules)
 
-    def _is_vocab(self, name: str) -> bool:
-        return name in ("embedding.word_embeddings.weight", "output_layer.weight")
-
     def _target(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         param = self._params.get(name)
         if param is None:
             raise ValueError(f"the Megatron engine's model has no parameter {name!r}")
-        target = param[: shape[0]] if self._is_vocab(name) else param
+        target = param[: self.spec.vocab_size] if name in self._vocab else param
         if tuple(target.shape) != shape:
             raise ValueError(f"parameter {name!r} has shape {tuple(target.shape)}, got {shape}")
         return target
