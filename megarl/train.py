@@ -145,7 +145,7 @@ def validate_against_model(cfg, model_dir: str, device: str = "cpu") -> None:
             raise StartupError(problem)
         if cfg.rollout.engine == "vllm" and not cfg.algo.is_sft:
             check_vllm(cfg, model_dir, device)
-        if cfg.rollout.engine == "megatron" and spec.is_moe and cfg.actor.tp > 1:
+        if cfg.rollout.engine_is_actor and spec.is_moe and cfg.actor.tp > 1:
             raise StartupError(
                 f"rollout.engine=megatron with actor.tp={cfg.actor.tp}: a mixture-of-experts "
                 f"model ({spec.family}) runs sequence-parallel under TP, which splits each "

@@ -68,7 +68,7 @@ def run_facts(cfg: RunConfig) -> RunFacts:
         rollout_engine=not cfg.algo.is_sft,
         distill=cfg.algo.distill.enabled,
         proximal_before_split=cfg.actor.policy_loss in SECOND_MOMENT_LOSSES,
-        engine_is_actor=cfg.rollout.engine == "megatron",
+        engine_is_actor=cfg.rollout.engine_is_actor,
     )
 
 

@@ -47,8 +47,9 @@ class RolloutConfig:
 
     engine: str = "hf"
     """One of :data:`megarl.engines.factory.ENGINE_NAMES`: hf (transformers, embedded default)
-    | vllm (GPU clusters) | megatron (the actor's own Megatron model generates: no second copy
-    of the weights, no weight sync; colocated synchronous training)."""
+    | vllm (GPU clusters) | megatron (Megatron-Core generates: colocated, the actor's own model,
+    no second copy of the weights and no weight sync; with split placement or an asynchronous
+    mode, a TP=PP=1 copy on the rollout side fed the trainer's weights in Megatron layout)."""
     n: int = 8
     """Group size: samples per prompt."""
     max_new_tokens: int = 16
@@ -100,6 +101,13 @@ class RolloutConfig:
     n_gpus: int = 0
     """0 = colocated (the engine shares rank 0's device) | N = split placement: the engine runs
     in its own Ray actor on N devices of its own (on CPU: its own process). Needs launcher=ray."""
+
+    @property
+    def engine_is_actor(self) -> bool:
+        """The Megatron engine colocated: it generates with the actor's own model, so nothing
+        is ever sent to it. Under split placement (every asynchronous mode too) it holds a copy
+        on the rollout side, which the weight sync feeds like any engine's."""
+        return self.engine == "megatron" and self.n_gpus == 0
 
     def __post_init__(self) -> None:
         _choice("rollout.engine", self.engine, ENGINE_NAMES)

@@ -108,7 +108,7 @@ class RunConfig:
             "the samples of a prompt's group and needs at least 2 per prompt (one sample per "
             "prompt suits gae or reinforce_plus_plus)",
         )
-        self._check_megatron_engine()  # first: its refusal says more than the async checks'
+        self._check_megatron_engine()
         self._check_async_training()
         self._check_agent_loops()
         self._check_sft()
@@ -188,22 +188,33 @@ class RunConfig:
         )
 
     def _check_megatron_engine(self) -> None:
-        """``rollout.engine=megatron`` generates with the actor's own model, in the actor's
-        processes and layout, between two updates: colocated synchronous training, one model
-        chunk per rank, and whole sequences on every tensor-parallel rank."""
+        """``rollout.engine=megatron``. Colocated it generates with the actor's own model, in
+        the actor's processes and layout, between two updates: one model chunk per rank, and
+        the bitwise logprobs on a stage that records the responses. On the rollout side (split
+        placement, every asynchronous mode) it is a copy at TP=PP=1 in a process of its own:
+        one device, and no bitwise promise, since its sums run in another layout than the
+        trainer's."""
         if self.rollout.engine != "megatron" or self.algo.is_sft:
             return
         key = "rollout.engine=megatron"
-        _require(
-            not self.async_training.is_async and self.rollout.n_gpus == 0,
-            f"{key} needs colocated sync training (the actor's model generates between its "
-            f"updates): set async_training.mode=sync and rollout.n_gpus=0, or use "
-            f"rollout.engine=vllm or hf",
-        )
+        if not self.rollout.engine_is_actor:
+            _require(
+                self.rollout.tp == 1,
+                f"{key} on the rollout side (rollout.n_gpus={self.rollout.n_gpus}) runs its "
+                f"copy at TP=1: rollout.tp={self.rollout.tp} is vLLM's; set rollout.tp=1",
+            )
+            _require(
+                not self.rollout.batch_invariant,
+                f"rollout.batch_invariant=true with rollout.n_gpus={self.rollout.n_gpus}: the "
+                "rollout side's copy (TP=PP=1, its own process) cannot give the trainer's bits; "
+                "set rollout.n_gpus=0 (colocated sync training) or batch_invariant=false",
+            )
+            return
         _require(
             self.actor.vpp == 1,
-            f"{key} runs one model chunk per rank: actor.vpp={self.actor.vpp} interleaves "
-            "several; set actor.vpp=1",
+            f"{key} colocated runs one model chunk per rank: actor.vpp={self.actor.vpp} "
+            "interleaves several; set actor.vpp=1 (or rollout.n_gpus > 0 for a rollout-side "
+            "copy)",
         )
         _require(
             not self.rollout.batch_invariant or self.actor.pp == 1,

@@ -19,7 +19,13 @@ Memory: there is no weight to free or reload (``sleep`` keeps the weights at eve
 the engine always reports them resident); the KV cache lives only for one call. The model is
 switched to eval mode while it generates and back afterwards.
 
-Placement: colocated, in the actor's processes, in the actor's own layout. Rank 0 drives (the
+Placement, on the rollout side (split placement, the asynchronous modes): the rollout actor's
+process holds no actor rank, so the engine generates with a copy of its own
+(:class:`megarl.engines.megatron_copy.MegatronCopy`, bound with :meth:`MegatronEngine.bind_copy`):
+the same decode loop over a TP=PP=1 model that the weight sync feeds in Megatron layout, checks
+by checksum and probes like any engine's copy. It generates alone: no followers.
+
+Placement, colocated: in the actor's processes, in the actor's own layout. Rank 0 drives (the
 rollout producer, agent loops, the gateway and validation call it there, like any engine); the
 other ranks whose forward rank 0's needs -- its tensor- and pipeline-parallel group, and with
 expert parallelism every rank, since each expert-parallel rank holds experts the others route
@@ -106,6 +112,9 @@ class MegatronEngine(RolloutEngine):
         self._vocab_size = vocab_size
         self._device = torch.device(device)
         self._chunks: list[Any] | None = None
+        self._copy: Any = None
+        """The rollout side's :class:`~megarl.engines.megatron_copy.MegatronCopy` (None: the
+        engine generates with the actor's chunks, and nothing is sent to it)."""
         self._group: Any = None
         """The ranks generating together (:func:`generation_group`); None: this rank alone."""
         self._sleep_level = 0
@@ -124,6 +133,13 @@ class MegatronEngine(RolloutEngine):
             )
         self._chunks = list(chunks)
         self._group = generation_group()
+
+    def bind_copy(self, copy: Any) -> None:
+        """Generate with the rollout side's own model (a ``MegatronCopy``), which the weight
+        sync feeds; this rank generates alone."""
+        self._chunks = [copy.model]
+        self._copy = copy
+        self._group = None
 
     # -- properties --
 
@@ -341,15 +357,17 @@ class MegatronEngine(RolloutEngine):
     def _validate_requests(self, requests: Sequence[Request], params: SamplingParams) -> None:
         validate_requests(requests, params, self._eos_token_ids, self._vocab_size)
 
-    # -- weights: none to send --
+    # -- weights: none to send to the actor's model; a rollout-side copy loads them --
 
     def update_weights(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], record_checksums: bool = False
     ) -> int:
-        raise RuntimeError(f"nothing to send to the Megatron engine: {NO_WEIGHTS_TO_SEND}")
+        """Rollout side: whole Megatron parameters by Megatron name, copied in place (the
+        checksums are read from the parameters on demand)."""
+        return self._own_copy("send").load(named_tensors)
 
     def weight_checksums(self, dtype: torch.dtype) -> Mapping[str, tuple[int, int]]:
-        raise RuntimeError(f"the Megatron engine holds no copy to check: {NO_WEIGHTS_TO_SEND}")
+        return self._own_copy("check").checksums(dtype)
 
     def load_lora_adapter(
         self,
@@ -358,9 +376,16 @@ class MegatronEngine(RolloutEngine):
         alpha: float,
         target_modules: Sequence[str],
     ) -> None:
-        raise RuntimeError(
-            f"nothing to load into the Megatron engine: {NO_WEIGHTS_TO_SEND}, adapters included"
+        self._own_copy("load an adapter into").load_adapter(
+            named_tensors, rank, alpha, target_modules
         )
+
+    def _own_copy(self, action: str) -> Any:
+        if self._copy is None:
+            raise RuntimeError(
+                f"nothing to {action} the colocated Megatron engine: {NO_WEIGHTS_TO_SEND}"
+            )
+        return self._copy
 
     # -- memory: the weights are the actor's, never freed here --
 
@@ -377,4 +402,5 @@ class MegatronEngine(RolloutEngine):
         return self.memory_state()
 
     def memory_state(self) -> EngineMemoryState:
-        return EngineMemoryState(base_weights_resident=True, adapter_resident=False)
+        adapter = self._copy is not None and self._copy.lora is not None
+        return EngineMemoryState(base_weights_resident=True, adapter_resident=adapter)

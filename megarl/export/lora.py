@@ -70,6 +70,24 @@ def adapter_to_hf(
     return out
 
 
+def adapter_from_hf(
+    rule: mapping.ParamRule,
+    layer: int,
+    parallel: str,
+    tensors: Mapping[str, torch.Tensor],
+    spec: TransformerSpec,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(A, B)`` of one adapted linear at TP=1 from the peft-named tensors
+    :func:`adapter_to_hf` gives (the inverse, tested bitwise): a column target's ``A`` is the
+    one every HF module shares, its ``B`` the HF parts fused by the base weight's rule."""
+    hf_names = rule.hf_names(layer)
+    a_full = tensors[peft_name(hf_names[0], "lora_A")]
+    if parallel == "column":
+        b_parts = [tensors[peft_name(name, "lora_B")] for name in hf_names]
+        return a_full, mapping.to_mcore_shard(rule, b_parts, spec, 0, 1)
+    return a_full, tensors[peft_name(hf_names[0], "lora_B")]
+
+
 def all_gather_tp(tensor: torch.Tensor, tp: int, group: Any) -> list[torch.Tensor]:
     """Every TP rank's shard of ``tensor``, in TP-rank order, on every rank of ``group``."""
     if tp == 1:

@@ -37,12 +37,22 @@ class ExportItem:
     hf_names: tuple[str, ...]
     hf_shapes: tuple[tuple[int, ...], ...]
     nbytes: int
-    """Bytes of the HF tensors (what the engine receives)."""
+    """Bytes of the HF tensors (what the engine receives; the same in Megatron layout)."""
     gathered_nbytes: int
     """Bytes of all TP shards together on the gathering rank (vocab padding included)."""
     ep_rank: int | None = None
     """Expert-parallel rank holding an expert's parameter; None for everything else (which every
     expert-parallel rank holds)."""
+    mcore_shape: tuple[int, ...] = ()
+    """Shape of the whole parameter at TP=1 (real vocabulary rows): what a Megatron engine
+    receives in place of the HF tensors (:func:`megarl.models.mapping.to_mcore_full`)."""
+
+    def sent(self, megatron_layout: bool) -> tuple[tuple[str, tuple[int, ...]], ...]:
+        """The ``(name, shape)`` of each tensor this item becomes on the wire: the HF tensors,
+        or in Megatron layout the one whole parameter under its Megatron name."""
+        if megatron_layout:
+            return ((self.rule.mcore_name(self.layer), self.mcore_shape),)
+        return tuple(zip(self.hf_names, self.hf_shapes, strict=True))
 
 
 @dataclass(frozen=True)
@@ -110,6 +120,7 @@ def _item(
         hf_shapes=shapes,
         nbytes=numel * element_size,
         gathered_nbytes=gathered * element_size,
+        mcore_shape=mapping.mcore_full_shape(rule, spec),
     )
 
 

@@ -1,5 +1,9 @@
 """Stream HF-named tensors from a Megatron model (any TP x PP x VPP) to global rank 0, bucketed.
 
+Or, for a Megatron engine (a TP=PP=1 copy on the rollout side), each parameter whole under its
+Megatron name (``megatron_layout``): the same plan, gathers and sends, without the HF split of
+fused q/k/v and gate/up that the engine would only undo (:func:`megarl.models.mapping.to_mcore_full`).
+
 Why this shape: the engine lives on global rank 0, so every tensor must end there, but no rank
 may hold the whole model. Each rank walks the same :class:`~megarl.export.plan.ExportPlan`
 (computed from metadata, so all ranks agree without talking). Per item:
@@ -117,6 +121,8 @@ class BucketStream:
 
     ``checksums``: when set, each leader computes a checksum of every HF tensor it produces and
     rank 0 receives it with the tensor; :attr:`sent_checksums` maps HF name -> checksum there.
+    ``megatron_layout``: send whole Megatron parameters under their Megatron names instead of HF
+    tensors (checksums are then keyed by those names).
     """
 
     def __init__(
@@ -127,9 +133,11 @@ class BucketStream:
         dtype: torch.dtype,
         ranks: ExportRanks,
         checksums: bool = False,
+        megatron_layout: bool = False,
     ):
         self.plan, self.spec, self.dtype, self.ranks = plan, spec, dtype, ranks
         self.checksums = checksums
+        self.megatron_layout = megatron_layout
         self.params = {(rule.mcore, layer): param for rule, layer, param in local_params}
         self.device = next(iter(self.params.values())).device
         self.meter = MemoryMeter()
@@ -196,7 +204,8 @@ class BucketStream:
         if owns:
             tensors = self._gather_and_convert(item, held)
             if r.tp_rank == 0:
-                produced = list(zip(item.hf_names, tensors, strict=True))
+                names = [name for name, _ in item.sent(self.megatron_layout)]
+                produced = list(zip(names, tensors, strict=True))
                 if r.rank == 0 and self.checksums:
                     self.sent_checksums.update((n, tensor_checksum(t)) for n, t in produced)
                 if r.rank != 0:
@@ -217,17 +226,21 @@ class BucketStream:
         param = self.params[key].detach()
         if item.rule.layout == "replicated":
             return (param.clone(),) if self.ranks.tp_rank == 0 else ()
-        stacked = item.rule.layout in ("column", "vocab")
+        stacked = item.rule.layout in ("column", "vocab") or (
+            self.megatron_layout and item.rule.layout == "qkv"  # whole query groups: stacked
+        )
         shards = self._gather_shards(param, into_one_buffer=stacked)
         if self.ranks.tp_rank != 0:
             return ()
         gathered = shards if self.ranks.tp > 1 else []  # at TP=1 the "shard" is the parameter
         self.meter.observe(held, gathered)
-        if stacked:  # the shards are already the HF tensor (vocab: minus padding rows)
+        if stacked:  # the shards are already the sent tensor (vocab: minus padding rows)
             full = shards[0] if len(shards) == 1 else _base_of(shards)
             tensors = (full[: self.spec.vocab_size] if item.rule.layout == "vocab" else full,)
             if self.ranks.tp == 1:
                 tensors = (tensors[0].clone(),)  # never hand out the live parameter
+        elif self.megatron_layout:
+            tensors = (mapping.to_mcore_full(item.rule, shards, self.spec).contiguous(),)
         else:
             tensors = tuple(t.contiguous() for t in mapping.to_hf(item.rule, shards, self.spec))
         self.meter.observe(held, gathered, tensors)
@@ -259,7 +272,7 @@ class BucketStream:
     def _receive(self, item: ExportItem) -> NamedTensors:
         src = self.ranks.source_of(item.pp_rank, item.ep_rank)
         out: NamedTensors = []
-        for name, shape in zip(item.hf_names, item.hf_shapes, strict=True):
+        for name, shape in item.sent(self.megatron_layout):
             buffer = torch.empty(shape, dtype=self.dtype, device=self.device)
             dist.recv(buffer, src=src)
             out.append((name, buffer))
@@ -276,6 +289,7 @@ def open_stream(
     bucket_bytes: int,
     vpp: int = 1,
     checksums: bool = False,
+    megatron_layout: bool = False,
 ) -> BucketStream:
     """A :class:`BucketStream` for this rank, its plan computed from the parallel layout."""
     from megatron.core import parallel_state as ps
@@ -291,7 +305,8 @@ def open_stream(
         bucket_bytes,
         ps.get_expert_model_parallel_world_size(),
     )
-    return BucketStream(plan, spec, params, dtype, ExportRanks.from_megatron(), checksums)
+    ranks = ExportRanks.from_megatron()
+    return BucketStream(plan, spec, params, dtype, ranks, checksums, megatron_layout)
 
 
 def collect_state_dict(stream: BucketStream) -> dict[str, torch.Tensor] | None:

@@ -46,10 +46,20 @@ def sync_engine_weights(
     checksum: bool,
     engine=None,
     on_bucket: Callable[[int, int], None] | None = None,
+    megatron_layout: bool = False,
 ) -> SyncResult:
     """Stream weights to ``engine`` (rank 0 passes it; other ranks ``None``); metrics on rank 0.
-    ``on_bucket(sent, total)`` is called on rank 0 as each bucket has been handed over."""
-    stream = open_stream(local_params, spec, bucket_mb * MIB, vpp=vpp, checksums=checksum)
+    ``on_bucket(sent, total)`` is called on rank 0 as each bucket has been handed over.
+    ``megatron_layout``: whole Megatron parameters under Megatron names (a Megatron engine's
+    rollout-side copy), not HF tensors; every rank must agree."""
+    stream = open_stream(
+        local_params,
+        spec,
+        bucket_mb * MIB,
+        vpp=vpp,
+        checksums=checksum,
+        megatron_layout=megatron_layout,
+    )
     metrics: dict[str, float] = {}
     digest = None
     if engine is not None:

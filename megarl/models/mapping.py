@@ -355,6 +355,39 @@ def _qkv_unshard(shards, spec: TransformerSpec, tp: int) -> tuple[torch.Tensor, 
     )
 
 
+# --- Megatron TP shards -> the whole Megatron parameter (TP=1) --------------------------------
+
+
+def to_mcore_full(
+    rule: ParamRule, shards: Sequence[torch.Tensor], spec: TransformerSpec
+) -> torch.Tensor:
+    """The parameter a TP=1 Megatron model holds, from all TP shards of it: what a rollout-side
+    Megatron engine loads, without the HF split of fused q/k/v or gate/up. Equal to
+    ``to_mcore_shard(rule, to_hf(rule, shards, spec), spec, 0, 1)`` (tested bitwise), except
+    that a vocabulary matrix keeps its real rows only (the padding differs by layout). Query
+    groups are whole on every TP rank, so fused q/k/v shards concatenate; gate/up shards are
+    ``[gate_r; up_r]`` and regroup."""
+    layout = rule.layout
+    if layout == "replicated":
+        return shards[0]
+    if layout == "row":
+        return torch.cat(list(shards), dim=1)
+    if layout == "vocab":
+        return torch.cat(list(shards), dim=0)[: spec.vocab_size]
+    if layout == "gate_up":
+        halves = [s.chunk(2, dim=0) for s in shards]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+    return torch.cat(list(shards), dim=0)  # column, qkv
+
+
+def mcore_full_shape(rule: ParamRule, spec: TransformerSpec) -> tuple[int, ...]:
+    """The shape :func:`to_mcore_full` gives: fused HF tensors stacked along dim 0."""
+    shapes = hf_shapes(rule, spec)
+    if len(shapes) == 1:
+        return shapes[0]
+    return (sum(shape[0] for shape in shapes), *shapes[0][1:])
+
+
 # --- whole-model helpers ---------------------------------------------------------------------
 
 

@@ -89,15 +89,19 @@ class GuardChecks:
     so only the probes (scored without dropout) check the engine then."""
     probe_on: bool
     """Probe after the engine starts or a resume restores it: the synchronous loop (the engine
-    is at rest between steps) with an engine that holds a copy of the weights. The Megatron
-    engine generates with the actor's own parameters: no copy a sync could corrupt."""
+    is at rest between steps) with an engine that holds a copy of the weights. The colocated
+    Megatron engine generates with the actor's own parameters: no copy a sync could corrupt
+    (on the rollout side it holds a copy, probed like any engine's)."""
     probe_after_wake: bool
     """Probe after every wake-up and sync too: ``probe_on`` and the engine really sleeps."""
 
 
-def guard_checks(engine: str, is_async: bool, lora_dropout: float, sleep_level: int) -> GuardChecks:
-    """What the guard checks in a run of this engine, loop, LoRA dropout and sleep level."""
-    probed = not is_async and engine != "megatron"
+def guard_checks(
+    engine_is_actor: bool, is_async: bool, lora_dropout: float, sleep_level: int
+) -> GuardChecks:
+    """What the guard checks in a run whose engine is (or is not) the actor's own model
+    (``RolloutConfig.engine_is_actor``), of this loop, LoRA dropout and sleep level."""
+    probed = not is_async and not engine_is_actor
     return GuardChecks(
         step_check=lora_dropout == 0,
         probe_on=probed,

@@ -93,7 +93,10 @@ def build_engine_guard(cfg: RunConfig, params_dtype: str, sleep_level: int) -> E
     if threshold is None or cfg.algo.is_sft:
         return None
     checks = guard_checks(
-        cfg.rollout.engine, cfg.async_training.is_async, cfg.actor.lora.dropout, sleep_level
+        cfg.rollout.engine_is_actor,
+        cfg.async_training.is_async,
+        cfg.actor.lora.dropout,
+        sleep_level,
     )
     return EngineGuard(
         threshold=threshold,

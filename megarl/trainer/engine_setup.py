@@ -9,12 +9,15 @@ must stop on the same tokens).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from megarl.config.schema import RunConfig
 from megarl.engines.base import RolloutEngine
 from megarl.engines.factory import build_engine
 from megarl.models.spec import TransformerSpec, spec_from_hf_config
+
+if TYPE_CHECKING:
+    from megarl.engines.megatron import MegatronEngine
 
 
 def vllm_request(cfg: RunConfig, device: str, params_dtype: str):
@@ -75,13 +78,15 @@ def build_run_engine(
         settings = vllm_settings(cfg, model_dir, device)
         engine = build_engine("vllm", **settings.engine_kwargs, start_in_background=True)
         return engine, settings.sleep_level
-    if cfg.rollout.engine == "megatron":  # the actor's model, bound once the actor is built
+    if cfg.rollout.engine == "megatron":  # colocated: the actor's model, bound once it is built
         engine = build_engine(
             "megatron",
             **megatron_engine_kwargs(
                 tokenizer, model_dir, spec, device, cfg.rollout.batch_invariant
             ),
         )
+        if not cfg.rollout.engine_is_actor:  # the rollout side: a copy of its own
+            cast("MegatronEngine", engine).bind_copy(megatron_copy(cfg, model_dir, spec, device))
         return engine, 0  # nothing to release between rollouts: the KV cache lives per call
     from megarl.distributed.quiet import hf_progress_bars_off
     from megarl.models.hf_io import load_hf_model
@@ -90,6 +95,24 @@ def build_run_engine(
         model, _ = load_hf_model(model_dir, device=device)
     engine = build_engine(cfg.rollout.engine, model=model, tokenizer=tokenizer, device=device)
     return engine, cfg.rollout.sleep_level
+
+
+def megatron_copy(cfg: RunConfig, model_dir: str, spec: TransformerSpec, device: str):
+    """The rollout side's Megatron model (:mod:`megarl.engines.megatron_copy`): the run's
+    starting weights in the run's parameter dtype, with the actor's LoRA adapters."""
+    import torch
+
+    from megarl.distributed.execution import execution_plan_for
+    from megarl.engines.megatron_copy import build_megatron_copy
+    from megarl.models.hf_io import open_hf_tensors
+
+    lora = None
+    if cfg.actor.lora.enabled:
+        from megarl.models.lora import LoraSettings
+
+        lora = LoraSettings.from_config(cfg.actor.lora, seed=cfg.trainer.seed)
+    dtype = getattr(torch, execution_plan_for(cfg, device).params_dtype)
+    return build_megatron_copy(spec, open_hf_tensors(model_dir), dtype, device, lora)
 
 
 def megatron_engine_kwargs(

@@ -325,11 +325,12 @@ def _rollout_source(
 def _share_actor_model(
     inputs: RunInputs, host: RolloutHost | None, actor: MegatronActor, tokenizer, spec
 ) -> MegatronEngine | None:
-    """``rollout.engine=megatron``: rank 0's engine generates with the actor's model chunks,
-    and the ranks whose forward it needs get an engine of their own over theirs, to follow its
-    calls (returned; None on every other rank and with any other engine)."""
+    """``rollout.engine=megatron`` colocated: rank 0's engine generates with the actor's model
+    chunks, and the ranks whose forward it needs get an engine of their own over theirs, to
+    follow its calls (returned; None on every other rank, with any other engine, and on the
+    rollout side, whose engine holds a copy of its own)."""
     cfg = inputs.cfg
-    if cfg.rollout.engine != "megatron" or cfg.algo.is_sft:
+    if not cfg.rollout.engine_is_actor or cfg.algo.is_sft:
         return None
     if host is not None:
         host.share_actor_model(actor.chunks)

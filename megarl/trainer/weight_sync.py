@@ -1,7 +1,8 @@
 """The weight sync: the trainer's new weights (or only the LoRA adapter) to the rollout engine.
 
-Every rank takes part (the exporter gathers over TP/PP); rank 0 streams the HF-named tensors to
-the engine in bounded buckets (:func:`megarl.export.sync.sync_engine_weights`). What is sent is
+Every rank takes part (the exporter gathers over TP/PP); rank 0 streams the HF-named tensors (a
+Megatron engine's rollout-side copy: whole Megatron parameters under Megatron names) to the
+engine in bounded buckets (:func:`megarl.export.sync.sync_engine_weights`). What is sent is
 the gates' decision: base (or full) weights unless LoRA kept the engine's base, the adapter with
 LoRA. The rollout source is told the policy version that arrived: the synchronous loop's engine
 serves it from the next rollout on; the asynchronous rollout side applies it between two
@@ -76,6 +77,7 @@ def push_weights(
             checksum,
             engine,
             on_bucket=partial(progress, "update_weights", unit="buckets"),
+            megatron_layout=rt.cfg.rollout.engine == "megatron",  # its rollout-side copy
         )
     if adapter:
         lora = rt.actor.gather_lora_adapter()

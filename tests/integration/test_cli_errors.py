@@ -103,8 +103,13 @@ _VLLM_CASES = (
             "80 of 80 prompts do not fit: the longest has 46 tokens, + rollout.max_new_tokens=12",
         ),
         (
-            ["rollout.engine=megatron", "async_training.mode=one_step_off"],
-            "rollout.engine=megatron needs colocated sync training",
+            [
+                "rollout.engine=megatron",
+                "rollout.batch_invariant=true",
+                "rollout.n_gpus=1",
+                "trainer.launcher=ray",
+            ],
+            "rollout.batch_invariant=true with rollout.n_gpus=1: the rollout side's copy",
         ),
         (
             [

@@ -138,3 +138,49 @@ def test_checksum_catches_a_corrupted_engine_weight():
     corrupted[0, 0] += 1e-6
     held = {**sent, "model.layers.2.mlp.up_proj.weight": tensor_checksum(corrupted)}
     assert compare_checksums(sent, held) == ["model.layers.2.mlp.up_proj.weight"]
+
+
+def _megatron_layout_worker(ctx, tp, pp, hf_config, state):
+    from megarl.config.actor import ActorConfig
+    from megarl.distributed import parallel
+    from megarl.export.stream import collect_state_dict, open_stream
+
+    start_cpu_rank(ctx, tp, pp)
+    actor = cpu_actor(hf_config, ActorConfig(tp=tp, pp=pp), state, trainable=False)
+    stream = open_stream(
+        actor.local_params(), actor.spec, BUCKET_BYTES, checksums=True, megatron_layout=True
+    )
+    sent = collect_state_dict(stream)
+    result = {"sent": sent, "checksums": dict(stream.sent_checksums), "peak": stream.peak_bytes}
+    result["bound"] = stream.plan.memory_bound()
+    parallel.destroy()
+    return result
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_tp2_pp2_stream_in_megatron_layout_is_the_tp1_model(tied):
+    """What a rollout-side Megatron engine receives from TP=2 x PP=2 ranks: every parameter of a
+    TP=1 model, whole, under its Megatron name, bitwise what loading the HF tensors at TP=1
+    gives (real vocabulary rows), checksummed, within the exporter's memory bound."""
+    from megarl.export.checksum import tensor_checksum
+    from megarl.models import mapping
+    from megarl.models.spec import spec_from_hf_config
+
+    cfg = dict(TINY, tie_word_embeddings=tied)
+    state = _state(build_random_hf_model(cfg, seed=3), tied=tied)
+    results = launch(_megatron_layout_worker, 4, args=(2, 2, cfg, state), timeout_s=240)
+    spec = spec_from_hf_config(cfg)
+    expected = {}
+    for rule in mapping.rules_for(spec):
+        if rule.mcore == "output_layer.weight" and tied:
+            continue
+        for layer in range(spec.num_layers) if rule.per_layer else [None]:
+            parts = [state[name] for name in rule.hf_names(layer)]
+            whole = mapping.to_mcore_shard(rule, parts, spec, 0, 1)
+            expected[rule.mcore_name(layer)] = whole[: mapping.mcore_full_shape(rule, spec)[0]]
+    sent = results[0]["sent"]
+    assert sorted(sent) == sorted(expected)
+    for name, tensor in expected.items():
+        assert torch.equal(sent[name], tensor), name
+    assert results[0]["checksums"] == {k: tensor_checksum(v) for k, v in expected.items()}
+    assert all(r["peak"] <= r["bound"] for r in results)

@@ -343,24 +343,23 @@ def test_batch_invariant_defaults_off_and_needs_the_megatron_engine():
     assert str(info.value).startswith("rollout.batch_invariant=true with actor.pp=2")
 
 
+SPLIT_TREE = {"rollout": {"n_gpus": 1}, "trainer": {"launcher": "ray"}}
+
+
 @pytest.mark.parametrize(
     ("tree", "message"),
     [
         (
-            {"rollout": {"n_gpus": 1}, "trainer": {"launcher": "ray"}},
-            "rollout.engine=megatron needs colocated sync training",
-        ),
-        (
-            {
-                "rollout": {"n_gpus": 1},
-                "trainer": {"launcher": "ray"},
-                "async_training": {"mode": "fully_async"},
-            },
-            "rollout.engine=megatron needs colocated sync training",
-        ),
-        (
             {"actor": {"pp": 2, "vpp": 2}, "trainer": {"n_gpus_per_node": 2}},
-            "rollout.engine=megatron runs one model chunk per rank: actor.vpp=2",
+            "rollout.engine=megatron colocated runs one model chunk per rank: actor.vpp=2",
+        ),
+        (
+            {**SPLIT_TREE, "rollout": {"n_gpus": 1, "batch_invariant": True}},
+            "rollout.batch_invariant=true with rollout.n_gpus=1: the rollout side's copy",
+        ),
+        (
+            {**SPLIT_TREE, "rollout": {"n_gpus": 1, "tp": 2}},
+            "on the rollout side (rollout.n_gpus=1) runs its copy at TP=1: rollout.tp=2",
         ),
     ],
 )
@@ -370,3 +369,17 @@ def test_the_megatron_engine_refuses_what_it_cannot_serve_in_one_line(tree, mess
         build_run_config(tree)
     assert message in str(refused.value) and "\n" not in str(refused.value)
     assert build_run_config({"rollout": {"engine": "megatron"}}).rollout.engine == "megatron"
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [{}, {"async_training": {"mode": "fully_async"}}, {"async_training": {"mode": "one_step_off"}}],
+    ids=["split-sync", "fully_async", "one_step_off"],
+)
+def test_the_megatron_engine_runs_on_the_rollout_side_as_a_copy(extra):
+    """Split placement and the asynchronous modes are served by a rollout-side copy: accepted,
+    and it is not the actor's model (the gates sync it); colocated it is."""
+    cfg = build_run_config({**SPLIT_TREE, **extra, "rollout": {"engine": "megatron", "n_gpus": 1}})
+    assert cfg.rollout.engine == "megatron" and not cfg.rollout.engine_is_actor
+    assert build_run_config({"rollout": {"engine": "megatron"}}).rollout.engine_is_actor
+    assert not build_run_config({}).rollout.engine_is_actor

@@ -62,6 +62,27 @@ def test_plan_is_complete_ordered_and_bounded(tied, budget):
         assert len(plan.buckets) == 1
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_in_megatron_layout_each_item_is_one_whole_parameter_of_the_same_bytes(tied):
+    """What a Megatron engine receives: one tensor per item, named as the TP=1 model's parameter,
+    of the bytes the HF tensors would have had (so the buckets and their bound are unchanged)."""
+    spec = spec_from_hf_config(dict(CFG, tie_word_embeddings=tied))
+    plan = plan_export(spec, tp=2, pp=2, vpp=1, element_size=4, bucket_bytes=3000)
+    items = [i for b in plan.buckets for i in b.items]
+    sent = [i.sent(megatron_layout=True) for i in items]
+    assert all(len(one) == 1 for one in sent)
+    names = [name for ((name, _),) in sent]
+    assert len(set(names)) == len(names)
+    assert names[0] == "embedding.word_embeddings.weight"
+    assert ("output_layer.weight" in names) is not tied
+    assert "decoder.layers.7.self_attention.linear_qkv.weight" in names
+    for item, ((_, shape),) in zip(items, sent, strict=True):
+        assert 4 * int(torch.Size(shape).numel()) == item.nbytes, item.rule.mcore
+        assert item.sent(megatron_layout=False) == tuple(
+            zip(item.hf_names, item.hf_shapes, strict=True)
+        )
+
+
 def test_vocab_item_counts_padding_when_gathered():
     spec = spec_from_hf_config(CFG)
     plan = plan_export(spec, tp=2, pp=1, vpp=1, element_size=2, bucket_bytes=10**9)

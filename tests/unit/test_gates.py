@@ -392,3 +392,27 @@ def test_nothing_is_sent_to_an_engine_that_is_the_actors_model():
         assert f"sync: skip ({ENGINE_IS_ACTOR})" in gates.summary()
         base, adapter = decide_restore_sync(run)
         assert not base.run and not adapter.run and base.reason == ENGINE_IS_ACTOR
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_a_rollout_side_megatron_engine_is_synced_like_any_copy(lora):
+    """``rollout.engine=megatron`` with split placement holds a copy of the weights on the
+    rollout side: the full weights (or, with LoRA, the adapter into the base it keeps) are sent,
+    and the gates' line says which."""
+    from megarl.config.planning import run_facts
+    from megarl.config.schema import build_run_config
+
+    tree: dict = {"rollout": {"engine": "megatron", "n_gpus": 1}, "trainer": {"launcher": "ray"}}
+    if lora:
+        tree["actor"] = {"lora": {"rank": 4, "alpha": 8}}
+    run = run_facts(build_run_config(tree))
+    assert not run.engine_is_actor
+    gates = decide_gates(
+        StepFacts(run, step=1, slices=((0, 1),), engine_base_weights_resident=True)
+    )
+    if lora:
+        assert not gates.base_weight_sync.run and gates.adapter_sync.run
+        assert "sync: adapter only (engine kept base)" in gates.summary()
+    else:
+        assert gates.base_weight_sync.run and not gates.adapter_sync.run
+        assert "sync: full weights (no LoRA: full weights)" in gates.summary()

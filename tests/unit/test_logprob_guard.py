@@ -126,13 +126,29 @@ def test_checksum_digest_depends_on_every_tensor_and_not_on_order() -> None:
         ({}, True, True),
         ({"actor": {"lora": {"rank": 4, "alpha": 8, "dropout": 0.1}}}, False, True),
         ({"rollout": {"engine": "megatron"}}, True, False),
+        (
+            {"rollout": {"engine": "megatron", "n_gpus": 1}, "trainer": {"launcher": "ray"}},
+            True,
+            True,
+        ),
+        (
+            {
+                "rollout": {"engine": "megatron", "n_gpus": 1},
+                "trainer": {"launcher": "ray"},
+                "async_training": {"mode": "fully_async"},
+            },
+            True,
+            False,
+        ),
     ],
-    ids=["plain", "lora_dropout", "megatron_engine"],
+    ids=["plain", "lora_dropout", "megatron_engine", "megatron_rollout_side", "megatron_async"],
 )
 def test_what_the_guard_checks_follows_the_run(section, step_check, probed) -> None:
     """Dropout makes the training forward differ from any engine by design, so the step check
-    is off with LoRA dropout (the probes, scored without dropout, still run); the Megatron
-    engine is the actor's own model, so there is no copy to probe."""
+    is off with LoRA dropout (the probes, scored without dropout, still run); the colocated
+    Megatron engine is the actor's own model, so there is no copy to probe, while on the rollout
+    side it is a copy, probed as any engine in the synchronous loop (the asynchronous loop
+    generates while the trainer trains: no probe there, for any engine)."""
     from megarl.trainer.engine_guard import build_engine_guard
 
     guard = build_engine_guard(build_run_config(section), "float32", sleep_level=1)

@@ -12,7 +12,7 @@ from helpers.models import TWO_LAYER_HF_CONFIG
 from megarl.config import planning
 from megarl.config.schema import build_run_config
 from megarl.engines.base import EngineMemoryState
-from megarl.export.lora import adapter_to_hf, merge_adapter_into_hf, peft_name
+from megarl.export.lora import adapter_from_hf, adapter_to_hf, merge_adapter_into_hf, peft_name
 from megarl.models import mapping
 from megarl.models.lora import LoraSettings, hf_target_modules, is_adapter_param_name
 from megarl.models.spec import spec_from_hf_config
@@ -162,6 +162,34 @@ def test_row_parallel_adapter_concatenates_lora_A(target):
     [name] = rule.hf_names(0)
     assert torch.equal(got[peft_name(name, "lora_A")], a)
     assert torch.equal(got[peft_name(name, "lora_B")], b)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("target", ["linear_qkv", "linear_fc1", "linear_proj", "linear_fc2"])
+def test_a_peft_adapter_reads_back_into_one_tp1_linear_bitwise(target, tp):
+    """What a rollout-side Megatron engine loads: the peft tensors of a TP=``tp`` trainer's
+    adapter, read back at TP=1, are the whole ``A`` and ``B`` (the column ``B`` in the fused
+    layout of the TP=1 base weight)."""
+    rule, r = _rule(target), 4
+    parallel = "column" if target in ("linear_qkv", "linear_fc1") else "row"
+    gen = torch.Generator().manual_seed(2)
+    out_f, in_f = mapping.to_mcore_shard(
+        rule,
+        [torch.zeros(s) for s in mapping.hf_shapes(rule, SPEC)],
+        SPEC,
+        0,
+        1,
+    ).shape
+    a = torch.randn(r, in_f, generator=gen)
+    b = torch.randn(out_f, r, generator=gen)
+    if parallel == "column":
+        hf_b = mapping.to_hf(rule, [b], SPEC)
+        b_shards = [mapping.to_mcore_shard(rule, hf_b, SPEC, k, tp) for k in range(tp)]
+        peft = adapter_to_hf(rule, 1, parallel, [a], b_shards, SPEC)
+    else:
+        peft = adapter_to_hf(rule, 1, parallel, list(a.chunk(tp, dim=1)), [b], SPEC)
+    got_a, got_b = adapter_from_hf(rule, 1, parallel, peft, SPEC)
+    assert torch.equal(got_a, a) and torch.equal(got_b, b)
 
 
 def _hf_out_sizes(rule: mapping.ParamRule) -> list[int]:

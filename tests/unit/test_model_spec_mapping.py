@@ -73,6 +73,49 @@ def test_round_trip_bitwise(family, tp):
                 assert torch.equal(tensor, hf[name]), (name, tp)
 
 
+@pytest.mark.parametrize(
+    "hf_config",
+    [
+        dict(LLAMA, model_type="qwen2"),
+        dict(
+            LLAMA,
+            model_type="qwen3_moe",
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=24,
+            head_dim=8,
+        ),
+        dict(
+            LLAMA,
+            model_type="qwen2_moe",
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=24,
+            shared_expert_intermediate_size=40,
+        ),
+    ],
+    ids=["qwen2", "qwen3_moe", "qwen2_moe"],
+)
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_whole_megatron_parameter_from_tp_shards_is_the_tp1_shard(hf_config, tp):
+    """What the exporter sends a rollout-side Megatron engine (the TP=1 parameter, no HF
+    split) is bitwise what loading the HF tensors at TP=1 gives, in the shape the plan states;
+    a vocabulary matrix keeps its real rows."""
+    spec = spec_from_hf_config(hf_config)
+    gen = torch.Generator().manual_seed(1)
+    for rule in mapping.rules_for(spec):
+        shapes = mapping.hf_shapes(rule, spec)
+        for layer in range(spec.num_layers) if rule.per_layer else [None]:
+            hf = [torch.randn(shape, generator=gen) for shape in shapes]
+            shards = [mapping.to_mcore_shard(rule, hf, spec, r, tp) for r in range(tp)]
+            full = mapping.to_mcore_full(rule, shards, spec)
+            expected = mapping.to_mcore_shard(rule, hf, spec, 0, 1)[: full.shape[0]]
+            assert torch.equal(full, expected), (rule.mcore_name(layer), tp)
+            assert tuple(full.shape) == mapping.mcore_full_shape(rule, spec), rule.mcore
+            if rule.layout == "vocab":
+                assert full.shape[0] == spec.vocab_size
+
+
 def test_qkv_shard_holds_whole_groups_in_megatron_order():
     spec = spec_from_hf_config(LLAMA)  # 8 heads, 4 groups, head_dim 4
     d = spec.head_dim
