@@ -47,11 +47,17 @@ FALLBACK_MAX_LOGPROB_DIFF: Mapping[str, float] = {"float32": 1e-3, "bfloat16": 2
 first run; measure it and add its row)."""
 
 
-PROBE_TEXT = "Check: the quick brown fox jumps over the lazy dog. What is 12 + 7? Answer:"
-"""The probe's fixed prompt (any text the tokenizer reads; the engine samples from it)."""
-PROBE_MAX_NEW_TOKENS = 16
-"""Tokens per probe sample at most (fewer when ``rollout.max_new_tokens`` is smaller): the probe
-stays cheap however long the run's responses are."""
+PROBE_TEXT = "Once upon a time, in a small village by the sea, there lived a"
+"""The probe's fixed prompt: plain text that stops mid-sentence, so a language model goes on
+rather than ending its response at once, and the probe compares its full
+``PROBE_SAMPLES x PROBE_MAX_NEW_TOKENS`` tokens (a question ending in "Answer:" made
+SmolLM2-135M end 73% of its samples with their first token: 4 tokens compared instead of 64)."""
+PROBE_SAMPLES = 8
+PROBE_MAX_NEW_TOKENS = 8
+"""Samples of the probe prompt, and tokens per sample at most (fewer when
+``rollout.max_new_tokens`` is smaller): 64 tokens, enough that a corrupted tensor cannot hide
+in a few, in few decode steps (a CPU engine's decode step costs about the same for 4 rows as
+for 32: the steps, not the tokens, are the probe's cost)."""
 PROBE_SEED = 20_261_129
 """The probe's sampling seed: the same tokens for the same weights, run after run."""
 
@@ -176,3 +182,12 @@ def decide_logprob_guard(
         f"tokens (rollout.max_logprob_diff={threshold:.0e}); last weight sync: {sync}"
     )
     return GuardVerdict(True, f"{line}; {consequence}" if consequence else line)
+
+
+def probe_micro_batches(pp: int) -> list[list[int]]:
+    """The probe's samples (indices) grouped into the trainer's micro-batches: at least
+    :data:`PROBE_SAMPLES`, rounded up to a multiple of the pipeline stages, in ``pp``
+    micro-batches of equal size -- one micro-batch without a pipeline, and as many as stages
+    with one, which an interleaved (virtual) pipeline schedule needs."""
+    per_micro_batch = -(-PROBE_SAMPLES // pp)
+    return [list(range(m * per_micro_batch, (m + 1) * per_micro_batch)) for m in range(pp)]

@@ -11,7 +11,7 @@ before the optimizer moves a weight (:meth:`MegatronActor.train_step`'s ``before
 stop leaves the weights, the checkpoints and the metrics file as the previous step left them.
 
 **The probe** (``sync/probe_logprob_diff``): the engine samples a fixed prompt
-(:data:`~megarl.planner.logprob_guard.PROBE_TEXT`, :data:`PROBE_SAMPLES` samples, a fixed seed,
+(:data:`~megarl.planner.logprob_guard.PROBE_TEXT`, :data:`~megarl.planner.logprob_guard.PROBE_SAMPLES` samples, a fixed seed,
 the run's temperature) and every rank's trainer scores the same tokens. It runs once the engine
 holds the weights training starts from (after a resume's restore too) and, with
 ``rollout.sleep_level > 0``, after each wake-up and weight sync -- where a sleep that lost a
@@ -35,6 +35,7 @@ from megarl.planner.logprob_guard import (
     SyncRecord,
     decide_logprob_guard,
     guard_checks,
+    probe_micro_batches,
     resolve_max_logprob_diff,
 )
 
@@ -42,9 +43,6 @@ if TYPE_CHECKING:
     from megarl.config.schema import RunConfig
     from megarl.trainer.rollout_host import RolloutHost
     from megarl.trainer.runtime import Runtime
-
-PROBE_SAMPLES = 4
-"""Samples of the probe prompt: enough tokens that a corrupted tensor cannot hide in a few."""
 
 NOT_APPLIED = (
     "the step's update was not applied and nothing of it was written; fix the engine, then run "
@@ -69,9 +67,10 @@ class EngineGuard:
     """These three as :func:`megarl.planner.logprob_guard.guard_checks` decides them."""
     last_sync: SyncRecord | None = None
 
-    def check(self, where: str, local: list[float], tp: int, consequence: str) -> float:
+    def check(self, where: str, local: list[float], tp: int, consequence: str) -> LogprobCheck:
         """Collective: reduce this rank's ``[|diff| sum, tokens]`` over the world, decide, and
-        raise :class:`LogprobGuardError` on every rank when the verdict is to stop; the mean."""
+        raise :class:`LogprobGuardError` on every rank when the verdict is to stop; what was
+        compared."""
         from megarl.actor.megatron_actor import reduce_sums_to_all
 
         [[diff_sum, count]] = reduce_sums_to_all([local], tp)
@@ -82,7 +81,7 @@ class EngineGuard:
         )
         if verdict.stop:
             raise LogprobGuardError(verdict.line)
-        return mean
+        return check
 
 
 def build_engine_guard(cfg: RunConfig, params_dtype: str, sleep_level: int) -> EngineGuard | None:
@@ -118,24 +117,25 @@ def engine_sleep_level(host: RolloutHost | None) -> int:
 
 def probe(rt: Runtime, where: str) -> dict[str, float]:
     """Collective: the engine samples the probe, every rank's trainer scores it, the guard
-    decides; ``sync/probe_logprob_diff`` on every rank."""
+    decides; ``sync/probe_logprob_diff`` and the tokens it compared (``sync/probe_tokens``) on
+    every rank."""
     guard = rt.guard
     assert guard is not None
     heartbeat.mark("engine_probe")
-    # One sample per micro-batch, their number a multiple of the pipeline stages: an
-    # interleaved (virtual) pipeline schedule refuses fewer micro-batches than stages.
-    pp = rt.cfg.actor.pp
-    samples = -(-PROBE_SAMPLES // pp) * pp
+    micro_batches = probe_micro_batches(rt.cfg.actor.pp)
+    samples = sum(len(mb) for mb in micro_batches)
     payload: list = [rt.host.probe_engine(samples) if rt.host is not None else None]
     dist.broadcast_object_list(payload, src=0)
     batch = probe_batch(payload[0])
-    micro_batches = [[i] for i in range(len(batch.tokens))]
     trainer = rt.actor.compute_logprobs(batch, micro_batches, rt.cfg.rollout.temperature)
     from megarl.trainer.actor_update import logprob_diff
 
     local = logprob_diff(batch, trainer) if rt.actor.is_last_stage else [0.0, 0.0]
-    mean = guard.check(where, local, rt.cfg.actor.tp, PROBE_STOP)
-    return {"sync/probe_logprob_diff": mean}
+    check = guard.check(where, local, rt.cfg.actor.tp, PROBE_STOP)
+    return {
+        "sync/probe_logprob_diff": check.mean_abs_diff,
+        "sync/probe_tokens": float(check.num_tokens),
+    }
 
 
 def probe_batch(samples: list[tuple[list[int], int, list[float]]]) -> RolloutBatch:

@@ -39,12 +39,27 @@ def _train(run_dir: Path, env: dict[str, str], **overrides) -> subprocess.Comple
     )
 
 
+def tiny_overrides_max_new_tokens() -> int:
+    """The response budget of the tiny runs, which caps the probe's."""
+    key = "rollout.max_new_tokens="
+    [value] = [o.removeprefix(key) for o in tiny_overrides(Path("x")) if o.startswith(key)]
+    return int(value)
+
+
 def _rows(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def _checkpoints(run_dir: Path) -> list[str]:
     return sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+
+
+def _assert_probe_compared_its_tokens(row: dict) -> None:
+    """The probe compares (nearly) its whole budget of tokens, not a few that ended at once."""
+    from megarl.planner.logprob_guard import PROBE_MAX_NEW_TOKENS, PROBE_SAMPLES
+
+    budget = PROBE_SAMPLES * min(PROBE_MAX_NEW_TOKENS, tiny_overrides_max_new_tokens())
+    assert row["sync/probe_tokens"] >= 0.75 * budget, row
 
 
 def _assert_stopped_at_step_2(done: subprocess.CompletedProcess, engine: str, run_dir: Path):
@@ -73,6 +88,7 @@ def test_corrupted_hf_engine_stops_two_ranks_and_the_run_resumes(tmp_path):
     _assert_stopped_at_step_2(done, "hf", run_dir)
     [step1] = _rows(run_dir)
     assert 0 <= step1["sync/probe_logprob_diff"] <= 1e-4  # after step 1's wake and sync
+    _assert_probe_compared_its_tokens(step1)
     assert step1["rollout/logprob_abs_diff"] <= 1e-4
 
     resumed = _train(run_dir, {}, **common)
@@ -93,3 +109,4 @@ def test_corrupted_vllm_engine_stops_the_run(tmp_path):
     _assert_stopped_at_step_2(done, "vllm", run_dir)
     [step1] = _rows(run_dir)
     assert 0 <= step1["sync/probe_logprob_diff"] <= 1e-4  # the probe after engine start
+    _assert_probe_compared_its_tokens(step1)

@@ -14,11 +14,13 @@ from megarl.export.checksum import checksums_digest
 from megarl.planner.logprob_guard import (
     DEFAULT_MAX_LOGPROB_DIFF,
     FALLBACK_MAX_LOGPROB_DIFF,
+    PROBE_SAMPLES,
     LogprobCheck,
     LogprobGuardError,
     SyncRecord,
     decide_logprob_guard,
     default_max_logprob_diff,
+    probe_micro_batches,
     resolve_max_logprob_diff,
 )
 
@@ -155,3 +157,13 @@ def test_what_the_guard_checks_follows_the_run(section, step_check, probed) -> N
     assert guard is not None and guard.threshold == 1e-3
     assert guard.step_check is step_check
     assert guard.probe_on is probed and guard.probe_after_wake is probed
+
+
+@pytest.mark.parametrize("pp", [1, 2, 3, 4, 8])
+def test_the_probe_fills_one_micro_batch_per_pipeline_stage(pp) -> None:
+    micro_batches = probe_micro_batches(pp)
+    samples = [i for mb in micro_batches for i in mb]
+    assert len(micro_batches) == pp  # one without a pipeline; as many as an interleaved one needs
+    assert len({len(mb) for mb in micro_batches}) == 1
+    assert samples == list(range(len(samples)))  # every sample scored once, in order
+    assert PROBE_SAMPLES <= len(samples) < PROBE_SAMPLES + pp
