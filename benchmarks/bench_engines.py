@@ -2,7 +2,7 @@
 actor's own Megatron model (``rollout.engine=megatron``).
 
 Run: ``python benchmarks/bench_engines.py [--repeats 5] [--full-runs] [--steps 20]
-[--engines transformers,vllm,megatron]``
+[--engines transformers,vllm,megatron,megatron-batch-invariant]``
 (CPU; the packaged SmolLM2-135M-Instruct in fp32; vLLM must be installed: ``make install``).
 
 Part 1, same process, alternating engines on the same work:
@@ -19,7 +19,8 @@ Part 1, same process, alternating engines on the same work:
   as a CPU run starts it (``vllm``: a sync copies into the live weights and packs the touched
   layers' kernels again) and with ``weight_load_method="reload"`` (``vllm-reload``: every layer
   rebuilt, CUDA's path and the CPU path before); their generations must be identical, bit for
-  bit.
+  bit. ``megatron-batch-invariant``: the Megatron engine on the same model with
+  ``rollout.batch_invariant=true`` (its cost: every product in fixed row blocks).
 
 Each is repeated ``--repeats`` times after a warm-up, engines interleaved so all see the same
 machine load; medians and the ratios are printed. The Megatron engine's calls run inside the CPU
@@ -95,6 +96,8 @@ def build_engines(model_dir: str, names: tuple[str, ...]):
     t0 = time.perf_counter()
     engines["megatron"] = megatron_engine(gpt, tokenizer, model_dir)
     start_s["megatron"] = time.perf_counter() - t0
+    if "megatron-batch-invariant" in names:  # the same model, rollout.batch_invariant=true
+        engines["megatron-batch-invariant"] = megatron_engine(gpt, tokenizer, model_dir, True)
     return tokenizer, engines, start_s
 
 
@@ -131,14 +134,15 @@ class ShimmedEngine:
         return 0  # nothing to send: it generates with the actor's own parameters
 
 
-def megatron_engine(gpt, tokenizer, model_dir: str) -> ShimmedEngine:
+def megatron_engine(gpt, tokenizer, model_dir: str, batch_invariant: bool = False) -> ShimmedEngine:
     from megarl.engines.megatron import MegatronEngine
     from megarl.models.hf_io import load_hf_config
     from megarl.models.spec import spec_from_hf_config
     from megarl.trainer.engine_setup import megatron_engine_kwargs
 
     spec = spec_from_hf_config(load_hf_config(model_dir))
-    engine = MegatronEngine(**megatron_engine_kwargs(tokenizer, model_dir, spec, "cpu"))
+    kwargs = megatron_engine_kwargs(tokenizer, model_dir, spec, "cpu", batch_invariant)
+    engine = MegatronEngine(**kwargs)
     engine.bind_model([gpt])
     return ShimmedEngine(engine)
 
@@ -200,13 +204,14 @@ def bench_engines(model_dir: str, repeats: int, names: tuple[str, ...]) -> None:
     )
     floor_rate = len(prompts) * params.max_new_tokens / floor_s
     print(f"decode floor (bench_roofline): {floor_s:.2f} s for 12 steps, {floor_rate:.1f} tokens/s")
-    print(f"{'engine':<14}{'gen s':>8}{'tokens/s':>10}{'of floor':>10}{'sync s':>9}")
+    width = max(14, *(len(name) + 2 for name in engines))
+    print(f"{'engine':<{width}}{'gen s':>8}{'tokens/s':>10}{'of floor':>10}{'sync s':>9}")
     med = {}
     for name in engines:
         med[name] = (statistics.median(gen_s[name]), statistics.median(sync_s[name]))
         rate = tokens[name] / med[name][0]
         print(
-            f"{name:<14}{med[name][0]:>8.2f}{rate:>10.1f}{rate / floor_rate:>10.2f}"
+            f"{name:<{width}}{med[name][0]:>8.2f}{rate:>10.1f}{rate / floor_rate:>10.2f}"
             f"{med[name][1]:>9.3f}"
         )
     for name in [name for name in ("vllm", "megatron") if name in engines]:
@@ -215,6 +220,9 @@ def bench_engines(model_dir: str, repeats: int, names: tuple[str, ...]) -> None:
             f"{med[name][0] / med['transformers'][0]:.2f}x, weight sync "
             f"{med[name][1] - med['transformers'][1]:+.3f} s per step"
         )
+    if "megatron-batch-invariant" in engines:
+        ratio = med["megatron-batch-invariant"][0] / med["megatron"][0]
+        print(f"batch-invariant mode / megatron time: generation {ratio:.2f}x")
     same = [g.response_ids for g in outputs["megatron"]] == [
         g.response_ids for g in outputs["transformers"]
     ]
@@ -295,8 +303,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument(
         "--engines",
-        default="transformers,vllm,megatron",
-        help="which engines beside transformers (always run): vllm, megatron",
+        default="transformers,vllm,megatron,megatron-batch-invariant",
+        help="which engines beside transformers (always run): vllm, megatron, "
+        "megatron-batch-invariant (the Megatron engine with rollout.batch_invariant=true)",
     )
     args = parser.parse_args()
     from megarl.models.hf_io import resolve_model_path
