@@ -3,8 +3,8 @@
 A thin module per test tier binds the engines: ``tests/unit/test_engine_contract.py`` the HF and
 Megatron engines (in process, milliseconds to build), ``tests/integration/
 test_engine_contract_vllm.py`` the vLLM engine (a process of its own, started once per module).
-Each defines a ``contract`` fixture giving an :class:`EngineUnderTest` and imports the ``test_*``
-functions below, which pytest then collects there.
+Each defines a ``contract`` fixture giving an :class:`EngineUnderTest` and a ``Test*`` subclass of
+:class:`EngineContract`, whose tests pytest then collects there.
 
 What every engine promises, and what the tests here check:
 
@@ -171,34 +171,6 @@ def assert_reference_logprobs(
         )
 
 
-# --- batch independence, seeds, the logprob definition ---------------------------------------
-
-
-def test_a_request_samples_the_same_in_any_batch(contract: EngineUnderTest):
-    engine = contract.make(2.0)  # rows end at different steps: batches shrink differently
-    params = contract.sampled
-    requests = requests_for(PROMPTS * 3)
-    together = engine.generate_requests(requests, params)
-    assert len({g.response_ids for g in together}) == len(requests)
-    assert any(g.finished for g in together) and not all(g.finished for g in together)
-
-    reversed_order = engine.generate_requests(requests[::-1], params)[::-1]
-    assert_same_responses(reversed_order, together)
-    evens = engine.generate_requests(requests[::2], params)
-    odds = engine.generate_requests(requests[1::2] + requests[:1], params)[:-1]
-    assert_same_responses([g for pair in zip(evens, odds, strict=True) for g in pair], together)
-    alone = [engine.generate_requests([r], params)[0] for r in requests]
-    assert_same_responses(alone, together)
-
-
-def test_generate_seeds_prompt_i_with_request_seed(contract: EngineUnderTest):
-    engine = contract.make()
-    params = SamplingParams(max_new_tokens=8, seed=5)
-    expected = engine.generate_requests(requests_for(PROMPTS, seed=5), params)
-    assert engine.generate(PROMPTS, params) == expected
-    assert engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, seed=6)) != expected
-
-
 SETTINGS = ("sampled", "t1.3", "greedy")
 """The sampling setups of the tests below: the engine's tempered one, a hot one, argmax."""
 
@@ -211,156 +183,179 @@ def setting(contract: EngineUnderTest, name: str) -> SamplingParams:
     }[name]
 
 
-@pytest.mark.parametrize("name", SETTINGS)
-def test_logprobs_are_the_models_and_responses_stop_on_eos_or_budget(contract, name):
-    """Four samples of each prompt (a group): they differ unless greedy; each ends on its first
-    EOS or at the budget; every logprob is the teacher-forced forward's at the call's
-    temperature (1 when greedy), before any top-p truncation."""
-    params = setting(contract, name)
-    eos_bias = 0.0 if params.greedy else 2.0  # greedy: with more, every response is EOS
-    engine = contract.make(eos_bias)
-    generations = engine.generate([p for p in PROMPTS for _ in range(4)], params)
-    assert [g.prompt_ids for g in generations] == [tuple(p) for p in PROMPTS for _ in range(4)]
-    for g in generations:
-        assert EOS not in g.response_ids[:-1]
-        assert g.finished == (g.response_ids[-1] == EOS)
-        assert g.finished or len(g.response_ids) == params.max_new_tokens
-    assert any(g.finished for g in generations) and not all(g.finished for g in generations)
-    groups = [{g.response_ids for g in generations[i : i + 4]} for i in range(0, 16, 4)]
-    assert all(len(group) == (1 if params.greedy else 4) for group in groups)
-    assert_reference_logprobs(reference_model(eos_bias), generations, params.temperature)
+class EngineContract:
+    """The contract's tests. A binding module subclasses it as ``Test<Engine>Contract`` beside
+    its ``contract`` fixture, and pytest collects the tests there."""
 
+    # --- batch independence, seeds, the logprob definition ---------------------------------------
 
-# --- interruption -----------------------------------------------------------------------------
+    def test_a_request_samples_the_same_in_any_batch(self, contract: EngineUnderTest):
+        engine = contract.make(2.0)  # rows end at different steps: batches shrink differently
+        params = contract.sampled
+        requests = requests_for(PROMPTS * 3)
+        together = engine.generate_requests(requests, params)
+        assert len({g.response_ids for g in together}) == len(requests)
+        assert any(g.finished for g in together) and not all(g.finished for g in together)
 
+        reversed_order = engine.generate_requests(requests[::-1], params)[::-1]
+        assert_same_responses(reversed_order, together)
+        evens = engine.generate_requests(requests[::2], params)
+        odds = engine.generate_requests(requests[1::2] + requests[:1], params)[:-1]
+        assert_same_responses([g for pair in zip(evens, odds, strict=True) for g in pair], together)
+        alone = [engine.generate_requests([r], params)[0] for r in requests]
+        assert_same_responses(alone, together)
 
-@pytest.mark.parametrize("polls", [1, 3, 5])
-@pytest.mark.parametrize("name", SETTINGS)
-def test_interrupted_and_resumed_responses_go_on_as_fresh_requests(contract, name, polls):
-    """Every call interrupted after ``polls`` tokens, the interrupted responses resumed until
-    none is left. On every engine each piece is what a fresh request with the tokens before it
-    as ``generated_ids`` samples, and the joined response's logprobs are the model's; where the
-    engine keeps one random stream per response (and always when greedy) the joined response
-    is the uninterrupted one."""
-    params = setting(contract, name)
-    eos_bias = 0.0 if params.greedy else 2.0
-    engine = contract.make(eos_bias)
-    requests = requests_for(PROMPTS * 3, seed=14)
-    uninterrupted = engine.generate_requests(requests, params)
-    assert not any(g.interrupted for g in uninterrupted)
-    assert polls < max(len(g.response_ids) for g in uninterrupted) == params.max_new_tokens
-    if not params.greedy:  # some responses stop on EOS in a resumed piece
-        assert polls < max(len(g.response_ids) for g in uninterrupted if g.finished)
+    def test_generate_seeds_prompt_i_with_request_seed(self, contract: EngineUnderTest):
+        engine = contract.make()
+        params = SamplingParams(max_new_tokens=8, seed=5)
+        expected = engine.generate_requests(requests_for(PROMPTS, seed=5), params)
+        assert engine.generate(PROMPTS, params) == expected
+        assert engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, seed=6)) != expected
 
-    def goes_on_as_fresh_requests(calls: list[Request], generations: list[Generation]) -> None:
-        fresh = engine.generate_requests(calls, params)
-        for piece, whole in zip(generations, fresh, strict=True):
-            n = len(piece.response_ids)
-            assert piece.response_ids == whole.response_ids[:n]
-            torch.testing.assert_close(
-                torch.tensor(piece.response_logprobs),
-                torch.tensor(whole.response_logprobs[:n]),
-                atol=LOGPROB_ATOL,
-                rtol=0,
-            )
+    @pytest.mark.parametrize("name", SETTINGS)
+    def test_logprobs_are_the_models_and_responses_stop_on_eos_or_budget(self, contract, name):
+        """Four samples of each prompt (a group): they differ unless greedy; each ends on its first
+        EOS or at the budget; every logprob is the teacher-forced forward's at the call's
+        temperature (1 when greedy), before any top-p truncation."""
+        params = setting(contract, name)
+        eos_bias = 0.0 if params.greedy else 2.0  # greedy: with more, every response is EOS
+        engine = contract.make(eos_bias)
+        generations = engine.generate([p for p in PROMPTS for _ in range(4)], params)
+        assert [g.prompt_ids for g in generations] == [tuple(p) for p in PROMPTS for _ in range(4)]
+        for g in generations:
+            assert EOS not in g.response_ids[:-1]
+            assert g.finished == (g.response_ids[-1] == EOS)
+            assert g.finished or len(g.response_ids) == params.max_new_tokens
+        assert any(g.finished for g in generations) and not all(g.finished for g in generations)
+        groups = [{g.response_ids for g in generations[i : i + 4]} for i in range(0, 16, 4)]
+        assert all(len(group) == (1 if params.greedy else 4) for group in groups)
+        assert_reference_logprobs(reference_model(eos_bias), generations, params.temperature)
 
-    joined, pieces = sample_with_interruptions(
-        engine,
-        requests,
-        params,
-        lambda: contract.interrupt_after(polls),
-        goes_on_as_fresh_requests,
-    )
-    for parts in pieces:
-        assert all(p.interrupted and not p.finished for p in parts[:-1])
-        assert not parts[-1].interrupted
-        lengths = [len(p.response_ids) for p in parts[:-1]]
-        assert all(n == polls if contract.lockstep else n >= 1 for n in lengths)
-    for g in joined:
-        assert g.finished == (g.response_ids[-1] == EOS)
-        assert g.finished or len(g.response_ids) == params.max_new_tokens
-    assert max(len(parts) for parts in pieces) >= 2  # resumed (lockstep: again, counted below)
-    assert_reference_logprobs(reference_model(eos_bias), joined, params.temperature)
-    if contract.lockstep:
-        interruptions = [len(parts) - 1 for parts in pieces]
-        assert max(interruptions) == -(-params.max_new_tokens // polls) - 1  # ceil: the longest
-    if contract.resumes_the_same_stream or params.greedy:
-        assert_same_responses(joined, uninterrupted)
-    else:  # another draw after each interruption: the sampled responses go elsewhere
-        assert [g.response_ids for g in joined] != [g.response_ids for g in uninterrupted]
+    # --- interruption -----------------------------------------------------------------------------
 
+    @pytest.mark.parametrize("polls", [1, 3, 5])
+    @pytest.mark.parametrize("name", SETTINGS)
+    def test_interrupted_and_resumed_responses_go_on_as_fresh_requests(self, contract, name, polls):
+        """Every call interrupted after ``polls`` tokens, the interrupted responses resumed until
+        none is left. On every engine each piece is what a fresh request with the tokens before it
+        as ``generated_ids`` samples, and the joined response's logprobs are the model's; where the
+        engine keeps one random stream per response (and always when greedy) the joined response
+        is the uninterrupted one."""
+        params = setting(contract, name)
+        eos_bias = 0.0 if params.greedy else 2.0
+        engine = contract.make(eos_bias)
+        requests = requests_for(PROMPTS * 3, seed=14)
+        uninterrupted = engine.generate_requests(requests, params)
+        assert not any(g.interrupted for g in uninterrupted)
+        assert polls < max(len(g.response_ids) for g in uninterrupted) == params.max_new_tokens
+        if not params.greedy:  # some responses stop on EOS in a resumed piece
+            assert polls < max(len(g.response_ids) for g in uninterrupted if g.finished)
 
-def test_a_set_interrupt_still_samples_a_first_token_per_request(contract):
-    """An interrupt set before the call: each response holds the uninterrupted response's first
-    token (a lockstep engine: only it; vLLM: possibly one or two more, sampled while the last
-    requests got theirs); it is ``finished`` if it ended on EOS, else ``interrupted``."""
-    engine = contract.make(3.0)  # some rows stop on their first token
-    requests = requests_for(PROMPTS * 3)
-    interrupt = threading.Event()
-    interrupt.set()
-    first_tokens = engine.generate_requests(requests, contract.sampled, interrupt)
-    uninterrupted = engine.generate_requests(requests, contract.sampled)
-    for got, full in zip(first_tokens, uninterrupted, strict=True):
-        n = len(got.response_ids)
-        assert n == 1 if contract.lockstep else 1 <= n < contract.sampled.max_new_tokens
-        assert got.response_ids == full.response_ids[:n]
-        assert got.finished == (got.response_ids[-1] == EOS)
-        assert got.interrupted == (not got.finished)
-    assert any(g.finished for g in first_tokens) and any(g.interrupted for g in first_tokens)
-    # the engine still serves the uninterrupted responses afterwards
-    assert_same_responses(engine.generate_requests(requests, contract.sampled), uninterrupted)
-    # a call that ends every response by its budget reports none interrupted
-    one_token = dataclasses.replace(contract.sampled, max_new_tokens=1)
-    assert not any(g.interrupted for g in engine.generate_requests(requests, one_token, interrupt))
+        def goes_on_as_fresh_requests(calls: list[Request], generations: list[Generation]) -> None:
+            fresh = engine.generate_requests(calls, params)
+            for piece, whole in zip(generations, fresh, strict=True):
+                n = len(piece.response_ids)
+                assert piece.response_ids == whole.response_ids[:n]
+                torch.testing.assert_close(
+                    torch.tensor(piece.response_logprobs),
+                    torch.tensor(whole.response_logprobs[:n]),
+                    atol=LOGPROB_ATOL,
+                    rtol=0,
+                )
 
+        joined, pieces = sample_with_interruptions(
+            engine,
+            requests,
+            params,
+            lambda: contract.interrupt_after(polls),
+            goes_on_as_fresh_requests,
+        )
+        for parts in pieces:
+            assert all(p.interrupted and not p.finished for p in parts[:-1])
+            assert not parts[-1].interrupted
+            lengths = [len(p.response_ids) for p in parts[:-1]]
+            assert all(n == polls if contract.lockstep else n >= 1 for n in lengths)
+        for g in joined:
+            assert g.finished == (g.response_ids[-1] == EOS)
+            assert g.finished or len(g.response_ids) == params.max_new_tokens
+        assert max(len(parts) for parts in pieces) >= 2  # resumed (lockstep: again, counted below)
+        assert_reference_logprobs(reference_model(eos_bias), joined, params.temperature)
+        if contract.lockstep:
+            interruptions = [len(parts) - 1 for parts in pieces]
+            assert max(interruptions) == -(-params.max_new_tokens // polls) - 1  # ceil: the longest
+        if contract.resumes_the_same_stream or params.greedy:
+            assert_same_responses(joined, uninterrupted)
+        else:  # another draw after each interruption: the sampled responses go elsewhere
+            assert [g.response_ids for g in joined] != [g.response_ids for g in uninterrupted]
 
-def test_an_interrupt_never_set_samples_what_a_call_without_one_samples(contract):
-    engine = contract.make(2.0)
-    fresh = requests_for(PROMPTS, seed=4)
-    done = engine.generate_requests(fresh[1:2], contract.sampled)[0].response_ids
-    batch = [*fresh, dataclasses.replace(fresh[1], generated_ids=done[:3])]
-    stepped = engine.generate_requests(batch, contract.sampled, threading.Event())
-    assert stepped == engine.generate_requests(batch, contract.sampled)  # logprobs included
-    assert not any(g.interrupted for g in stepped)
+    def test_a_set_interrupt_still_samples_a_first_token_per_request(self, contract):
+        """An interrupt set before the call: each response holds the uninterrupted response's first
+        token (a lockstep engine: only it; vLLM: possibly one or two more, sampled while the last
+        requests got theirs); it is ``finished`` if it ended on EOS, else ``interrupted``."""
+        engine = contract.make(3.0)  # some rows stop on their first token
+        requests = requests_for(PROMPTS * 3)
+        interrupt = threading.Event()
+        interrupt.set()
+        first_tokens = engine.generate_requests(requests, contract.sampled, interrupt)
+        uninterrupted = engine.generate_requests(requests, contract.sampled)
+        for got, full in zip(first_tokens, uninterrupted, strict=True):
+            n = len(got.response_ids)
+            assert n == 1 if contract.lockstep else 1 <= n < contract.sampled.max_new_tokens
+            assert got.response_ids == full.response_ids[:n]
+            assert got.finished == (got.response_ids[-1] == EOS)
+            assert got.interrupted == (not got.finished)
+        assert any(g.finished for g in first_tokens) and any(g.interrupted for g in first_tokens)
+        # the engine still serves the uninterrupted responses afterwards
+        assert_same_responses(engine.generate_requests(requests, contract.sampled), uninterrupted)
+        # a call that ends every response by its budget reports none interrupted
+        one_token = dataclasses.replace(contract.sampled, max_new_tokens=1)
+        assert not any(
+            g.interrupted for g in engine.generate_requests(requests, one_token, interrupt)
+        )
 
+    def test_an_interrupt_never_set_samples_what_a_call_without_one_samples(self, contract):
+        engine = contract.make(2.0)
+        fresh = requests_for(PROMPTS, seed=4)
+        done = engine.generate_requests(fresh[1:2], contract.sampled)[0].response_ids
+        batch = [*fresh, dataclasses.replace(fresh[1], generated_ids=done[:3])]
+        stepped = engine.generate_requests(batch, contract.sampled, threading.Event())
+        assert stepped == engine.generate_requests(batch, contract.sampled)  # logprobs included
+        assert not any(g.interrupted for g in stepped)
 
-# --- budgets and refusals ---------------------------------------------------------------------
+    # --- budgets and refusals ---------------------------------------------------------------------
 
+    def test_resumed_requests_sample_only_their_budget(self, contract: EngineUnderTest):
+        engine = contract.make(-1e4)
+        so_far = (30, 31, 32, 33, 34, 35, 36, 37, 38)
+        requests = [
+            Request((5, 6, 7), 1),
+            Request((5, 6, 7), 2, so_far[:3]),
+            Request((12, 13), 3, so_far),
+            Request((12, 13), 4, so_far[:2], max_new_tokens=6),
+        ]
+        generations = engine.generate_requests(requests, SamplingParams(max_new_tokens=10))
+        assert [len(g.response_ids) for g in generations] == [10, 7, 1, 4]
+        assert not any(g.finished or g.interrupted for g in generations)
+        assert [g.prompt_ids for g in generations] == [r.prompt_ids for r in requests]
 
-def test_resumed_requests_sample_only_their_budget(contract: EngineUnderTest):
-    engine = contract.make(-1e4)
-    so_far = (30, 31, 32, 33, 34, 35, 36, 37, 38)
-    requests = [
-        Request((5, 6, 7), 1),
-        Request((5, 6, 7), 2, so_far[:3]),
-        Request((12, 13), 3, so_far),
-        Request((12, 13), 4, so_far[:2], max_new_tokens=6),
-    ]
-    generations = engine.generate_requests(requests, SamplingParams(max_new_tokens=10))
-    assert [len(g.response_ids) for g in generations] == [10, 7, 1, 4]
-    assert not any(g.finished or g.interrupted for g in generations)
-    assert [g.prompt_ids for g in generations] == [r.prompt_ids for r in requests]
+    def test_requests_that_cannot_go_on_are_refused(self, contract: EngineUnderTest):
+        engine = contract.make()
+        params = SamplingParams(max_new_tokens=4)
+        with pytest.raises(ValueError, match="request 1 has no budget left: 4 tokens"):
+            engine.generate_requests([Request((5,), 1), Request((5,), 2, (6, 7, 8, 9))], params)
+        with pytest.raises(ValueError, match="request 0 has no budget left: 0 tokens"):
+            engine.generate_requests([Request((5,), 1, max_new_tokens=0)], params)
+        with pytest.raises(ValueError, match="request 0 already ended"):
+            engine.generate_requests([Request((5,), 1, (6, EOS))], params)
+        with pytest.raises(ValueError, match=r"request 0 has token ids outside \[0, 128\)"):
+            engine.generate_requests([Request((5,), 1, (VOCAB,))], params)
+        with pytest.raises(ValueError, match="request 0 has an empty prompt"):
+            engine.generate_requests([Request((), 1, (6,))], params)
+        assert engine.generate_requests([], params) == []
 
-
-def test_requests_that_cannot_go_on_are_refused(contract: EngineUnderTest):
-    engine = contract.make()
-    params = SamplingParams(max_new_tokens=4)
-    with pytest.raises(ValueError, match="request 1 has no budget left: 4 tokens"):
-        engine.generate_requests([Request((5,), 1), Request((5,), 2, (6, 7, 8, 9))], params)
-    with pytest.raises(ValueError, match="request 0 has no budget left: 0 tokens"):
-        engine.generate_requests([Request((5,), 1, max_new_tokens=0)], params)
-    with pytest.raises(ValueError, match="request 0 already ended"):
-        engine.generate_requests([Request((5,), 1, (6, EOS))], params)
-    with pytest.raises(ValueError, match=r"request 0 has token ids outside \[0, 128\)"):
-        engine.generate_requests([Request((5,), 1, (VOCAB,))], params)
-    with pytest.raises(ValueError, match="request 0 has an empty prompt"):
-        engine.generate_requests([Request((), 1, (6,))], params)
-    assert engine.generate_requests([], params) == []
-
-
-def test_generate_requests_does_not_touch_the_global_rng(contract: EngineUnderTest):
-    engine = contract.make()
-    requests = [*requests_for(PROMPTS), Request((5, 6), 3, (7, 8))]
-    state = torch.get_rng_state()
-    engine.generate_requests(requests, contract.sampled, contract.interrupt_after(2))
-    assert torch.equal(torch.get_rng_state(), state)
+    def test_generate_requests_does_not_touch_the_global_rng(self, contract: EngineUnderTest):
+        engine = contract.make()
+        requests = [*requests_for(PROMPTS), Request((5, 6), 3, (7, 8))]
+        state = torch.get_rng_state()
+        engine.generate_requests(requests, contract.sampled, contract.interrupt_after(2))
+        assert torch.equal(torch.get_rng_state(), state)

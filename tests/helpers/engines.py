@@ -123,6 +123,41 @@ def sample_with_interruptions(
     return [join_pieces(parts) for parts in pieces], pieces
 
 
+class PushesDuringGeneration:
+    """An engine whose first ``pushes`` calls each start with the trainer pushing the next
+    policy version into the asynchronous rollout (``box[0]``, an
+    :class:`~megarl.trainer.async_rollout.AsyncRollout`) while its loop generates: the push
+    sets the call's interrupt, so each of those calls is interrupted, deterministically.
+    ``weights(version)``: the tensors pushed as that version."""
+
+    def __init__(
+        self,
+        box: list,
+        engine: RolloutEngine,
+        weights: Callable[[int], list[tuple[str, torch.Tensor]]],
+        pushes: int = 2,
+        record_checksums: bool = False,
+    ) -> None:
+        self.box, self.engine, self.weights = box, engine, weights
+        self.pushes, self.record_checksums = pushes, record_checksums
+        self.version = 0
+        self.calls = 0
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def generate_requests(self, requests, params, interrupt=None):
+        self.calls += 1
+        if self.calls <= self.pushes:
+            self.version += 1
+            [stream] = self.box
+            weights = self.weights(self.version)
+            stream.engine_update_weights(weights, record_checksums=self.record_checksums)
+            stream.weights_loaded(self.version)  # sets the interrupt: the loop is generating
+            assert interrupt is not None and interrupt.is_set()
+        return self.engine.generate_requests(requests, params, interrupt)
+
+
 class GenerateOnlyEngine(RolloutEngine):
     """A fake engine for tests of what only calls ``generate``: a subclass scripts
     ``eos_token_ids`` and ``generate_requests``; weights, adapters and sleep are refused, and

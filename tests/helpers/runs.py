@@ -3,8 +3,11 @@ logs, and a subprocess's environment."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 INTEGRATION = REPO / "tests" / "integration"
@@ -60,3 +63,21 @@ def tiny_overrides(run_dir, steps: int = 2, **extra: object) -> list[str]:
     }
     base.update(extra)
     return [f"{k}={v}" for k, v in base.items()]
+
+
+def metrics_rows(run_dir: Path) -> list[dict]:
+    """A run's ``metrics.jsonl``, a dict per line."""
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_ray():
+    """One private Ray for the runs of a module that imports this fixture (the launcher leaves
+    a Ray it did not start)."""
+    import ray
+
+    from megarl.distributed.ray_launcher import connect
+
+    connect()
+    yield
+    ray.shutdown()

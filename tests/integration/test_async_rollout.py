@@ -17,6 +17,7 @@ import time
 
 import pytest
 import torch
+from helpers.engines import PushesDuringGeneration
 from helpers.runs import tiny_overrides
 from safetensors.torch import load_file
 
@@ -132,29 +133,6 @@ def test_one_step_off_generates_batch_t_with_version_t_minus_2(tmp_path):
         _assert_same_batch(a, b)
 
 
-class _PushesDuringGeneration:
-    """The engine, but its first ``pushes`` calls start with the trainer pushing a version (the
-    same weights) while the loop generates: each call is interrupted, deterministically."""
-
-    def __init__(self, stream_box: list, model_dir: str, pushes: int, engine) -> None:
-        self.box, self.model_dir, self.pushes, self.engine = stream_box, model_dir, pushes, engine
-        self.version = 0
-        self.calls = 0
-
-    def __getattr__(self, name):
-        return getattr(self.engine, name)
-
-    def generate_requests(self, requests, params, interrupt=None):
-        self.calls += 1
-        if self.calls <= self.pushes:
-            self.version += 1
-            [stream] = self.box
-            stream.engine_update_weights(_weights(self.model_dir, 0), record_checksums=False)
-            stream.weights_loaded(self.version)  # sets the interrupt: the loop is generating
-            assert interrupt is not None and interrupt.is_set()
-        return self.engine.generate_requests(requests, params, interrupt)
-
-
 def _step_1_interrupted_twice(tmp_path, **extra):
     """Step 1's batch from a fully_async rollout (partial rollouts, K = 2) whose first two
     engine calls each start with a push of unchanged weights: ``(batch, metrics, host)``."""
@@ -167,7 +145,7 @@ def _step_1_interrupted_twice(tmp_path, **extra):
         **{"async_training.max_staleness": 2, "async_training.partial_rollout": True},
     )
     box: list = []
-    host.engine = _PushesDuringGeneration(box, model_dir, pushes=2, engine=host.engine)
+    host.engine = PushesDuringGeneration(box, host.engine, lambda _: _weights(model_dir, 0))
     stream = AsyncRollout(host, cfg)
     box.append(stream)
     try:

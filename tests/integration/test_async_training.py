@@ -20,7 +20,7 @@ import json
 
 import pytest
 import torch
-from helpers.runs import tiny_overrides
+from helpers.runs import metrics_rows, one_ray, tiny_overrides  # noqa: F401 - one_ray: autouse
 
 from megarl.distributed.launcher import WorkerFailed
 from megarl.train import run
@@ -29,22 +29,6 @@ pytestmark = pytest.mark.slow
 
 SPLIT = {"trainer.launcher": "ray", "rollout.n_gpus": 1}
 VOLATILE = ("timing_s/", "perf/", "async/")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_ray():
-    """One private Ray for the module's runs (the launcher leaves a Ray it did not start)."""
-    import ray
-
-    from megarl.distributed.ray_launcher import connect
-
-    connect()
-    yield
-    ray.shutdown()
-
-
-def _rows(run_dir) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def _assert_same_training(a_rows, b_rows, a_state, b_state) -> None:
@@ -59,14 +43,14 @@ def _assert_same_training(a_rows, b_rows, a_state, b_state) -> None:
         assert torch.equal(tensor, b_state[name]), name
 
 
-def _sync_and_zero_staleness_rows(tmp_path, settings: dict) -> tuple[list[dict], list[dict]]:
+def _sync_and_zero_stalenessmetrics_rows(tmp_path, settings: dict) -> tuple[list[dict], list[dict]]:
     """Two steps of ``settings`` in the synchronous loop and in ``fully_async`` at staleness 0,
     checked to train bitwise alike; their metrics rows."""
     sync_dir, async_dir = tmp_path / "sync", tmp_path / "async"
     sync = run(tiny_overrides(sync_dir, 2, **settings), return_final_state=True)
     zero = {**settings, "async_training.mode": "fully_async", "async_training.max_staleness": 0}
     fully_async = run(tiny_overrides(async_dir, 2, **zero), return_final_state=True)
-    sync_rows, async_rows = _rows(sync_dir), _rows(async_dir)
+    sync_rows, async_rows = metrics_rows(sync_dir), metrics_rows(async_dir)
     _assert_same_training(sync_rows, async_rows, sync.final_state, fully_async.final_state)
     return sync_rows, async_rows
 
@@ -87,7 +71,7 @@ def sync_run(tmp_path_factory):
         tiny_overrides(run_dir, 4, **SPLIT, **{"trainer.rollout_data_dir": str(dump)}),
         return_final_state=True,
     )
-    return _rows(run_dir), result.final_state, _prompts_by_step(dump)
+    return metrics_rows(run_dir), result.final_state, _prompts_by_step(dump)
 
 
 def test_fully_async_at_zero_staleness_trains_and_resumes_bitwise_like_sync(sync_run, tmp_path):
@@ -101,7 +85,7 @@ def test_fully_async_at_zero_staleness_trains_and_resumes_bitwise_like_sync(sync
     }
     run(tiny_overrides(run_dir, 2, **settings))
     resumed = run(tiny_overrides(run_dir, 4, **settings), return_final_state=True)
-    async_rows = _rows(run_dir)
+    async_rows = metrics_rows(run_dir)
     _assert_same_training(rows, async_rows, state, resumed.final_state)
     assert all(r["async/staleness/max"] == 0.0 for r in async_rows)
     assert all("train forward (on-policy)" in r["gates/summary"] for r in async_rows)
@@ -121,8 +105,10 @@ def test_one_step_off_trains_bitwise_like_generating_batch_t_with_version_t_minu
     monkeypatch.setattr("os.cpu_count", lambda: 1)
     correction = {"algo.rollout_correction.rollout_is": "token"}  # what one_step_off turns on
     oracle = run(tiny_overrides(oracle_dir, steps, **correction), return_final_state=True)
-    async_rows = _rows(async_dir)
-    _assert_same_training(_rows(oracle_dir), async_rows, oracle.final_state, result.final_state)
+    async_rows = metrics_rows(async_dir)
+    _assert_same_training(
+        metrics_rows(oracle_dir), async_rows, oracle.final_state, result.final_state
+    )
     assert [r["async/staleness/max"] for r in async_rows] == [0.0, 1.0, 1.0]
     assert (
         "old_lp: train forward (proximal; behaviour version 0 < trainer 1)"
@@ -181,11 +167,11 @@ def test_fully_async_killed_after_a_checkpoint_resumes_every_prompt_once(
         killed.setenv("MEGARL_FAULT_INJECT", "0:4")  # rank 0 dies as step 4 starts
         with pytest.raises(WorkerFailed):
             run(tiny_overrides(run_dir, 4, **settings))
-    assert [r["step"] for r in _rows(run_dir)] == [1, 2, 3]
+    assert [r["step"] for r in metrics_rows(run_dir)] == [1, 2, 3]
     # the resume sets step 3's dump (written after the checkpoint) aside and trains 3 and 4 again
     (dump / "3.jsonl").rename(tmp_path / "3.jsonl.before")
     run(tiny_overrides(run_dir, 4, **settings))
-    rows = _rows(run_dir)
+    rows = metrics_rows(run_dir)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert _prompts_by_step(dump) == sync_prompts  # the same prompts at every step, once
     assert all(r["async/staleness/max"] <= 2 for r in rows)
@@ -216,7 +202,7 @@ def test_agent_loops_in_fully_async_at_zero_staleness_train_bitwise_like_sync(tm
         "rollout.agent.loop": "agent_loops:TwoTurns",
         "rollout.max_new_tokens": 40,
     }
-    _, async_rows = _sync_and_zero_staleness_rows(tmp_path, loop)
+    _, async_rows = _sync_and_zero_stalenessmetrics_rows(tmp_path, loop)
     for row in async_rows:
         assert row["agent/num_turns/mean"] == 2.0 and row["agent/observation_tokens/mean"] == 8.0
         assert row["rollout/logprob_abs_diff"] <= 1e-4
@@ -232,7 +218,7 @@ def test_gateway_sessions_in_fully_async_at_zero_staleness_train_bitwise_like_sy
         "rollout.agent.entrypoint": "helpers.gateway_agents:compacting",
         "rollout.max_new_tokens": 24,
     }
-    sync_rows, _ = _sync_and_zero_staleness_rows(tmp_path, gateway)
+    sync_rows, _ = _sync_and_zero_stalenessmetrics_rows(tmp_path, gateway)
     assert all(row["agent/branches/mean"] == 2.0 for row in sync_rows)
 
 

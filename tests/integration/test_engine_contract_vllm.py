@@ -12,19 +12,11 @@ import pytest
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.slow
 
-from helpers.engine_contract import (  # noqa: E402, F401 - the contract's tests, collected here
+from helpers.engine_contract import (  # noqa: E402
     EOS,
+    EngineContract,
     EngineUnderTest,
     contract_model,
-    test_a_request_samples_the_same_in_any_batch,
-    test_a_set_interrupt_still_samples_a_first_token_per_request,
-    test_an_interrupt_never_set_samples_what_a_call_without_one_samples,
-    test_generate_requests_does_not_touch_the_global_rng,
-    test_generate_seeds_prompt_i_with_request_seed,
-    test_interrupted_and_resumed_responses_go_on_as_fresh_requests,
-    test_logprobs_are_the_models_and_responses_stop_on_eos_or_budget,
-    test_requests_that_cannot_go_on_are_refused,
-    test_resumed_requests_sample_only_their_budget,
 )
 
 from megarl.engines.base import SamplingParams  # noqa: E402
@@ -80,3 +72,7 @@ def contract(vllm_engine, monkeypatch) -> EngineUnderTest:
         resumes_the_same_stream=False,
         lockstep=False,
     )
+
+
+class TestVLLMEngineContract(EngineContract):
+    """The contract's tests, against this module's ``contract`` engines."""

@@ -18,34 +18,18 @@ the version that sampled it.
 
 from __future__ import annotations
 
-import json
 from typing import Any, cast
 
 import pytest
 import torch
-from helpers.runs import tiny_overrides
+from helpers.engines import PushesDuringGeneration
+from helpers.runs import metrics_rows, one_ray, tiny_overrides  # noqa: F401 - one_ray: autouse
 
 from megarl.train import run
 
 pytestmark = pytest.mark.slow
 
 SPLIT = {"trainer.launcher": "ray", "rollout.n_gpus": 1, "rollout.engine": "megatron"}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_ray():
-    """One private Ray for the module's runs (the launcher leaves a Ray it did not start)."""
-    import ray
-
-    from megarl.distributed.ray_launcher import connect
-
-    connect()
-    yield
-    ray.shutdown()
-
-
-def _rows(run_dir) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.parametrize(
@@ -72,7 +56,7 @@ def test_a_split_run_syncs_the_rollout_sides_copy_every_step(overrides, sync_lin
         **overrides,
     }
     run(tiny_overrides(run_dir, steps=2, **settings))
-    rows = _rows(run_dir)
+    rows = metrics_rows(run_dir)
     assert [row["step"] for row in rows] == [1, 2]
     full = "actor.lora.rank" not in overrides
     for row in rows:
@@ -178,30 +162,6 @@ def _hf_model(model_dir: str, version: int):
     return model.eval()
 
 
-class _PushesDuringGeneration:
-    """The engine, but its first two calls start with the trainer pushing the next version
-    while the loop generates: each call is interrupted, deterministically."""
-
-    def __init__(self, box: list, model_dir: str, moved: bool, engine) -> None:
-        self.box, self.model_dir, self.moved, self.engine = box, model_dir, moved, engine
-        self.version = 0
-        self.calls = 0
-
-    def __getattr__(self, name):
-        return getattr(self.engine, name)
-
-    def generate_requests(self, requests, params, interrupt=None):
-        self.calls += 1
-        if self.calls <= 2:
-            self.version += 1
-            [stream] = self.box
-            weights = _megatron_named(self.model_dir, self.version if self.moved else 0)
-            stream.engine_update_weights(weights, record_checksums=True)
-            stream.weights_loaded(self.version)  # sets the interrupt: the loop is generating
-            assert interrupt is not None and interrupt.is_set()
-        return self.engine.generate_requests(requests, params, interrupt)
-
-
 def _step_1(tmp_path, name: str, moved: bool | None):
     """Step 1's batch from ``fully_async`` (partial rollouts, K = 2) with the Megatron engine's
     rollout-side copy; unless ``moved`` is None its first two engine calls each start with a
@@ -217,7 +177,15 @@ def _step_1(tmp_path, name: str, moved: bool | None):
     )
     box: list = []
     if moved is not None:
-        host.engine = cast("Any", _PushesDuringGeneration(box, model_dir, moved, host.engine))
+        host.engine = cast(
+            "Any",
+            PushesDuringGeneration(
+                box,
+                host.engine,
+                lambda version: _megatron_named(model_dir, version if moved else 0),
+                record_checksums=True,
+            ),
+        )
     stream = AsyncRollout(host, cfg)
     box.append(stream)
     try:

@@ -10,21 +10,13 @@ import pytest
 
 pytest.importorskip("transformers")
 pytest.importorskip("megatron.core")
-from helpers.engine_contract import (  # noqa: F401 - the contract's tests, collected here
+from helpers.engine_contract import (
     EOS,
     PAD,
+    EngineContract,
     EngineUnderTest,
     bias_eos,
     contract_model,
-    test_a_request_samples_the_same_in_any_batch,
-    test_a_set_interrupt_still_samples_a_first_token_per_request,
-    test_an_interrupt_never_set_samples_what_a_call_without_one_samples,
-    test_generate_requests_does_not_touch_the_global_rng,
-    test_generate_seeds_prompt_i_with_request_seed,
-    test_interrupted_and_resumed_responses_go_on_as_fresh_requests,
-    test_logprobs_are_the_models_and_responses_stop_on_eos_or_budget,
-    test_requests_that_cannot_go_on_are_refused,
-    test_resumed_requests_sample_only_their_budget,
 )
 from helpers.engines import megatron_engine, megatron_world
 
@@ -65,3 +57,7 @@ def contract(request) -> EngineUnderTest:
         resumes_the_same_stream=True,
         lockstep=True,
     )
+
+
+class TestInProcessEngineContract(EngineContract):
+    """The contract's tests, against this module's ``contract`` engines."""
