@@ -46,6 +46,7 @@ def _worker(ctx, model_dir: str, rank: int, tp: int, repeats: int):
     from megarl.config.actor import ActorConfig, LoraConfig
     from megarl.distributed import parallel
     from megarl.distributed.platform import enter_cpu_shims
+    from megarl.engines.base import LoraAdapter
     from megarl.engines.hf import HFEngine
     from megarl.models.hf_io import load_hf_config, load_hf_model, open_hf_tensors
     from megarl.models.lora import hf_target_modules
@@ -61,7 +62,7 @@ def _worker(ctx, model_dir: str, rank: int, tp: int, repeats: int):
     if ctx.rank == 0:
         model, tokenizer = load_hf_model(model_dir)
         engine = HFEngine(model, tokenizer)
-    targets = hf_target_modules(spec, cfg.lora.target_modules)
+    targets = tuple(hf_target_modules(spec, cfg.lora.target_modules))
 
     def full_sync():
         state = gather_hf_state_dict(actor.local_params(), spec)
@@ -72,7 +73,8 @@ def _worker(ctx, model_dir: str, rank: int, tp: int, repeats: int):
     def adapter_sync():
         adapter = actor.gather_lora_adapter()
         if engine is not None:
-            engine.load_lora_adapter(adapter.items(), rank, cfg.lora.alpha, targets)
+            assert adapter is not None, "rank 0 gathers the adapter"
+            engine.load_lora_adapter(LoraAdapter(adapter, rank, cfg.lora.alpha, targets))
         dist.barrier()
 
     full_s = _best_of(full_sync, repeats)

@@ -227,6 +227,29 @@ class EngineMemoryState:
     """True when a LoRA adapter is loaded and will be applied by ``generate``."""
 
 
+@dataclass(frozen=True)
+class LoraAdapter:
+    """One LoRA adapter as the trainer sends it to a rollout engine: its tensors and the
+    layout they were trained with, which always travel together (an engine needs all four to
+    build or check its LoRA layers)."""
+
+    named_tensors: Mapping[str, torch.Tensor]
+    """PEFT-named tensors (``get_peft_model_state_dict``), e.g.
+    ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``."""
+    rank: int
+    """LoRA rank ``r``: the inner dimension of every ``lora_A`` / ``lora_B`` pair."""
+    alpha: float
+    """LoRA alpha; the adapter's output is scaled by ``alpha / rank``."""
+    target_modules: tuple[str, ...]
+    """The HF module names the adapter wraps (PEFT's ``target_modules``), e.g. ``q_proj``."""
+
+    @property
+    def layout(self) -> tuple[int, float, tuple[str, ...]]:
+        """``(rank, alpha, target_modules)``: equal layouts share LoRA layers, so an engine
+        that holds one can copy new values in place instead of rebuilding them."""
+        return (self.rank, float(self.alpha), tuple(self.target_modules))
+
+
 class RolloutEngine(abc.ABC):
     """A sampler the trainer can feed weights to and put to sleep between rollouts."""
 
@@ -307,19 +330,8 @@ class RolloutEngine(abc.ABC):
         return
 
     @abc.abstractmethod
-    def load_lora_adapter(
-        self,
-        named_tensors: Iterable[tuple[str, torch.Tensor]],
-        rank: int,
-        alpha: float,
-        target_modules: Sequence[str],
-    ) -> None:
-        """Replace the current LoRA adapter (if any) with this one.
-
-        Tensor names are PEFT's (``get_peft_model_state_dict``), e.g.
-        ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``; scaling is
-        ``alpha / rank``.
-        """
+    def load_lora_adapter(self, adapter: LoraAdapter) -> None:
+        """Replace the current LoRA adapter (if any) with this one."""
 
     @abc.abstractmethod
     def sleep(self, level: int) -> None:

@@ -54,6 +54,7 @@ from megarl.algo.routing_mismatch import expert_id_dtype
 from megarl.engines.base import (
     EngineMemoryState,
     Generation,
+    LoraAdapter,
     Request,
     RolloutEngine,
     SamplingParams,
@@ -557,26 +558,20 @@ class HFEngine(RolloutEngine):
             )
         return target, param
 
-    def load_lora_adapter(
-        self,
-        named_tensors: Iterable[tuple[str, torch.Tensor]],
-        rank: int,
-        alpha: float,
-        target_modules: Sequence[str],
-    ) -> None:
+    def load_lora_adapter(self, adapter: LoraAdapter) -> None:
         from peft import LoraConfig, inject_adapter_in_model
 
         self._sleep.require_awake("load_lora_adapter")
-        layout = (rank, float(alpha), tuple(target_modules))
-        if self._adapter_loaded and self._adapter_layout == layout:
+        if self._adapter_loaded and self._adapter_layout == adapter.layout:
             with torch.no_grad():  # adapter-only update: same layers, new values
-                _copy_lora_tensors(self._model, named_tensors)
+                _copy_lora_tensors(self._model, adapter.named_tensors.items())
             return
         self.unload_lora_adapter()
         config = LoraConfig(
-            r=rank,
-            lora_alpha=alpha,  # pyright: ignore[reportArgumentType]  # peft says int; floats work
-            target_modules=list(target_modules),
+            r=adapter.rank,
+            # peft says int; floats work
+            lora_alpha=adapter.alpha,  # pyright: ignore[reportArgumentType]
+            target_modules=list(adapter.target_modules),
             lora_dropout=0.0,
         )
         with warnings.catch_warnings():  # peft asks a deprecated transformers property
@@ -585,12 +580,12 @@ class HFEngine(RolloutEngine):
         self._model.eval().requires_grad_(False)
         try:
             with torch.no_grad():
-                _copy_lora_tensors(self._model, named_tensors)
+                _copy_lora_tensors(self._model, adapter.named_tensors.items())
         except BaseException:
             remove_lora_layers(self._model)
             raise
         self._adapter_loaded = True
-        self._adapter_layout = layout
+        self._adapter_layout = adapter.layout
 
     def unload_lora_adapter(self) -> None:
         """Drop the current adapter, if any, so ``generate`` uses the base weights alone."""

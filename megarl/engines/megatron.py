@@ -52,6 +52,7 @@ from megarl.distributed.batch_invariant import batch_invariant_mode
 from megarl.engines.base import (
     EngineMemoryState,
     Generation,
+    LoraAdapter,
     Request,
     RolloutEngine,
     SamplingParams,
@@ -369,16 +370,8 @@ class MegatronEngine(RolloutEngine):
     def weight_checksums(self, dtype: torch.dtype) -> Mapping[str, tuple[int, int]]:
         return self._own_copy("check").checksums(dtype)
 
-    def load_lora_adapter(
-        self,
-        named_tensors: Iterable[tuple[str, torch.Tensor]],
-        rank: int,
-        alpha: float,
-        target_modules: Sequence[str],
-    ) -> None:
-        self._own_copy("load an adapter into").load_adapter(
-            named_tensors, rank, alpha, target_modules
-        )
+    def load_lora_adapter(self, adapter: LoraAdapter) -> None:
+        self._own_copy("load an adapter into").load_adapter(adapter)
 
     def _own_copy(self, action: str) -> Any:
         if self._copy is None:

@@ -31,11 +31,12 @@ Megatron's layout with the mapping tables (:func:`megarl.export.lora.adapter_fro
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 
+from megarl.engines.base import LoraAdapter
 from megarl.export.checksum import tensor_checksum
 from megarl.models.spec import TransformerSpec
 
@@ -82,13 +83,7 @@ class MegatronCopy:
         return out
 
     @torch.no_grad()
-    def load_adapter(
-        self,
-        named_tensors: Iterable[tuple[str, torch.Tensor]],
-        rank: int,
-        alpha: float,
-        target_modules: Sequence[str],
-    ) -> None:
+    def load_adapter(self, adapter: LoraAdapter) -> None:
         """Write a peft-named adapter into the copy's LoRA layers (built with the same rank,
         alpha and targets: the run's)."""
         from megarl.export.lora import adapter_from_hf
@@ -97,17 +92,17 @@ class MegatronCopy:
         if self.lora is None:
             raise RuntimeError("the Megatron engine's copy was built without LoRA adapters")
         expected = (self.lora.rank, float(self.lora.alpha), tuple(self._hf_targets()))
-        given = (rank, float(alpha), tuple(target_modules))
-        if given != expected:
+        if adapter.layout != expected:
             raise ValueError(
-                f"adapter (rank, alpha, targets) {given} differs from the copy's {expected}"
+                f"adapter (rank, alpha, targets) {adapter.layout} differs from the copy's "
+                f"{expected}"
             )
-        tensors = dict(named_tensors)
+        tensors = dict(adapter.named_tensors)
         for site in iter_adapters(self.model, self.spec):
-            adapter = site.adapter
-            a, b = adapter_from_hf(site.rule, site.layer, adapter.parallel, tensors, self.spec)
-            adapter.lora_A.copy_(a)
-            adapter.lora_B.copy_(b)
+            layers = site.adapter
+            a, b = adapter_from_hf(site.rule, site.layer, layers.parallel, tensors, self.spec)
+            layers.lora_A.copy_(a)
+            layers.lora_B.copy_(b)
 
     def _hf_targets(self) -> list[str]:
         from megarl.models.lora import hf_target_modules

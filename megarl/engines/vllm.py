@@ -84,6 +84,7 @@ import torch
 from megarl.engines.base import (
     EngineMemoryState,
     Generation,
+    LoraAdapter,
     Request,
     RolloutEngine,
     SamplingParams,
@@ -534,13 +535,7 @@ class VLLMEngine(RolloutEngine):
         checksums, self._checksums = self._checksums, {}
         return checksums
 
-    def load_lora_adapter(
-        self,
-        named_tensors: Iterable[tuple[str, torch.Tensor]],
-        rank: int,
-        alpha: float,
-        target_modules: Sequence[str],
-    ) -> None:
+    def load_lora_adapter(self, adapter: LoraAdapter) -> None:
         from vllm.lora.request import LoRARequest
 
         self.wait_until_started()
@@ -550,7 +545,13 @@ class VLLMEngine(RolloutEngine):
         lora_id = self._next_lora_id
         self._next_lora_id += 1
         folder = self._lora_root / f"adapter-{lora_id}"
-        write_peft_adapter(folder, named_tensors, rank, alpha, target_modules)
+        write_peft_adapter(
+            folder,
+            adapter.named_tensors.items(),
+            adapter.rank,
+            adapter.alpha,
+            adapter.target_modules,
+        )
         request = LoRARequest(
             lora_name=f"megarl-{lora_id}", lora_int_id=lora_id, lora_path=str(folder)
         )

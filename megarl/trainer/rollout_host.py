@@ -29,7 +29,7 @@ from megarl.data.files import load_problem_files
 from megarl.data.loader import PromptSource, PromptStream, build_prompt_source
 from megarl.data.problems import Problem
 from megarl.distributed import fault_injection
-from megarl.engines.base import EngineMemoryState, RolloutEngine, SamplingParams
+from megarl.engines.base import EngineMemoryState, LoraAdapter, RolloutEngine, SamplingParams
 from megarl.models.spec import TransformerSpec, spec_from_hf_config
 from megarl.trainer import perf
 from megarl.trainer.agent_rollout import AgentRollout
@@ -332,10 +332,12 @@ class RolloutHost:
 
         lora = self.cfg.actor.lora
         self.engine.load_lora_adapter(
-            adapter.items(),
-            rank=lora.rank,
-            alpha=lora.alpha,
-            target_modules=hf_target_modules(self.spec, lora.target_modules),
+            LoraAdapter(
+                named_tensors=adapter,
+                rank=lora.rank,
+                alpha=lora.alpha,
+                target_modules=tuple(hf_target_modules(self.spec, lora.target_modules)),
+            )
         )
 
     def record_step(

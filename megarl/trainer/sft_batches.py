@@ -48,7 +48,7 @@ class NoEngine(RolloutEngine):
     def weight_checksums(self, dtype):
         return {}
 
-    def load_lora_adapter(self, named_tensors, rank, alpha, target_modules):
+    def load_lora_adapter(self, adapter):
         return None
 
     def sleep(self, level):

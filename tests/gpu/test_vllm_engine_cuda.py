@@ -25,7 +25,7 @@ from helpers.engines import mean_abs_logprob_diff, random_lora  # noqa: E402
 from helpers.models import tiny_llama_model  # noqa: E402
 from transformers import LlamaForCausalLM  # noqa: E402
 
-from megarl.engines.base import SamplingParams  # noqa: E402
+from megarl.engines.base import LoraAdapter, SamplingParams  # noqa: E402
 from megarl.engines.factory import build_engine  # noqa: E402
 from megarl.engines.vllm import VLLMEngine  # noqa: E402
 
@@ -146,7 +146,9 @@ def test_lora_adapter_matches_merged_reference(engine, reference):
     _, model = reference
     adapter, merged = random_lora(model, seed=5, targets=LORA_TARGETS, rank=8, alpha=16)
 
-    engine.load_lora_adapter(adapter.items(), rank=8, alpha=16, target_modules=LORA_TARGETS)
+    engine.load_lora_adapter(
+        LoraAdapter(adapter, rank=8, alpha=16, target_modules=tuple(LORA_TARGETS))
+    )
     assert engine.memory_state().adapter_resident
     generations = engine.generate(PROMPTS, SamplingParams(temperature=1.0, seed=1))
     assert mean_abs_logprob_diff(merged, generations, 1.0) < BF16_LOGPROB_TOLERANCE

@@ -169,7 +169,7 @@ class GenerateOnlyEngine(RolloutEngine):
     def weight_checksums(self, dtype):
         raise NotImplementedError
 
-    def load_lora_adapter(self, named_tensors, rank, alpha, target_modules):
+    def load_lora_adapter(self, adapter):
         raise NotImplementedError
 
     def sleep(self, level):

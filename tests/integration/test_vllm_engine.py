@@ -32,7 +32,7 @@ from helpers.engines import mean_abs_logprob_diff, random_lora  # noqa: E402
 from helpers.models import tiny_llama_model  # noqa: E402
 from transformers import LlamaForCausalLM  # noqa: E402
 
-from megarl.engines.base import Request, SamplingParams, request_seed  # noqa: E402
+from megarl.engines.base import LoraAdapter, Request, SamplingParams, request_seed  # noqa: E402
 from megarl.engines.hf import HFEngine  # noqa: E402
 from megarl.engines.vllm import EngineStartupError, VLLMEngine, check_load_method  # noqa: E402
 from megarl.engines.vllm_settings import PLAIN_WEIGHTS_CPU_WORKER  # noqa: E402
@@ -272,7 +272,9 @@ def test_unknown_or_misshaped_weights_are_refused_by_name(engine):
 def test_lora_adapter_matches_the_merged_reference(engine, reference):
     _, model = reference
     adapter, merged = random_lora(model, seed=5, targets=LORA_TARGETS, rank=8, alpha=16)
-    engine.load_lora_adapter(adapter.items(), rank=8, alpha=16, target_modules=LORA_TARGETS)
+    engine.load_lora_adapter(
+        LoraAdapter(adapter, rank=8, alpha=16, target_modules=tuple(LORA_TARGETS))
+    )
     try:
         assert engine.memory_state().adapter_resident
         generations = engine.generate(PROMPTS, SAMPLED)

@@ -18,7 +18,7 @@ from helpers.engines import random_lora, reference_logprobs
 from helpers.models import MOE_EXPERTS, tiny_llama_model
 from transformers import LlamaForCausalLM
 
-from megarl.engines.base import Generation, SamplingParams
+from megarl.engines.base import Generation, LoraAdapter, SamplingParams
 from megarl.engines.hf import HFEngine, parse_peft_lora_name
 from megarl.engines.sampling import invert_cdf, top_p_filter
 
@@ -456,12 +456,14 @@ def test_lora_adapter_equals_merged_weights_and_replaces_previous(tie):
     assert next(iter(first)).startswith("base_model.model.model.layers.0.")
     engine = make_engine(copy.deepcopy(base))
 
-    engine.load_lora_adapter(first.items(), rank=4, alpha=8, target_modules=["q_proj", "v_proj"])
+    engine.load_lora_adapter(
+        LoraAdapter(first, rank=4, alpha=8, target_modules=("q_proj", "v_proj"))
+    )
     assert engine.memory_state().adapter_resident
     assert_engine_matches(engine, merged_first)
 
     engine.load_lora_adapter(
-        second.items(), rank=4, alpha=8, target_modules=["o_proj", "down_proj"]
+        LoraAdapter(second, rank=4, alpha=8, target_modules=("o_proj", "down_proj"))
     )
     assert_engine_matches(engine, merged_second)
     assert not any("q_proj.lora" in name for name, _ in engine.model.named_parameters())
@@ -474,12 +476,16 @@ def test_bad_adapter_is_rejected_and_leaves_base_model():
     base = tiny_llama()
     adapter, _ = peft_adapter(base, seed=1, targets=["q_proj"])
     engine = make_engine(copy.deepcopy(base))
-    incomplete = [(n, t) for n, t in adapter.items() if "layers.1." not in n]
+    incomplete = {n: t for n, t in adapter.items() if "layers.1." not in n}
     with pytest.raises(ValueError, match="missing"):
-        engine.load_lora_adapter(incomplete, rank=4, alpha=8, target_modules=["q_proj"])
-    wrong_target = [(n.replace("q_proj", "k_proj"), t) for n, t in adapter.items()]
+        engine.load_lora_adapter(
+            LoraAdapter(incomplete, rank=4, alpha=8, target_modules=("q_proj",))
+        )
+    wrong_target = {n.replace("q_proj", "k_proj"): t for n, t in adapter.items()}
     with pytest.raises(ValueError, match="k_proj"):
-        engine.load_lora_adapter(wrong_target, rank=4, alpha=8, target_modules=["q_proj"])
+        engine.load_lora_adapter(
+            LoraAdapter(wrong_target, rank=4, alpha=8, target_modules=("q_proj",))
+        )
     assert not engine.memory_state().adapter_resident
     assert_engine_matches(engine, base)
 
@@ -490,7 +496,9 @@ def test_weight_update_keeps_adapter_and_sleep_2_drops_it():
     new_base = tiny_llama(seed=3)
     _, merged_on_new_base = peft_adapter(new_base, seed=1, targets=["q_proj", "v_proj"])
     engine = make_engine(copy.deepcopy(base))
-    engine.load_lora_adapter(adapter.items(), rank=4, alpha=8, target_modules=["q_proj", "v_proj"])
+    engine.load_lora_adapter(
+        LoraAdapter(adapter, rank=4, alpha=8, target_modules=("q_proj", "v_proj"))
+    )
 
     engine.update_weights(new_base.state_dict().items())  # HF names, though layers are wrapped
     assert_engine_matches(engine, merged_on_new_base)

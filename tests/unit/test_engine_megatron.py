@@ -15,7 +15,7 @@ pytest.importorskip("megatron.core")
 from helpers.engines import megatron_engine, megatron_world, reference_logprobs
 from test_engine_hf import EOS, PAD, PROMPTS, make_engine, tiny_llama
 
-from megarl.engines.base import SamplingParams
+from megarl.engines.base import LoraAdapter, SamplingParams
 
 # measured on this machine: at most 4.8e-7 over the cases below (fp32)
 LOGPROB_ATOL = 5e-6
@@ -80,7 +80,7 @@ def test_there_are_no_weights_to_send_or_free():
     with pytest.raises(RuntimeError, match="the engine is the actor's model"):
         engine.update_weights([])
     with pytest.raises(RuntimeError, match="the engine is the actor's model"):
-        engine.load_lora_adapter([], rank=2, alpha=4.0, target_modules=["q_proj"])
+        engine.load_lora_adapter(LoraAdapter({}, rank=2, alpha=4.0, target_modules=("q_proj",)))
     params = SamplingParams(temperature=0.0, max_new_tokens=4)
     expected = engine.generate(PROMPTS, params)
     engine.sleep(2)

@@ -17,7 +17,7 @@ pytest.importorskip("megatron.core")
 from helpers.engines import megatron_world
 from test_engine_hf import EOS, PAD, PROMPTS, make_engine, tiny_llama
 
-from megarl.engines.base import SamplingParams
+from megarl.engines.base import LoraAdapter, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=10)
 SAMPLED = SamplingParams(temperature=0.9, top_p=0.9, max_new_tokens=10, seed=3)
@@ -144,11 +144,11 @@ def test_a_synced_lora_adapter_generates_bitwise_like_the_trainers_adapted_model
     assert engine.generate(PROMPTS * 2, SAMPLED) != expected
     adapter = gather_peft_adapter(trainer_gpt, spec)
     assert adapter is not None
-    targets = hf_target_modules(spec, lora.target_modules)
-    engine.load_lora_adapter(adapter.items(), rank=4, alpha=8.0, target_modules=targets)
+    targets = tuple(hf_target_modules(spec, lora.target_modules))
+    engine.load_lora_adapter(LoraAdapter(adapter, rank=4, alpha=8.0, target_modules=targets))
     assert engine.generate(PROMPTS * 2, SAMPLED) == expected
     with pytest.raises(ValueError, match="differs from the copy's"):
-        engine.load_lora_adapter(adapter.items(), rank=2, alpha=8.0, target_modules=targets)
+        engine.load_lora_adapter(LoraAdapter(adapter, rank=2, alpha=8.0, target_modules=targets))
 
 
 def test_the_copy_refuses_a_process_that_is_in_a_larger_world(monkeypatch):

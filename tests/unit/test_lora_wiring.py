@@ -11,7 +11,7 @@ from helpers.models import TWO_LAYER_HF_CONFIG
 
 from megarl.config import planning
 from megarl.config.schema import build_run_config
-from megarl.engines.base import EngineMemoryState
+from megarl.engines.base import EngineMemoryState, LoraAdapter
 from megarl.export.lora import adapter_from_hf, adapter_to_hf, merge_adapter_into_hf, peft_name
 from megarl.models import mapping
 from megarl.models.lora import LoraSettings, hf_target_modules, is_adapter_param_name
@@ -238,10 +238,10 @@ def test_hf_engine_second_load_is_an_adapter_only_update():
         LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], init_lora_weights=False),
     )
     adapter = {k: v.detach().clone() for k, v in get_peft_model_state_dict(peft_model).items()}
-    engine.load_lora_adapter(adapter.items(), rank=4, alpha=8, target_modules=["q_proj"])
+    engine.load_lora_adapter(LoraAdapter(adapter, rank=4, alpha=8, target_modules=("q_proj",)))
     layer = engine.model.model.layers[0].self_attn.q_proj
     doubled = {k: v * 2 for k, v in adapter.items()}
-    engine.load_lora_adapter(doubled.items(), rank=4, alpha=8, target_modules=["q_proj"])
+    engine.load_lora_adapter(LoraAdapter(doubled, rank=4, alpha=8, target_modules=("q_proj",)))
     assert engine.model.model.layers[0].self_attn.q_proj is layer
     name = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"
     assert torch.equal(layer.lora_B["default"].weight, doubled[name])
