@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import shutil
 import signal
@@ -233,7 +234,9 @@ def test_sleeper_times_out_with_partial_output(work_root: str) -> None:
 
 
 def test_memory_hog_fails_inside(work_root: str) -> None:
-    result = run("x = bytearray(2 * 1024**3)\nprint(len(x))", work_root)
+    # the memory limit is what stops it: a wall-clock budget a loaded machine cannot exhaust
+    limits = dataclasses.replace(LIMITS, timeout_s=20)
+    result = run("x = bytearray(2 * 1024**3)\nprint(len(x))", work_root, limits)
     assert result.exit_code == 1
     assert "MemoryError" in result.stderr
 
