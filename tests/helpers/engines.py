@@ -95,6 +95,25 @@ def resumed(request: Request, pieces: Sequence[Generation]) -> Request:
     )
 
 
+def first_batch_under_pushes(host, cfg, pusher_args: dict) -> tuple:
+    """Step 1's batch from an :class:`~megarl.trainer.async_rollout.AsyncRollout` over ``host``
+    whose engine is wrapped in :class:`PushesDuringGeneration` (``pusher_args``: its keywords but
+    the box and the engine): ``(batch, metrics, pusher)``."""
+    from megarl.trainer.async_rollout import AsyncRollout
+
+    box: list = []
+    pusher = PushesDuringGeneration(box, host.engine, **pusher_args)
+    host.engine = pusher
+    stream = AsyncRollout(host, cfg)
+    box.append(stream)
+    try:
+        stream.start_rollout(1)
+        batch, metrics, _, _ = stream.next_batch(1, timeout_s=120)
+    finally:
+        stream.close()
+    return batch, metrics, pusher
+
+
 def sample_with_interruptions(
     engine: RolloutEngine,
     requests: Sequence[Request],

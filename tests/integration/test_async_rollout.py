@@ -17,7 +17,7 @@ import time
 
 import pytest
 import torch
-from helpers.engines import PushesDuringGeneration
+from helpers.engines import first_batch_under_pushes
 from helpers.runs import tiny_overrides
 from safetensors.torch import load_file
 
@@ -144,15 +144,8 @@ def _step_1_interrupted_twice(tmp_path, **extra):
         **{"async_training.mode": "fully_async"},
         **{"async_training.max_staleness": 2, "async_training.partial_rollout": True},
     )
-    box: list = []
-    host.engine = PushesDuringGeneration(box, host.engine, lambda _: _weights(model_dir, 0))
-    stream = AsyncRollout(host, cfg)
-    box.append(stream)
-    try:
-        stream.start_rollout(1)
-        batch, metrics, _, _ = stream.next_batch(1, timeout_s=120)
-    finally:
-        stream.close()
+    pushes = {"weights": lambda _: _weights(model_dir, 0)}
+    batch, metrics, _ = first_batch_under_pushes(host, cfg, pushes)
     return batch, metrics, host
 
 

@@ -18,11 +18,9 @@ the version that sampled it.
 
 from __future__ import annotations
 
-from typing import Any, cast
-
 import pytest
 import torch
-from helpers.engines import PushesDuringGeneration
+from helpers.engines import first_batch_under_pushes
 from helpers.runs import metrics_rows, one_ray, tiny_overrides  # noqa: F401 - one_ray: autouse
 
 from megarl.train import run
@@ -167,33 +165,22 @@ def _step_1(tmp_path, name: str, moved: bool | None):
     rollout-side copy; unless ``moved`` is None its first two engine calls each start with a
     push of versions 1 and 2 (moved weights, or the initial ones again).
     ``(batch, engine calls, model_dir)``."""
-    from megarl.trainer.async_rollout import AsyncRollout
-
     cfg, host, model_dir = _host(
         tmp_path,
         name,
         **{"async_training.mode": "fully_async", "async_training.max_staleness": 2},
         **{"async_training.partial_rollout": True},
     )
-    box: list = []
-    if moved is not None:
-        host.engine = cast(
-            "Any",
-            PushesDuringGeneration(
-                box,
-                host.engine,
-                lambda version: _megatron_named(model_dir, version if moved else 0),
-                record_checksums=True,
-            ),
-        )
-    stream = AsyncRollout(host, cfg)
-    box.append(stream)
-    try:
-        stream.start_rollout(1)
-        batch, _, _, _ = stream.next_batch(1, timeout_s=120)
-    finally:
-        stream.close()
-    return batch, getattr(host.engine, "calls", 1), model_dir
+    batch, _, pusher = first_batch_under_pushes(
+        host,
+        cfg,
+        {
+            "weights": lambda version: _megatron_named(model_dir, version if moved else 0),
+            "pushes": 0 if moved is None else 2,
+            "record_checksums": True,
+        },
+    )
+    return batch, pusher.calls, model_dir
 
 
 @pytest.fixture
