@@ -11,8 +11,9 @@ before the optimizer moves a weight (:meth:`MegatronActor.train_step`'s ``before
 stop leaves the weights, the checkpoints and the metrics file as the previous step left them.
 
 **The probe** (``sync/probe_logprob_diff``): the engine samples a fixed prompt
-(:data:`~megarl.planner.logprob_guard.PROBE_TEXT`, :data:`~megarl.planner.logprob_guard.PROBE_SAMPLES` samples, a fixed seed,
-the run's temperature) and every rank's trainer scores the same tokens. It runs once the engine
+(:data:`~megarl.planner.logprob_guard.PROBE_TEXT`,
+:data:`~megarl.planner.logprob_guard.PROBE_SAMPLES` samples, a fixed seed, the run's
+temperature) and every rank's trainer scores the same tokens. It runs once the engine
 holds the weights training starts from (after a resume's restore too) and, with
 ``rollout.sleep_level > 0``, after each wake-up and weight sync -- where a sleep that lost a
 tensor would otherwise show only in the next step's rollouts. The asynchronous modes skip it:
