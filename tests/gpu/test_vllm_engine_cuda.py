@@ -22,7 +22,7 @@ pytestmark = [
 ]
 
 from helpers.engines import mean_abs_logprob_diff, random_lora  # noqa: E402
-from helpers.models import tiny_llama_model  # noqa: E402
+from helpers.models import engine_llama  # noqa: E402
 from transformers import LlamaForCausalLM  # noqa: E402
 
 from megarl.engines.base import LoraAdapter, SamplingParams  # noqa: E402
@@ -37,15 +37,7 @@ LORA_TARGETS = ["q_proj", "v_proj"]
 
 
 def random_llama(seed: int) -> LlamaForCausalLM:
-    model = tiny_llama_model(
-        seed,
-        vocab_size=VOCAB,
-        hidden_size=256,
-        intermediate_size=512,
-        max_position_embeddings=512,
-        eos_token_id=EOS,
-        bos_token_id=1,
-    )
+    model = engine_llama(seed, VOCAB, hidden_size=256, max_position_embeddings=512)
     with torch.no_grad():  # sharper distributions than the default init, so argmax is stable
         model.lm_head.weight.mul_(20.0)
     return model.to(torch.bfloat16).float()  # exactly representable in the served bf16

@@ -67,7 +67,7 @@ from helpers.engines import (
     reference_logprobs,
     sample_with_interruptions,
 )
-from helpers.models import tiny_llama_model
+from helpers.models import engine_llama
 from megarl.engines.base import (
     Generation,
     Request,
@@ -88,17 +88,8 @@ REFERENCE_ATOL = 1e-4
 
 def contract_model():
     """The model every engine of the contract serves: a two-layer Llama, head size 32, untied."""
-    return tiny_llama_model(
-        0,
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=256,
-        eos_token_id=EOS,
-        bos_token_id=1,
-        pad_token_id=PAD,
+    return engine_llama(
+        0, VOCAB, hidden_size=64, num_attention_heads=2, num_key_value_heads=1, pad_token_id=PAD
     )
 
 

@@ -108,6 +108,22 @@ def tiny_llama_model(seed: int | None = 0, **config: Any):
     return LlamaForCausalLM(LlamaConfig(**values)).eval()
 
 
+def engine_llama(seed: int, vocab_size: int, hidden_size: int, **config: Any):
+    """The engine tests' :func:`tiny_llama_model`: ``hidden_size`` wide with an FFN twice
+    that, 256 positions, BOS 1 and EOS 2 (the ids their prompts avoid); ``config`` adds or
+    overrides ``LlamaConfig`` keys (``pad_token_id``, ``tie_word_embeddings``, heads)."""
+    values = {
+        "vocab_size": vocab_size,
+        "hidden_size": hidden_size,
+        "intermediate_size": 2 * hidden_size,
+        "max_position_embeddings": 256,
+        "eos_token_id": 2,
+        "bos_token_id": 1,
+        **config,
+    }
+    return tiny_llama_model(seed, **values)
+
+
 def save_llama_folder(folder: Path, **config: Any) -> Path:
     """:func:`tiny_llama_model` (seed 0, vocab 384 unless ``config`` says) saved by
     ``save_pretrained`` with SmolLM2's tokenizer files: a valid ``model.path``."""

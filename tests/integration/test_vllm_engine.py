@@ -29,7 +29,7 @@ pytest.importorskip("vllm")
 pytestmark = pytest.mark.slow
 
 from helpers.engines import mean_abs_logprob_diff, random_lora  # noqa: E402
-from helpers.models import tiny_llama_model  # noqa: E402
+from helpers.models import engine_llama  # noqa: E402
 from transformers import LlamaForCausalLM  # noqa: E402
 
 from megarl.engines.base import LoraAdapter, Request, SamplingParams, request_seed  # noqa: E402
@@ -45,16 +45,7 @@ LORA_TARGETS = ["q_proj", "v_proj", "gate_proj", "down_proj"]
 
 
 def random_llama(seed: int) -> LlamaForCausalLM:
-    model = tiny_llama_model(
-        seed,
-        vocab_size=VOCAB,
-        hidden_size=128,
-        intermediate_size=256,
-        max_position_embeddings=256,
-        tie_word_embeddings=True,
-        eos_token_id=EOS,
-        bos_token_id=1,
-    )
+    model = engine_llama(seed, VOCAB, hidden_size=128, tie_word_embeddings=True)
     with torch.no_grad():  # sharper distributions than the default init: stable argmax
         model.model.embed_tokens.weight.mul_(2.0)
     return model

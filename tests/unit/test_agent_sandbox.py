@@ -672,6 +672,14 @@ def test_unix_socket_in_a_read_path_unreachable(work_root: str) -> None:
 MEMORY_64 = SandboxLimits(timeout_s=20, cpu_s=10, memory_mb=64, max_processes=8)
 
 
+def assert_holds_at_most_64_mb(code: str, work_root: str) -> None:
+    """Run ``code`` under :data:`MEMORY_64`; it must end well and print the MiB it managed to
+    hold as its last word, which must be within the limit."""
+    result = run(code, work_root, MEMORY_64)
+    assert result.ok, result.stderr
+    assert int(result.stdout.split()[-1]) <= 64, result.stdout
+
+
 def test_memfd_memory_beyond_the_limit_refused(work_root: str) -> None:
     """Memory written into memfds (never mapped) is not address space: 4x ``memory_mb``."""
     code = (
@@ -682,9 +690,7 @@ def test_memfd_memory_beyond_the_limit_refused(work_root: str) -> None:
         "    except OSError as e:\n        print('stopped', e.errno)\n        break\n"
         "print('held', held)"
     )
-    result = run(code, work_root, MEMORY_64)
-    assert result.ok, result.stderr
-    assert int(result.stdout.split()[-1]) <= 64, result.stdout
+    assert_holds_at_most_64_mb(code, work_root)
 
 
 def test_sysv_shared_memory_bounded_by_memory_mb(work_root: str, report: SandboxReport) -> None:
@@ -701,9 +707,7 @@ def test_sysv_shared_memory_bounded_by_memory_mb(work_root: str, report: Sandbox
         "    ctypes.memset(addr, 1, size)\n    libc.shmdt(ctypes.c_void_p(addr))\n"
         "    held += size >> 20\nprint('held', held)"
     )
-    result = run(code, work_root, MEMORY_64)
-    assert result.ok, result.stderr
-    assert int(result.stdout.split()[-1]) <= 64, result.stdout
+    assert_holds_at_most_64_mb(code, work_root)
 
 
 def open_fds() -> set[str]:

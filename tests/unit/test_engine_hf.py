@@ -15,7 +15,7 @@ import torch
 
 pytest.importorskip("transformers")
 from helpers.engines import random_lora, reference_logprobs
-from helpers.models import MOE_EXPERTS, tiny_llama_model
+from helpers.models import MOE_EXPERTS, engine_llama
 from transformers import LlamaForCausalLM
 
 from megarl.engines.base import Generation, LoraAdapter, SamplingParams
@@ -31,17 +31,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:Futu
 
 
 def tiny_llama(tie: bool = False, seed: int = 0) -> LlamaForCausalLM:
-    return tiny_llama_model(
-        seed,
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        max_position_embeddings=256,
-        tie_word_embeddings=tie,
-        eos_token_id=EOS,
-        bos_token_id=1,
-        pad_token_id=PAD,
-    )
+    return engine_llama(seed, VOCAB, hidden_size=64, tie_word_embeddings=tie, pad_token_id=PAD)
 
 
 def make_engine(model: LlamaForCausalLM, device: str = "cpu") -> HFEngine:
