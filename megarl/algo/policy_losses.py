@@ -88,6 +88,16 @@ class TokenPolicyLoss:
     """Bool: the dual clip for negative advantages is active (``actor/pg_clipfrac_lower``);
     all False for losses without one, as verl reports it."""
 
+    @classmethod
+    def without_dual_clip(
+        cls, loss_BT: Tensor, clipped_BT: Tensor | None = None
+    ) -> TokenPolicyLoss:
+        """A loss that has no dual clip (``clipped_lower_BT`` all False); ``clipped_BT`` None
+        for one that clips nothing either."""
+        if clipped_BT is None:
+            clipped_BT = torch.zeros_like(loss_BT, dtype=torch.bool)
+        return cls(loss_BT, clipped_BT, torch.zeros_like(loss_BT, dtype=torch.bool))
+
 
 PolicyLossFn = Callable[
     [Tensor, Tensor, Tensor, Tensor, ClipSettings, "Tensor | None"], TokenPolicyLoss
@@ -101,10 +111,6 @@ kl_cov: :mod:`megarl.algo.covariance`); None for every other loss."""
 
 def _log_ratio(logp_BT: Tensor, old_logp_BT: Tensor) -> Tensor:
     return (logp_BT - old_logp_BT).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-
-
-def _no_dual_clip(like_BT: Tensor) -> Tensor:
-    return torch.zeros_like(like_BT, dtype=torch.bool)
 
 
 def vanilla(
@@ -163,10 +169,8 @@ def gspo(
     ratio_BT = torch.exp(token_log_ratio_BT.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
     unclipped_BT = -adv_BT * ratio_BT
     clipped_BT = -adv_BT * ratio_BT.clamp(1.0 - clip.low, 1.0 + clip.high)
-    return TokenPolicyLoss(
-        loss_BT=torch.maximum(unclipped_BT, clipped_BT),
-        clipped_BT=clipped_BT > unclipped_BT,
-        clipped_lower_BT=_no_dual_clip(logp_BT),
+    return TokenPolicyLoss.without_dual_clip(
+        torch.maximum(unclipped_BT, clipped_BT), clipped_BT > unclipped_BT
     )
 
 
@@ -187,11 +191,7 @@ def cispo(
     """
     ratio_BT = torch.exp(_log_ratio(logp_BT, old_logp_BT)).detach()
     weight_BT = ratio_BT.clamp(1.0 - clip.low, 1.0 + clip.high)
-    return TokenPolicyLoss(
-        loss_BT=-weight_BT * adv_BT * logp_BT,
-        clipped_BT=weight_BT != ratio_BT,
-        clipped_lower_BT=_no_dual_clip(logp_BT),
-    )
+    return TokenPolicyLoss.without_dual_clip(-weight_BT * adv_BT * logp_BT, weight_BT != ratio_BT)
 
 
 def sft(
@@ -207,11 +207,7 @@ def sft(
     token-mean is the usual SFT cross-entropy over the assistant tokens). Nothing is clipped:
     the old logprobs are not read. Both rules hold: ``A = 0`` contributes nothing, and each row
     depends on itself only."""
-    return TokenPolicyLoss(
-        loss_BT=-adv_BT * logp_BT,
-        clipped_BT=torch.zeros_like(logp_BT, dtype=torch.bool),
-        clipped_lower_BT=_no_dual_clip(logp_BT),
-    )
+    return TokenPolicyLoss.without_dual_clip(-adv_BT * logp_BT)
 
 
 def _dppo(
@@ -381,11 +377,7 @@ def sapo(
     ratio_BT = torch.exp(_log_ratio(logp_BT, old_logp_BT))
     tau_BT = torch.where(adv_BT > 0, clip.tau_pos, clip.tau_neg).to(logp_BT.dtype)
     gate_BT = torch.sigmoid(tau_BT * (ratio_BT - 1.0)) * (4.0 / tau_BT)
-    return TokenPolicyLoss(
-        loss_BT=-gate_BT * adv_BT,
-        clipped_BT=_no_dual_clip(logp_BT),
-        clipped_lower_BT=_no_dual_clip(logp_BT),
-    )
+    return TokenPolicyLoss.without_dual_clip(-gate_BT * adv_BT)
 
 
 def gpg(
@@ -400,11 +392,7 @@ def gpg(
     group-relative advantage, ``-A * log pi``, with no ratio, no clip and no KL: the paper
     trains strictly on-policy (one optimizer step per batch), where PPO's surrogate has the
     same gradient. The old logprobs are not read."""
-    return TokenPolicyLoss(
-        loss_BT=-adv_BT * logp_BT,
-        clipped_BT=_no_dual_clip(logp_BT),
-        clipped_lower_BT=_no_dual_clip(logp_BT),
-    )
+    return TokenPolicyLoss.without_dual_clip(-adv_BT * logp_BT)
 
 
 def _require_selection(name: str, selected_BT: Tensor | None, like_BT: Tensor) -> Tensor:
@@ -445,10 +433,8 @@ def clip_cov(
     unclipped_BT = -adv_BT * ratio_BT
     clipped_BT = -adv_BT * ratio_BT.clamp(1.0 - clip.low, 1.0 + clip.high)
     ppo_BT = torch.maximum(unclipped_BT, clipped_BT)
-    return TokenPolicyLoss(
-        loss_BT=torch.where(chosen_BT, torch.zeros_like(ppo_BT), ppo_BT),
-        clipped_BT=chosen_BT,
-        clipped_lower_BT=_no_dual_clip(logp_BT),
+    return TokenPolicyLoss.without_dual_clip(
+        torch.where(chosen_BT, torch.zeros_like(ppo_BT), ppo_BT), chosen_BT
     )
 
 
@@ -470,10 +456,8 @@ def kl_cov(
     penalty_BT = torch.where(
         chosen_BT, clip.ppo_kl_coef * log_ratio_BT.abs(), torch.zeros_like(logp_BT)
     )
-    return TokenPolicyLoss(
-        loss_BT=-adv_BT * torch.exp(log_ratio_BT) + penalty_BT,
-        clipped_BT=chosen_BT,
-        clipped_lower_BT=_no_dual_clip(logp_BT),
+    return TokenPolicyLoss.without_dual_clip(
+        -adv_BT * torch.exp(log_ratio_BT) + penalty_BT, chosen_BT
     )
 
 
