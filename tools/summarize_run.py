@@ -10,10 +10,11 @@ python tools/summarize_run.py --compare runs/a runs/b --out ab.png
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
+from megarl.data.errors import DatasetError
+from megarl.data.files import read_rows as read_dataset_rows
 from megarl.trainer.summary import compare, summarize
 from megarl.trainer.summary_plot import MATPLOTLIB_MISSING, SUMMARY_PLOT, plot_runs
 
@@ -25,22 +26,17 @@ class BadRun(Exception):
 
 
 def read_rows(run_dir: Path) -> list[dict]:
-    """The rows of ``run_dir/metrics.jsonl``; BadRun names the file (and line) that is wrong."""
+    """The rows of ``run_dir/metrics.jsonl``, read as a JSONL dataset is (blank lines
+    skipped); BadRun names the file (and line) that is wrong."""
     if not run_dir.is_dir():
         raise BadRun(f"{run_dir}: no such directory")
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         raise BadRun(f"{path}: no such file")
-    rows = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise BadRun(f"{path}:{number}: not JSON ({exc.msg})") from None
-        if not isinstance(row, dict):
-            raise BadRun(f"{path}:{number}: not a JSON object")
-        rows.append(row)
-    return rows
+    try:
+        return [row for _, row in read_dataset_rows(str(path))]
+    except DatasetError as exc:
+        raise BadRun(str(exc)) from None
 
 
 def run_names(run_dirs: list[Path]) -> list[str]:

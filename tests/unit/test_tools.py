@@ -100,7 +100,9 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path):
         (tmp_path / "nope",): f"{tmp_path / 'nope'}: no such directory",
         (tmp_path / "empty", "--plot"): f"{tmp_path / 'empty' / 'metrics.jsonl'}: no such file",
         ("--compare", good, tmp_path / "nope"): f"{tmp_path / 'nope'}: no such directory",
-        (tmp_path / "list",): f"{tmp_path / 'list' / 'metrics.jsonl'}:1: not a JSON object",
+        (
+            tmp_path / "list",
+        ): f"{tmp_path / 'list' / 'metrics.jsonl'}:1: row is a list, expected an object",
         (): "give either RUN_DIR or --compare RUN_A RUN_B",
         (good, "--compare", good, good): "give either RUN_DIR or --compare RUN_A RUN_B",
     }
