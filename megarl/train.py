@@ -101,7 +101,7 @@ def resolve_device(requested: str, cfg=None) -> str:
 def validate_against_model(cfg, model_dir: str, device: str = "cpu") -> None:
     """Checks that need the model's shape or the data: parallel layout, gates, planner, dataset."""
     from megarl.algo.router_replay import dense_model_problem
-    from megarl.config.planning import policy_loss_term, prune_mode, run_facts
+    from megarl.config.planning import loss_terms, prune_mode, run_facts
     from megarl.data.errors import DatasetError
     from megarl.data.rewards import choose_rewards
     from megarl.models.hf_io import load_hf_config
@@ -153,16 +153,7 @@ def validate_against_model(cfg, model_dir: str, device: str = "cpu") -> None:
                 "(with actor.ep for the experts) or rollout.engine=hf"
             )
         validate_gate_config(run_facts(cfg))
-        check_pruning_config(
-            prune_mode(cfg)[0],
-            cfg.actor.kl_coef,
-            cfg.actor.entropy_coef,
-            cfg.planner.allow_approx,
-            cfg.algo.adv_estimator,
-            cfg.actor.moe_aux_loss_coef,
-            cfg.actor.echo_coef,
-            policy_loss_term(cfg),
-        )
+        check_pruning_config(prune_mode(cfg)[0], loss_terms(cfg), cfg.planner.allow_approx)
         if cfg.algo.is_sft:
             check_sft_data(cfg, model_dir, spec.max_position_embeddings)
             return

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, TypedDict
 from megarl.algo.policy_losses import SECOND_MOMENT_LOSSES, ClipSettings, zero_advantage_term
 from megarl.config.schema import RunConfig
 from megarl.planner.gates import OldLogProbMode, RefLogProbMode, RunFacts, StepFacts
-from megarl.planner.inputs import PlannerInputs
+from megarl.planner.inputs import LossTerms, PlannerInputs
 from megarl.planner.optimizer_steps import mini_batch_slices
 from megarl.planner.pruning import resolve_prune_mode
 from megarl.planner.staleness import trainer_version
@@ -28,14 +28,18 @@ if TYPE_CHECKING:  # the batch types carry tensors; planning reads only their si
 def prune_mode(cfg: RunConfig) -> tuple[str, str]:
     """The planner mode ``planner.prune_zero_adv`` resolves to, and why (``auto``: see
     :func:`~megarl.planner.pruning.resolve_prune_mode`)."""
-    return resolve_prune_mode(
-        cfg.planner.prune_zero_adv,
-        cfg.actor.kl_coef,
-        cfg.actor.entropy_coef,
-        cfg.algo.adv_estimator,
-        cfg.actor.moe_aux_loss_coef,
-        cfg.actor.echo_coef,
-        policy_loss_term(cfg),
+    return resolve_prune_mode(cfg.planner.prune_zero_adv, loss_terms(cfg))
+
+
+def loss_terms(cfg: RunConfig) -> LossTerms:
+    """The actor's loss terms that decide whether pruning is exact, as the config sets them."""
+    return LossTerms(
+        kl_coef=cfg.actor.kl_coef,
+        entropy_coef=cfg.actor.entropy_coef,
+        adv_estimator=cfg.algo.adv_estimator,
+        moe_aux_loss_coef=cfg.actor.moe_aux_loss_coef,
+        echo_coef=cfg.actor.echo_coef,
+        loss_term=policy_loss_term(cfg),
     )
 
 
@@ -148,18 +152,13 @@ def planner_inputs(
         group_ids=tuple(group_ids),
         loss_agg=cfg.loss_agg,
         loss_scale_factor=cfg.loss_scale_factor,
-        kl_coef=a.kl_coef,
-        entropy_coef=a.entropy_coef,
         dp_size=cfg.dp,
         ppo_mini_batches=a.ppo_mini_batches,
         ppo_epochs=a.ppo_epochs,
         micro_batch_tokens=a.micro_batch_tokens,
         mode=prune_mode(cfg)[0],
         allow_approx=cfg.planner.allow_approx,
-        adv_estimator=cfg.algo.adv_estimator,
-        moe_aux_loss_coef=a.moe_aux_loss_coef,
-        echo_coef=a.echo_coef,
-        loss_term=policy_loss_term(cfg),
+        loss_terms=loss_terms(cfg),
         micro_batch_multiple=a.micro_batch_multiple,
     )
 
@@ -201,11 +200,8 @@ def critic_planner_inputs(cfg: RunConfig, actor_inputs: PlannerInputs) -> Planne
     return dataclasses.replace(
         actor_inputs,
         loss_agg=cfg.critic.loss_agg,
-        kl_coef=0.0,
-        entropy_coef=0.0,
-        moe_aux_loss_coef=0.0,  # a value model has no router
-        echo_coef=0.0,  # nor an observation loss
-        loss_term=None,
+        # a value loss alone: no KL, entropy, router or observation term
+        loss_terms=LossTerms(adv_estimator=actor_inputs.loss_terms.adv_estimator),
         ppo_mini_batches=cfg.critic_ppo_mini_batches,
         ppo_epochs=cfg.critic_ppo_epochs,
         mode="off",

@@ -165,16 +165,42 @@ def resolve_device(requested: str, env: Environment) -> str:
 
 
 def decide_execution(request: ExecutionRequest, env: Environment) -> ExecutionPlan:
-    """The execution plan for ``request`` on a machine like ``env`` (pure)."""
+    """The execution plan for ``request`` on a machine like ``env`` (pure).
+
+    Both devices share one rule for every field; what differs is said by ``cuda`` (the
+    backend, the shims, the default dtype, whether the CUDA-only features run) and by whether
+    transformer-engine's spec is used (the layer spec, the attention core, how packed
+    micro-batches attend). The reasons are each device's own.
+    """
     if request.overlap_param_gather and not request.distributed_optimizer:
         raise ExecutionError(
             "actor.optim.overlap_param_gather=true needs "
             "actor.optim.distributed=true (params are gathered from DP shards)"
         )
     device = resolve_device(request.device, env)
-    if device == "cpu":
-        return _cpu_plan(request)
-    return _cuda_plan(request, env)
+    cuda = device == "cuda"
+    te = cuda and env.transformer_engine
+    dtype = request.model_dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if cuda else "float32"
+    optimizer, why = _optimizer(request)
+    reasons = _cuda_reasons(request, env, dtype, why) if cuda else _cpu_reasons(request, dtype, why)
+    return ExecutionPlan(
+        device=device,
+        backend="nccl" if cuda else "gloo",
+        cpu_shims=not cuda,
+        params_dtype=dtype,
+        grad_reduce_in_fp32=True,
+        optimizer=optimizer,
+        distributed_optimizer=request.distributed_optimizer,
+        overlap_grad_reduce=cuda and request.overlap_grad_reduce,
+        overlap_param_gather=cuda and request.overlap_param_gather,
+        recompute=request.recompute if cuda and request.recompute != "none" else None,
+        layer_spec="transformer_engine" if te else "local",
+        attention_core="te" if te else "sdpa",
+        packed_attention=("te_thd" if te else "sdpa_blocks") if request.pack_sequences else "none",
+        reasons=reasons,
+    )
 
 
 def _optimizer(request: ExecutionRequest) -> tuple[str, str]:
@@ -195,10 +221,9 @@ def execution_plan_for(cfg, device: str, optim=None) -> ExecutionPlan:
     return decide_execution(request, detect_environment())
 
 
-def _cpu_plan(request: ExecutionRequest) -> ExecutionPlan:
-    optimizer, why = _optimizer(request)
-    dtype = "float32" if request.model_dtype == "auto" else request.model_dtype
-    reasons = [f"cpu: gloo, {dtype} parameters, Megatron CPU shims", why]
+def _cpu_reasons(request: ExecutionRequest, dtype: str, optimizer_why: str) -> tuple[str, ...]:
+    """The CPU plan's reasons, the CUDA-only features it ignores named."""
+    reasons = [f"cpu: gloo, {dtype} parameters, Megatron CPU shims", optimizer_why]
     ignored = [
         name
         for name, on in (
@@ -210,7 +235,6 @@ def _cpu_plan(request: ExecutionRequest) -> ExecutionPlan:
     ]
     if ignored:
         reasons.append(f"ignored on cpu (CUDA-only): {', '.join(ignored)}")
-    packed = "sdpa_blocks" if request.pack_sequences else "none"
     reasons.append(
         "packing: "
         + (
@@ -219,55 +243,24 @@ def _cpu_plan(request: ExecutionRequest) -> ExecutionPlan:
             else "off (right-padded rows)"
         )
     )
-    return ExecutionPlan(
-        device="cpu",
-        backend="gloo",
-        cpu_shims=True,
-        params_dtype=dtype,
-        grad_reduce_in_fp32=True,
-        optimizer=optimizer,
-        distributed_optimizer=request.distributed_optimizer,
-        overlap_grad_reduce=False,
-        overlap_param_gather=False,
-        recompute=None,
-        layer_spec="local",
-        attention_core="sdpa",
-        packed_attention=packed,
-        reasons=tuple(reasons),
-    )
+    return tuple(reasons)
 
 
-def _cuda_plan(request: ExecutionRequest, env: Environment) -> ExecutionPlan:
-    optimizer, why = _optimizer(request)
-    reasons = [f"cuda ({env.device_name or 'unknown GPU'}): nccl", why]
-    dtype = "bfloat16" if request.model_dtype == "auto" else request.model_dtype
-    reasons.append(f"params {dtype}, fp32 main grads and fp32 gradient reduction")
+def _cuda_reasons(
+    request: ExecutionRequest, env: Environment, dtype: str, optimizer_why: str
+) -> tuple[str, ...]:
+    """The CUDA plan's reasons: the GPU, the precision, and which layer spec imports."""
     if env.transformer_engine:
-        spec, core = "transformer_engine", "te"
-        packed = "te_thd" if request.pack_sequences else "none"
-        reasons.append("transformer-engine installed: TE layer spec, fused attention (THD packing)")
+        spec = "transformer-engine installed: TE layer spec, fused attention (THD packing)"
     else:
-        spec, core = "local", "sdpa"
-        packed = "sdpa_blocks" if request.pack_sequences else "none"
-        reasons.append(
-            "transformer-engine not installed: local spec with SDPA core attention"
-            + (" (packed batches attend per sequence block)" if request.pack_sequences else "")
+        spec = "transformer-engine not installed: local spec with SDPA core attention" + (
+            " (packed batches attend per sequence block)" if request.pack_sequences else ""
         )
-    return ExecutionPlan(
-        device="cuda",
-        backend="nccl",
-        cpu_shims=False,
-        params_dtype=dtype,
-        grad_reduce_in_fp32=True,
-        optimizer=optimizer,
-        distributed_optimizer=request.distributed_optimizer,
-        overlap_grad_reduce=request.overlap_grad_reduce,
-        overlap_param_gather=request.overlap_param_gather,
-        recompute=None if request.recompute == "none" else request.recompute,
-        layer_spec=spec,
-        attention_core=core,
-        packed_attention=packed,
-        reasons=tuple(reasons),
+    return (
+        f"cuda ({env.device_name or 'unknown GPU'}): nccl",
+        optimizer_why,
+        f"params {dtype}, fp32 main grads and fp32 gradient reduction",
+        spec,
     )
 
 

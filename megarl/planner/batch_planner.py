@@ -51,16 +51,7 @@ from megarl.planner.step_plan import OptimizerStepPlan, RankPlan, StepPlan
 
 def plan_step(inputs: PlannerInputs) -> StepPlan:
     """Decide every optimizer step of one rollout batch (see the module docstring)."""
-    approx_reason = check_pruning_config(
-        inputs.mode,
-        inputs.kl_coef,
-        inputs.entropy_coef,
-        inputs.allow_approx,
-        inputs.adv_estimator,
-        inputs.moe_aux_loss_coef,
-        inputs.echo_coef,
-        inputs.loss_term,
-    )
+    approx_reason = check_pruning_config(inputs.mode, inputs.loss_terms, inputs.allow_approx)
     batch = BatchArrays.of(inputs)
     runs = optimizer_runs(inputs, batch)
     reasons = pruning_reasons(inputs, batch, approx_reason, len(runs))
@@ -78,9 +69,7 @@ def plan_step(inputs: PlannerInputs) -> StepPlan:
         num_kept_sequences=int(batch.kept.sum()),
         num_tokens=int(batch.seq_tokens.sum()),
         num_kept_tokens=kept_tokens,
-        pruning_refused=pruning_refusal(
-            inputs.adv_estimator, inputs.moe_aux_loss_coef, inputs.echo_coef
-        ),
+        pruning_refused=pruning_refusal(inputs.loss_terms),
     )
 
 

@@ -38,6 +38,46 @@ class PlannerError(ValueError):
 
 
 @dataclass(frozen=True)
+class LossTerms:
+    """Which terms the loss has besides the policy gradient: what decides whether leaving a
+    zero-advantage sequence out of training is exact (:mod:`megarl.planner.pruning`).
+
+    Built once from the config (``megarl.config.planning.loss_terms``), so the start-up check,
+    ``auto``'s choice and every step's plan judge the same terms. The defaults are GRPO's
+    plain policy gradient, where pruning is exact.
+    """
+
+    kl_coef: float = 0.0
+    """``actor.kl_coef``; pruning is exact only when it is 0."""
+    entropy_coef: float = 0.0
+    """``actor.entropy_coef``; pruning is exact only when it is 0."""
+    adv_estimator: str = "grpo"
+    """``algo.adv_estimator``; a critic's (``gae``) is never pruned
+    (:func:`~megarl.planner.pruning.pruning_refusal`) and its ``advantages`` only rank filler
+    candidates."""
+    moe_aux_loss_coef: float = 0.0
+    """``actor.moe_aux_loss_coef``; > 0 (a router load-balancing loss) is never pruned
+    (:func:`~megarl.planner.pruning.pruning_refusal`)."""
+    echo_coef: float = 0.0
+    """``actor.echo_coef``; > 0 (ECHO trains observation tokens whatever the advantage) is
+    never pruned (:func:`~megarl.planner.pruning.pruning_refusal`)."""
+    loss_term: str | None = None
+    """Why the policy loss itself acts on zero-advantage tokens (e.g. prime_dppo's
+    ``(log r)^2`` penalty, :func:`megarl.algo.policy_losses.zero_advantage_term`), None when it
+    does not; like a KL/entropy term it makes pruning approximate."""
+
+    def __post_init__(self) -> None:
+        for name in ("kl_coef", "entropy_coef", "moe_aux_loss_coef", "echo_coef"):
+            if not math.isfinite(getattr(self, name)):
+                raise PlannerError(f"{name} must be finite, got {getattr(self, name)!r}")
+
+    @property
+    def kl_or_entropy(self) -> bool:
+        """A KL or entropy term is on: both act on zero-advantage sequences."""
+        return self.kl_coef != 0 or self.entropy_coef != 0
+
+
+@dataclass(frozen=True)
 class PlannerInputs:
     """Everything :func:`~megarl.planner.batch_planner.plan_step` needs about one rollout batch
     and the actor's batching.
@@ -60,10 +100,6 @@ class PlannerInputs:
     loss_scale_factor: float = 1.0
     """``seq-mean-token-sum-norm``'s constant (``actor.loss_scale_factor``, by default
     ``rollout.max_new_tokens``); the normaliser is sequences x this. Unused by other modes."""
-    kl_coef: float = 0.0
-    """``actor.kl_coef``; pruning is exact only when it is 0."""
-    entropy_coef: float = 0.0
-    """``actor.entropy_coef``; pruning is exact only when it is 0."""
     dp_size: int = 1
     """Number of data-parallel ranks sharing each optimizer step."""
     ppo_mini_batches: int = 1
@@ -75,21 +111,9 @@ class PlannerInputs:
     mode: str = "off"
     """``off`` | ``match_loss_curve`` | ``fast`` (see :mod:`megarl.planner.optimizer_steps`)."""
     allow_approx: bool = False
-    """Prune even when a KL/entropy term makes it inexact; the plan is marked approximate."""
-    adv_estimator: str = "grpo"
-    """``algo.adv_estimator``; a critic's (``gae``) is never pruned
-    (:func:`~megarl.planner.pruning.pruning_refusal`) and its ``advantages`` only rank filler
-    candidates."""
-    moe_aux_loss_coef: float = 0.0
-    """``actor.moe_aux_loss_coef``; > 0 (a router load-balancing loss) is never pruned
-    (:func:`~megarl.planner.pruning.pruning_refusal`)."""
-    echo_coef: float = 0.0
-    """``actor.echo_coef``; > 0 (ECHO trains observation tokens whatever the advantage) is
-    never pruned (:func:`~megarl.planner.pruning.pruning_refusal`)."""
-    loss_term: str | None = None
-    """Why the policy loss itself acts on zero-advantage tokens (e.g. prime_dppo's
-    ``(log r)^2`` penalty, :func:`megarl.algo.policy_losses.zero_advantage_term`), None when it
-    does not; like a KL/entropy term it makes pruning approximate."""
+    """Prune even when a loss term makes it inexact; the plan is marked approximate."""
+    loss_terms: LossTerms = LossTerms()
+    """Which terms the loss has besides the policy gradient: whether pruning is exact."""
     attention_cost_coef: float = DEFAULT_ATTENTION_COST_COEF
     """Cost model ``t + coef * t**2``; ``1 / (12 * hidden)`` fits a transformer, 0 = tokens."""
     micro_batch_multiple: int = 1
@@ -135,14 +159,7 @@ class PlannerInputs:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
                 raise PlannerError(f"{name} must be a positive int, got {value!r}")
-        for name in (
-            "kl_coef",
-            "entropy_coef",
-            "moe_aux_loss_coef",
-            "echo_coef",
-            "attention_cost_coef",
-            "loss_scale_factor",
-        ):
+        for name in ("attention_cost_coef", "loss_scale_factor"):
             if not math.isfinite(getattr(self, name)):
                 raise PlannerError(f"{name} must be finite, got {getattr(self, name)!r}")
         if self.loss_scale_factor <= 0:

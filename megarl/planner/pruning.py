@@ -33,7 +33,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from megarl.planner.inputs import PLANNER_MODES, BatchArrays, PlannerError, PlannerInputs
+from megarl.planner.inputs import (
+    PLANNER_MODES,
+    BatchArrays,
+    LossTerms,
+    PlannerError,
+    PlannerInputs,
+)
 
 PRUNE_SETTINGS: tuple[str, ...] = ("auto", *PLANNER_MODES)
 """Values of ``planner.prune_zero_adv``: a planner mode, or ``auto`` (the default)."""
@@ -43,9 +49,7 @@ CRITIC_ESTIMATORS: tuple[str, ...] = ("gae",)
 """``algo.adv_estimator`` values whose advantages come per token from a learned critic."""
 
 
-def pruning_refusal(
-    adv_estimator: str, moe_aux_loss_coef: float = 0.0, echo_coef: float = 0.0
-) -> str | None:
+def pruning_refusal(terms: LossTerms) -> str | None:
     """Why zero-advantage pruning can never be exact for this run, or None if it can be.
 
     With a critic (``gae``) a sequence's advantages are per token, from a learned value
@@ -61,33 +65,25 @@ def pruning_refusal(
     so a zero-advantage agent trajectory still has a gradient: pruning it would drop that
     term, and ECHO's purpose is exactly those tokens, so it is never pruned either.
     """
-    if adv_estimator in CRITIC_ESTIMATORS:
+    if terms.adv_estimator in CRITIC_ESTIMATORS:
         return (
-            f"algo.adv_estimator={adv_estimator} has per-token advantages from a learned "
+            f"algo.adv_estimator={terms.adv_estimator} has per-token advantages from a learned "
             "critic, and its value loss trains on every sequence"
         )
-    if moe_aux_loss_coef > 0:
+    if terms.moe_aux_loss_coef > 0:
         return (
-            f"actor.moe_aux_loss_coef={moe_aux_loss_coef} trains the router's load-balancing "
+            f"actor.moe_aux_loss_coef={terms.moe_aux_loss_coef} trains the router's load-balancing "
             "loss on every routed token, zero-advantage sequences included"
         )
-    if echo_coef > 0:
+    if terms.echo_coef > 0:
         return (
-            f"actor.echo_coef={echo_coef} trains the observation tokens of every agent "
+            f"actor.echo_coef={terms.echo_coef} trains the observation tokens of every agent "
             "trajectory, zero-advantage ones included"
         )
     return None
 
 
-def resolve_prune_mode(
-    setting: str,
-    kl_coef: float,
-    entropy_coef: float,
-    adv_estimator: str = "grpo",
-    moe_aux_loss_coef: float = 0.0,
-    echo_coef: float = 0.0,
-    loss_term: str | None = None,
-) -> tuple[str, str]:
+def resolve_prune_mode(setting: str, terms: LossTerms) -> tuple[str, str]:
     """``(mode, reason)`` for ``planner.prune_zero_adv``.
 
     ``auto`` prunes whenever pruning is exact -- ``match_loss_curve``, the same gradients as
@@ -103,29 +99,20 @@ def resolve_prune_mode(
         )
     if setting != "auto":
         return setting, f"planner.prune_zero_adv={setting}"
-    refusal = pruning_refusal(adv_estimator, moe_aux_loss_coef, echo_coef)
+    refusal = pruning_refusal(terms)
     if refusal is not None:
         return "off", f"auto: no pruning, {refusal}"
-    if loss_term is not None:
-        return "off", f"auto: no pruning, {loss_term}, zero-advantage ones included"
-    if kl_coef == 0 and entropy_coef == 0:
+    if terms.loss_term is not None:
+        return "off", f"auto: no pruning, {terms.loss_term}, zero-advantage ones included"
+    if not terms.kl_or_entropy:
         return "match_loss_curve", "auto: exact (kl_coef=0, entropy_coef=0)"
     return "off", (
-        f"auto: no pruning, actor.kl_coef={kl_coef} / actor.entropy_coef="
-        f"{entropy_coef} act on zero-advantage sequences"
+        f"auto: no pruning, actor.kl_coef={terms.kl_coef} / actor.entropy_coef="
+        f"{terms.entropy_coef} act on zero-advantage sequences"
     )
 
 
-def check_pruning_config(
-    mode: str,
-    kl_coef: float,
-    entropy_coef: float,
-    allow_approx: bool,
-    adv_estimator: str = "grpo",
-    moe_aux_loss_coef: float = 0.0,
-    echo_coef: float = 0.0,
-    loss_term: str | None = None,
-) -> str | None:
+def check_pruning_config(mode: str, terms: LossTerms, allow_approx: bool) -> str | None:
     """Fail fast when pruning zero-advantage sequences would silently change the loss.
 
     Returns ``None`` when the configuration is exact (``mode == "off"`` or both coefficients are
@@ -136,31 +123,34 @@ def check_pruning_config(
     """
     if mode not in PLANNER_MODES:
         raise PlannerError(f"planner.prune_zero_adv must be one of {PLANNER_MODES}, got {mode!r}")
-    refusal = pruning_refusal(adv_estimator, moe_aux_loss_coef, echo_coef)
+    refusal = pruning_refusal(terms)
     if mode != "off" and refusal is not None:
         raise PlannerError(
             f"planner.prune_zero_adv={mode} cannot prune: {refusal}. "
             "Set planner.prune_zero_adv=auto or off."
         )
-    if mode != "off" and loss_term is not None:
+    if mode != "off" and terms.loss_term is not None:
         if not allow_approx:
             raise PlannerError(
                 f"planner.prune_zero_adv={mode} is exact only when no loss term survives at "
-                f"advantage 0, but {loss_term}. Set planner.prune_zero_adv=off, or set "
+                f"advantage 0, but {terms.loss_term}. Set planner.prune_zero_adv=off, or set "
                 "planner.allow_approx=true to prune anyway."
             )
-        return f"approximate: pruned zero-adv seqs although {loss_term} (planner.allow_approx=true)"
-    if mode == "off" or (kl_coef == 0 and entropy_coef == 0):
+        return (
+            f"approximate: pruned zero-adv seqs although {terms.loss_term} "
+            "(planner.allow_approx=true)"
+        )
+    if mode == "off" or not terms.kl_or_entropy:
         return None
-    terms = f"actor.kl_coef={kl_coef} and actor.entropy_coef={entropy_coef}"
+    coefs = f"actor.kl_coef={terms.kl_coef} and actor.entropy_coef={terms.entropy_coef}"
     if not allow_approx:
         raise PlannerError(
             f"planner.prune_zero_adv={mode} is exact only when no loss term "
-            f"survives at advantage 0, but {terms}: zero-advantage sequences still carry a "
+            f"survives at advantage 0, but {coefs}: zero-advantage sequences still carry a "
             "KL/entropy gradient. Set both coefficients to 0, set planner.prune_zero_adv=off, "
             "or set planner.allow_approx=true to prune anyway."
         )
-    return f"approximate: pruned zero-adv seqs although {terms} (planner.allow_approx=true)"
+    return f"approximate: pruned zero-adv seqs although {coefs} (planner.allow_approx=true)"
 
 
 def pruning_reasons(
@@ -170,7 +160,7 @@ def pruning_reasons(
     plan is approximate, and how many steps ``fast`` merged each epoch into."""
     num_sequences = inputs.num_sequences
     if inputs.mode == "off":
-        refusal = pruning_refusal(inputs.adv_estimator, inputs.moe_aux_loss_coef, inputs.echo_coef)
+        refusal = pruning_refusal(inputs.loss_terms)
         because = f" ({refusal})" if refusal else ""
         return [f"planner off: training all {num_sequences} seqs{because}"]
     _, group_of_seq = np.unique(np.asarray(inputs.group_ids), return_inverse=True)

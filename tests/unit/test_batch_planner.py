@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -10,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megarl.planner.batch_planner import plan_step
-from megarl.planner.inputs import LOSS_AGG_MODES, PlannerError, PlannerInputs
+from megarl.planner.inputs import LOSS_AGG_MODES, LossTerms, PlannerError, PlannerInputs
 from megarl.planner.optimizer_steps import merge_into_runs, normaliser_of
 from megarl.planner.partition import (
     balanced_partition,
@@ -120,9 +121,7 @@ def assert_invariants(inputs: PlannerInputs, plan: StepPlan) -> None:
     assert plan.num_kept_sequences == sum(kept)
     assert set(plan.metrics) == METRIC_KEYS
     assert plan.dp_imbalance >= 1.0 - 1e-9
-    assert plan.approximate == (
-        inputs.mode != "off" and (inputs.kl_coef != 0 or inputs.entropy_coef != 0)
-    )
+    assert plan.approximate == (inputs.mode != "off" and inputs.loss_terms.kl_or_entropy)
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -197,7 +196,6 @@ def test_batch_not_divisible_by_mini_batches_names_the_field() -> None:
         ({"mode": "faster"}, "mode"),
         ({"loss_agg": "seq-mean"}, "loss_agg"),
         ({"attention_cost_coef": -1.0}, "attention_cost_coef"),
-        ({"kl_coef": float("nan")}, "kl_coef"),
         ({"loss_scale_factor": 0.0}, "loss_scale_factor"),
         ({"loss_scale_factor": float("inf")}, "loss_scale_factor"),
     ],
@@ -205,6 +203,12 @@ def test_batch_not_divisible_by_mini_batches_names_the_field() -> None:
 def test_bad_settings_name_the_field(overrides: dict, field: str) -> None:
     with pytest.raises(PlannerError, match=field):
         make_inputs([10, 10], [1.0, 0.0], **overrides)
+
+
+@pytest.mark.parametrize("field", ["kl_coef", "entropy_coef", "moe_aux_loss_coef", "echo_coef"])
+def test_non_finite_loss_coefficients_name_the_field(field: str) -> None:
+    with pytest.raises(PlannerError, match=f"{field} must be finite, got nan"):
+        replace(LossTerms(), **{field: float("nan")})
 
 
 def test_bad_per_sequence_values_name_field_and_index() -> None:
@@ -244,28 +248,36 @@ def test_inputs_are_stored_as_tuples_and_numpy_equals_lists() -> None:
 def test_pruning_with_kl_or_entropy_fails_naming_the_settings(mode: str) -> None:
     for kl, ent in [(0.1, 0.0), (0.0, 0.01)]:
         with pytest.raises(PlannerError) as excinfo:
-            check_pruning_config(mode, kl, ent, allow_approx=False)
+            check_pruning_config(mode, LossTerms(kl_coef=kl, entropy_coef=ent), False)
         message = str(excinfo.value)
         for name in ("planner.prune_zero_adv", "actor.kl_coef", "actor.entropy_coef"):
             assert name in message
         with pytest.raises(PlannerError, match="planner.prune_zero_adv"):
             plan_step(
                 make_inputs(
-                    [10] * 4, [0.0, 0.0, 1.0, -1.0], mode=mode, kl_coef=kl, entropy_coef=ent
+                    [10] * 4,
+                    [0.0, 0.0, 1.0, -1.0],
+                    mode=mode,
+                    loss_terms=LossTerms(kl_coef=kl, entropy_coef=ent),
                 )
             )
 
 
 def test_pruning_config_exact_cases_return_none() -> None:
-    assert check_pruning_config("off", 0.1, 0.1, allow_approx=False) is None
-    assert check_pruning_config("fast", 0.0, 0.0, allow_approx=False) is None
+    kl_and_entropy = LossTerms(kl_coef=0.1, entropy_coef=0.1)
+    assert check_pruning_config("off", kl_and_entropy, allow_approx=False) is None
+    assert check_pruning_config("fast", LossTerms(), allow_approx=False) is None
     with pytest.raises(PlannerError, match="planner.prune_zero_adv"):
-        check_pruning_config("sometimes", 0.0, 0.0, allow_approx=False)
+        check_pruning_config("sometimes", LossTerms(), allow_approx=False)
 
 
 def test_allow_approx_prunes_and_marks_the_plan() -> None:
     inputs = make_inputs(
-        [10] * 4, [0.0, 0.0, 1.0, -1.0], mode="match_loss_curve", kl_coef=0.1, allow_approx=True
+        [10] * 4,
+        [0.0, 0.0, 1.0, -1.0],
+        mode="match_loss_curve",
+        loss_terms=LossTerms(kl_coef=0.1),
+        allow_approx=True,
     )
     plan = plan_step(inputs)
     assert plan.approximate
@@ -276,7 +288,9 @@ def test_allow_approx_prunes_and_marks_the_plan() -> None:
 
 
 def test_off_mode_with_kl_is_exact_and_trains_everything() -> None:
-    inputs = make_inputs([10] * 4, [0.0, 0.0, 1.0, -1.0], mode="off", kl_coef=0.1)
+    inputs = make_inputs(
+        [10] * 4, [0.0, 0.0, 1.0, -1.0], mode="off", loss_terms=LossTerms(kl_coef=0.1)
+    )
     plan = plan_step(inputs)
     assert not plan.approximate
     assert plan.num_kept_sequences == 4
@@ -612,7 +626,7 @@ def planner_inputs(draw: st.DrawFn) -> PlannerInputs:
         group_ids=[i // group_size for i in range(num_sequences)],
         loss_agg=draw(st.sampled_from(LOSS_AGG_MODES)),
         loss_scale_factor=draw(st.sampled_from([1.0, 16.0, 0.5])),
-        kl_coef=0.05 if approx else 0.0,
+        loss_terms=LossTerms(kl_coef=0.05 if approx else 0.0),
         allow_approx=approx,
         dp_size=draw(st.integers(1, 6)),
         ppo_mini_batches=num_mini_batches,
@@ -666,18 +680,19 @@ def test_partition_covers_every_item_once_and_never_worsens_lpt_bound(
 def test_auto_prunes_only_when_exact(setting, kl, entropy, mode):
     from megarl.planner.pruning import resolve_prune_mode
 
-    resolved, reason = resolve_prune_mode(setting, kl, entropy)
+    terms = LossTerms(kl_coef=kl, entropy_coef=entropy)
+    resolved, reason = resolve_prune_mode(setting, terms)
     assert resolved == mode
     assert reason
     # whatever auto picks passes the start-up exactness check without allow_approx
-    check_pruning_config(resolved, kl, entropy, allow_approx=False)
+    check_pruning_config(resolved, terms, allow_approx=False)
 
 
 def test_unknown_prune_setting_is_one_clear_error():
     from megarl.planner.pruning import resolve_prune_mode
 
     with pytest.raises(PlannerError, match="planner.prune_zero_adv must be one of"):
-        resolve_prune_mode("sometimes", 0.0, 0.0)
+        resolve_prune_mode("sometimes", LossTerms())
 
 
 # ----------------------------------------------------------------------------- critic (gae)
@@ -686,11 +701,11 @@ def test_unknown_prune_setting_is_one_clear_error():
 def test_auto_never_prunes_for_a_critic_and_says_why():
     from megarl.planner.pruning import resolve_prune_mode
 
-    resolved, reason = resolve_prune_mode("auto", 0.0, 0.0, adv_estimator="gae")
+    resolved, reason = resolve_prune_mode("auto", LossTerms(adv_estimator="gae"))
     assert resolved == "off"
     assert "algo.adv_estimator=gae" in reason and "critic" in reason
     # the outcome estimators still prune when it is exact
-    assert resolve_prune_mode("auto", 0.0, 0.0, adv_estimator="rloo")[0] == "match_loss_curve"
+    assert resolve_prune_mode("auto", LossTerms(adv_estimator="rloo"))[0] == "match_loss_curve"
 
 
 @pytest.mark.parametrize("mode", ["match_loss_curve", "fast"])
@@ -698,10 +713,11 @@ def test_auto_never_prunes_for_a_critic_and_says_why():
 def test_named_pruning_modes_are_refused_for_a_critic(mode: str, allow_approx: bool):
     """Even where pruning would be exact for GRPO (no KL, no entropy), and even with
     allow_approx: a critic's value loss trains on every sequence."""
+    critic = LossTerms(adv_estimator="gae")
     with pytest.raises(PlannerError, match="algo.adv_estimator=gae") as excinfo:
-        check_pruning_config(mode, 0.0, 0.0, allow_approx=allow_approx, adv_estimator="gae")
+        check_pruning_config(mode, critic, allow_approx=allow_approx)
     assert "planner.prune_zero_adv" in str(excinfo.value)
-    inputs = make_inputs([10] * 4, [0.0, 0.0, 1.0, -1.0], mode=mode, adv_estimator="gae")
+    inputs = make_inputs([10] * 4, [0.0, 0.0, 1.0, -1.0], mode=mode, loss_terms=critic)
     with pytest.raises(PlannerError, match="cannot prune"):
         plan_step(inputs)
 
@@ -709,7 +725,10 @@ def test_named_pruning_modes_are_refused_for_a_critic(mode: str, allow_approx: b
 def test_a_critics_plan_trains_every_sequence_and_its_summary_says_why():
     """Sequences whose per-sequence advantage summary is 0 are trained all the same."""
     inputs = make_inputs(
-        [10] * 8, [0.0] * 4 + [0.5, -0.5, 0.0, 1.0], adv_estimator="gae", ppo_mini_batches=2
+        [10] * 8,
+        [0.0] * 4 + [0.5, -0.5, 0.0, 1.0],
+        loss_terms=LossTerms(adv_estimator="gae"),
+        ppo_mini_batches=2,
     )
     plan = plan_step(inputs)
     assert plan.num_kept_sequences == 8
@@ -727,12 +746,14 @@ def test_a_critics_plan_trains_every_sequence_and_its_summary_says_why():
 def test_auto_never_prunes_with_a_router_load_balancing_loss_and_says_why():
     from megarl.planner.pruning import resolve_prune_mode
 
-    resolved, reason = resolve_prune_mode("auto", 0.0, 0.0, moe_aux_loss_coef=1e-3)
+    router_loss = LossTerms(moe_aux_loss_coef=1e-3)
+    resolved, reason = resolve_prune_mode("auto", router_loss)
     assert resolved == "off"
     assert "actor.moe_aux_loss_coef=0.001" in reason and "routed token" in reason
     # a zero coefficient leaves the exact rule as it was
-    assert resolve_prune_mode("auto", 0.0, 0.0, moe_aux_loss_coef=0.0)[0] == "match_loss_curve"
-    check_pruning_config(resolved, 0.0, 0.0, allow_approx=False, moe_aux_loss_coef=1e-3)
+    no_router_loss = LossTerms(moe_aux_loss_coef=0.0)
+    assert resolve_prune_mode("auto", no_router_loss)[0] == "match_loss_curve"
+    check_pruning_config(resolved, router_loss, allow_approx=False)
 
 
 @pytest.mark.parametrize("mode", ["match_loss_curve", "fast"])
@@ -740,11 +761,12 @@ def test_auto_never_prunes_with_a_router_load_balancing_loss_and_says_why():
 def test_named_pruning_modes_are_refused_with_a_router_loss(mode: str, allow_approx: bool):
     """Even with no KL/entropy term and even with allow_approx: the load-balancing loss is a
     function of a micro-batch's routed tokens, not a sum of terms that vanish at advantage 0."""
+    router_loss = LossTerms(moe_aux_loss_coef=0.01)
     with pytest.raises(PlannerError, match="actor.moe_aux_loss_coef=0.01") as excinfo:
-        check_pruning_config(mode, 0.0, 0.0, allow_approx=allow_approx, moe_aux_loss_coef=0.01)
+        check_pruning_config(mode, router_loss, allow_approx=allow_approx)
     assert f"planner.prune_zero_adv={mode} cannot prune" in str(excinfo.value)
     assert "\n" not in str(excinfo.value)
-    inputs = make_inputs([10] * 4, [0.0, 0.0, 1.0, -1.0], mode=mode, moe_aux_loss_coef=0.01)
+    inputs = make_inputs([10] * 4, [0.0, 0.0, 1.0, -1.0], mode=mode, loss_terms=router_loss)
     with pytest.raises(PlannerError, match="cannot prune"):
         plan_step(inputs)
     # the same forced mode prunes without the coefficient
@@ -753,7 +775,9 @@ def test_named_pruning_modes_are_refused_with_a_router_loss(mode: str, allow_app
 
 def test_a_router_loss_plan_trains_every_sequence_and_its_summary_says_why():
     advantages = [0.0] * 4 + [0.5, -0.5, 0.0, 0.0]
-    inputs = make_inputs([10] * 8, advantages, moe_aux_loss_coef=0.01, dp_size=2)
+    inputs = make_inputs(
+        [10] * 8, advantages, loss_terms=LossTerms(moe_aux_loss_coef=0.01), dp_size=2
+    )
     plan = plan_step(inputs)
     assert_invariants(inputs, plan)
     assert plan.num_kept_sequences == 8 and plan.num_ghost_steps == 0
@@ -768,9 +792,9 @@ def test_a_router_loss_plan_trains_every_sequence_and_its_summary_says_why():
 def test_a_critic_refusal_is_named_first():
     from megarl.planner.pruning import pruning_refusal
 
-    both = pruning_refusal("gae", 0.01)
+    both = pruning_refusal(LossTerms(adv_estimator="gae", moe_aux_loss_coef=0.01))
     assert both is not None and "algo.adv_estimator=gae" in both
-    assert pruning_refusal("grpo", 0.0) is None
+    assert pruning_refusal(LossTerms(adv_estimator="grpo", moe_aux_loss_coef=0.0)) is None
 
 
 def test_echo_turns_pruning_off_and_every_reason_names_it():
@@ -778,14 +802,15 @@ def test_echo_turns_pruning_off_and_every_reason_names_it():
     prune, a named mode is refused (allow_approx too), and the plan says why."""
     from megarl.planner.pruning import resolve_prune_mode
 
-    resolved, reason = resolve_prune_mode("auto", 0.0, 0.0, echo_coef=0.1)
+    echo = LossTerms(echo_coef=0.1)
+    resolved, reason = resolve_prune_mode("auto", echo)
     assert resolved == "off" and "actor.echo_coef=0.1" in reason and "observation" in reason
-    assert resolve_prune_mode("auto", 0.0, 0.0, echo_coef=0.0)[0] == "match_loss_curve"
+    assert resolve_prune_mode("auto", LossTerms(echo_coef=0.0))[0] == "match_loss_curve"
     for allow_approx in (False, True):
         with pytest.raises(PlannerError, match="actor.echo_coef=0.1 trains the observation"):
-            check_pruning_config("fast", 0.0, 0.0, allow_approx=allow_approx, echo_coef=0.1)
+            check_pruning_config("fast", echo, allow_approx=allow_approx)
     advantages = [0.0] * 4 + [0.5, -0.5, 0.0, 0.0]
-    plan = plan_step(make_inputs([10] * 8, advantages, echo_coef=0.1, dp_size=2))
+    plan = plan_step(make_inputs([10] * 8, advantages, loss_terms=echo, dp_size=2))
     assert plan.num_kept_sequences == 8
     assert "actor.echo_coef=0.1" in plan.reasons[0]
     assert "no pruning: actor.echo_coef=0.1" in plan.summary()

@@ -305,7 +305,7 @@ def test_moe_aux_loss_coef_defaults_off_and_turns_pruning_off():
     mode, reason = prune_mode(cfg)
     assert mode == "off" and "actor.moe_aux_loss_coef=0.01" in reason
     inputs = planner_inputs(cfg, [10, 10], [5, 5], [0.0, 0.0], [0, 0])
-    assert inputs.moe_aux_loss_coef == 0.01 and inputs.mode == "off"
+    assert inputs.loss_terms.moe_aux_loss_coef == 0.01 and inputs.mode == "off"
 
 
 def test_one_sample_per_prompt_is_judged_by_the_estimator():

@@ -16,6 +16,7 @@ from megarl.config.schema import build_run_config
 from megarl.planner.batch_planner import plan_step
 from megarl.planner.gate_results import OldLogProbSource
 from megarl.planner.gates import decide_gates
+from megarl.planner.inputs import LossTerms
 from megarl.planner.micro_batches import plan_forward_micro_batches
 
 SEQ_TOKENS = [10] * 16
@@ -73,7 +74,7 @@ def test_a_critics_unpruned_plan_keeps_the_baseline_old_and_ref_gates():
     cfg = build_run_config({"actor": {"ppo_mini_batches": 4}})
     advantages = _groups_kept(True, False, False, False)
     inputs = planning.planner_inputs(cfg, SEQ_TOKENS, RESPONSE_TOKENS, advantages, GROUPS)
-    plan = plan_step(replace(inputs, mode="off", adv_estimator="gae"))
+    plan = plan_step(replace(inputs, mode="off", loss_terms=LossTerms(adv_estimator="gae")))
     assert plan.num_kept_sequences == 16
     gates = decide_gates(planning.step_facts(cfg, 1, len(SEQ_TOKENS), plan=plan))
     assert gates.old_log_prob.seq_indices == tuple(range(4, 16))

@@ -24,7 +24,7 @@ from megarl.planner.gates import (
     decide_gates,
     validate_gate_config,
 )
-from megarl.planner.inputs import PlannerError
+from megarl.planner.inputs import LossTerms, PlannerError
 from megarl.planner.pruning import check_pruning_config
 from megarl.train import compose_config
 
@@ -366,8 +366,8 @@ def test_auto_prunes_for_every_loss_but_prime_dppos_penalty(name: str) -> None:
 def test_a_named_pruning_mode_with_prime_dppo_needs_allow_approx() -> None:
     term = zero_advantage_term("prime_dppo", ClipSettings(kl_tau=0.01))
     with pytest.raises(PlannerError, match="prime_dppo penalises kl_tau=0.01"):
-        check_pruning_config("match_loss_curve", 0.0, 0.0, False, loss_term=term)
-    reason = check_pruning_config("match_loss_curve", 0.0, 0.0, True, loss_term=term)
+        check_pruning_config("match_loss_curve", LossTerms(loss_term=term), False)
+    reason = check_pruning_config("match_loss_curve", LossTerms(loss_term=term), True)
     assert reason is not None and reason.startswith("approximate:")
     cfg = build_run_config(
         {"actor": {"policy_loss": "prime_dppo"}, "planner": {"prune_zero_adv": "fast"}}
