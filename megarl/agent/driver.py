@@ -547,9 +547,8 @@ def run_agent_loops(
     linger_s: float = LINGER_S,
     partial: PartialRollouts | None = None,
 ) -> AgentResult:
-    """Every sample's trajectory, built concurrently (see the module docstring); for
-    synchronous callers (it runs its own event loop; async code awaits
-    :func:`drive_agent_loops`). ``loop``: one loop for all samples, or the loop of each
+    """Every sample's trajectory, built concurrently on an event loop of its own (see the
+    module docstring). ``loop``: one loop for all samples, or the loop of each
     (:class:`megarl.agent.loop.LoopChooser`). ``params``: the step's sampling (its
     ``max_new_tokens`` is each trajectory's response budget, ``ctx.max_response_tokens``).
     ``partial``: newer weights may interrupt the engine calls (the trajectories' tokens then
@@ -561,10 +560,19 @@ def run_agent_loops(
     ``KeyboardInterrupt`` as :class:`megarl.user_code.UserCodeExit`, naming loop and sample:
     never the process's exit)."""
     threads = _DaemonThreads()
+    choose = (lambda _sample: loop) if isinstance(loop, AgentLoop) else loop
 
     async def on_daemon_threads() -> AgentResult:
         asyncio.get_running_loop().set_default_executor(threads)
-        return await drive_agent_loops(engine, loop, samples, params, tokenizer, linger_s, partial)
+        started = time.perf_counter()
+        loops = [choose(sample) for sample in samples]
+        batcher = _Batcher(engine, params, len(samples), linger_s, partial)
+        contexts = [
+            AgentContext(batcher, i, sample, tokenizer, params) for i, sample in enumerate(samples)
+        ]
+        result = await _drive(batcher, loops, contexts)
+        result.metrics["agent/timing_s/loops"] = time.perf_counter() - started
+        return result
 
     result = asyncio.run(on_daemon_threads())
     abandoned = threads.abandoned()
@@ -579,26 +587,14 @@ def run_agent_loops(
     return result
 
 
-async def drive_agent_loops(
-    engine: RolloutEngine,
-    loop: AgentLoop | LoopFor,
-    samples: Sequence[Sample],
-    params: SamplingParams,
-    tokenizer: Any,
-    linger_s: float = LINGER_S,
-    partial: PartialRollouts | None = None,
+async def _drive(
+    batcher: _Batcher, loops: Sequence[AgentLoop], contexts: Sequence[AgentContext]
 ) -> AgentResult:
-    """:func:`run_agent_loops` on the running event loop."""
-    started = time.perf_counter()
-    choose = (lambda _sample: loop) if isinstance(loop, AgentLoop) else loop
-    loops = [choose(sample) for sample in samples]
-    batcher = _Batcher(engine, params, len(samples), linger_s, partial)
-    contexts = [
-        AgentContext(batcher, i, sample, tokenizer, params) for i, sample in enumerate(samples)
-    ]
+    """Sample ``i``'s trajectories from ``loops[i]`` with ``contexts[i]``, all at once; the
+    batcher closed at the end, whatever happened."""
     tasks = [
-        asyncio.create_task(_run_one(batcher, i, loops[i], sample, contexts[i]))
-        for i, sample in enumerate(samples)
+        asyncio.create_task(_run_one(batcher, i, loop, ctx))
+        for i, (loop, ctx) in enumerate(zip(loops, contexts, strict=True))
     ]
     try:
         await _all_or_first_error(tasks)
@@ -606,15 +602,14 @@ async def drive_agent_loops(
         await batcher.close()
     trajectories = [task.result()[0] for task in tasks]
     branches = [task.result()[1:] for task in tasks]
-    metrics = agent_metrics(trajectories, contexts, batcher)
-    metrics["agent/timing_s/loops"] = time.perf_counter() - started
-    return AgentResult(trajectories, metrics, branches)
+    return AgentResult(trajectories, agent_metrics(trajectories, contexts, batcher), branches)
 
 
 async def _run_one(
-    batcher: _Batcher, index: int, loop: AgentLoop, sample: Sample, ctx: AgentContext
+    batcher: _Batcher, index: int, loop: AgentLoop, ctx: AgentContext
 ) -> list[Trajectory]:
-    """The sample's trajectories (one, or a loop's branches: at least one)."""
+    """``ctx.sample``'s trajectories (one, or a loop's branches: at least one)."""
+    sample = ctx.sample
     try:
         name = f"agent loop {type(loop).__name__}: run (sample {sample.index})"
         with user_call(name, record=False):  # it mostly waits on the engine: not listed

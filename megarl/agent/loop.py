@@ -143,8 +143,9 @@ class AgentLoop(abc.ABC):
 
     Constructed once per run (by :func:`build_loop`, with keywords), then ``run`` is called for
     every sample of every step, concurrently: keep per-trajectory state in ``run``'s locals,
-    not on ``self``. A subclass that overrides ``__init__`` accepts these keywords and passes
-    them on.
+    not on ``self``. What a subclass builds once per run (a renderer, a client) it builds in
+    :meth:`setup`; one that takes arguments of its own overrides ``__init__``, accepting these
+    keywords and passing them on.
     """
 
     def __init__(
@@ -153,10 +154,19 @@ class AgentLoop(abc.ABC):
         tokenizer: Any = None,
         tools: Mapping[str, Tool] | None = None,
     ) -> None:
+        """``tools``: by name; None: those of ``settings.tool_config_path`` (what a run gives
+        every loop, :class:`LoopChooser`), or none."""
         self.settings = settings if settings is not None else AgentSettings()
         self.tokenizer = tokenizer
+        if tools is None and self.settings.tool_config_path:
+            tools = load_tools(self.settings.tool_config_path)
         self.tools: dict[str, Tool] = dict(tools or {})
         self.run_facts = RunFacts()
+        self.setup()
+
+    def setup(self) -> None:  # noqa: B027 - optional hook, empty by default
+        """A subclass's own set-up, once, at the end of the constructor (settings, tokenizer
+        and tools set): so that every loop is constructed the same way, with keywords."""
 
     def bind_run(self, facts: RunFacts) -> None:
         """Told the run's facts once, before the first sample (a subclass may read them)."""
@@ -293,20 +303,11 @@ class ToolAgentLoop(AgentLoop):
     in ``agent/prefix_breaks``.
     """
 
-    def __init__(
-        self,
-        settings: AgentSettings | None = None,
-        tokenizer: Any = None,
-        tools: Mapping[str, Tool] | None = None,
-    ) -> None:
-        settings = settings if settings is not None else AgentSettings()
-        if tools is None and settings.tool_config_path:
-            tools = load_tools(settings.tool_config_path)
-        super().__init__(settings, tokenizer, tools)
-        if tokenizer is None:
+    def setup(self) -> None:
+        if self.tokenizer is None:
             raise ValueError("ToolAgentLoop needs the tokenizer (its chat template renders tools)")
         schemas = [tool.tool_schema for tool in self.tools.values()]
-        self.renderer = ChatRenderer(tokenizer, schemas, tool_format=settings.tool_format)
+        self.renderer = ChatRenderer(self.tokenizer, schemas, tool_format=self.settings.tool_format)
         self._schemas = {name: tool.tool_schema for name, tool in self.tools.items()}
         self._warned_prefix = False
         self._warned_tools: set[str] = set()

@@ -22,17 +22,27 @@ CALCULATOR = {
 }
 
 
+async def _answered_then(client, llm, row, follow_up: str, **request):
+    """The row's prompt sent once (``request``: the call's other arguments), then the reply
+    and the user's ``follow_up`` appended, as a chat agent's second request carries them.
+    Returns that conversation and the first completion."""
+    messages = list(row["prompt"])
+    first = await client.chat.completions.create(model=llm.model, messages=messages, **request)
+    messages += [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": follow_up},
+    ]
+    return messages, first
+
+
 async def two_turns(row, llm):
     """The interface's example: a plain call, an observation, a streamed call."""
     import openai
 
     client = openai.AsyncOpenAI(base_url=llm.base_url, api_key=llm.api_key)
-    messages = list(row["prompt"])
-    first = await client.chat.completions.create(model=llm.model, messages=messages, max_tokens=16)
-    messages += [
-        {"role": "assistant", "content": first.choices[0].message.content},
-        {"role": "user", "content": "Observation: 42. Answer again."},
-    ]
+    messages, _ = await _answered_then(
+        client, llm, row, "Observation: 42. Answer again.", max_tokens=16
+    )
     stream = await client.chat.completions.create(
         model=llm.model, messages=messages, max_tokens=16, stream=True
     )
@@ -219,14 +229,9 @@ async def with_stop(row, llm):
     import openai
 
     client = openai.AsyncOpenAI(base_url=llm.base_url, api_key=llm.api_key)
-    messages = list(row["prompt"])
-    first = await client.chat.completions.create(
-        model=llm.model, messages=messages, max_tokens=16, stop=["Observation:"]
+    messages, first = await _answered_then(
+        client, llm, row, "Observation: 5", max_tokens=16, stop=["Observation:"]
     )
-    messages += [
-        {"role": "assistant", "content": first.choices[0].message.content},
-        {"role": "user", "content": "Observation: 5"},
-    ]
     await client.chat.completions.create(model=llm.model, messages=messages, max_tokens=16)
     return 1.0 if first.choices[0].finish_reason == "stop" else 0.0
 
@@ -236,12 +241,7 @@ async def retry_second(row, llm):
     import openai
 
     client = openai.AsyncOpenAI(base_url=llm.base_url, api_key=llm.api_key)
-    messages = list(row["prompt"])
-    first = await client.chat.completions.create(model=llm.model, messages=messages, max_tokens=8)
-    messages += [
-        {"role": "assistant", "content": first.choices[0].message.content},
-        {"role": "user", "content": "Again."},
-    ]
+    messages, _ = await _answered_then(client, llm, row, "Again.", max_tokens=8)
     for _ in range(2):
         await client.chat.completions.create(model=llm.model, messages=messages, max_tokens=8)
     return

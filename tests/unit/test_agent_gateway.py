@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
+from helpers.chat import tool_call_message
 from helpers.engines import GenerateOnlyEngine
 
 from megarl.agent.driver import make_samples, run_agent_loops
@@ -368,18 +369,7 @@ def test_openai_requests_as_real_clients_send_them():
         "messages": [
             {"role": "developer", "content": [{"type": "text", "text": "Be brief."}]},
             {"role": "user", "content": "2+3?"},
-            {
-                "role": "assistant",
-                "content": None,
-                "refusal": None,
-                "tool_calls": [
-                    {
-                        "id": "c1",
-                        "type": "function",
-                        "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'},
-                    }
-                ],
-            },
+            {**tool_call_message("add", '{"a": 2, "b": 3}'), "refusal": None},
             {"role": "tool", "tool_call_id": "c1", "content": "5"},
         ],
         "tools": [{**CALCULATOR_STRICT}],

@@ -1029,6 +1029,32 @@ def test_a_user_loop_whose_constructor_exits_is_one_bad_input_line():
     assert "failed: SystemExit(0) (at " in message and refused.value.exit_code == 2
 
 
+class SetsUp(AgentLoop):
+    """A user loop that builds what it needs once, in ``setup``."""
+
+    def setup(self) -> None:
+        self.seen = (self.settings.max_turns, self.tokenizer, sorted(self.tools))
+
+    async def run(self, sample, ctx):
+        raise AssertionError("not run here")
+
+
+def test_setup_runs_once_with_the_settings_tokenizer_and_tools_of_the_run(tokenizer):
+    """Every loop is constructed the same way: ``setup`` sees what it was given, and tools not
+    given are those of ``tool_config_path`` (what :class:`LoopChooser` hands every loop)."""
+    from megarl.agent.loop import build_loop
+
+    tools_yaml = str(Path(__file__).resolve().parents[2] / "examples" / "tools" / "calculator.yaml")
+    settings = AgentSettings(max_turns=2, tool_config_path=tools_yaml)
+    name = f"{__name__}:SetsUp"
+    built = build_loop(name, settings, tokenizer)
+    assert isinstance(built, SetsUp) and built.seen == (2, tokenizer, ["calculator"])
+    chosen = LoopChooser(AgentSettings(loop=name, tool_config_path=tools_yaml), None)
+    loop = chosen(make_samples(prompts(1))[0])
+    assert isinstance(loop, SetsUp) and loop.seen == (None, None, ["calculator"])
+    assert SetsUp(settings, tokenizer, tools={}).seen == (2, tokenizer, [])
+
+
 def test_engine_calls_run_outside_every_user_call(tokenizer):
     """The engine's worker thread is the rollout's, not the loop's whose turn started the
     batch: a stuck engine call is never reported as a user call (nor published as one)."""

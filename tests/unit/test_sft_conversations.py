@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.chat import CALCULATOR_TOOL
+from helpers.chat import CALCULATOR_TOOL, tool_call_message
 
 from megarl.agent.render import ChatRenderer
 from megarl.agent.tool_calls import HermesFormat
@@ -25,17 +25,7 @@ FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 TOOL_ROW = {
     "messages": [
         {"role": "user", "content": "What is 12 + 7?"},
-        {
-            "role": "assistant",
-            "content": None,
-            "tool_calls": [
-                {
-                    "id": "c1",
-                    "type": "function",
-                    "function": {"name": "calculator", "arguments": '{"expression": "12 + 7"}'},
-                }
-            ],
-        },
+        tool_call_message("calculator", '{"expression": "12 + 7"}'),
         {"role": "tool", "tool_call_id": "c1", "content": "19"},
         {"role": "assistant", "content": "12 + 7 = 19. #### 19"},
     ],

@@ -50,9 +50,8 @@ from typing import TYPE_CHECKING, Any
 from megarl.agent.gateway.protocol import ChatRequest
 from megarl.agent.gateway.server import GatewayServer
 from megarl.agent.gateway.sessions import Session, tools_key
-from megarl.agent.loop import AgentLoop, AgentLoopError, AgentSettings, Sample
+from megarl.agent.loop import AgentLoop, AgentLoopError, Sample
 from megarl.agent.render import ChatRenderer
-from megarl.agent.tools.base import Tool
 from megarl.agent.trajectory import GenerateOutput, Trajectory
 from megarl.data.rewards import reward_value
 from megarl.errors import BadInputError, RunAborted
@@ -167,17 +166,11 @@ async def _awaited(awaitable: Any) -> Any:
 class GatewayLoop(AgentLoop):
     """Runs the user's agent against a session of the gateway (see the module docstring)."""
 
-    def __init__(
-        self,
-        settings: AgentSettings | None = None,
-        tokenizer: Any = None,
-        tools: Mapping[str, Tool] | None = None,
-    ) -> None:
-        super().__init__(settings, tokenizer, tools)
-        if tokenizer is None:
+    def setup(self) -> None:
+        if self.tokenizer is None:
             raise ValueError("GatewayLoop needs the tokenizer (it renders the agent's messages)")
         self.solve = resolve_entrypoint(self.settings.entrypoint)
-        self.renderer = ChatRenderer(tokenizer, tool_format=self.settings.tool_format)
+        self.renderer = ChatRenderer(self.tokenizer, tool_format=self.settings.tool_format)
         self._renderers: dict[str, ChatRenderer] = {tools_key(()): self.renderer}
         self._server: GatewayServer | None = None
         self._warned: set[str] = set()
