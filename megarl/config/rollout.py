@@ -109,6 +109,13 @@ class RolloutConfig:
         on the rollout side, which the weight sync feeds like any engine's."""
         return self.engine == "megatron" and self.n_gpus == 0
 
+    @property
+    def takes_megatron_layout(self) -> bool:
+        """The weight sync sends this engine whole Megatron parameters under Megatron names
+        (the Megatron engine's rollout-side copy is a Megatron model); the other engines take
+        HF names, fused q/k/v and gate/up split as HF stores them."""
+        return self.engine == "megatron"
+
     def __post_init__(self) -> None:
         _choice("rollout.engine", self.engine, ENGINE_NAMES)
         _require(

@@ -77,7 +77,7 @@ def push_weights(
             checksum,
             engine,
             on_bucket=partial(progress, "update_weights", unit="buckets"),
-            megatron_layout=rt.cfg.rollout.engine == "megatron",  # its rollout-side copy
+            megatron_layout=rt.cfg.rollout.takes_megatron_layout,
         )
     if adapter:
         lora = rt.actor.gather_lora_adapter()

@@ -383,3 +383,5 @@ def test_the_megatron_engine_runs_on_the_rollout_side_as_a_copy(extra):
     assert cfg.rollout.engine == "megatron" and not cfg.rollout.engine_is_actor
     assert build_run_config({"rollout": {"engine": "megatron"}}).rollout.engine_is_actor
     assert not build_run_config({}).rollout.engine_is_actor
+    assert cfg.rollout.takes_megatron_layout  # the copy is fed whole Megatron parameters
+    assert not build_run_config({}).rollout.takes_megatron_layout
