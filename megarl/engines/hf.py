@@ -53,15 +53,12 @@ import torch
 from megarl.algo.routing_mismatch import expert_id_dtype
 from megarl.engines.base import (
     EngineMemoryState,
+    GenerateCall,
     Generation,
     LoraAdapter,
-    Request,
     RolloutEngine,
-    SamplingParams,
-    SleepState,
     default_eos_token_ids,
     merge_token_ids,
-    validate_requests,
 )
 from megarl.engines.sampling import ResponseState, sample_step
 from megarl.export.checksum import tensor_checksum
@@ -69,8 +66,6 @@ from megarl.export.lora import PEFT_PREFIX
 from megarl.models.hooks import forward_hooks
 
 if TYPE_CHECKING:
-    import threading
-
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 ADAPTER_NAME = "default"
@@ -339,6 +334,7 @@ class HFEngine(RolloutEngine):
         eos_token_ids: Sequence[int] | None = None,
         pad_token_id: int | None = None,
     ) -> None:
+        super().__init__()
         self._device = torch.device(device)
         # transformers' decorated ``PreTrainedModel.to`` is mistyped in its stubs
         moved = model.to(self._device)  # pyright: ignore[reportArgumentType]
@@ -354,7 +350,6 @@ class HFEngine(RolloutEngine):
         self._router_tap = (
             RouterTap(routers, _num_experts(model.config, len(routers))) if routers else None
         )
-        self._sleep = SleepState()
         self._freed: list[_FreedParam] = []
         self._adapter_loaded = False
         self._adapter_layout: tuple | None = None
@@ -364,6 +359,13 @@ class HFEngine(RolloutEngine):
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
         return self._eos_token_ids
+
+    @property
+    def vocab_size(self) -> int:
+        embeddings = self._model.get_input_embeddings()
+        if not isinstance(embeddings, torch.nn.Embedding):
+            raise TypeError(f"input embeddings are a {type(embeddings).__name__}, not an Embedding")
+        return embeddings.num_embeddings
 
     @property
     def model(self) -> PreTrainedModel:
@@ -376,23 +378,14 @@ class HFEngine(RolloutEngine):
 
     # -- generate --
 
-    def generate_requests(
-        self,
-        requests: Sequence[Request],
-        params: SamplingParams,
-        interrupt: threading.Event | None = None,
-    ) -> list[Generation]:
-        """Samples at least one token per request before it looks at ``interrupt``: the event
-        is polled once after each decode step's draw, so every call makes progress and an
+    def _generate(self, call: GenerateCall) -> list[Generation]:
+        """Samples at least one token per request before it looks at ``call.interrupt``: the
+        event is polled once after each decode step's draw, so every call makes progress and an
         interrupted response never comes back empty."""
-        self._sleep.require_ready_to_generate()
-        if not requests:
-            return []
-        self._validate_requests(requests, params)
-        responses = [ResponseState.start(request, params) for request in requests]
+        responses = [ResponseState.start(request, call.params) for request in call.requests]
         tap = self._router_tap
         with tap.attached() if tap is not None else contextlib.nullcontext():
-            routing = self._decode(responses, params, interrupt)
+            routing = self._decode(responses, call)
         return [
             response.generation(*row_routing(response, row, routing))
             for row, response in enumerate(responses)
@@ -400,12 +393,9 @@ class HFEngine(RolloutEngine):
 
     @torch.inference_mode()
     def _decode(
-        self,
-        responses: list[ResponseState],
-        params: SamplingParams,
-        interrupt: threading.Event | None,
+        self, responses: list[ResponseState], call: GenerateCall
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The decode loop: fills ``responses`` until each has ended or ``interrupt`` is set.
+        """The decode loop: fills ``responses`` until each has ended or the call is interrupted.
 
         The batch holds only the rows still going: a step that ends rows drops them from the
         cache before the next forward. Returns, for a mixture-of-experts model, the prefill's
@@ -423,10 +413,14 @@ class HFEngine(RolloutEngine):
             if tap is not None and prefill_BTLK is not None:  # the forward sampled from next
                 routes.append((rows, tap.last_column(len(rows)) if routes else prefill_BTLK[:, -1]))
             token_L = sample_step(
-                [responses[row] for row in rows], logits_BV, params, generator, self._eos_token_ids
+                [responses[row] for row in rows],
+                logits_BV,
+                call.params,
+                generator,
+                self._eos_token_ids,
             )
             going = [i for i, row in enumerate(rows) if not responses[row].ended]
-            if not going or (interrupt is not None and interrupt.is_set()):
+            if not going or call.interrupted:
                 break
             if len(going) < len(rows):
                 keep_L = torch.tensor(going, device=self._device)
@@ -500,12 +494,6 @@ class HFEngine(RolloutEngine):
             logits_to_keep=1,
         )
         return output.logits[:, -1, :]
-
-    def _validate_requests(self, requests: Sequence[Request], params: SamplingParams) -> None:
-        embeddings = self._model.get_input_embeddings()
-        if not isinstance(embeddings, torch.nn.Embedding):
-            raise TypeError(f"input embeddings are a {type(embeddings).__name__}, not an Embedding")
-        validate_requests(requests, params, self._eos_token_ids, embeddings.num_embeddings)
 
     # -- weights --
 
