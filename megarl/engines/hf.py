@@ -10,8 +10,8 @@ contract every engine that owns its loop shares). A response interrupted and res
 therefore draws the same tokens as an uninterrupted call would: same weights, same tokens,
 logprobs equal up to the floating-point difference between a cached decode step and a prefill.
 
-Batching: contexts (prompt, then any tokens of an earlier call) are left-padded so that every
-row's next token sits in the last column. Pad positions are masked out of attention and given
+Batching (:mod:`megarl.engines.batching`): contexts (prompt, then any tokens of an earlier call)
+are left-padded so that every row's next token sits in the last column. Pad positions are masked out of attention and given
 dummy position ids; real tokens get positions ``0..len-1`` as in an unpadded forward, so a row's
 logits do not depend on what it was batched with, up to the GEMM's rounding on other shapes (the
 unit tests check this against a one-sequence full forward). Each distinct context is run once to
@@ -60,6 +60,7 @@ from megarl.engines.base import (
     default_eos_token_ids,
     merge_token_ids,
 )
+from megarl.engines.batching import DistinctContexts, left_pad
 from megarl.engines.sampling import ResponseState, sample_step
 from megarl.export.checksum import tensor_checksum
 from megarl.export.lora import PEFT_PREFIX
@@ -97,35 +98,6 @@ def resolve_pad_token_id(
         return explicit
     tokenizer_pad = getattr(tokenizer, "pad_token_id", None)
     return tokenizer_pad if tokenizer_pad is not None else eos_token_ids[0]
-
-
-@dataclass(frozen=True)
-class PaddedBatch:
-    """Left-padded prompts with what the model needs to ignore the padding."""
-
-    input_ids_BT: torch.Tensor
-    attention_mask_BT: torch.Tensor
-    position_ids_BT: torch.Tensor
-
-
-def left_pad(
-    prompts: Sequence[Sequence[int]], pad_token_id: int, device: torch.device
-) -> PaddedBatch:
-    """Left-pad so every row's last prompt token is in the last column.
-
-    Real tokens get positions 0..len-1 (as if unpadded); pad positions get 1, a harmless
-    placeholder since they are masked out (the same convention as ``transformers``).
-    """
-    max_len = max(len(p) for p in prompts)
-    input_ids_BT = torch.full((len(prompts), max_len), pad_token_id, dtype=torch.long)
-    attention_mask_BT = torch.zeros((len(prompts), max_len), dtype=torch.long)
-    for row, prompt in enumerate(prompts):
-        input_ids_BT[row, max_len - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
-        attention_mask_BT[row, max_len - len(prompt) :] = 1
-    position_ids_BT = (attention_mask_BT.cumsum(dim=1) - 1).masked_fill(attention_mask_BT == 0, 1)
-    return PaddedBatch(
-        input_ids_BT.to(device), attention_mask_BT.to(device), position_ids_BT.to(device)
-    )
 
 
 # --- LoRA (PEFT) -----------------------------------------------------------------------------
@@ -403,7 +375,7 @@ class HFEngine(RolloutEngine):
         ``[B, S, layers, top_k]`` experts of each step's forward, zero after a row ended (None
         for a dense model)."""
         cache, logits_BV, attention_mask_BT, next_position_B, prefill_BTLK = self._prefill(
-            [response.request.context_ids for response in responses]
+            DistinctContexts.of([response.request for response in responses])
         )
         tap = self._router_tap
         rows = list(range(len(responses)))  # the response of each of the cache's rows
@@ -447,31 +419,26 @@ class HFEngine(RolloutEngine):
         return prefill_BTLK, routing_BSLK
 
     def _prefill(
-        self, contexts: list[Sequence[int]]
+        self, prefill: DistinctContexts
     ) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Run each distinct context through the model once and give every row its copy.
-
-        GRPO asks for ``n`` samples of each prompt: their contexts are equal, so the prefill
-        (most of a short rollout's compute) runs on the distinct ones and the cache, logits and
-        masks are then indexed out to one row per request. Returns the cache, the ``[B, V]``
-        next-token logits, the ``[B, T]`` attention mask, the ``[B]`` next positions and, for a
-        mixture-of-experts model, the ``[B, T, layers, top_k]`` experts of every column."""
+        """Run each distinct context through the model once and give every request's row its
+        copy: the cache, logits and masks are indexed out to one row per request. Returns the
+        cache, the ``[B, V]`` next-token logits, the ``[B, T]`` attention mask, the ``[B]`` next
+        positions and, for a mixture-of-experts model, the ``[B, T, layers, top_k]`` experts of
+        every column."""
         from transformers import DynamicCache
 
-        keys = [tuple(context) for context in contexts]
-        distinct = list(dict.fromkeys(keys))
-        slot = {key: i for i, key in enumerate(distinct)}
-        batch = left_pad(distinct, self._pad_token_id, self._device)
+        batch = left_pad(prefill.contexts, self._pad_token_id, self._device)
         cache = DynamicCache(config=self._model.config)
         logits_UV = self._forward_last(
             batch.input_ids_BT, batch.attention_mask_BT, batch.position_ids_BT, cache
         )
         tap = self._router_tap
-        prefill_UTLK = tap.columns(len(distinct)) if tap is not None else None
+        prefill_UTLK = tap.columns(len(prefill.contexts)) if tap is not None else None
         next_position_U = batch.position_ids_BT[:, -1] + 1
-        if len(distinct) == len(keys):  # nothing shared: no copy
+        if not prefill.shared:  # no copy
             return cache, logits_UV, batch.attention_mask_BT, next_position_U, prefill_UTLK
-        rows_B = torch.tensor([slot[key] for key in keys], device=self._device)
+        rows_B = torch.tensor(prefill.rows, device=self._device)
         cache.batch_select_indices(rows_B)
         prefill_BTLK = prefill_UTLK[rows_B.cpu()] if prefill_UTLK is not None else None
         mask_BT = batch.attention_mask_BT[rows_B]

@@ -57,7 +57,7 @@ from megarl.engines.base import (
     RolloutEngine,
     SamplingParams,
 )
-from megarl.engines.hf import left_pad
+from megarl.engines.batching import DistinctContexts, left_pad
 from megarl.engines.sampling import ResponseState, sample_step
 
 NO_WEIGHTS_TO_SEND = "the engine is the actor's model"
@@ -237,17 +237,15 @@ class MegatronEngine(RolloutEngine):
         distinct contexts, then one cached step per token, the rows still going only."""
         from megarl.models.kv_cache import KVCache
 
-        keys = [tuple(response.request.context_ids) for response in responses]
-        distinct = list(dict.fromkeys(keys))
-        batch = left_pad(distinct, self._pad_token_id, self._device)
+        prefill = DistinctContexts.of([response.request for response in responses])
+        batch = left_pad(prefill.contexts, self._pad_token_id, self._device)
         pad_U = (batch.attention_mask_BT == 0).sum(dim=1)
         capacity = batch.input_ids_BT.shape[1] + max(response.budget for response in responses)
         cache = KVCache(gpt, pad_U, capacity)
         local_BV = cache.forward(gpt, batch.input_ids_BT)
-        logits_BV = self._full_vocab(local_BV, len(distinct))
-        if len(distinct) < len(keys):  # GRPO's samples of a prompt: one prefill, copied rows
-            slot = {key: i for i, key in enumerate(distinct)}
-            rows_B = torch.tensor([slot[key] for key in keys], device=self._device)
+        logits_BV = self._full_vocab(local_BV, len(prefill.contexts))
+        if prefill.shared:  # GRPO's samples of a prompt: one prefill, copied rows
+            rows_B = torch.tensor(prefill.rows, device=self._device)
             cache.select_rows(rows_B)
             logits_BV = logits_BV[rows_B]
             local_BV = None if local_BV is None else local_BV[rows_B]
