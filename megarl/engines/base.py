@@ -250,13 +250,46 @@ class LoraAdapter:
         return (self.rank, float(self.alpha), tuple(self.target_modules))
 
 
+@dataclass(frozen=True)
+class GenerateCall:
+    """One :meth:`RolloutEngine.generate_requests` call past the checks every engine makes (the
+    engine ready, at least one request, each one valid): what an engine's own sampling gets."""
+
+    requests: tuple[Request, ...]
+    params: SamplingParams
+    interrupt: threading.Event | None = None
+    """Set by the caller to end the call between two tokens; None: the call runs to the end."""
+
+    @property
+    def interrupted(self) -> bool:
+        """Whether the caller has asked the call to end (never, without an event)."""
+        return self.interrupt is not None and self.interrupt.is_set()
+
+
 class RolloutEngine(abc.ABC):
-    """A sampler the trainer can feed weights to and put to sleep between rollouts."""
+    """A sampler the trainer can feed weights to and put to sleep between rollouts.
+
+    :meth:`generate_requests` is the same for every engine: it refuses a call the engine cannot
+    serve now (asleep, base weights freed and not resent, :meth:`_check_can_generate`), answers
+    an empty one with an empty list, refuses a request no decode loop can continue
+    (:func:`validate_requests`), and hands the rest to the engine's own :meth:`_generate`."""
+
+    def __init__(self) -> None:
+        self._sleep = SleepState()
+        """What the engine's sleeps left (its :meth:`sleep` and :meth:`wake_up` record them here);
+        :meth:`generate_requests` refuses while it is asleep or its freed base weights have not
+        all been resent."""
 
     @property
     @abc.abstractmethod
     def eos_token_ids(self) -> tuple[int, ...]:
         """Token ids that end a response (all of them stop generation)."""
+
+    @property
+    @abc.abstractmethod
+    def vocab_size(self) -> int:
+        """Token ids the model embeds: a request holding an id outside ``[0, vocab_size)`` is
+        refused."""
 
     def generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams
@@ -273,7 +306,6 @@ class RolloutEngine(abc.ABC):
         ]
         return self.generate_requests(requests, params)
 
-    @abc.abstractmethod
     def generate_requests(
         self,
         requests: Sequence[Request],
@@ -288,10 +320,27 @@ class RolloutEngine(abc.ABC):
         call returns soon (between two tokens): every response that has not ended comes back
         with ``interrupted=True`` and the tokens sampled so far -- at least one: every engine
         samples a first token per request before it looks at ``interrupt``, so a response
-        advances however early its calls are interrupted -- ready to be resumed (after a weight update, by the
-        asynchronous rollout). Raises RuntimeError when the engine is asleep or its base
-        weights were freed.
+        advances however early its calls are interrupted -- ready to be resumed (after a weight
+        update, by the asynchronous rollout). Raises RuntimeError when the engine is asleep or
+        its base weights were freed.
         """
+        self.wait_until_started()
+        self._sleep.require_ready_to_generate()
+        self._check_can_generate(params)
+        if not requests:
+            return []
+        validate_requests(requests, params, self.eos_token_ids, self.vocab_size)
+        return self._generate(GenerateCall(tuple(requests), params, interrupt))
+
+    def _check_can_generate(self, params: SamplingParams) -> None:
+        """Refuse a call this engine cannot serve now beyond what every engine checks:
+        RuntimeError for its state, ValueError for ``params``. Nothing by default."""
+        return
+
+    @abc.abstractmethod
+    def _generate(self, call: GenerateCall) -> list[Generation]:
+        """The engine's own sampling of a checked call: one generation per request, in order,
+        as :meth:`generate_requests` promises."""
 
     def scale_weight(self, name: str, factor: float) -> None:
         """Multiply the engine's copy of the HF-named weight ``name`` by ``factor`` in place,

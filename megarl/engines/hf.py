@@ -10,8 +10,8 @@ contract every engine that owns its loop shares). A response interrupted and res
 therefore draws the same tokens as an uninterrupted call would: same weights, same tokens,
 logprobs equal up to the floating-point difference between a cached decode step and a prefill.
 
-Batching: contexts (prompt, then any tokens of an earlier call) are left-padded so that every
-row's next token sits in the last column. Pad positions are masked out of attention and given
+Batching (:mod:`megarl.engines.batching`): contexts (prompt, then any tokens of an earlier call)
+are left-padded so that every row's next token sits in the last column. Pad positions are masked out of attention and given
 dummy position ids; real tokens get positions ``0..len-1`` as in an unpadded forward, so a row's
 logits do not depend on what it was batched with, up to the GEMM's rounding on other shapes (the
 unit tests check this against a one-sequence full forward). Each distinct context is run once to
@@ -53,24 +53,20 @@ import torch
 from megarl.algo.routing_mismatch import expert_id_dtype
 from megarl.engines.base import (
     EngineMemoryState,
+    GenerateCall,
     Generation,
     LoraAdapter,
-    Request,
     RolloutEngine,
-    SamplingParams,
-    SleepState,
     default_eos_token_ids,
     merge_token_ids,
-    validate_requests,
 )
+from megarl.engines.batching import DistinctContexts, left_pad
 from megarl.engines.sampling import ResponseState, sample_step
 from megarl.export.checksum import tensor_checksum
 from megarl.export.lora import PEFT_PREFIX
 from megarl.models.hooks import forward_hooks
 
 if TYPE_CHECKING:
-    import threading
-
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 ADAPTER_NAME = "default"
@@ -102,35 +98,6 @@ def resolve_pad_token_id(
         return explicit
     tokenizer_pad = getattr(tokenizer, "pad_token_id", None)
     return tokenizer_pad if tokenizer_pad is not None else eos_token_ids[0]
-
-
-@dataclass(frozen=True)
-class PaddedBatch:
-    """Left-padded prompts with what the model needs to ignore the padding."""
-
-    input_ids_BT: torch.Tensor
-    attention_mask_BT: torch.Tensor
-    position_ids_BT: torch.Tensor
-
-
-def left_pad(
-    prompts: Sequence[Sequence[int]], pad_token_id: int, device: torch.device
-) -> PaddedBatch:
-    """Left-pad so every row's last prompt token is in the last column.
-
-    Real tokens get positions 0..len-1 (as if unpadded); pad positions get 1, a harmless
-    placeholder since they are masked out (the same convention as ``transformers``).
-    """
-    max_len = max(len(p) for p in prompts)
-    input_ids_BT = torch.full((len(prompts), max_len), pad_token_id, dtype=torch.long)
-    attention_mask_BT = torch.zeros((len(prompts), max_len), dtype=torch.long)
-    for row, prompt in enumerate(prompts):
-        input_ids_BT[row, max_len - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
-        attention_mask_BT[row, max_len - len(prompt) :] = 1
-    position_ids_BT = (attention_mask_BT.cumsum(dim=1) - 1).masked_fill(attention_mask_BT == 0, 1)
-    return PaddedBatch(
-        input_ids_BT.to(device), attention_mask_BT.to(device), position_ids_BT.to(device)
-    )
 
 
 # --- LoRA (PEFT) -----------------------------------------------------------------------------
@@ -339,6 +306,7 @@ class HFEngine(RolloutEngine):
         eos_token_ids: Sequence[int] | None = None,
         pad_token_id: int | None = None,
     ) -> None:
+        super().__init__()
         self._device = torch.device(device)
         # transformers' decorated ``PreTrainedModel.to`` is mistyped in its stubs
         moved = model.to(self._device)  # pyright: ignore[reportArgumentType]
@@ -354,7 +322,6 @@ class HFEngine(RolloutEngine):
         self._router_tap = (
             RouterTap(routers, _num_experts(model.config, len(routers))) if routers else None
         )
-        self._sleep = SleepState()
         self._freed: list[_FreedParam] = []
         self._adapter_loaded = False
         self._adapter_layout: tuple | None = None
@@ -364,6 +331,13 @@ class HFEngine(RolloutEngine):
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
         return self._eos_token_ids
+
+    @property
+    def vocab_size(self) -> int:
+        embeddings = self._model.get_input_embeddings()
+        if not isinstance(embeddings, torch.nn.Embedding):
+            raise TypeError(f"input embeddings are a {type(embeddings).__name__}, not an Embedding")
+        return embeddings.num_embeddings
 
     @property
     def model(self) -> PreTrainedModel:
@@ -376,23 +350,14 @@ class HFEngine(RolloutEngine):
 
     # -- generate --
 
-    def generate_requests(
-        self,
-        requests: Sequence[Request],
-        params: SamplingParams,
-        interrupt: threading.Event | None = None,
-    ) -> list[Generation]:
-        """Samples at least one token per request before it looks at ``interrupt``: the event
-        is polled once after each decode step's draw, so every call makes progress and an
+    def _generate(self, call: GenerateCall) -> list[Generation]:
+        """Samples at least one token per request before it looks at ``call.interrupt``: the
+        event is polled once after each decode step's draw, so every call makes progress and an
         interrupted response never comes back empty."""
-        self._sleep.require_ready_to_generate()
-        if not requests:
-            return []
-        self._validate_requests(requests, params)
-        responses = [ResponseState.start(request, params) for request in requests]
+        responses = [ResponseState.start(request, call.params) for request in call.requests]
         tap = self._router_tap
         with tap.attached() if tap is not None else contextlib.nullcontext():
-            routing = self._decode(responses, params, interrupt)
+            routing = self._decode(responses, call)
         return [
             response.generation(*row_routing(response, row, routing))
             for row, response in enumerate(responses)
@@ -400,12 +365,9 @@ class HFEngine(RolloutEngine):
 
     @torch.inference_mode()
     def _decode(
-        self,
-        responses: list[ResponseState],
-        params: SamplingParams,
-        interrupt: threading.Event | None,
+        self, responses: list[ResponseState], call: GenerateCall
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The decode loop: fills ``responses`` until each has ended or ``interrupt`` is set.
+        """The decode loop: fills ``responses`` until each has ended or the call is interrupted.
 
         The batch holds only the rows still going: a step that ends rows drops them from the
         cache before the next forward. Returns, for a mixture-of-experts model, the prefill's
@@ -413,7 +375,7 @@ class HFEngine(RolloutEngine):
         ``[B, S, layers, top_k]`` experts of each step's forward, zero after a row ended (None
         for a dense model)."""
         cache, logits_BV, attention_mask_BT, next_position_B, prefill_BTLK = self._prefill(
-            [response.request.context_ids for response in responses]
+            DistinctContexts.of([response.request for response in responses])
         )
         tap = self._router_tap
         rows = list(range(len(responses)))  # the response of each of the cache's rows
@@ -423,10 +385,14 @@ class HFEngine(RolloutEngine):
             if tap is not None and prefill_BTLK is not None:  # the forward sampled from next
                 routes.append((rows, tap.last_column(len(rows)) if routes else prefill_BTLK[:, -1]))
             token_L = sample_step(
-                [responses[row] for row in rows], logits_BV, params, generator, self._eos_token_ids
+                [responses[row] for row in rows],
+                logits_BV,
+                call.params,
+                generator,
+                self._eos_token_ids,
             )
             going = [i for i, row in enumerate(rows) if not responses[row].ended]
-            if not going or (interrupt is not None and interrupt.is_set()):
+            if not going or call.interrupted:
                 break
             if len(going) < len(rows):
                 keep_L = torch.tensor(going, device=self._device)
@@ -453,31 +419,26 @@ class HFEngine(RolloutEngine):
         return prefill_BTLK, routing_BSLK
 
     def _prefill(
-        self, contexts: list[Sequence[int]]
+        self, prefill: DistinctContexts
     ) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Run each distinct context through the model once and give every row its copy.
-
-        GRPO asks for ``n`` samples of each prompt: their contexts are equal, so the prefill
-        (most of a short rollout's compute) runs on the distinct ones and the cache, logits and
-        masks are then indexed out to one row per request. Returns the cache, the ``[B, V]``
-        next-token logits, the ``[B, T]`` attention mask, the ``[B]`` next positions and, for a
-        mixture-of-experts model, the ``[B, T, layers, top_k]`` experts of every column."""
+        """Run each distinct context through the model once and give every request's row its
+        copy: the cache, logits and masks are indexed out to one row per request. Returns the
+        cache, the ``[B, V]`` next-token logits, the ``[B, T]`` attention mask, the ``[B]`` next
+        positions and, for a mixture-of-experts model, the ``[B, T, layers, top_k]`` experts of
+        every column."""
         from transformers import DynamicCache
 
-        keys = [tuple(context) for context in contexts]
-        distinct = list(dict.fromkeys(keys))
-        slot = {key: i for i, key in enumerate(distinct)}
-        batch = left_pad(distinct, self._pad_token_id, self._device)
+        batch = left_pad(prefill.contexts, self._pad_token_id, self._device)
         cache = DynamicCache(config=self._model.config)
         logits_UV = self._forward_last(
             batch.input_ids_BT, batch.attention_mask_BT, batch.position_ids_BT, cache
         )
         tap = self._router_tap
-        prefill_UTLK = tap.columns(len(distinct)) if tap is not None else None
+        prefill_UTLK = tap.columns(len(prefill.contexts)) if tap is not None else None
         next_position_U = batch.position_ids_BT[:, -1] + 1
-        if len(distinct) == len(keys):  # nothing shared: no copy
+        if not prefill.shared:  # no copy
             return cache, logits_UV, batch.attention_mask_BT, next_position_U, prefill_UTLK
-        rows_B = torch.tensor([slot[key] for key in keys], device=self._device)
+        rows_B = torch.tensor(prefill.rows, device=self._device)
         cache.batch_select_indices(rows_B)
         prefill_BTLK = prefill_UTLK[rows_B.cpu()] if prefill_UTLK is not None else None
         mask_BT = batch.attention_mask_BT[rows_B]
@@ -500,12 +461,6 @@ class HFEngine(RolloutEngine):
             logits_to_keep=1,
         )
         return output.logits[:, -1, :]
-
-    def _validate_requests(self, requests: Sequence[Request], params: SamplingParams) -> None:
-        embeddings = self._model.get_input_embeddings()
-        if not isinstance(embeddings, torch.nn.Embedding):
-            raise TypeError(f"input embeddings are a {type(embeddings).__name__}, not an Embedding")
-        validate_requests(requests, params, self._eos_token_ids, embeddings.num_embeddings)
 
     # -- weights --
 

@@ -44,26 +44,21 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import torch
 
 from megarl.distributed.batch_invariant import batch_invariant_mode
 from megarl.engines.base import (
     EngineMemoryState,
+    GenerateCall,
     Generation,
     LoraAdapter,
-    Request,
     RolloutEngine,
     SamplingParams,
-    validate_requests,
-    validate_sleep_level,
 )
-from megarl.engines.hf import left_pad
+from megarl.engines.batching import DistinctContexts, left_pad
 from megarl.engines.sampling import ResponseState, sample_step
-
-if TYPE_CHECKING:
-    import threading
 
 NO_WEIGHTS_TO_SEND = "the engine is the actor's model"
 """Why nothing is ever sent to this engine (the gates' reason too)."""
@@ -106,6 +101,7 @@ class MegatronEngine(RolloutEngine):
         device: str | torch.device = "cpu",
         batch_invariant: bool = False,
     ) -> None:
+        super().__init__()
         if not eos_token_ids:
             raise ValueError("no EOS token id known: pass eos_token_ids")
         self._eos_token_ids = tuple(eos_token_ids)
@@ -118,7 +114,6 @@ class MegatronEngine(RolloutEngine):
         engine generates with the actor's chunks, and nothing is sent to it)."""
         self._group: Any = None
         """The ranks generating together (:func:`generation_group`); None: this rank alone."""
-        self._sleep_level = 0
         self._batch_invariant = batch_invariant
         """``rollout.batch_invariant``: decode in
         :func:`megarl.distributed.batch_invariant.batch_invariant_mode` and take each sampled
@@ -149,38 +144,25 @@ class MegatronEngine(RolloutEngine):
         return self._eos_token_ids
 
     @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
     def max_sleep_level(self) -> int:
         return 0
 
     # -- generate --
 
-    def generate_requests(
-        self,
-        requests: Sequence[Request],
-        params: SamplingParams,
-        interrupt: threading.Event | None = None,
-    ) -> list[Generation]:
+    def _generate(self, call: GenerateCall) -> list[Generation]:
         """On rank 0; the followers run the same call (:meth:`serve`)."""
-        if self._sleep_level:
-            raise RuntimeError(
-                f"cannot generate: engine is asleep (level {self._sleep_level}); "
-                "call wake_up() first"
-            )
-        if not requests:
-            return []
-        self._validate_requests(requests, params)
-        self._tell_followers(("generate", list(requests), params))
-        return self._generate(requests, params, interrupt)
+        self._tell_followers(("generate", call.requests, call.params))
+        return self._run(call)
 
-    def _generate(
-        self,
-        requests: Sequence[Request],
-        params: SamplingParams,
-        interrupt: threading.Event | None,
-    ) -> list[Generation]:
-        responses = [ResponseState.start(request, params) for request in requests]
+    def _run(self, call: GenerateCall) -> list[Generation]:
+        """This rank's part of a call: the whole decode loop on its shard of the model."""
+        responses = [ResponseState.start(request, call.params) for request in call.requests]
         with self._generating() as gpt:
-            self._decode(gpt, responses, params, interrupt)
+            self._decode(gpt, responses, call)
         return [response.generation() for response in responses]
 
     # -- the ranks that generate with rank 0 --
@@ -193,7 +175,7 @@ class MegatronEngine(RolloutEngine):
             if message[0] == "release":
                 return
             _, requests, params = message
-            self._generate(requests, params, None)
+            self._run(GenerateCall(requests, params))
 
     def release_followers(self) -> None:
         """Rank 0, at the end of a rollout or validation phase: the followers go back to
@@ -215,9 +197,9 @@ class MegatronEngine(RolloutEngine):
         dist.broadcast_object_list(box, src=DRIVER, group=self._group)
         return box[0]
 
-    def _interrupted(self, interrupt: threading.Event | None) -> bool:
+    def _interrupted(self, call: GenerateCall) -> bool:
         """Rank 0's answer, the same on every rank of the group (polled once per step)."""
-        stop = interrupt is not None and interrupt.is_set()
+        stop = call.interrupted
         if self._group is None:
             return stop
         import torch.distributed as dist
@@ -250,28 +232,20 @@ class MegatronEngine(RolloutEngine):
             for module, training in modes.items():
                 module.training = training
 
-    def _decode(
-        self,
-        gpt: Any,
-        responses: list[ResponseState],
-        params: SamplingParams,
-        interrupt: threading.Event | None,
-    ) -> None:
-        """Fill ``responses`` until each has ended or ``interrupt`` is set: one prefill of the
+    def _decode(self, gpt: Any, responses: list[ResponseState], call: GenerateCall) -> None:
+        """Fill ``responses`` until each has ended or the call is interrupted: one prefill of the
         distinct contexts, then one cached step per token, the rows still going only."""
         from megarl.models.kv_cache import KVCache
 
-        keys = [tuple(response.request.context_ids) for response in responses]
-        distinct = list(dict.fromkeys(keys))
-        batch = left_pad(distinct, self._pad_token_id, self._device)
+        prefill = DistinctContexts.of([response.request for response in responses])
+        batch = left_pad(prefill.contexts, self._pad_token_id, self._device)
         pad_U = (batch.attention_mask_BT == 0).sum(dim=1)
         capacity = batch.input_ids_BT.shape[1] + max(response.budget for response in responses)
         cache = KVCache(gpt, pad_U, capacity)
         local_BV = cache.forward(gpt, batch.input_ids_BT)
-        logits_BV = self._full_vocab(local_BV, len(distinct))
-        if len(distinct) < len(keys):  # GRPO's samples of a prompt: one prefill, copied rows
-            slot = {key: i for i, key in enumerate(distinct)}
-            rows_B = torch.tensor([slot[key] for key in keys], device=self._device)
+        logits_BV = self._full_vocab(local_BV, len(prefill.contexts))
+        if prefill.shared:  # GRPO's samples of a prompt: one prefill, copied rows
+            rows_B = torch.tensor(prefill.rows, device=self._device)
             cache.select_rows(rows_B)
             logits_BV = logits_BV[rows_B]
             local_BV = None if local_BV is None else local_BV[rows_B]
@@ -282,13 +256,13 @@ class MegatronEngine(RolloutEngine):
             token_L = sample_step(
                 going_responses,
                 logits_BV,
-                params,
+                call.params,
                 generator,
                 self._eos_token_ids,
-                logprobs_of=self._trainer_logprobs_of(local_BV, params),
+                logprobs_of=self._trainer_logprobs_of(local_BV, call.params),
             ).to(self._device)
             going = [i for i, row in enumerate(rows) if not responses[row].ended]
-            if not going or self._interrupted(interrupt):
+            if not going or self._interrupted(call):
                 return
             if len(going) < len(rows):
                 keep_L = torch.tensor(going, device=self._device)
@@ -355,9 +329,6 @@ class MegatronEngine(RolloutEngine):
         )
         return logp_B1[:, 0].cpu()
 
-    def _validate_requests(self, requests: Sequence[Request], params: SamplingParams) -> None:
-        validate_requests(requests, params, self._eos_token_ids, self._vocab_size)
-
     # -- weights: none to send to the actor's model; a rollout-side copy loads them --
 
     def update_weights(
@@ -385,13 +356,10 @@ class MegatronEngine(RolloutEngine):
     def sleep(self, level: int) -> None:
         """Nothing to release between rollouts (the KV cache lives for one call); the weights
         are the actor's and stay at every level."""
-        validate_sleep_level(level)
-        if self._sleep_level:
-            raise RuntimeError(f"engine is already asleep (level {self._sleep_level})")
-        self._sleep_level = level
+        self._sleep.fall_asleep(level)
 
     def wake_up(self) -> EngineMemoryState:
-        self._sleep_level = 0
+        self._sleep.wake()
         return self.memory_state()
 
     def memory_state(self) -> EngineMemoryState:

@@ -83,16 +83,15 @@ import torch
 
 from megarl.engines.base import (
     EngineMemoryState,
+    GenerateCall,
     Generation,
     LoraAdapter,
     Request,
     RolloutEngine,
     SamplingParams,
-    SleepState,
     default_eos_token_ids,
     merge_token_ids,
     token_seed,
-    validate_requests,
 )
 from megarl.engines.tensor_transport import SharedTensorFile
 from megarl.engines.vllm_liveness import EngineCoreWatch
@@ -220,6 +219,7 @@ class VLLMEngine(RolloutEngine):
         two threads never import the same modules at once. Raises :class:`EngineStartupError`
         when vLLM cannot start: here, or from the first call after a background start.
         """
+        super().__init__()
         _set_process_environment()
         try:
             from vllm import LLM
@@ -240,7 +240,6 @@ class VLLMEngine(RolloutEngine):
         self._expected_shapes = read_checkpoint_shapes(model)
         self._shared = SharedTensorFile()
         self._checksums: dict[str, tuple[int, int]] = {}
-        self._sleep = SleepState()
         self._lora_root = Path(tempfile.mkdtemp(prefix="megarl-vllm-lora-"))
         self._lora_request: Any = None
         self._next_lora_id = 1
@@ -337,6 +336,11 @@ class VLLMEngine(RolloutEngine):
         return self._eos_token_ids
 
     @property
+    def vocab_size(self) -> int:
+        self.wait_until_started()
+        return self._vocab_size
+
+    @property
     def max_sleep_level(self) -> int:
         return 2 if self._enable_sleep_mode else 0
 
@@ -348,26 +352,21 @@ class VLLMEngine(RolloutEngine):
 
     # -- generate --
 
-    def generate_requests(
-        self,
-        requests: Sequence[Request],
-        params: SamplingParams,
-        interrupt: threading.Event | None = None,
-    ) -> list[Generation]:
-        """Without ``interrupt``, one blocking ``LLM.generate``. With one, the same requests
-        driven step by step (:meth:`_generate_interruptibly`): the same tokens and logprobs,
-        but an output object per request at every step, which ``LLM.generate`` does not build.
-        """
-        self.wait_until_started()
-        self._sleep.require_ready_to_generate()
+    def _check_can_generate(self, params: SamplingParams) -> None:
+        """No fused weights half sent, and a temperature the engine's logprob mode reports."""
         self._require_no_pending_weights()
         self._check_logprob_mode(params)
-        validate_requests(requests, params, self._eos_token_ids, self._vocab_size)
-        if not requests:
-            return []
+
+    def _generate(self, call: GenerateCall) -> list[Generation]:
+        """Without an interrupt event, one blocking ``LLM.generate``. With one, the same
+        requests driven step by step (:meth:`_generate_interruptibly`): the same tokens and
+        logprobs, but an output object per request at every step, which ``LLM.generate`` does
+        not build.
+        """
+        requests, params = call.requests, call.params
         with self._liveness.named(f"generation of {len(requests)} requests"):
-            if interrupt is not None:
-                return self._generate_interruptibly(requests, params, interrupt)
+            if call.interrupt is not None:
+                return self._generate_interruptibly(call)
             outputs = self._llm.generate(
                 [{"prompt_token_ids": list(request.context_ids)} for request in requests],
                 [self._vllm_sampling_params(params, request) for request in requests],
@@ -379,11 +378,9 @@ class VLLMEngine(RolloutEngine):
             for request, out in zip(requests, outputs, strict=True)
         ]
 
-    def _generate_interruptibly(
-        self, requests: Sequence[Request], params: SamplingParams, interrupt: threading.Event
-    ) -> list[Generation]:
+    def _generate_interruptibly(self, call: GenerateCall) -> list[Generation]:
         """``LLM.generate``'s loop (add every request, ``step()`` until all finished), with
-        ``interrupt`` polled before each step.
+        the interrupt event polled before each step.
 
         The event is polled only once every request has its first token, as the other
         engines sample one before they look: vLLM's engine core steps in a process of its own,
@@ -396,13 +393,13 @@ class VLLMEngine(RolloutEngine):
         Aborting in ``finally`` also clears the requests of a call that raised, so no later
         call sees them.
         """
-        engine = self._llm.llm_engine
+        engine, requests = self._llm.llm_engine, call.requests
         request_ids = [f"megarl-{next(self._request_counter)}" for _ in requests]
         latest: dict[str, Any] = {}  # request id -> its last (cumulative) RequestOutput
         unfinished = set(request_ids)
         try:
-            self._add_requests(request_ids, requests, params)
-            while unfinished and not (len(latest) == len(requests) and interrupt.is_set()):
+            self._add_requests(request_ids, requests, call.params)
+            while unfinished and not (len(latest) == len(requests) and call.interrupted):
                 for output in engine.step():
                     latest[output.request_id] = output
                     if output.finished:

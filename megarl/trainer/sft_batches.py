@@ -38,8 +38,15 @@ class NoEngine(RolloutEngine):
     def eos_token_ids(self) -> tuple[int, ...]:
         return ()
 
-    def generate_requests(self, requests, params, interrupt=None):
+    @property
+    def vocab_size(self) -> int:
+        return 0
+
+    def _check_can_generate(self, params):
         raise RuntimeError("algo.objective=sft has no rollout engine: nothing generates")
+
+    def _generate(self, call):
+        raise AssertionError("not reached: every call is refused before it samples")
 
     def update_weights(self, named_tensors, record_checksums=False):
         for _ in named_tensors:  # drained: a sync would stream into nothing

@@ -182,6 +182,13 @@ class GenerateOnlyEngine(RolloutEngine):
     ``eos_token_ids`` and ``generate_requests``; weights, adapters and sleep are refused, and
     the base weights are always resident."""
 
+    @property
+    def vocab_size(self) -> int:
+        raise NotImplementedError
+
+    def _generate(self, call):
+        raise NotImplementedError
+
     def update_weights(self, named_tensors, record_checksums=False):
         raise NotImplementedError
 

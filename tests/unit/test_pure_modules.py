@@ -46,6 +46,7 @@ PURE_MODULES = sorted(
         PACKAGE / "distributed" / "batch_invariant.py",
         PACKAGE / "distributed" / "execution.py",
         PACKAGE / "engines" / "base.py",
+        PACKAGE / "engines" / "batching.py",
         PACKAGE / "engines" / "sampling.py",
         PACKAGE / "engines" / "vllm_settings.py",
         PACKAGE / "engines" / "vllm_weights.py",
