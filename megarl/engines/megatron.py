@@ -43,8 +43,9 @@ GRPO group on one replica), and rank 0 gathers the generations in request order.
 decode in step: once per step every rank says whether its rows go on and rank 0 whether it was
 interrupted (one small all-reduce), so a replica whose rows have ended waits for the others and
 an interrupt ends every replica's call at the same step. Under expert parallelism the replicas'
-forwards are one (each holds experts the others route to), so there every rank runs the whole
-call instead.
+forwards are one (each holds experts the others route to): a replica with no row left, or none
+to start with, runs each step's forward on a filler row (a pad token, its draws not kept), so
+that its experts serve the others' tokens.
 """
 
 from __future__ import annotations
@@ -93,16 +94,21 @@ def generation_group(replicas_share: bool = True) -> Any:
 
 def data_parallel_share() -> tuple[int, int]:
     """``(replicas, this rank's)``: into how many shares a call's requests are split, and which
-    this rank's model-parallel group generates. One share under expert parallelism, where every
-    replica runs every forward."""
+    this rank's model-parallel group generates."""
     from megatron.core import parallel_state
 
-    if parallel_state.get_expert_model_parallel_world_size() > 1:
-        return 1, 0
     return (
         parallel_state.get_data_parallel_world_size(),
         parallel_state.get_data_parallel_rank(),
     )
+
+
+def forwards_span_replicas() -> bool:
+    """Whether every data-parallel replica must run every forward: under expert parallelism,
+    where each holds experts the others' tokens are routed to."""
+    from megatron.core import parallel_state
+
+    return parallel_state.get_expert_model_parallel_world_size() > 1
 
 
 def follows_driver() -> bool:
@@ -141,6 +147,9 @@ class MegatronEngine(RolloutEngine):
         """The ranks taking rank 0's calls (:func:`generation_group`); None: this rank alone."""
         self._shares, self._share = 1, 0
         """Into how many shares a call is split, and this rank's (:func:`data_parallel_share`)."""
+        self._in_step_forwards = False
+        """The replicas' forwards are one (:func:`forwards_span_replicas`): a replica with no
+        row left still runs each step's forward, on a filler row."""
         self._batch_invariant = batch_invariant
         """``rollout.batch_invariant``: decode in
         :func:`megarl.distributed.batch_invariant.batch_invariant_mode` and take each sampled
@@ -159,6 +168,7 @@ class MegatronEngine(RolloutEngine):
         self._chunks = list(chunks)
         self._group = generation_group(replicas_share)
         self._shares, self._share = data_parallel_share() if replicas_share else (1, 0)
+        self._in_step_forwards = self._shares > 1 and forwards_span_replicas()
 
     def bind_copy(self, copy: Any) -> None:
         """Generate with the rollout side's own model (a ``MegatronCopy``), which the weight
@@ -303,12 +313,21 @@ class MegatronEngine(RolloutEngine):
 
     def _decode(self, gpt: Any, responses: list[ResponseState], call: GenerateCall) -> None:
         """Fill ``responses`` until each has ended or the call is interrupted: one prefill of the
-        distinct contexts, then one cached step per token, the rows still going only. With no
-        row left (or none to start with) a replica keeps asking until the others end too."""
+        distinct contexts, then one cached step per token, the rows still going only.
+
+        When the replicas share the call, one with no row left (or none to start with) keeps
+        asking until the others end too; if their forwards are one (expert parallelism) it also
+        runs each step's forward, on a filler row whose draws are not kept."""
+        budget = max((r.budget for r in responses), default=0)
+        if self._in_step_forwards:  # the filler may have to last as long as any row
+            budget = max(request.budget(call.params) for request in call.requests)
         rows: list[int] = []  # the response of each of the cache's rows
+        cache: Any = None
         if responses:
-            cache, local_BV, logits_BV = self._prefill(gpt, responses)
+            cache, local_BV, logits_BV = self._prefill(gpt, responses, budget)
             rows = list(range(len(responses)))
+        elif self._in_step_forwards:
+            cache = self._filler(gpt, budget)
         generator = torch.Generator()  # on the host: re-seeded before each draw
         while True:
             going: list[int] = []
@@ -324,27 +343,32 @@ class MegatronEngine(RolloutEngine):
                 going = [i for i, row in enumerate(rows) if not responses[row].ended]
             if self._step_ends(call, bool(going)):
                 return
+            if not going:  # this replica's rows have ended; the others' go on
+                if rows and self._in_step_forwards:  # one row stays on as the filler
+                    cache.select_rows(torch.zeros(1, dtype=torch.long, device=self._device))
+                rows = []
+                if self._in_step_forwards:
+                    cache.forward(gpt, self._pad_column())
+                continue
             if len(going) < len(rows):
-                if not going:  # this replica's rows have ended; the others' go on
-                    rows = []
-                    continue
                 keep_L = torch.tensor(going, device=self._device)
                 cache.select_rows(keep_L)
                 token_L, rows = token_L[keep_L], [rows[i] for i in going]
-            if rows:
-                local_BV = cache.forward(gpt, token_L.unsqueeze(1))
-                logits_BV = self._full_vocab(local_BV, len(rows))
+            local_BV = cache.forward(gpt, token_L.unsqueeze(1))
+            logits_BV = self._full_vocab(local_BV, len(rows))
 
-    def _prefill(self, gpt: Any, responses: list[ResponseState]) -> tuple[Any, Any, torch.Tensor]:
-        """The KV cache after one forward over the distinct contexts, with its rows (and the
-        logits) copied out to one per response; ``(cache, this rank's logits, full logits)``."""
+    def _prefill(
+        self, gpt: Any, responses: list[ResponseState], budget: int
+    ) -> tuple[Any, Any, torch.Tensor]:
+        """The KV cache (room for ``budget`` new tokens) after one forward over the distinct
+        contexts, its rows and the logits copied out to one per response; ``(cache, this
+        rank's logits, full logits)``."""
         from megarl.models.kv_cache import KVCache
 
         prefill = DistinctContexts.of([response.request for response in responses])
         batch = left_pad(prefill.contexts, self._pad_token_id, self._device)
         pad_U = (batch.attention_mask_BT == 0).sum(dim=1)
-        capacity = batch.input_ids_BT.shape[1] + max(response.budget for response in responses)
-        cache = KVCache(gpt, pad_U, capacity)
+        cache = KVCache(gpt, pad_U, batch.input_ids_BT.shape[1] + budget)
         local_BV = cache.forward(gpt, batch.input_ids_BT)
         logits_BV = self._full_vocab(local_BV, len(prefill.contexts))
         if prefill.shared:  # GRPO's samples of a prompt: one prefill, copied rows
@@ -353,6 +377,18 @@ class MegatronEngine(RolloutEngine):
             logits_BV = logits_BV[rows_B]
             local_BV = None if local_BV is None else local_BV[rows_B]
         return cache, local_BV, logits_BV
+
+    def _filler(self, gpt: Any, budget: int) -> Any:
+        """A one-row cache after its prefill, a pad token: what a replica with no request of
+        its own runs its forwards on while the others' tokens pass through its experts."""
+        from megarl.models.kv_cache import KVCache
+
+        cache = KVCache(gpt, torch.zeros(1, dtype=torch.long, device=self._device), 1 + budget)
+        cache.forward(gpt, self._pad_column())
+        return cache
+
+    def _pad_column(self) -> torch.Tensor:
+        return torch.full((1, 1), self._pad_token_id, dtype=torch.long, device=self._device)
 
     def _full_vocab(self, logits_BV: torch.Tensor | None, num_rows: int) -> torch.Tensor:
         """The whole real vocabulary's ``[B, V]`` logits on every rank of the group: the

@@ -25,6 +25,10 @@ pytestmark = pytest.mark.slow
 EOS = 2
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [20, 21, 22, 23], [40]] * 2
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=8)
+UNEVEN = [Request(tuple(PROMPTS[0]), 1)] * 4
+UNEVEN += [Request(tuple(PROMPTS[1]), 2, max_new_tokens=2)] * 4
+"""Two groups of which one ends 6 tokens before the other: with DP=2 on replicas of their own
+(a replica with nothing left waits, under expert parallelism on a filler row)."""
 SAMPLED = SamplingParams(temperature=0.9, top_p=0.9, max_new_tokens=8, seed=7)
 
 
@@ -48,6 +52,7 @@ def _worker(ctx, tp: int, pp: int, ep: int, hf_config: dict, state: dict):
         result = {
             "greedy": engine.generate(PROMPTS, GREEDY),
             "single": engine.generate(PROMPTS[:1], GREEDY),
+            "uneven": engine.generate_requests(UNEVEN, GREEDY),
             "sampled": engine.generate(PROMPTS, SAMPLED),
             "resumed": sample_with_interruptions(
                 engine, requests, SAMPLED, lambda: InterruptAfter(3)
@@ -90,6 +95,10 @@ def test_rank_zero_samples_what_one_process_samples(hf_config, tp, pp, ep, world
     ]
     assert [g.response_ids for g in got["resumed"]] == [g.response_ids for g in got["sampled"]]
     assert got["single"][0].response_ids == got["greedy"][0].response_ids
+    assert [g.response_ids for g in got["uneven"]] == [
+        g.response_ids for g in hf.generate_requests(UNEVEN, GREEDY)
+    ]
+    assert [len(g.response_ids) for g in got["uneven"]] == [8] * 4 + [2] * 4
     for name, temperature in (("greedy", 1.0), ("sampled", 0.9), ("resumed", 0.9)):
         for generation in got[name]:
             expected = reference_logprobs(model, generation, temperature)
