@@ -78,13 +78,13 @@ DRIVER = 0
 def generation_group(replicas_share: bool = True) -> Any:
     """The process group of the ranks that take rank 0's calls: the model-parallel group (TP x
     PP), or the whole world when the data-parallel replicas share each call
-    (``replicas_share``) or under expert parallelism (an expert-parallel group spans the
-    replicas, each of which must then run the same forward); None when this rank's model runs
-    alone."""
+    (``replicas_share``) or their forwards are one (:func:`forwards_span_replicas`: each must
+    then run every forward, even of a call it does not share); None when this rank's model
+    runs alone."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    if parallel_state.get_expert_model_parallel_world_size() > 1 or (
+    if forwards_span_replicas() or (
         replicas_share and parallel_state.get_data_parallel_world_size() > 1
     ):
         return dist.group.WORLD
