@@ -5,7 +5,9 @@ GRPO asks for ``n`` samples of each prompt. Their contexts (the prompt, then any
 earlier call) are equal, so the prefill, most of a short rollout's compute, runs on the distinct
 ones only (:class:`DistinctContexts`); the engine then copies the cache and logits rows out to
 one per request, and each row samples from its own seeds. The distinct contexts are left-padded
-(:func:`left_pad`) so that every row's next token sits in the last column.
+(:func:`left_pad`) so that every row's next token sits in the last column. When several
+data-parallel replicas generate one call together, :func:`shard_requests` deals its requests
+out, keeping each context's requests on one replica.
 
 Nothing here knows a model: it sees token ids and builds index lists and tensors.
 """
@@ -17,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megarl.engines.base import Request
+from megarl.engines.base import Request, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,35 @@ class DistinctContexts:
     def shared(self) -> bool:
         """Whether some requests share a row (the prefill's rows must then be copied out)."""
         return len(self.contexts) < len(self.rows)
+
+
+def shard_requests(
+    requests: Sequence[Request], params: SamplingParams, num_shards: int
+) -> tuple[tuple[int, ...], ...]:
+    """The request indices each of ``num_shards`` replicas generates, in request order.
+
+    The requests of one context (a GRPO group) stay together, so that they share one prefill.
+    Contexts are dealt out largest first to the replica with the least work so far (the
+    longest-processing-time rule; ties to the lower replica, so every rank computes the same
+    plan). A context's work is the token positions its requests may fill at most: per request,
+    the context and the budget left.
+    """
+    if num_shards < 1:
+        raise ValueError(f"num_shards must be at least 1, got {num_shards}")
+    by_context: dict[tuple[int, ...], list[int]] = {}
+    for index, request in enumerate(requests):
+        by_context.setdefault(request.context_ids, []).append(index)
+    work = {
+        context: sum(len(context) + requests[i].budget(params) for i in indices)
+        for context, indices in by_context.items()
+    }
+    load = [0] * num_shards
+    shards: list[list[int]] = [[] for _ in range(num_shards)]
+    for context in sorted(by_context, key=lambda c: -work[c]):  # stable: first-named first
+        shard = min(range(num_shards), key=lambda s: (load[s], s))
+        load[shard] += work[context]
+        shards[shard] += by_context[context]
+    return tuple(tuple(sorted(indices)) for indices in shards)
 
 
 @dataclass(frozen=True)

@@ -35,8 +35,17 @@ pipeline stages pass hidden states on; the last stage's logits, gathered over th
 tensor-parallel ranks, are broadcast to its pipeline group), samples the same tokens from the
 same logits with the same seeds, and after each step takes rank 0's word on whether it was
 interrupted. At the end of a rollout or validation phase rank 0 releases the followers
-(:meth:`MegatronEngine.release_followers`). Data-parallel replicas outside the group wait for the
-batch as with any engine: one replica generates.
+(:meth:`MegatronEngine.release_followers`).
+
+Data-parallel replicas share each call: every rank follows, each replica (a model-parallel
+group) generates its share of the requests (:func:`megarl.engines.batching.shard_requests`, a
+GRPO group on one replica), and rank 0 gathers the generations in request order. The replicas
+decode in step: once per step every rank says whether its rows go on and rank 0 whether it was
+interrupted (one small all-reduce), so a replica whose rows have ended waits for the others and
+an interrupt ends every replica's call at the same step. Under expert parallelism the replicas'
+forwards are one (each holds experts the others route to): a replica with no row left, or none
+to start with, runs each step's forward on a filler row (a pad token, its draws not kept), so
+that its experts serve the others' tokens.
 """
 
 from __future__ import annotations
@@ -57,7 +66,7 @@ from megarl.engines.base import (
     RolloutEngine,
     SamplingParams,
 )
-from megarl.engines.batching import DistinctContexts, left_pad
+from megarl.engines.batching import DistinctContexts, left_pad, shard_requests
 from megarl.engines.sampling import ResponseState, sample_step
 
 NO_WEIGHTS_TO_SEND = "the engine is the actor's model"
@@ -66,18 +75,40 @@ DRIVER = 0
 """The global rank that drives generation (the rollout host's)."""
 
 
-def generation_group() -> Any:
-    """The process group of the ranks that run every forward together: the model-parallel
-    group (TP x PP), or the whole world under expert parallelism (an expert-parallel group
-    spans data-parallel replicas, each of which must then run the same forward); None when this
-    rank's model runs alone."""
+def generation_group(replicas_share: bool = True) -> Any:
+    """The process group of the ranks that take rank 0's calls: the model-parallel group (TP x
+    PP), or the whole world when the data-parallel replicas share each call
+    (``replicas_share``) or their forwards are one (:func:`forwards_span_replicas`: each must
+    then run every forward, even of a call it does not share); None when this rank's model
+    runs alone."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    if parallel_state.get_expert_model_parallel_world_size() > 1:
+    if forwards_span_replicas() or (
+        replicas_share and parallel_state.get_data_parallel_world_size() > 1
+    ):
         return dist.group.WORLD
     group: Any = parallel_state.get_model_parallel_group()  # Megatron's annotation is loose
     return group if group.size() > 1 else None
+
+
+def data_parallel_share() -> tuple[int, int]:
+    """``(replicas, this rank's)``: into how many shares a call's requests are split, and which
+    this rank's model-parallel group generates."""
+    from megatron.core import parallel_state
+
+    return (
+        parallel_state.get_data_parallel_world_size(),
+        parallel_state.get_data_parallel_rank(),
+    )
+
+
+def forwards_span_replicas() -> bool:
+    """Whether every data-parallel replica must run every forward: under expert parallelism,
+    where each holds experts the others' tokens are routed to."""
+    from megatron.core import parallel_state
+
+    return parallel_state.get_expert_model_parallel_world_size() > 1
 
 
 def follows_driver() -> bool:
@@ -113,22 +144,31 @@ class MegatronEngine(RolloutEngine):
         """The rollout side's :class:`~megarl.engines.megatron_copy.MegatronCopy` (None: the
         engine generates with the actor's chunks, and nothing is sent to it)."""
         self._group: Any = None
-        """The ranks generating together (:func:`generation_group`); None: this rank alone."""
+        """The ranks taking rank 0's calls (:func:`generation_group`); None: this rank alone."""
+        self._shares, self._share = 1, 0
+        """Into how many shares a call is split, and this rank's (:func:`data_parallel_share`)."""
+        self._in_step_forwards = False
+        """The replicas' forwards are one (:func:`forwards_span_replicas`): a replica with no
+        row left still runs each step's forward, on a filler row."""
         self._batch_invariant = batch_invariant
         """``rollout.batch_invariant``: decode in
         :func:`megarl.distributed.batch_invariant.batch_invariant_mode` and take each sampled
         token's logprob with the trainer's own vocab-parallel function from this rank's logits
         slice, so it has the bits the trainer's forward gives it."""
 
-    def bind_model(self, chunks: Sequence[Any]) -> None:
-        """Generate with these model chunks (the actor's, DDP-wrapped or bare) from now on."""
+    def bind_model(self, chunks: Sequence[Any], replicas_share: bool = True) -> None:
+        """Generate with these model chunks (the actor's, DDP-wrapped or bare) from now on.
+        ``replicas_share=False``: rank 0's replica generates every call alone, the others
+        idle (a run never asks for it; the benchmarks' baseline)."""
         if len(chunks) != 1:
             raise ValueError(
                 f"the Megatron engine runs one model chunk per rank, got {len(chunks)} "
                 "(actor.vpp > 1)"
             )
         self._chunks = list(chunks)
-        self._group = generation_group()
+        self._group = generation_group(replicas_share)
+        self._shares, self._share = data_parallel_share() if replicas_share else (1, 0)
+        self._in_step_forwards = self._shares > 1 and forwards_span_replicas()
 
     def bind_copy(self, copy: Any) -> None:
         """Generate with the rollout side's own model (a ``MegatronCopy``), which the weight
@@ -136,6 +176,7 @@ class MegatronEngine(RolloutEngine):
         self._chunks = [copy.model]
         self._copy = copy
         self._group = None
+        self._shares, self._share = 1, 0
 
     # -- properties --
 
@@ -159,11 +200,41 @@ class MegatronEngine(RolloutEngine):
         return self._run(call)
 
     def _run(self, call: GenerateCall) -> list[Generation]:
-        """This rank's part of a call: the whole decode loop on its shard of the model."""
-        responses = [ResponseState.start(request, call.params) for request in call.requests]
+        """This rank's part of a call: the whole decode loop, on its shard of the model, over
+        its replica's share of the requests; rank 0 returns every generation."""
+        shares = shard_requests(call.requests, call.params, self._shares)
+        mine = shares[self._share]
+        responses = [ResponseState.start(call.requests[i], call.params) for i in mine]
         with self._generating() as gpt:
             self._decode(gpt, responses, call)
-        return [response.generation() for response in responses]
+        generations = [response.generation() for response in responses]
+        if self._shares == 1:
+            return generations
+        return self._gather(shares, generations)
+
+    def _gather(
+        self, shares: tuple[tuple[int, ...], ...], generations: list[Generation]
+    ) -> list[Generation]:
+        """Every replica's generations on rank 0, in request order (an empty list elsewhere):
+        each model-parallel group's first rank sends its replica's."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+
+        group: Any = parallel_state.get_model_parallel_group()  # Megatron's annotation is loose
+        leads = dist.get_rank(group=group) == 0
+        sent = (self._share, generations) if leads else None
+        received: list | None = (
+            [None] * dist.get_world_size() if dist.get_rank() == DRIVER else None
+        )
+        dist.gather_object(sent, received, dst=DRIVER)
+        if received is None:
+            return []
+        ordered: list[Generation | None] = [None] * sum(len(share) for share in shares)
+        for share, share_generations in (item for item in received if item is not None):
+            for index, generation in zip(shares[share], share_generations, strict=True):
+                ordered[index] = generation
+        assert all(generation is not None for generation in ordered)
+        return cast("list[Generation]", ordered)
 
     # -- the ranks that generate with rank 0 --
 
@@ -197,16 +268,24 @@ class MegatronEngine(RolloutEngine):
         dist.broadcast_object_list(box, src=DRIVER, group=self._group)
         return box[0]
 
-    def _interrupted(self, call: GenerateCall) -> bool:
-        """Rank 0's answer, the same on every rank of the group (polled once per step)."""
-        stop = call.interrupted
+    def _step_ends(self, call: GenerateCall, going: bool) -> bool:
+        """Whether the decode loop stops after this step's draw, the same answer on every rank
+        of the group (asked once per step): every row has ended (``going``: some row of this
+        rank's goes on), on every replica when they share the call, or rank 0 was interrupted.
+        """
+        if self._shares == 1 and not going:  # the group decodes one batch: it ends as one
+            return True
         if self._group is None:
-            return stop
+            return call.interrupted
         import torch.distributed as dist
 
-        flag = torch.tensor([int(stop)], device=self._device)
-        dist.broadcast(flag, src=DRIVER, group=self._group)
-        return bool(flag.item())
+        if self._shares == 1:
+            flag = torch.tensor([int(call.interrupted)], device=self._device)
+            dist.broadcast(flag, src=DRIVER, group=self._group)
+            return bool(flag.item())
+        flags = torch.tensor([int(call.interrupted), int(going)], device=self._device)
+        dist.all_reduce(flags, group=self._group)  # followers' calls are never interrupted
+        return bool(flags[0].item()) or not bool(flags[1].item())
 
     @contextlib.contextmanager
     def _generating(self) -> Iterator[Any]:
@@ -234,14 +313,62 @@ class MegatronEngine(RolloutEngine):
 
     def _decode(self, gpt: Any, responses: list[ResponseState], call: GenerateCall) -> None:
         """Fill ``responses`` until each has ended or the call is interrupted: one prefill of the
-        distinct contexts, then one cached step per token, the rows still going only."""
+        distinct contexts, then one cached step per token, the rows still going only.
+
+        When the replicas share the call, one with no row left (or none to start with) keeps
+        asking until the others end too; if their forwards are one (expert parallelism) it also
+        runs each step's forward, on a filler row whose draws are not kept."""
+        budget = max((r.budget for r in responses), default=0)
+        if self._in_step_forwards:  # the filler may have to last as long as any row
+            budget = max(request.budget(call.params) for request in call.requests)
+        rows: list[int] = []  # the response of each of the cache's rows
+        cache: Any = None
+        if responses:
+            cache, local_BV, logits_BV = self._prefill(gpt, responses, budget)
+            rows = list(range(len(responses)))
+        elif self._in_step_forwards:
+            cache = self._filler(gpt, budget)
+        generator = torch.Generator()  # on the host: re-seeded before each draw
+        while True:
+            going: list[int] = []
+            if rows:
+                token_L = sample_step(
+                    [responses[row] for row in rows],
+                    logits_BV,
+                    call.params,
+                    generator,
+                    self._eos_token_ids,
+                    logprobs_of=self._trainer_logprobs_of(local_BV, call.params),
+                ).to(self._device)
+                going = [i for i, row in enumerate(rows) if not responses[row].ended]
+            if self._step_ends(call, bool(going)):
+                return
+            if not going:  # this replica's rows have ended; the others' go on
+                if rows and self._in_step_forwards:  # one row stays on as the filler
+                    cache.select_rows(torch.zeros(1, dtype=torch.long, device=self._device))
+                rows = []
+                if self._in_step_forwards:
+                    cache.forward(gpt, self._pad_column())
+                continue
+            if len(going) < len(rows):
+                keep_L = torch.tensor(going, device=self._device)
+                cache.select_rows(keep_L)
+                token_L, rows = token_L[keep_L], [rows[i] for i in going]
+            local_BV = cache.forward(gpt, token_L.unsqueeze(1))
+            logits_BV = self._full_vocab(local_BV, len(rows))
+
+    def _prefill(
+        self, gpt: Any, responses: list[ResponseState], budget: int
+    ) -> tuple[Any, Any, torch.Tensor]:
+        """The KV cache (room for ``budget`` new tokens) after one forward over the distinct
+        contexts, its rows and the logits copied out to one per response; ``(cache, this
+        rank's logits, full logits)``."""
         from megarl.models.kv_cache import KVCache
 
         prefill = DistinctContexts.of([response.request for response in responses])
         batch = left_pad(prefill.contexts, self._pad_token_id, self._device)
         pad_U = (batch.attention_mask_BT == 0).sum(dim=1)
-        capacity = batch.input_ids_BT.shape[1] + max(response.budget for response in responses)
-        cache = KVCache(gpt, pad_U, capacity)
+        cache = KVCache(gpt, pad_U, batch.input_ids_BT.shape[1] + budget)
         local_BV = cache.forward(gpt, batch.input_ids_BT)
         logits_BV = self._full_vocab(local_BV, len(prefill.contexts))
         if prefill.shared:  # GRPO's samples of a prompt: one prefill, copied rows
@@ -249,27 +376,19 @@ class MegatronEngine(RolloutEngine):
             cache.select_rows(rows_B)
             logits_BV = logits_BV[rows_B]
             local_BV = None if local_BV is None else local_BV[rows_B]
-        rows = list(range(len(responses)))  # the response of each of the cache's rows
-        generator = torch.Generator()  # on the host: re-seeded before each draw
-        while True:
-            going_responses = [responses[row] for row in rows]
-            token_L = sample_step(
-                going_responses,
-                logits_BV,
-                call.params,
-                generator,
-                self._eos_token_ids,
-                logprobs_of=self._trainer_logprobs_of(local_BV, call.params),
-            ).to(self._device)
-            going = [i for i, row in enumerate(rows) if not responses[row].ended]
-            if not going or self._interrupted(call):
-                return
-            if len(going) < len(rows):
-                keep_L = torch.tensor(going, device=self._device)
-                cache.select_rows(keep_L)
-                token_L, rows = token_L[keep_L], [rows[i] for i in going]
-            local_BV = cache.forward(gpt, token_L.unsqueeze(1))
-            logits_BV = self._full_vocab(local_BV, len(rows))
+        return cache, local_BV, logits_BV
+
+    def _filler(self, gpt: Any, budget: int) -> Any:
+        """A one-row cache after its prefill, a pad token: what a replica with no request of
+        its own runs its forwards on while the others' tokens pass through its experts."""
+        from megarl.models.kv_cache import KVCache
+
+        cache = KVCache(gpt, torch.zeros(1, dtype=torch.long, device=self._device), 1 + budget)
+        cache.forward(gpt, self._pad_column())
+        return cache
+
+    def _pad_column(self) -> torch.Tensor:
+        return torch.full((1, 1), self._pad_token_id, dtype=torch.long, device=self._device)
 
     def _full_vocab(self, logits_BV: torch.Tensor | None, num_rows: int) -> torch.Tensor:
         """The whole real vocabulary's ``[B, V]`` logits on every rank of the group: the

@@ -326,9 +326,10 @@ def _share_actor_model(
     inputs: RunInputs, host: RolloutHost | None, actor: MegatronActor, tokenizer, spec
 ) -> MegatronEngine | None:
     """``rollout.engine=megatron`` colocated: rank 0's engine generates with the actor's model
-    chunks, and the ranks whose forward it needs get an engine of their own over theirs, to
-    follow its calls (returned; None on every other rank, with any other engine, and on the
-    rollout side, whose engine holds a copy of its own)."""
+    chunks, and the ranks that take its calls with it (its model-parallel group; every rank when
+    data-parallel replicas share the calls or under expert parallelism) get an engine of their
+    own over theirs, to follow (returned; None on every other rank, with any other engine, and
+    on the rollout side, whose engine holds a copy of its own)."""
     cfg = inputs.cfg
     if not cfg.rollout.engine_is_actor or cfg.algo.is_sft:
         return None

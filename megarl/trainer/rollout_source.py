@@ -66,8 +66,9 @@ class RolloutSource:
     def __init__(self, host: RolloutHost | None, follower: MegatronEngine | None = None) -> None:
         self.host = host
         self.follower = follower
-        """A rank that generates with rank 0 (``rollout.engine=megatron`` over its model-parallel
-        ranks): its engine, which runs rank 0's calls; None elsewhere."""
+        """A rank that generates with rank 0 (``rollout.engine=megatron`` over several ranks:
+        its model-parallel group, or a data-parallel replica taking its share): its engine,
+        which runs rank 0's calls; None elsewhere."""
 
     def follow_generation(self) -> None:
         """A follower's part of rank 0's rollout or validation phase (a no-op elsewhere)."""
