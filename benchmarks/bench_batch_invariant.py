@@ -32,14 +32,7 @@ def _worker(ctx, seqs: int, length: int, new: int, repeats: int) -> dict[str, li
     from megarl.models.spec import spec_from_hf_config
 
     enter_cpu_shims()
-    parallel.init_process_group(
-        "cpu",
-        ctx.rank,
-        ctx.world_size,
-        ctx.master_addr,
-        ctx.master_port,
-        store_hosted=ctx.store_hosted,
-    )
+    parallel.join_launched_group(ctx, "cpu")
     parallel.init_model_parallel(1, 1)
     spec = spec_from_hf_config(load_hf_config(None))
     state = load_hf_state_dict(None)

@@ -46,7 +46,7 @@ def _worker(ctx, overrides: list[str], folder: str):
     enter_cpu_shims()
     cfg = compose_config([*overrides, f"trainer.run_dir={folder}"])
     model_dir = str(resolve_model_path(cfg.model.path))
-    parallel.init_process_group("cpu", ctx.rank, ctx.world_size, ctx.master_addr, ctx.master_port)
+    parallel.join_launched_group(ctx, "cpu")
     parallel.init_model_parallel(cfg.actor.tp, 1)
     spec = spec_from_hf_config(load_hf_config(model_dir))
     actor = MegatronActor(spec, cfg.actor, "cpu", torch.float32, open_hf_tensors(model_dir), 0)

@@ -47,14 +47,7 @@ def worker(ctx, model_dir: str, prompts: list[list[int]], new_tokens: int, repea
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // ctx.world_size))
     enter_cpu_shims()
-    parallel.init_process_group(
-        "cpu",
-        ctx.rank,
-        ctx.world_size,
-        ctx.master_addr,
-        ctx.master_port,
-        store_hosted=ctx.store_hosted,
-    )
+    parallel.join_launched_group(ctx, "cpu")
     parallel.init_model_parallel(1, 1)
     spec = spec_from_hf_config(load_hf_config(model_dir))
     gpt = build_gpt_model(spec, 1, 1)

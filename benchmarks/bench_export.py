@@ -163,7 +163,7 @@ def _worker(ctx, folder: str | None, tp: int, pp: int, method: str, bucket_mb: i
 
     enter_cpu_shims()
     torch.set_num_threads(1)
-    parallel.init_process_group("cpu", ctx.rank, ctx.world_size, ctx.master_addr, ctx.master_port)
+    parallel.join_launched_group(ctx, "cpu")
     parallel.init_model_parallel(tp, pp)
     spec = spec_from_hf_config(load_hf_config(folder))
     actor = MegatronActor(

@@ -67,7 +67,7 @@ def _worker(ctx, folder: str, ep: int, bucket_mb: int, repeats: int) -> dict:
 
     enter_cpu_shims()
     torch.set_num_threads(1)
-    parallel.init_process_group("cpu", ctx.rank, ctx.world_size, ctx.master_addr, ctx.master_port)
+    parallel.join_launched_group(ctx, "cpu")
     parallel.init_model_parallel(1, 1, ep=ep)
     spec = spec_from_hf_config(load_hf_config(folder))
     weights = open_hf_tensors(folder)

@@ -53,7 +53,7 @@ def _worker(ctx, model_dir: str, rank: int, tp: int, repeats: int):
     from megarl.models.spec import spec_from_hf_config
 
     enter_cpu_shims()
-    parallel.init_process_group("cpu", ctx.rank, ctx.world_size, ctx.master_addr, ctx.master_port)
+    parallel.join_launched_group(ctx, "cpu")
     parallel.init_model_parallel(tp, 1)
     spec = spec_from_hf_config(load_hf_config(model_dir))
     cfg = ActorConfig(tp=tp, lora=LoraConfig(rank=rank, alpha=2.0 * rank))

@@ -67,9 +67,7 @@ def _bench(ctx, args):
     if plans[True].cpu_shims:
         enter_cpu_shims()
         torch.set_num_threads(args.threads)
-    parallel.init_process_group(
-        args.device, ctx.rank, ctx.world_size, ctx.master_addr, ctx.master_port
-    )
+    parallel.join_launched_group(ctx, args.device)
     parallel.init_model_parallel(1, 1)
     model_dir = resolve_model_path(None)
     spec = spec_from_hf_config(load_hf_config(model_dir))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -65,6 +66,21 @@ def init_process_group(
         rank=rank,
         world_size=world_size,
         timeout=timeout,
+    )
+
+
+def join_launched_group(ctx: Any, device: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """:func:`init_process_group` in a worker a launcher started
+    (:class:`megarl.distributed.launcher.WorkerContext`: its rank, the world and the
+    rendezvous, which the launcher may already hold)."""
+    init_process_group(
+        device,
+        ctx.rank,
+        ctx.world_size,
+        ctx.master_addr,
+        ctx.master_port,
+        timeout_s,
+        store_hosted=ctx.store_hosted,
     )
 
 

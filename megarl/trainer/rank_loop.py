@@ -179,15 +179,7 @@ def _setup(ctx: WorkerContext, inputs: RunInputs) -> Runtime:
     timeout_s = cfg.trainer.collective_timeout_s
     heartbeat.mark("init_process_group")
     with clock.phase("process_groups"):
-        parallel.init_process_group(
-            inputs.device,
-            ctx.rank,
-            ctx.world_size,
-            ctx.master_addr,
-            ctx.master_port,
-            timeout_s,
-            store_hosted=ctx.store_hosted,
-        )
+        parallel.join_launched_group(ctx, inputs.device, timeout_s)
         parallel.init_model_parallel(
             cfg.actor.tp,
             cfg.actor.pp,

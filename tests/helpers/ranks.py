@@ -22,14 +22,7 @@ def start_rank(
         from megarl.distributed.platform import enter_cpu_shims
 
         enter_cpu_shims()
-    parallel.init_process_group(
-        device,
-        ctx.rank,
-        ctx.world_size,
-        ctx.master_addr,
-        ctx.master_port,
-        store_hosted=ctx.store_hosted,
-    )
+    parallel.join_launched_group(ctx, device)
     parallel.init_model_parallel(tp, pp, vpp, ep=ep)
 
 
