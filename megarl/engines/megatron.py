@@ -332,8 +332,9 @@ class MegatronEngine(RolloutEngine):
         while True:
             going: list[int] = []
             if rows:
+                going_responses = [responses[row] for row in rows]
                 token_L = sample_step(
-                    [responses[row] for row in rows],
+                    going_responses,
                     logits_BV,
                     call.params,
                     generator,
