@@ -145,6 +145,7 @@ def planner_inputs(
     group_ids: Sequence[int],
 ) -> PlannerInputs:
     a = cfg.actor
+    terms = loss_terms(cfg)
     return PlannerInputs(
         seq_tokens=tuple(seq_tokens),
         response_tokens=tuple(response_tokens),
@@ -156,9 +157,9 @@ def planner_inputs(
         ppo_mini_batches=a.ppo_mini_batches,
         ppo_epochs=a.ppo_epochs,
         micro_batch_tokens=a.micro_batch_tokens,
-        mode=prune_mode(cfg)[0],
+        mode=resolve_prune_mode(cfg.planner.prune_zero_adv, terms)[0],
         allow_approx=cfg.planner.allow_approx,
-        loss_terms=loss_terms(cfg),
+        loss_terms=terms,
         micro_batch_multiple=a.micro_batch_multiple,
     )
 

@@ -11,16 +11,17 @@ therefore draws the same tokens as an uninterrupted call would: same weights, sa
 logprobs equal up to the floating-point difference between a cached decode step and a prefill.
 
 Batching (:mod:`megarl.engines.batching`): contexts (prompt, then any tokens of an earlier call)
-are left-padded so that every row's next token sits in the last column. Pad positions are masked out of attention and given
-dummy position ids; real tokens get positions ``0..len-1`` as in an unpadded forward, so a row's
-logits do not depend on what it was batched with, up to the GEMM's rounding on other shapes (the
-unit tests check this against a one-sequence full forward). Each distinct context is run once to
-fill a ``DynamicCache`` (GRPO's ``n`` samples of a prompt share one prefill), whose rows are
-then copied out to one per request; each step then feeds one token per row. A row ends on EOS or
-when it has used its own budget (``max_new_tokens`` minus the tokens it came with), and the step
-that ends it drops it from the cache, so later steps compute only the rows still going. An
-``interrupt`` event is polled after each step's draw (so every call samples at least one token
-per row): once it is set the loop stops and the rows still going come back ``interrupted``.
+are left-padded so that every row's next token sits in the last column. Pad positions are masked
+out of attention and given dummy position ids; real tokens get positions ``0..len-1`` as in an
+unpadded forward, so a row's logits do not depend on what it was batched with, up to the GEMM's
+rounding on other shapes (the unit tests check this against a one-sequence full forward). Each
+distinct context is run once to fill a ``DynamicCache`` (GRPO's ``n`` samples of a prompt share
+one prefill), whose rows are then copied out to one per request; each step then feeds one token
+per row. A row ends on EOS or when it has used its own budget (``max_new_tokens`` minus the
+tokens it came with), and the step that ends it drops it from the cache, so later steps compute
+only the rows still going. An ``interrupt`` event is polled after each step's draw (so every call
+samples at least one token per row): once it is set the loop stops and the rows still going
+come back ``interrupted``.
 
 Routing: for a mixture-of-experts model the engine also reports, per response token and layer,
 the experts the router picked in the forward that produced the token's logprob (the prefill's

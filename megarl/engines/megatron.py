@@ -53,6 +53,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
@@ -92,15 +93,28 @@ def generation_group(replicas_share: bool = True) -> Any:
     return group if group.size() > 1 else None
 
 
-def data_parallel_share() -> tuple[int, int]:
-    """``(replicas, this rank's)``: into how many shares a call's requests are split, and which
-    this rank's model-parallel group generates."""
+@dataclass(frozen=True)
+class ReplicaShare:
+    """How this rank's replica (its model-parallel group) takes part in each call."""
+
+    count: int = 1
+    """Into how many shares a call's requests are split (:func:`shard_requests`)."""
+    index: int = 0
+    """Which share this replica generates."""
+    in_step_forwards: bool = False
+    """The replicas' forwards are one (:func:`forwards_span_replicas`): a replica with no row
+    left still runs each step's forward, on a filler row."""
+
+
+def replica_share(replicas_share: bool = True) -> ReplicaShare:
+    """This rank's :class:`ReplicaShare`: one share per data-parallel replica, or the whole
+    call for rank 0's replica alone without ``replicas_share``."""
     from megatron.core import parallel_state
 
-    return (
-        parallel_state.get_data_parallel_world_size(),
-        parallel_state.get_data_parallel_rank(),
-    )
+    count = parallel_state.get_data_parallel_world_size()
+    if not replicas_share or count == 1:
+        return ReplicaShare()
+    return ReplicaShare(count, parallel_state.get_data_parallel_rank(), forwards_span_replicas())
 
 
 def forwards_span_replicas() -> bool:
@@ -145,11 +159,8 @@ class MegatronEngine(RolloutEngine):
         engine generates with the actor's chunks, and nothing is sent to it)."""
         self._group: Any = None
         """The ranks taking rank 0's calls (:func:`generation_group`); None: this rank alone."""
-        self._shares, self._share = 1, 0
-        """Into how many shares a call is split, and this rank's (:func:`data_parallel_share`)."""
-        self._in_step_forwards = False
-        """The replicas' forwards are one (:func:`forwards_span_replicas`): a replica with no
-        row left still runs each step's forward, on a filler row."""
+        self._replicas = ReplicaShare()
+        """How this rank's replica takes part in each call (:func:`replica_share`)."""
         self._batch_invariant = batch_invariant
         """``rollout.batch_invariant``: decode in
         :func:`megarl.distributed.batch_invariant.batch_invariant_mode` and take each sampled
@@ -167,8 +178,7 @@ class MegatronEngine(RolloutEngine):
             )
         self._chunks = list(chunks)
         self._group = generation_group(replicas_share)
-        self._shares, self._share = data_parallel_share() if replicas_share else (1, 0)
-        self._in_step_forwards = self._shares > 1 and forwards_span_replicas()
+        self._replicas = replica_share(replicas_share)
 
     def bind_copy(self, copy: Any) -> None:
         """Generate with the rollout side's own model (a ``MegatronCopy``), which the weight
@@ -176,7 +186,7 @@ class MegatronEngine(RolloutEngine):
         self._chunks = [copy.model]
         self._copy = copy
         self._group = None
-        self._shares, self._share = 1, 0
+        self._replicas = ReplicaShare()
 
     # -- properties --
 
@@ -202,13 +212,13 @@ class MegatronEngine(RolloutEngine):
     def _run(self, call: GenerateCall) -> list[Generation]:
         """This rank's part of a call: the whole decode loop, on its shard of the model, over
         its replica's share of the requests; rank 0 returns every generation."""
-        shares = shard_requests(call.requests, call.params, self._shares)
-        mine = shares[self._share]
+        shares = shard_requests(call.requests, call.params, self._replicas.count)
+        mine = shares[self._replicas.index]
         responses = [ResponseState.start(call.requests[i], call.params) for i in mine]
         with self._generating() as gpt:
             self._decode(gpt, responses, call)
         generations = [response.generation() for response in responses]
-        if self._shares == 1:
+        if self._replicas.count == 1:
             return generations
         return self._gather(shares, generations)
 
@@ -222,7 +232,7 @@ class MegatronEngine(RolloutEngine):
 
         group: Any = parallel_state.get_model_parallel_group()  # Megatron's annotation is loose
         leads = dist.get_rank(group=group) == 0
-        sent = (self._share, generations) if leads else None
+        sent = (self._replicas.index, generations) if leads else None
         received: list | None = (
             [None] * dist.get_world_size() if dist.get_rank() == DRIVER else None
         )
@@ -273,13 +283,13 @@ class MegatronEngine(RolloutEngine):
         of the group (asked once per step): every row has ended (``going``: some row of this
         rank's goes on), on every replica when they share the call, or rank 0 was interrupted.
         """
-        if self._shares == 1 and not going:  # the group decodes one batch: it ends as one
+        if self._replicas.count == 1 and not going:  # the group decodes one batch: it ends as one
             return True
         if self._group is None:
             return call.interrupted
         import torch.distributed as dist
 
-        if self._shares == 1:
+        if self._replicas.count == 1:
             flag = torch.tensor([int(call.interrupted)], device=self._device)
             dist.broadcast(flag, src=DRIVER, group=self._group)
             return bool(flag.item())
@@ -319,14 +329,14 @@ class MegatronEngine(RolloutEngine):
         asking until the others end too; if their forwards are one (expert parallelism) it also
         runs each step's forward, on a filler row whose draws are not kept."""
         budget = max((r.budget for r in responses), default=0)
-        if self._in_step_forwards:  # the filler may have to last as long as any row
+        if self._replicas.in_step_forwards:  # the filler may have to last as long as any row
             budget = max(request.budget(call.params) for request in call.requests)
         rows: list[int] = []  # the response of each of the cache's rows
         cache: Any = None
         if responses:
             cache, local_BV, logits_BV = self._prefill(gpt, responses, budget)
             rows = list(range(len(responses)))
-        elif self._in_step_forwards:
+        elif self._replicas.in_step_forwards:
             cache = self._filler(gpt, budget)
         generator = torch.Generator()  # on the host: re-seeded before each draw
         while True:
@@ -345,10 +355,10 @@ class MegatronEngine(RolloutEngine):
             if self._step_ends(call, bool(going)):
                 return
             if not going:  # this replica's rows have ended; the others' go on
-                if rows and self._in_step_forwards:  # one row stays on as the filler
+                if rows and self._replicas.in_step_forwards:  # one row stays on as the filler
                     cache.select_rows(torch.zeros(1, dtype=torch.long, device=self._device))
                 rows = []
-                if self._in_step_forwards:
+                if self._replicas.in_step_forwards:
                     cache.forward(gpt, self._pad_column())
                 continue
             if len(going) < len(rows):
